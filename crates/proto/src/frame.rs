@@ -1,0 +1,806 @@
+//! Frames and messages.
+//!
+//! A frame is an 8-byte header — kind (u8), flags (u8, zero), reserved (u16,
+//! zero), body length (u32) — then the body. All integers are big-endian.
+//! Strings are a u32 length and UTF-8 bytes. A data frame's body is a 32-byte
+//! [`DataHeader`] followed by the block's bytes; every other kind carries one
+//! [`Msg`]. [`Msg::encode`] cannot fail; [`decode`] returns `Ok(None)` while
+//! the input is incomplete and an error for anything malformed.
+
+use crate::auth::{KeyId, Mac, Nonce};
+use crate::digest::Sum;
+
+/// First bytes of a `Hello`: protocol name and version.
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x01";
+pub const HEADER_LEN: usize = 8;
+pub const DATA_HEADER_LEN: usize = 32;
+/// Largest control message body. Big enough for a plan of 64k ranges.
+pub const MAX_CONTROL_BODY: u32 = 1 << 20;
+/// Largest block a data frame may carry.
+pub const MAX_BLOCK: u32 = 64 << 20;
+
+/// Frame kind of a data frame.
+pub const KIND_DATA: u8 = 64;
+
+/// Why a frame could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("frame of kind {kind} is {len} bytes, more than the {max} allowed")]
+    TooLong { kind: u8, len: u32, max: u32 },
+    #[error("frame of kind {0} is truncated")]
+    Truncated(u8),
+    #[error("frame of kind {0} has {1} bytes left over")]
+    Trailing(u8, usize),
+    #[error("invalid UTF-8 in a string")]
+    Utf8,
+    #[error("invalid value {1} in field {0}")]
+    Invalid(&'static str, u64),
+    #[error("not a dmover peer (bad magic)")]
+    BadMagic,
+}
+
+/// Error classes shared by both ends. The numeric value is also the exit
+/// code of `dmover cp` for that class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ErrorKind {
+    Internal = 1,
+    Usage = 2,
+    NotFound = 3,
+    Permission = 4,
+    NoSpace = 5,
+    Unreachable = 6,
+    Auth = 7,
+    Refused = 8,
+    SourceChanged = 9,
+    Verify = 10,
+}
+
+impl ErrorKind {
+    pub fn from_u8(v: u8) -> ErrorKind {
+        use ErrorKind::*;
+        match v {
+            2 => Usage,
+            3 => NotFound,
+            4 => Permission,
+            5 => NoSpace,
+            6 => Unreachable,
+            7 => Auth,
+            8 => Refused,
+            9 => SourceChanged,
+            10 => Verify,
+            _ => Internal,
+        }
+    }
+
+    /// A short name used in reports.
+    pub fn name(self) -> &'static str {
+        use ErrorKind::*;
+        match self {
+            Internal => "internal",
+            Usage => "usage",
+            NotFound => "not-found",
+            Permission => "permission-denied",
+            NoSpace => "no-space",
+            Unreachable => "unreachable",
+            Auth => "auth-failed",
+            Refused => "refused",
+            SourceChanged => "source-changed",
+            Verify => "verify-failed",
+        }
+    }
+
+    /// Whether retrying the same operation may succeed.
+    pub fn is_transient(self) -> bool {
+        matches!(self, ErrorKind::Unreachable)
+    }
+}
+
+/// Per-transfer options both ends must agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TransferOptions {
+    /// Identifies the transfer across runs, so a re-run resumes it.
+    pub transfer_id: [u8; 16],
+    pub block_size: u32,
+    pub flags: u32,
+}
+
+impl TransferOptions {
+    /// Skip files whose size and mtime (or content) match at the destination.
+    pub const SYNC: u32 = 1;
+    /// With SYNC: compare content digests rather than mtimes.
+    pub const CHECKSUM: u32 = 2;
+    /// The receiver verifies and discards data (memory-to-memory benchmark).
+    pub const DISCARD: u32 = 4;
+    /// The sender generates data instead of reading files (benchmark).
+    pub const GENERATE: u32 = 8;
+
+    pub fn has(&self, flag: u32) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// Parameters of a sending side's engine, sent when a server sends for a client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineParams {
+    pub streams: u32,
+    pub concurrency: u32,
+    pub staging: u64,
+    pub retries: u32,
+}
+
+/// What a file announcement says about the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileMeta {
+    /// Path relative to the transfer's destination directory.
+    pub path: String,
+    pub size: u64,
+    pub mtime_s: i64,
+    pub mtime_ns: u32,
+    pub mode: u32,
+}
+
+/// A destination host of a third-party transfer, with the ticket that
+/// host issued (its secret wrapped under the session key of the connection
+/// this message travels on).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TicketedHost {
+    pub addr: String,
+    pub key_id: KeyId,
+    pub wrapped_secret: [u8; 32],
+}
+
+/// One host's share of a transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HostShare {
+    pub host: String,
+    pub files: u64,
+    pub bytes: u64,
+}
+
+/// One file that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileError {
+    pub path: String,
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+/// The outcome of a transfer, as one end saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Stats {
+    pub files: u64,
+    pub bytes: u64,
+    pub skipped_files: u64,
+    pub skipped_bytes: u64,
+    pub sent_bytes: u64,
+    pub retries: u64,
+    pub resent_blocks: u64,
+    pub nanos: u64,
+    pub hosts: Vec<HostShare>,
+    pub errors: Vec<FileError>,
+    /// Files and bytes the destination confirmed, and whether the source's
+    /// and destination's set digests agree.
+    pub dest_files: u64,
+    pub dest_bytes: u64,
+    pub digests_match: bool,
+}
+
+/// A file's type as `Stat` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FileKind {
+    Missing = 0,
+    File = 1,
+    Dir = 2,
+    Other = 3,
+}
+
+/// A control message. Comments give the direction: C client, S server,
+/// Tx the sending end of a transfer, Rx the receiving end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    /// C→S, first frame: magic, version, which secret, client nonce.
+    Hello { key_id: KeyId, nonce: Nonce },
+    /// S→C: server nonce and the server's proof.
+    Challenge { nonce: Nonce, proof: Mac },
+    /// C→S: the client's proof.
+    Proof { proof: Mac },
+    /// S→C: authenticated.
+    Welcome,
+    /// Either way: a fatal error for this connection or request.
+    Error { kind: ErrorKind, message: String },
+    /// C→S: this connection is a control connection.
+    OpenControl,
+    /// C→S: this connection is data stream `index` of `session`.
+    OpenData { session: [u8; 16], index: u32 },
+    /// C→S: describe a path in an export.
+    Stat { path: String },
+    /// S→C.
+    StatReply { kind: FileKind, size: u64, mtime_s: i64 },
+    /// C→S: receive files into `dest` (a directory in an export).
+    Receive { dest: String, options: TransferOptions },
+    /// C→S: send the files named by `sources` to this connection's client.
+    Send { sources: Vec<String>, options: TransferOptions, params: EngineParams },
+    /// S→C: a session began; data streams attach to it with `OpenData`.
+    SessionOpened { session: [u8; 16] },
+    /// C→S: all data streams are attached.
+    Ready,
+    /// C→S: issue a one-time ticket for receiving into `dest`.
+    Grant { dest: String },
+    /// S→C: the ticket; its secret is wrapped under this connection's session key.
+    Ticket { key_id: KeyId, wrapped_secret: [u8; 32] },
+    /// C→S: send `sources` from this server to `dest` on the given hosts (third party).
+    Push { sources: Vec<String>, dest: String, hosts: Vec<TicketedHost>, options: TransferOptions, params: EngineParams },
+    /// S→C during a push: running totals.
+    Progress { files: u64, bytes: u64, total_files: u64, total_bytes: u64, walk_done: bool },
+    /// S→C: the end of a push or send.
+    Report(Stats),
+    /// Tx→Rx: a file will be sent; `digest` is set for content comparison.
+    Announce { id: u64, meta: FileMeta, digest: Option<Sum> },
+    /// Rx→Tx: which blocks of file `id` to send (none and `skip` if present).
+    Plan { id: u64, skip: bool, ranges: Vec<(u64, u64)> },
+    /// Tx→Rx: all blocks of `id` were sent; the file's digest.
+    FileEnd { id: u64, digest: Sum },
+    /// Tx→Rx: file `id` will not be completed.
+    Abort { id: u64, kind: ErrorKind, message: String },
+    /// Rx→Tx: block `block` of file `id` arrived damaged; send it again.
+    Nack { id: u64, block: u64 },
+    /// Rx→Tx: file `id` is verified and in place.
+    Done { id: u64, digest: Sum },
+    /// Rx→Tx: file `id` failed at the receiver.
+    Failed { id: u64, kind: ErrorKind, message: String },
+    /// Tx→Rx: no more files; totals and the set digest of what was sent.
+    Finish { files: u64, bytes: u64, set_digest: u128 },
+    /// Rx→Tx: what the receiver committed.
+    Finished { files: u64, bytes: u64, set_digest: u128 },
+    /// Either way: keeps an idle connection alive.
+    Ping,
+}
+
+struct W<'a>(&'a mut Vec<u8>);
+
+impl W<'_> {
+    fn u8(&mut self, v: u8) { self.0.push(v) }
+    fn u32(&mut self, v: u32) { self.0.extend_from_slice(&v.to_be_bytes()) }
+    fn u64(&mut self, v: u64) { self.0.extend_from_slice(&v.to_be_bytes()) }
+    fn i64(&mut self, v: i64) { self.0.extend_from_slice(&v.to_be_bytes()) }
+    fn u128(&mut self, v: u128) { self.0.extend_from_slice(&v.to_be_bytes()) }
+    fn bytes(&mut self, v: &[u8]) { self.0.extend_from_slice(v) }
+    fn str(&mut self, v: &str) {
+        self.u32(v.len() as u32);
+        self.bytes(v.as_bytes());
+    }
+    fn strs(&mut self, v: &[String]) {
+        self.u32(v.len() as u32);
+        v.iter().for_each(|s| self.str(s));
+    }
+    fn options(&mut self, o: &TransferOptions) {
+        self.bytes(&o.transfer_id);
+        self.u32(o.block_size);
+        self.u32(o.flags);
+    }
+    fn params(&mut self, p: &EngineParams) {
+        self.u32(p.streams);
+        self.u32(p.concurrency);
+        self.u64(p.staging);
+        self.u32(p.retries);
+    }
+}
+
+struct R<'a> {
+    buf: &'a [u8],
+    kind: u8,
+}
+
+impl<'a> R<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.buf.len() < n {
+            return Err(DecodeError::Truncated(self.kind));
+        }
+        let (a, b) = self.buf.split_at(n);
+        self.buf = b;
+        Ok(a)
+    }
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        Ok(self.take(N)?.try_into().expect("length checked"))
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> { Ok(self.take(1)?[0]) }
+    fn u32(&mut self) -> Result<u32, DecodeError> { Ok(u32::from_be_bytes(self.arr()?)) }
+    fn u64(&mut self) -> Result<u64, DecodeError> { Ok(u64::from_be_bytes(self.arr()?)) }
+    fn i64(&mut self) -> Result<i64, DecodeError> { Ok(i64::from_be_bytes(self.arr()?)) }
+    fn u128(&mut self) -> Result<u128, DecodeError> { Ok(u128::from_be_bytes(self.arr()?)) }
+    fn str(&mut self) -> Result<String, DecodeError> {
+        let n = self.u32()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError::Utf8)
+    }
+    /// A count of items, each at least `min_item` bytes: bounded by what is left.
+    fn count(&mut self, min_item: usize) -> Result<usize, DecodeError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_item) > self.buf.len() {
+            return Err(DecodeError::Truncated(self.kind));
+        }
+        Ok(n)
+    }
+    fn strs(&mut self) -> Result<Vec<String>, DecodeError> {
+        let n = self.count(4)?;
+        (0..n).map(|_| self.str()).collect()
+    }
+    fn bool(&mut self) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(DecodeError::Invalid("bool", v as u64)),
+        }
+    }
+    fn kind(&mut self) -> Result<ErrorKind, DecodeError> { Ok(ErrorKind::from_u8(self.u8()?)) }
+    fn options(&mut self) -> Result<TransferOptions, DecodeError> {
+        Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.u32()? })
+    }
+    fn params(&mut self) -> Result<EngineParams, DecodeError> {
+        Ok(EngineParams { streams: self.u32()?, concurrency: self.u32()?, staging: self.u64()?, retries: self.u32()? })
+    }
+}
+
+impl Msg {
+    /// The frame kind of this message.
+    pub fn kind(&self) -> u8 {
+        use Msg::*;
+        match self {
+            Hello { .. } => 1,
+            Challenge { .. } => 2,
+            Proof { .. } => 3,
+            Welcome => 4,
+            Error { .. } => 5,
+            OpenControl => 10,
+            OpenData { .. } => 11,
+            Stat { .. } => 12,
+            StatReply { .. } => 13,
+            Receive { .. } => 14,
+            Send { .. } => 15,
+            SessionOpened { .. } => 16,
+            Ready => 17,
+            Grant { .. } => 18,
+            Ticket { .. } => 19,
+            Push { .. } => 20,
+            Progress { .. } => 21,
+            Report(_) => 22,
+            Announce { .. } => 30,
+            Plan { .. } => 31,
+            FileEnd { .. } => 32,
+            Abort { .. } => 33,
+            Nack { .. } => 34,
+            Done { .. } => 35,
+            Failed { .. } => 36,
+            Finish { .. } => 37,
+            Finished { .. } => 38,
+            Ping => 39,
+        }
+    }
+
+    /// Appends this message as one frame to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&[self.kind(), 0, 0, 0, 0, 0, 0, 0]);
+        let mut w = W(out);
+        use Msg::*;
+        match self {
+            Hello { key_id, nonce } => {
+                w.bytes(&MAGIC);
+                w.bytes(key_id);
+                w.bytes(nonce);
+            }
+            Challenge { nonce, proof } => {
+                w.bytes(nonce);
+                w.bytes(proof);
+            }
+            Proof { proof } => w.bytes(proof),
+            Welcome | OpenControl | Ready | Ping => {}
+            Error { kind, message } | Abort { kind, message, .. } | Failed { kind, message, .. } => {
+                if let Abort { id, .. } | Failed { id, .. } = self {
+                    w.u64(*id);
+                }
+                w.u8(*kind as u8);
+                w.str(message);
+            }
+            OpenData { session, index } => {
+                w.bytes(session);
+                w.u32(*index);
+            }
+            Stat { path } | Grant { dest: path } => w.str(path),
+            StatReply { kind, size, mtime_s } => {
+                w.u8(*kind as u8);
+                w.u64(*size);
+                w.i64(*mtime_s);
+            }
+            Receive { dest, options } => {
+                w.str(dest);
+                w.options(options);
+            }
+            Send { sources, options, params } => {
+                w.strs(sources);
+                w.options(options);
+                w.params(params);
+            }
+            SessionOpened { session } => w.bytes(session),
+            Ticket { key_id, wrapped_secret } => {
+                w.bytes(key_id);
+                w.bytes(wrapped_secret);
+            }
+            Push { sources, dest, hosts, options, params } => {
+                w.strs(sources);
+                w.str(dest);
+                w.u32(hosts.len() as u32);
+                for h in hosts {
+                    w.str(&h.addr);
+                    w.bytes(&h.key_id);
+                    w.bytes(&h.wrapped_secret);
+                }
+                w.options(options);
+                w.params(params);
+            }
+            Progress { files, bytes, total_files, total_bytes, walk_done } => {
+                w.u64(*files);
+                w.u64(*bytes);
+                w.u64(*total_files);
+                w.u64(*total_bytes);
+                w.u8(*walk_done as u8);
+            }
+            Report(s) => {
+                for v in [s.files, s.bytes, s.skipped_files, s.skipped_bytes, s.sent_bytes, s.retries, s.resent_blocks, s.nanos, s.dest_files, s.dest_bytes] {
+                    w.u64(v);
+                }
+                w.u8(s.digests_match as u8);
+                w.u32(s.hosts.len() as u32);
+                for h in &s.hosts {
+                    w.str(&h.host);
+                    w.u64(h.files);
+                    w.u64(h.bytes);
+                }
+                w.u32(s.errors.len() as u32);
+                for e in &s.errors {
+                    w.str(&e.path);
+                    w.u8(e.kind as u8);
+                    w.str(&e.message);
+                }
+            }
+            Announce { id, meta, digest } => {
+                w.u64(*id);
+                w.str(&meta.path);
+                w.u64(meta.size);
+                w.i64(meta.mtime_s);
+                w.u32(meta.mtime_ns);
+                w.u32(meta.mode);
+                match digest {
+                    Some(d) => {
+                        w.u8(1);
+                        w.bytes(d);
+                    }
+                    None => w.u8(0),
+                }
+            }
+            Plan { id, skip, ranges } => {
+                w.u64(*id);
+                w.u8(*skip as u8);
+                w.u32(ranges.len() as u32);
+                for (a, b) in ranges {
+                    w.u64(*a);
+                    w.u64(*b);
+                }
+            }
+            FileEnd { id, digest } | Done { id, digest } => {
+                w.u64(*id);
+                w.bytes(digest);
+            }
+            Nack { id, block } => {
+                w.u64(*id);
+                w.u64(*block);
+            }
+            Finish { files, bytes, set_digest } | Finished { files, bytes, set_digest } => {
+                w.u64(*files);
+                w.u64(*bytes);
+                w.u128(*set_digest);
+            }
+        }
+        let len = (out.len() - start - HEADER_LEN) as u32;
+        out[start + 4..start + 8].copy_from_slice(&len.to_be_bytes());
+    }
+
+    fn decode_body(kind: u8, body: &[u8]) -> Result<Msg, DecodeError> {
+        let mut r = R { buf: body, kind };
+        use Msg::*;
+        let msg = match kind {
+            1 => {
+                if r.arr::<8>()? != MAGIC {
+                    return Err(DecodeError::BadMagic);
+                }
+                Hello { key_id: r.arr()?, nonce: r.arr()? }
+            }
+            2 => Challenge { nonce: r.arr()?, proof: r.arr()? },
+            3 => Proof { proof: r.arr()? },
+            4 => Welcome,
+            5 => Error { kind: r.kind()?, message: r.str()? },
+            10 => OpenControl,
+            11 => OpenData { session: r.arr()?, index: r.u32()? },
+            12 => Stat { path: r.str()? },
+            13 => {
+                let k = r.u8()?;
+                let kind = match k {
+                    0 => FileKind::Missing,
+                    1 => FileKind::File,
+                    2 => FileKind::Dir,
+                    3 => FileKind::Other,
+                    v => return Err(DecodeError::Invalid("file kind", v as u64)),
+                };
+                StatReply { kind, size: r.u64()?, mtime_s: r.i64()? }
+            }
+            14 => Receive { dest: r.str()?, options: r.options()? },
+            15 => Send { sources: r.strs()?, options: r.options()?, params: r.params()? },
+            16 => SessionOpened { session: r.arr()? },
+            17 => Ready,
+            18 => Grant { dest: r.str()? },
+            19 => Ticket { key_id: r.arr()?, wrapped_secret: r.arr()? },
+            20 => {
+                let sources = r.strs()?;
+                let dest = r.str()?;
+                let n = r.count(4 + 16 + 32)?;
+                let mut hosts = Vec::with_capacity(n);
+                for _ in 0..n {
+                    hosts.push(TicketedHost { addr: r.str()?, key_id: r.arr()?, wrapped_secret: r.arr()? });
+                }
+                Push { sources, dest, hosts, options: r.options()?, params: r.params()? }
+            }
+            21 => Progress { files: r.u64()?, bytes: r.u64()?, total_files: r.u64()?, total_bytes: r.u64()?, walk_done: r.bool()? },
+            22 => {
+                let mut s = Stats::default();
+                for v in [&mut s.files, &mut s.bytes, &mut s.skipped_files, &mut s.skipped_bytes, &mut s.sent_bytes, &mut s.retries, &mut s.resent_blocks, &mut s.nanos, &mut s.dest_files, &mut s.dest_bytes] {
+                    *v = r.u64()?;
+                }
+                s.digests_match = r.bool()?;
+                let n = r.count(4 + 16)?;
+                for _ in 0..n {
+                    s.hosts.push(HostShare { host: r.str()?, files: r.u64()?, bytes: r.u64()? });
+                }
+                let n = r.count(4 + 1 + 4)?;
+                for _ in 0..n {
+                    s.errors.push(FileError { path: r.str()?, kind: r.kind()?, message: r.str()? });
+                }
+                Report(s)
+            }
+            30 => {
+                let id = r.u64()?;
+                let meta = FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()? };
+                let digest = if r.bool()? { Some(r.arr()?) } else { None };
+                Announce { id, meta, digest }
+            }
+            31 => {
+                let id = r.u64()?;
+                let skip = r.bool()?;
+                let n = r.count(16)?;
+                let mut ranges = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let (a, b) = (r.u64()?, r.u64()?);
+                    if a >= b {
+                        return Err(DecodeError::Invalid("block range", a));
+                    }
+                    ranges.push((a, b));
+                }
+                Plan { id, skip, ranges }
+            }
+            32 => FileEnd { id: r.u64()?, digest: r.arr()? },
+            33 => Abort { id: r.u64()?, kind: r.kind()?, message: r.str()? },
+            34 => Nack { id: r.u64()?, block: r.u64()? },
+            35 => Done { id: r.u64()?, digest: r.arr()? },
+            36 => Failed { id: r.u64()?, kind: r.kind()?, message: r.str()? },
+            37 => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
+            38 => Finished { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
+            39 => Ping,
+            k => return Err(DecodeError::UnknownKind(k)),
+        };
+        if !r.buf.is_empty() {
+            return Err(DecodeError::Trailing(kind, r.buf.len()));
+        }
+        Ok(msg)
+    }
+}
+
+/// The header of a data frame: which block of which file, and its checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataHeader {
+    pub file: u64,
+    pub offset: u64,
+    pub sum: Sum,
+    /// Length of the block that follows.
+    pub len: u32,
+}
+
+impl DataHeader {
+    /// The frame header and data header, ready to be followed by the block.
+    pub fn encode(&self) -> [u8; HEADER_LEN + DATA_HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN + DATA_HEADER_LEN];
+        b[0] = KIND_DATA;
+        b[4..8].copy_from_slice(&(self.len + DATA_HEADER_LEN as u32).to_be_bytes());
+        b[8..16].copy_from_slice(&self.file.to_be_bytes());
+        b[16..24].copy_from_slice(&self.offset.to_be_bytes());
+        b[24..40].copy_from_slice(&self.sum);
+        b
+    }
+
+    /// Decodes the 32 bytes after a data frame's header; `body_len` is the
+    /// frame's body length.
+    pub fn decode(body_len: u32, b: &[u8; DATA_HEADER_LEN]) -> DataHeader {
+        DataHeader {
+            file: u64::from_be_bytes(b[0..8].try_into().expect("8 bytes")),
+            offset: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
+            sum: b[16..32].try_into().expect("16 bytes"),
+            len: body_len - DATA_HEADER_LEN as u32,
+        }
+    }
+}
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: u8,
+    pub len: u32,
+}
+
+impl Header {
+    /// Parses and bounds-checks a frame header.
+    pub fn parse(b: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
+        let kind = b[0];
+        let len = u32::from_be_bytes(b[4..8].try_into().expect("4 bytes"));
+        let max = if kind == KIND_DATA { MAX_BLOCK + DATA_HEADER_LEN as u32 } else { MAX_CONTROL_BODY };
+        if len > max {
+            return Err(DecodeError::TooLong { kind, len, max });
+        }
+        if kind == KIND_DATA && len < DATA_HEADER_LEN as u32 {
+            return Err(DecodeError::Truncated(kind));
+        }
+        Ok(Header { kind, len })
+    }
+
+    /// Decodes the body of a control frame.
+    pub fn decode_msg(&self, body: &[u8]) -> Result<Msg, DecodeError> {
+        Msg::decode_body(self.kind, body)
+    }
+}
+
+/// A decoded frame from a buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame<'a> {
+    Msg(Msg),
+    Data(DataHeader, &'a [u8]),
+}
+
+/// Decodes one frame from the front of `buf`: `Ok(None)` if more bytes are
+/// needed, else the frame and how many bytes it used.
+pub fn decode(buf: &[u8]) -> Result<Option<(Frame<'_>, usize)>, DecodeError> {
+    let Some(h) = buf.first_chunk::<HEADER_LEN>() else { return Ok(None) };
+    let h = Header::parse(h)?;
+    let end = HEADER_LEN + h.len as usize;
+    if buf.len() < end {
+        return Ok(None);
+    }
+    let body = &buf[HEADER_LEN..end];
+    let frame = if h.kind == KIND_DATA {
+        let dh = DataHeader::decode(h.len, body[..DATA_HEADER_LEN].try_into().expect("checked in parse"));
+        Frame::Data(dh, &body[DATA_HEADER_LEN..])
+    } else {
+        Frame::Msg(h.decode_msg(body)?)
+    };
+    Ok(Some((frame, end)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Msg> {
+        let meta = FileMeta { path: "d/ü.dat".into(), size: 5, mtime_s: -3, mtime_ns: 7, mode: 0o644 };
+        vec![
+            Msg::Hello { key_id: [1; 16], nonce: [2; 32] },
+            Msg::Challenge { nonce: [3; 32], proof: [4; 32] },
+            Msg::Proof { proof: [5; 32] },
+            Msg::Welcome,
+            Msg::Error { kind: ErrorKind::Refused, message: "no".into() },
+            Msg::OpenControl,
+            Msg::OpenData { session: [6; 16], index: 3 },
+            Msg::Stat { path: "a/b".into() },
+            Msg::StatReply { kind: FileKind::Dir, size: 9, mtime_s: 10 },
+            Msg::Receive { dest: "x".into(), options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3 } },
+            Msg::Send { sources: vec!["a".into(), "b/*.h5".into()], options: TransferOptions::default(), params: EngineParams { streams: 4, concurrency: 8, staging: 1 << 26, retries: 5 } },
+            Msg::SessionOpened { session: [8; 16] },
+            Msg::Ready,
+            Msg::Grant { dest: "out".into() },
+            Msg::Ticket { key_id: [9; 16], wrapped_secret: [10; 32] },
+            Msg::Push {
+                sources: vec!["s".into()],
+                dest: "d".into(),
+                hosts: vec![TicketedHost { addr: "h:1".into(), key_id: [1; 16], wrapped_secret: [2; 32] }],
+                options: TransferOptions::default(),
+                params: EngineParams::default(),
+            },
+            Msg::Progress { files: 1, bytes: 2, total_files: 3, total_bytes: 4, walk_done: true },
+            Msg::Report(Stats {
+                files: 1,
+                hosts: vec![HostShare { host: "h".into(), files: 1, bytes: 2 }],
+                errors: vec![FileError { path: "p".into(), kind: ErrorKind::NoSpace, message: "m".into() }],
+                digests_match: true,
+                ..Stats::default()
+            }),
+            Msg::Announce { id: 11, meta: meta.clone(), digest: None },
+            Msg::Announce { id: 12, meta, digest: Some([1; 16]) },
+            Msg::Plan { id: 13, skip: false, ranges: vec![(0, 4), (9, 10)] },
+            Msg::FileEnd { id: 14, digest: [2; 16] },
+            Msg::Abort { id: 15, kind: ErrorKind::SourceChanged, message: "changed".into() },
+            Msg::Nack { id: 16, block: 17 },
+            Msg::Done { id: 18, digest: [3; 16] },
+            Msg::Failed { id: 19, kind: ErrorKind::Permission, message: "denied".into() },
+            Msg::Finish { files: 1, bytes: 2, set_digest: u128::MAX },
+            Msg::Finished { files: 1, bytes: 2, set_digest: 5 },
+            Msg::Ping,
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for m in samples() {
+            let mut buf = Vec::new();
+            m.encode(&mut buf);
+            let (f, used) = decode(&buf).unwrap().unwrap();
+            assert_eq!(used, buf.len());
+            assert_eq!(f, Frame::Msg(m.clone()));
+            for cut in 0..buf.len() {
+                assert!(matches!(decode(&buf[..cut]), Ok(None) | Err(_)), "{m:?} cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn data_frame_round_trips() {
+        let h = DataHeader { file: 1, offset: 4096, sum: [7; 16], len: 3 };
+        let mut buf = h.encode().to_vec();
+        buf.extend_from_slice(b"abc");
+        let (f, used) = decode(&buf).unwrap().unwrap();
+        assert_eq!(used, buf.len());
+        assert_eq!(f, Frame::Data(h, b"abc"));
+    }
+
+    #[test]
+    fn hostile_lengths_are_refused() {
+        let buf = [30u8, 0, 0, 0, 0xff, 0xff, 0xff, 0xff];
+        assert!(matches!(decode(&buf), Err(DecodeError::TooLong { .. })));
+        // A plan claiming 2^32-1 ranges in a tiny body.
+        let mut buf = vec![31u8, 0, 0, 0, 0, 0, 0, 13];
+        buf.extend_from_slice(&[0; 8]);
+        buf.push(0);
+        buf.extend_from_slice(&[0xff; 4]);
+        assert_eq!(decode(&buf), Err(DecodeError::Truncated(31)));
+    }
+
+    #[test]
+    fn pseudo_random_bytes_never_panic() {
+        let mut x: u64 = 0x9e3779b97f4a7c15;
+        for _ in 0..20000 {
+            let mut buf = Vec::new();
+            for _ in 0..(x % 64) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                buf.push(x as u8);
+            }
+            if let Some(k) = buf.first_mut() {
+                *k %= 40;
+            }
+            if buf.len() >= 8 {
+                let n = (buf.len() - 8) as u32;
+                buf[4..8].copy_from_slice(&n.to_be_bytes());
+            }
+            let _ = decode(&buf);
+        }
+    }
+}

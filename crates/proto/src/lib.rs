@@ -1,0 +1,21 @@
+//! The dmover wire format, with no I/O.
+//!
+//! Everything two dmover endpoints say to each other is a [`frame`]: an
+//! eight-byte header and a body. Control frames carry a [`Msg`]; data frames
+//! carry one block of one file, addressed by (file, offset) and protected by
+//! its own checksum, so that any block can travel on any stream in any order.
+//!
+//! * [`frame`] — headers, messages, encoding and decoding (decoding never
+//!   panics on hostile input; incomplete input is `Ok(None)`).
+//! * [`auth`] — the challenge–response handshake and session keys.
+//! * [`digest`] — block checksums and the per-file digest built from them.
+//! * [`path`] — the rules a relative path must follow to cross the wire.
+//!
+//! The protocol is described for people in `docs/PROTOCOL.md`.
+
+pub mod auth;
+pub mod digest;
+pub mod frame;
+pub mod path;
+
+pub use frame::{DataHeader, DecodeError, ErrorKind, Msg};
