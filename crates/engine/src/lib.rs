@@ -1,1 +1,33 @@
+//! The dmover transfer engine.
+//!
+//! A transfer has a sending end ([`send`]) and a receiving end ([`recv`]),
+//! joined by one control connection and N data connections per destination
+//! host. The same two ends serve every direction: the client sends and a
+//! server receives (upload), a server sends and the client receives
+//! (download), one server sends to others (third party), or both ends run in
+//! one process over socket pairs (local copy). [`session`] opens those
+//! connections from the client's side; the server crate accepts them.
+//!
+//! * [`source`] — source specs, globs and the streaming tree walk
+//! * [`pool`] — the staging block pool under a memory budget
+//! * [`send`], [`recv`] — the two ends, with their threads and stages
+//! * [`journal`] — resume state of partial files
+//! * [`transport`], [`wire`], [`handshake`] — byte streams, frames, authentication
+//! * [`fsroot`] — confinement of paths to an export
+//! * [`progress`] — live counters
 
+pub mod error;
+pub mod fsroot;
+pub mod handshake;
+pub mod journal;
+pub mod pool;
+pub mod progress;
+pub mod recv;
+pub mod retry;
+pub mod send;
+pub mod session;
+pub mod source;
+pub mod transport;
+pub mod wire;
+
+pub use error::{Error, Result};

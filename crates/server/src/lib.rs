@@ -1,1 +1,414 @@
+//! The dmover server: accepts connections, authenticates them, and serves
+//! the requests of each: stat, receive files, send files, issue tickets and
+//! push files to other servers (third-party transfers).
+//!
+//! [`run`] owns the accept loop; each connection gets a thread. A connection
+//! is either a control connection (requests, and at most one transfer
+//! session) or a data connection that attaches to a session by its id.
+//! Every path is confined to its export by [`dmover_engine::fsroot`].
+//! Shutdown is one [`Shutdown`] handle: the loop stops accepting, waits up to
+//! the grace period for running connections, then returns.
 
+mod tickets;
+
+use dmover_engine::error::{Error, Result};
+use dmover_engine::fsroot::Root;
+use dmover_engine::handshake::{self, random};
+use dmover_engine::progress::Progress;
+use dmover_engine::recv::{self, RecvConfig};
+use dmover_engine::send::{self, Files, HostLink, SendConfig};
+use dmover_engine::session::{self, Credential};
+use dmover_engine::transport::Transport;
+use dmover_engine::wire::{FrameReader, FrameWriter};
+use dmover_proto::auth::TOKEN_KEY_ID;
+use dmover_proto::frame::{EngineParams, FileKind, Stats, TicketedHost, TransferOptions};
+use dmover_proto::{ErrorKind, Msg};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tickets::Tickets;
+
+/// The server's settings.
+#[derive(Clone)]
+pub struct Config {
+    pub exports: HashMap<String, Root>,
+    pub token: Vec<u8>,
+    pub max_connections: usize,
+    /// A control connection silent this long is closed.
+    pub idle_timeout: Duration,
+    /// How long running transfers may go on after a shutdown request.
+    pub grace: Duration,
+    /// Staging memory of each receiving session.
+    pub staging: u64,
+    /// Disk writer threads of each receiving session.
+    pub writers: usize,
+}
+
+/// Time a client has to complete the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a data connection may wait for its session to appear.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Asks a running server to stop; cheap to clone, usable from a signal thread.
+#[derive(Clone)]
+pub struct Shutdown {
+    tx: Arc<UnixStream>,
+}
+
+/// The server's end of a [`Shutdown`].
+pub struct ShutdownSignal {
+    rx: UnixStream,
+}
+
+/// A new shutdown handle and the signal `run` watches.
+pub fn shutdown_pair() -> std::io::Result<(Shutdown, ShutdownSignal)> {
+    let (a, b) = UnixStream::pair()?;
+    Ok((Shutdown { tx: Arc::new(a) }, ShutdownSignal { rx: b }))
+}
+
+impl Shutdown {
+    pub fn trigger(&self) {
+        let _ = (&*self.tx).write(&[1]);
+    }
+}
+
+/// A session's attachment point: data connections for it are sent here.
+type Attach = crossbeam_channel::Sender<Box<dyn Transport>>;
+
+struct Server {
+    cfg: Config,
+    /// Open transfer sessions by id; control threads insert and remove, data connections look up.
+    sessions: Mutex<HashMap<[u8; 16], Attach>>,
+    tickets: Tickets,
+    /// Connections being served.
+    active: AtomicUsize,
+}
+
+/// Serves connections from `listener` until `shutdown` fires, then waits up
+/// to the grace period for running connections.
+pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std::io::Result<()> {
+    let srv = Arc::new(Server { cfg, sessions: Mutex::new(HashMap::new()), tickets: Tickets::default(), active: AtomicUsize::new(0) });
+    let mut fds = [
+        libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: shutdown.rx.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+    ];
+    loop {
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if fds[1].revents != 0 {
+            let _ = (&shutdown.rx).read(&mut [0u8; 8]);
+            break;
+        }
+        let (stream, peer) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) => {
+                log::warn!("accept failed: {e}");
+                continue;
+            }
+        };
+        if srv.active.load(Ordering::SeqCst) >= srv.cfg.max_connections {
+            log::warn!("refused {peer}: too many connections (--max-connections {})", srv.cfg.max_connections);
+            let mut w = FrameWriter::new(Box::new(stream));
+            let _ = w.send(&Msg::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
+            continue;
+        }
+        let _ = stream.set_nodelay(true);
+        srv.active.fetch_add(1, Ordering::SeqCst);
+        let srv = srv.clone();
+        std::thread::spawn(move || {
+            if let Err(e) = serve(&srv, Box::new(stream)) {
+                log::warn!("{e}");
+            }
+            srv.active.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+    log::info!("shutting down: waiting up to {:?} for {} connection(s)", srv.cfg.grace, srv.active.load(Ordering::SeqCst));
+    let deadline = Instant::now() + srv.cfg.grace;
+    while srv.active.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// What a connection may do, by how it authenticated.
+enum Grant {
+    Token,
+    /// A ticket: receive into this export path only.
+    Ticket(String),
+}
+
+fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
+    let peer = t.peer();
+    let net = |e: std::io::Error| Error::network(&peer, &e);
+    t.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(net)?;
+    let mut r = FrameReader::new(t.split().map_err(net)?);
+    let mut w = FrameWriter::new(t.split().map_err(net)?);
+    let (key_id, skey) = handshake::server(&mut r, &mut w, |id| {
+        if *id == TOKEN_KEY_ID {
+            Some(srv.cfg.token.clone())
+        } else {
+            srv.tickets.secret(id)
+        }
+    })
+    .inspect_err(|e| log::warn!("refused {peer}: {}", e.message))?;
+    let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(srv.tickets.dest(&key_id).unwrap_or_default()) };
+    match r.read_msg()? {
+        Msg::OpenControl => {
+            t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
+            control(srv, t, r, w, &grant, &skey)
+        }
+        Msg::OpenData { session, .. } => attach(srv, t, w, session),
+        m => Err(Error::protocol(&peer, format!("expected a connection type, got {m:?}"))),
+    }
+}
+
+fn refuse(w: &mut FrameWriter, e: &Error) -> Result<()> {
+    log::warn!("refused: {e}");
+    w.send(&Msg::Error { kind: e.kind, message: e.to_string() })
+}
+
+/// Hands a data connection to its session.
+fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8; 16]) -> Result<()> {
+    let deadline = Instant::now() + ATTACH_TIMEOUT;
+    loop {
+        let tx = srv.sessions.lock().expect("sessions lock").get(&session).cloned();
+        if let Some(tx) = tx {
+            w.send(&Msg::SessionOpened { session })?;
+            let _ = t.set_read_timeout(None);
+            let _ = tx.send(t);
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "no such session"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Splits `EXPORT/rest` into the export's root and the rest.
+fn locate<'a>(srv: &'a Server, path: &'a str) -> Result<(&'a Root, &'a str)> {
+    let (name, rest) = path.split_once('/').unwrap_or((path, ""));
+    match srv.cfg.exports.get(name) {
+        Some(root) => Ok((root, rest)),
+        None => Err(Error::new(ErrorKind::Refused, path, format!("no export named '{name}' on this server"))),
+    }
+}
+
+struct SessionGuard<'a> {
+    srv: &'a Server,
+    id: [u8; 16],
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        self.srv.sessions.lock().expect("sessions lock").remove(&self.id);
+    }
+}
+
+fn open_session(srv: &Server) -> (SessionGuard<'_>, crossbeam_channel::Receiver<Box<dyn Transport>>) {
+    let id: [u8; 16] = random();
+    let (tx, rx) = crossbeam_channel::unbounded();
+    srv.sessions.lock().expect("sessions lock").insert(id, tx);
+    (SessionGuard { srv, id }, rx)
+}
+
+fn control(
+    srv: &Arc<Server>,
+    t: Box<dyn Transport>,
+    mut r: FrameReader,
+    mut w: FrameWriter,
+    grant: &Grant,
+    skey: &dmover_proto::auth::SessionKey,
+) -> Result<()> {
+    loop {
+        let m = match r.read_msg() {
+            Ok(m) => m,
+            Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()), // the client went away
+            Err(e) => return Err(e),
+        };
+        if let Grant::Ticket(dest) = grant {
+            if !matches!(&m, Msg::Receive { dest: d, .. } if d == dest) {
+                refuse(&mut w, &Error::new(ErrorKind::Refused, dest.clone(), "a ticket only allows receiving into its destination"))?;
+                continue;
+            }
+        }
+        match m {
+            Msg::Stat { path } => match stat(srv, &path) {
+                Ok(reply) => w.send(&reply)?,
+                Err(e) => refuse(&mut w, &e)?,
+            },
+            Msg::Receive { dest, options } => {
+                let root = match locate(srv, &dest).and_then(|(root, rest)| root.resolve(rest).map(|_| (root.clone(), rest.to_string()))) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        refuse(&mut w, &e)?;
+                        continue;
+                    }
+                };
+                let (guard, rx) = open_session(srv);
+                w.send(&Msg::SessionOpened { session: guard.id })?;
+                drop(r);
+                let cfg = RecvConfig {
+                    root: root.0,
+                    dest: root.1,
+                    options,
+                    staging: srv.cfg.staging,
+                    writers: srv.cfg.writers,
+                    idle_timeout: srv.cfg.idle_timeout,
+                };
+                let s = recv::receive(t, rx, cfg)?;
+                log::info!("received {} files, {} bytes into {dest}", s.files, s.bytes);
+                return Ok(());
+            }
+            Msg::Send { sources, options, params } => {
+                let (root, specs) = match resolve_sources(srv, &sources) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        refuse(&mut w, &e)?;
+                        continue;
+                    }
+                };
+                let (guard, rx) = open_session(srv);
+                w.send(&Msg::SessionOpened { session: guard.id })?;
+                match r.read_msg()? {
+                    Msg::Ready => {}
+                    m => return Err(Error::protocol(t.peer(), format!("expected ready, got {m:?}"))),
+                }
+                drop(r);
+                let data: Vec<Box<dyn Transport>> = rx.try_iter().collect();
+                if data.is_empty() || data.len() != params.streams as usize {
+                    return Err(Error::protocol(t.peer(), "the client attached a different number of streams than it asked for"));
+                }
+                let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data };
+                let stats = send::send(Files::Walk { root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
+                return finish_report(&mut w, stats);
+            }
+            Msg::Grant { dest } => match locate(srv, &dest).and_then(|(root, rest)| root.resolve(rest)) {
+                Ok(_) => {
+                    let (key_id, secret) = srv.tickets.issue(&dest);
+                    w.send(&Msg::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })?;
+                }
+                Err(e) => refuse(&mut w, &e)?,
+            },
+            Msg::Push { sources, dest, hosts, options, params } => {
+                let (root, specs) = match resolve_sources(srv, &sources) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        refuse(&mut w, &e)?;
+                        continue;
+                    }
+                };
+                let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);
+                return finish_report(&mut w, stats);
+            }
+            Msg::Ping => {}
+            m => refuse(&mut w, &Error::protocol(t.peer(), format!("unexpected request {m:?}")))?,
+        }
+    }
+}
+
+fn finish_report(w: &mut FrameWriter, stats: Result<Stats>) -> Result<()> {
+    match stats {
+        Ok(s) => w.send(&Msg::Report(s)),
+        Err(e) => {
+            let _ = w.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+            Err(e)
+        }
+    }
+}
+
+fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, progress: Arc<Progress>) -> SendConfig {
+    SendConfig {
+        options,
+        concurrency: (p.concurrency as usize).clamp(1, 64),
+        staging: p.staging.clamp(1 << 20, 1 << 30),
+        idle_timeout: srv.cfg.idle_timeout,
+        progress,
+    }
+}
+
+fn stat(srv: &Server, path: &str) -> Result<Msg> {
+    let (root, rest) = locate(srv, path)?;
+    let p = root.resolve(rest)?;
+    Ok(match std::fs::symlink_metadata(&p) {
+        Ok(m) => {
+            use std::os::unix::fs::MetadataExt;
+            let kind = if m.is_file() { FileKind::File } else if m.is_dir() { FileKind::Dir } else { FileKind::Other };
+            Msg::StatReply { kind, size: m.len(), mtime_s: m.mtime() }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Msg::StatReply { kind: FileKind::Missing, size: 0, mtime_s: 0 },
+        Err(e) => return Err(Error::io(root.display(rest), &e)),
+    })
+}
+
+/// All sources must name the same export; returns its root and the specs below it.
+fn resolve_sources(srv: &Server, sources: &[String]) -> Result<(Root, Vec<String>)> {
+    let mut root: Option<&Root> = None;
+    let mut specs = Vec::new();
+    for s in sources {
+        let (r, rest) = locate(srv, s)?;
+        if root.is_some_and(|x| x.dir() != r.dir()) {
+            return Err(Error::new(ErrorKind::Usage, s.clone(), "all sources must be in one export"));
+        }
+        root = Some(r);
+        specs.push(rest.to_string());
+    }
+    let root = root.ok_or_else(|| Error::new(ErrorKind::Usage, "", "no source given"))?;
+    Ok((root.clone(), specs))
+}
+
+/// A third-party transfer: this server sends to other servers with the
+/// tickets they issued, reporting progress to the client that asked.
+#[allow(clippy::too_many_arguments)]
+fn push(
+    srv: &Arc<Server>,
+    w: &mut FrameWriter,
+    root: Root,
+    specs: Vec<String>,
+    dest: &str,
+    hosts: &[TicketedHost],
+    skey: &dmover_proto::auth::SessionKey,
+    options: TransferOptions,
+    params: EngineParams,
+) -> Result<Stats> {
+    let creds: Vec<(String, Credential)> = hosts
+        .iter()
+        .map(|h| (h.addr.clone(), Credential { key_id: h.key_id, secret: skey.wrap(&h.key_id, &h.wrapped_secret).to_vec() }))
+        .collect();
+    let progress = Arc::new(Progress::default());
+    let streams = (params.streams as usize).clamp(1, 64);
+    let attempt = |progress: &Arc<Progress>| -> Result<Stats> {
+        let links: Vec<HostLink> = session::receive_links(&creds, dest, options, streams)?;
+        send::send(Files::Walk { root: root.clone(), specs: specs.clone() }, links, send_config(srv, options, params, progress.clone()))
+    };
+    // Progress goes to the client from this thread while the transfer runs.
+    let result = std::thread::scope(|s| {
+        let h = s.spawn(|| dmover_engine::retry::with_retries(params.retries, |_| attempt(&progress)));
+        let mut last = Instant::now();
+        while !h.is_finished() {
+            std::thread::sleep(Duration::from_millis(20));
+            if last.elapsed() >= Duration::from_millis(500) {
+                last = Instant::now();
+                let p = progress.snapshot();
+                let m = Msg::Progress { files: p.done_files, bytes: p.done_bytes, total_files: p.total_files, total_bytes: p.total_bytes, walk_done: p.walk_done };
+                if w.send(&m).is_err() {
+                    break;
+                }
+            }
+        }
+        h.join().unwrap_or_else(|_| Err(Error::internal("transfer thread panicked")))
+    });
+    result.map(|s| Stats { sent_bytes: progress.snapshot().sent_bytes, ..s })
+}

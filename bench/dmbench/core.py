@@ -1,0 +1,236 @@
+"""The measurement model: context, tools, workloads, rows of the result tables.
+
+A *workload* names the data it needs, the *tools* it runs on that data and
+the *rows* of its result table. The engine (`run_workload`) starts every
+tool's session (a server, say), then runs each tool once per run, tools
+interleaved within a run so that slow drifts of the machine's load hit all
+of them alike, and collects one dict of figures per tool and run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ContextManager
+
+from .datasets import Dataset
+from .system import BenchError, CommandLog, run
+
+
+@dataclass
+class Context:
+    """Settings and shared state of one harness invocation."""
+
+    quick: bool
+    runs: int
+    scratch: Path           # data sets (kept) and work/ (cleared at start)
+    dmover: Path
+    repo: Path
+    wanem_dir: Path | None
+    cold_cache: bool = True
+    timeout: float = 900    # per command
+    log: CommandLog = field(default_factory=CommandLog)
+    notes: list[str] = field(default_factory=list)
+    _token: Path | None = None
+
+    @property
+    def work(self) -> Path:
+        return self.scratch / "work"
+
+    def token(self) -> Path:
+        """The token file shared by every dmover server and client."""
+        if self._token is None:
+            path = self.work / "token"
+            path.unlink(missing_ok=True)
+            res = run(self.log, [str(self.dmover), "token", str(path)], timeout=60)
+            if res.rc != 0 or not path.exists():
+                raise BenchError(f"cannot create a token: {res.describe()}")
+            self._token = path
+        return self._token
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+
+class Tool:
+    """One program measured by a workload. Subclasses set `name` and
+    implement `measure`; `session` holds what lives across runs."""
+
+    name = "tool"
+
+    def session(self, ctx: Context) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def measure(self, ctx: Context, run_no: int) -> dict:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Target:
+    """A pass criterion on a row: on the ratio dmover/peer or on dmover's
+    own figure, judged on the median (or on the worst run with stat="max")."""
+
+    op: str                 # ">=", ">", "<="
+    value: float
+    text: str
+    on: str = "ratio"       # "ratio" | "value"
+    stat: str = "median"    # "median" | "max"
+
+    def judge(self, value: float | None, ratio: float | None) -> bool | None:
+        x = ratio if self.on == "ratio" else value
+        if x is None:
+            return None
+        return {">=": x >= self.value, ">": x > self.value, "<=": x <= self.value}[self.op]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a result table: `tool`'s figure `key`, optionally
+    compared with `peer`'s figure of the same key."""
+
+    measure: str
+    tool: str
+    key: str
+    peer: str | None = None
+    target: Target | None = None
+
+
+@dataclass
+class Stat:
+    values: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def lo(self) -> float:
+        return min(self.values)
+
+    @property
+    def hi(self) -> float:
+        return max(self.values)
+
+
+class Workload:
+    """Base class; see the module docstring."""
+
+    key = "workload"
+    title = "workload"
+
+    def describe(self, ctx: Context) -> str:
+        return ""
+
+    def datasets(self, ctx: Context) -> list[Dataset]:
+        return []
+
+    def tools(self, ctx: Context) -> list[Tool]:
+        raise NotImplementedError
+
+    def rows(self, ctx: Context) -> list[Row]:
+        raise NotImplementedError
+
+    def skip_reason(self, ctx: Context) -> str | None:
+        return None
+
+    def environment(self, ctx: Context) -> ContextManager:
+        """Set-up around all tool sessions (e.g. an emulated WAN link)."""
+        return contextlib.nullcontext()
+
+
+@dataclass
+class WorkloadResult:
+    key: str
+    title: str
+    description: str
+    rows: list[Row]
+    figures: dict[str, list[dict]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    commands: CommandLog = field(default_factory=CommandLog)
+    skipped: str | None = None
+    seconds: float = 0.0
+
+    def stat(self, tool: str | None, key: str) -> Stat | None:
+        if tool is None:
+            return None
+        values = [f[key] for f in self.figures.get(tool, []) if f.get(key) is not None]
+        return Stat(values) if values else None
+
+    def evaluate(self, row: Row) -> dict:
+        """Statistics, ratio and verdict of one row."""
+        own = self.stat(row.tool, row.key)
+        peer = self.stat(row.peer, row.key)
+        ratio = own.median / peer.median if own and peer and peer.median else None
+        value = None
+        if own:
+            value = own.hi if row.target and row.target.stat == "max" else own.median
+        verdict = row.target.judge(value, ratio) if row.target else None
+        return {"own": own, "peer": peer, "ratio": ratio, "verdict": verdict}
+
+
+def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
+    res = WorkloadResult(wl.key, wl.title, wl.describe(ctx), wl.rows(ctx))
+    ctx.log, ctx.notes = res.commands, res.notes
+    t0 = time.monotonic()
+    reason = wl.skip_reason(ctx)
+    if reason:
+        res.skipped = reason
+        print(f"== {wl.title}: skipped ({reason})", flush=True)
+        return res
+    print(f"== {wl.title}", flush=True)
+    try:
+        for ds in wl.datasets(ctx):
+            ds.ensure(ctx.scratch)
+        tools = wl.tools(ctx)
+        for tool in tools:
+            res.figures[tool.name] = []
+        with wl.environment(ctx), contextlib.ExitStack() as stack:
+            active = []
+            for tool in tools:
+                try:
+                    stack.enter_context(tool.session(ctx))
+                    active.append(tool)
+                except Exception as exc:  # noqa: BLE001 - reported, other tools go on
+                    res.errors.append(f"{tool.name}: set-up failed: {_explain(exc)}")
+            for run_no in range(1, ctx.runs + 1):
+                res.commands.phase = f"run {run_no}"
+                for tool in active:
+                    _measure_once(ctx, tool, run_no, res)
+            res.commands.phase = "teardown"
+    except Exception as exc:  # noqa: BLE001
+        res.errors.append(_explain(exc))
+    for name, figs in res.figures.items():
+        if not figs and not any(e.startswith(name + ":") for e in res.errors):
+            res.errors.append(f"{name}: produced no figures")
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _measure_once(ctx: Context, tool: Tool, run_no: int, res: WorkloadResult) -> None:
+    print(f"   run {run_no}/{ctx.runs} {tool.name:<14}", end=" ", flush=True)
+    try:
+        fig = tool.measure(ctx, run_no)
+    except Exception as exc:  # noqa: BLE001
+        print("FAILED", flush=True)
+        res.errors.append(f"{tool.name}: run {run_no}: {_explain(exc)}")
+        return
+    fig["run"] = run_no
+    res.figures[tool.name].append(fig)
+    shown = {k: v for k, v in fig.items() if k in _PROGRESS_KEYS}
+    print("  ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
+
+
+_PROGRESS_KEYS = ("seconds", "gbit_per_s", "files_per_s", "mb_per_s", "goodput_pct",
+                  "client_rss_mib", "server_rss_mib", "write_mb_per_s", "read_mb_per_s")
+
+
+def _explain(exc: Exception) -> str:
+    if isinstance(exc, BenchError):
+        return str(exc)
+    return "harness error: " + "".join(traceback.format_exception(exc, limit=-3)).strip()

@@ -1,0 +1,350 @@
+//! `dmover cp`: plans a copy from the command line and runs it in the right
+//! direction — local to local, upload, download, or third party — with
+//! automatic retries, a live progress display and a final report.
+
+use crate::location::Location;
+use crate::report::{self, ProgressDisplay};
+use crate::sizes::parse_size;
+use crate::TokenArgs;
+use clap::Args;
+use dmover_engine::fsroot::Root;
+use dmover_engine::progress::Progress;
+use dmover_engine::recv::{self, RecvConfig, DEST_IS_FILE};
+use dmover_engine::retry::with_retries;
+use dmover_engine::send::{self, Files, HostLink, SendConfig};
+use dmover_engine::session::{self, Conn, Credential};
+use dmover_engine::transport::Transport;
+use dmover_engine::wire::FrameReader;
+use dmover_engine::{Error, Result};
+use dmover_proto::frame::{EngineParams, FileKind, Stats, TicketedHost, TransferOptions};
+use dmover_proto::{ErrorKind, Msg};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Idle timeout of the client's own connections.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Disk writer threads when the client receives.
+const WRITERS: usize = 2;
+
+#[derive(Args, Clone)]
+pub struct CpArgs {
+    /// Sources (files, directories, globs) then the destination.
+    #[arg(required = true, num_args = 2.., value_name = "SRC... DEST")]
+    pub paths: Vec<String>,
+    /// Data connections per host pair.
+    #[arg(short = 'P', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub streams: u32,
+    /// Files (or chunks of large files) read and sent at once.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub concurrency: u32,
+    /// Size of a block (the unit of sending and checksumming).
+    #[arg(long, default_value = "1M", value_parser = parse_block_size)]
+    pub block_size: u64,
+    /// Staging memory per transfer, shared by its streams.
+    #[arg(long, default_value = "64M", value_parser = parse_staging)]
+    pub staging: u64,
+    /// Skip files whose size and modification time match at the destination.
+    #[arg(long)]
+    pub sync: bool,
+    /// With --sync: compare content checksums instead of modification times.
+    #[arg(long, requires = "sync")]
+    pub checksum: bool,
+    /// Retries after a transient network error.
+    #[arg(long, default_value_t = 5)]
+    pub retries: u32,
+    /// Print a JSON report on stdout at the end.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress display.
+    #[arg(short, long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub token: TokenArgs,
+}
+
+fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
+    let v = parse_size(s)?;
+    if !(4096..=(64 << 20)).contains(&v) {
+        return Err("block size must be between 4K and 64M".into());
+    }
+    Ok(v)
+}
+
+fn parse_staging(s: &str) -> std::result::Result<u64, String> {
+    let v = parse_size(s)?;
+    if !((1 << 20)..=(1 << 40)).contains(&v) {
+        return Err("staging must be between 1M and 1T".into());
+    }
+    Ok(v)
+}
+
+/// A copy, planned.
+struct Plan {
+    sources: Vec<Location>,
+    dest: Location,
+    options: TransferOptions,
+    params: EngineParams,
+    cred: Option<Credential>,
+    /// The destination path to give the receiver (a directory, or the file with DEST_IS_FILE).
+    dest_path: String,
+}
+
+pub fn run(a: CpArgs) -> Result<i32> {
+    let started = Instant::now();
+    let plan = make_plan(&a)?;
+    let progress = Arc::new(Progress::default());
+    let display = ProgressDisplay::start(progress.clone(), !a.quiet);
+    let src_remote = plan.sources[0].is_remote();
+    let result = match (src_remote, plan.dest.is_remote()) {
+        (false, false) => local_to_local(&plan, &a, &progress),
+        (false, true) => upload(&plan, &a, &progress),
+        (true, false) => download(&plan, &a, &progress),
+        (true, true) => third_party(&plan, &a, &progress),
+    };
+    display.finish();
+    let mut stats = result?;
+    stats.nanos = started.elapsed().as_nanos() as u64;
+    let r = report::Report::from_stats(&stats);
+    if a.json {
+        println!("{}", r.to_json());
+    } else if !a.quiet {
+        eprintln!("{}", r.summary());
+    }
+    for e in &stats.errors {
+        eprintln!("dmover: error: {}: {}", e.path, e.message);
+    }
+    Ok(r.exit_code())
+}
+
+fn make_plan(a: &CpArgs) -> Result<Plan> {
+    let (dest, sources) = a.paths.split_last().expect("clap requires two paths");
+    let dest = Location::parse(dest)?;
+    let sources = sources.iter().map(|s| Location::parse(s)).collect::<Result<Vec<_>>>()?;
+    if let Some(Location::Remote { hosts, .. }) = sources.first() {
+        if hosts.len() > 1 {
+            return Err(Error::new(ErrorKind::Usage, sources[0].path(), "a source names one host; several hosts are for destinations"));
+        }
+    }
+    if sources.windows(2).any(|w| !same_host(&w[0], &w[1])) {
+        return Err(Error::new(ErrorKind::Usage, "", "all sources must be on one host (all local, or all on the same server)"));
+    }
+    let needs_token = dest.is_remote() || sources[0].is_remote();
+    let cred = if needs_token { Some(Credential::token(&a.token.token()?)) } else { None };
+    let mut flags = 0;
+    if a.sync {
+        flags |= TransferOptions::SYNC;
+    }
+    if a.checksum {
+        flags |= TransferOptions::CHECKSUM;
+    }
+    let mut plan = Plan {
+        options: TransferOptions { transfer_id: transfer_id(&a.paths, a.block_size), block_size: a.block_size as u32, flags },
+        params: EngineParams { streams: a.streams, concurrency: a.concurrency, staging: a.staging, retries: a.retries },
+        dest_path: dest.path().to_string(),
+        sources,
+        dest,
+        cred,
+    };
+    if single_file_to_file(&plan)? {
+        plan.options.flags |= DEST_IS_FILE;
+        plan.dest_path = plan.dest_path.trim_end_matches('/').to_string();
+    }
+    Ok(plan)
+}
+
+fn same_host(a: &Location, b: &Location) -> bool {
+    match (a, b) {
+        (Location::Local(_), Location::Local(_)) => true,
+        (Location::Remote { hosts: x, .. }, Location::Remote { hosts: y, .. }) => x == y,
+        _ => false,
+    }
+}
+
+/// Identifies this copy, so that re-running the same command resumes it.
+fn transfer_id(paths: &[String], block_size: u64) -> [u8; 16] {
+    let mut s = paths.join("\0");
+    s.push_str(&format!("\0{block_size}"));
+    if let Ok(cwd) = std::env::current_dir() {
+        s.push_str(&format!("\0{}", cwd.display()));
+    }
+    dmover_proto::digest::block_sum(s.as_bytes())
+}
+
+/// A single regular file copied to a name that is not a directory.
+fn single_file_to_file(p: &Plan) -> Result<bool> {
+    let [src] = p.sources.as_slice() else { return Ok(false) };
+    let sp = src.path();
+    let dp = p.dest.path();
+    if sp.ends_with('/') || sp.contains(['*', '?', '[', '{']) || dp.ends_with('/') {
+        return Ok(false);
+    }
+    let is = |loc: &Location, want: FileKind| -> Result<bool> {
+        match loc {
+            Location::Local(path) => Ok(match std::fs::metadata(path) {
+                Ok(m) => (want == FileKind::File && m.is_file()) || (want == FileKind::Dir && m.is_dir()),
+                Err(_) => false,
+            }),
+            Location::Remote { hosts, path } => {
+                let mut c = Conn::control(&hosts[0], p.cred.as_ref().expect("remote needs a token"))?;
+                match c.request(&Msg::Stat { path: path.trim_end_matches('/').to_string() })? {
+                    Msg::StatReply { kind, .. } => Ok(kind == want),
+                    m => Err(Error::protocol(&hosts[0], format!("expected a stat reply, got {m:?}"))),
+                }
+            }
+        }
+    };
+    if !is(src, FileKind::File)? {
+        return Ok(false);
+    }
+    // An export root is always a directory.
+    if matches!(&p.dest, Location::Remote { path, .. } if !path.trim_end_matches('/').contains('/')) {
+        return Ok(false);
+    }
+    Ok(!is(&p.dest, FileKind::Dir)?)
+}
+
+fn specs(p: &Plan) -> Vec<String> {
+    p.sources.iter().map(|s| s.path().to_string()).collect()
+}
+
+fn send_config(p: &Plan, progress: &Arc<Progress>) -> SendConfig {
+    SendConfig {
+        options: p.options,
+        concurrency: p.params.concurrency as usize,
+        staging: p.params.staging,
+        idle_timeout: IDLE_TIMEOUT,
+        progress: progress.clone(),
+    }
+}
+
+fn recv_config(p: &Plan) -> RecvConfig {
+    RecvConfig {
+        root: Root::local(),
+        dest: p.dest_path.clone(),
+        options: p.options,
+        staging: p.params.staging,
+        writers: WRITERS,
+        idle_timeout: IDLE_TIMEOUT,
+    }
+}
+
+fn pair() -> Result<(UnixStream, UnixStream)> {
+    UnixStream::pair().map_err(|e| Error::io("socket pair", &e))
+}
+
+/// Both ends in this process, joined by socket pairs.
+fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
+    let (ctl_a, ctl_b) = pair()?;
+    let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
+    let mut data = Vec::new();
+    for _ in 0..a.streams {
+        let (x, y) = pair()?;
+        data.push(Box::new(x) as Box<dyn Transport>);
+        let _ = tx.send(Box::new(y));
+    }
+    drop(tx);
+    let cfg = recv_config(p);
+    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, cfg));
+    let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data };
+    let sent = send::send(Files::Walk { root: Root::local(), specs: specs(p) }, vec![link], send_config(p, progress));
+    let received = receiver.join().unwrap_or_else(|_| Err(Error::internal("receiver panicked")));
+    let stats = sent?;
+    received?;
+    Ok(stats)
+}
+
+fn remote_parts(l: &Location) -> (&[String], &str) {
+    match l {
+        Location::Remote { hosts, path } => (hosts, path),
+        Location::Local(_) => unreachable!("checked by the caller"),
+    }
+}
+
+fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
+    let (hosts, _) = remote_parts(&p.dest);
+    let cred = p.cred.clone().expect("remote needs a token");
+    let creds: Vec<(String, Credential)> = hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
+    let stats = with_retries(a.retries, |_| {
+        let links = session::receive_links(&creds, &p.dest_path, p.options, a.streams as usize)?;
+        send::send(Files::Walk { root: Root::local(), specs: specs(p) }, links, send_config(p, progress))
+    })?;
+    Ok(Stats { sent_bytes: progress.snapshot().sent_bytes, ..stats })
+}
+
+fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
+    let (hosts, _) = remote_parts(&p.sources[0]);
+    let host = &hosts[0];
+    let cred = p.cred.clone().expect("remote needs a token");
+    with_retries(a.retries, |_| {
+        let mut c = Conn::control(host, &cred)?;
+        let m = c.request(&Msg::Send { sources: specs(p), options: p.options, params: p.params })?;
+        let Msg::SessionOpened { session } = m else {
+            return Err(Error::protocol(host, format!("expected a session, got {m:?}")));
+        };
+        let data = session::open_streams(host, &cred, session, a.streams as usize)?;
+        c.send(&Msg::Ready)?;
+        let control = c.into_transport();
+        let after = control.split().map_err(|e| Error::network(host, &e))?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        data.into_iter().for_each(|d| {
+            let _ = tx.send(d);
+        });
+        drop(tx);
+        let summary = recv::receive(control, rx, recv_config(p));
+        // The sender's report follows its `Finish`.
+        let mut r = FrameReader::new(after);
+        let report = r.read_msg();
+        summary?;
+        match report? {
+            Msg::Report(s) => {
+                progress.set(&dmover_engine::progress::Snapshot {
+                    total_files: s.files,
+                    total_bytes: s.bytes,
+                    walk_done: true,
+                    done_files: s.dest_files,
+                    done_bytes: s.dest_bytes,
+                    sent_bytes: s.sent_bytes,
+                });
+                let hosts = s.hosts.into_iter().map(|h| dmover_proto::frame::HostShare { host: host.clone(), ..h }).collect();
+                Ok(Stats { hosts, ..s })
+            }
+            m => Err(Error::protocol(host, format!("expected a report, got {m:?}"))),
+        }
+    })
+}
+
+fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
+    let (src_hosts, _) = remote_parts(&p.sources[0]);
+    let (dest_hosts, _) = remote_parts(&p.dest);
+    let src = &src_hosts[0];
+    let cred = p.cred.clone().expect("remote needs a token");
+    let mut tickets = Vec::new();
+    for h in dest_hosts {
+        let (key_id, secret) = session::grant(h, &cred, &p.dest_path)?;
+        tickets.push((h.clone(), key_id, secret));
+    }
+    let mut c = Conn::control(src, &cred)?;
+    let hosts = tickets
+        .iter()
+        .map(|(addr, key_id, secret)| TicketedHost { addr: addr.clone(), key_id: *key_id, wrapped_secret: c.session_key.wrap(key_id, secret) })
+        .collect();
+    let mut params = p.params;
+    params.retries = a.retries;
+    c.send(&Msg::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params })?;
+    loop {
+        match c.reader.read_msg().map_err(|e| Error { subject: if e.subject.is_empty() { src.clone() } else { e.subject }, ..e })? {
+            Msg::Progress { files, bytes, total_files, total_bytes, walk_done } => progress.set(&dmover_engine::progress::Snapshot {
+                total_files,
+                total_bytes,
+                walk_done,
+                done_files: files,
+                done_bytes: bytes,
+                sent_bytes: 0,
+            }),
+            Msg::Report(s) => return Ok(s),
+            Msg::Ping => {}
+            m => return Err(Error::protocol(src, format!("expected progress, got {m:?}"))),
+        }
+    }
+}

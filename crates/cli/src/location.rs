@@ -1,0 +1,100 @@
+//! Locations on the command line: a local path or
+//! `dmover://HOST[:PORT][,HOST[:PORT]...]/EXPORT/path`.
+
+use dmover_engine::Error;
+use dmover_proto::ErrorKind;
+
+/// Port a server listens on when a URL names none.
+pub const DEFAULT_PORT: u16 = 7450;
+pub const SCHEME: &str = "dmover://";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    Local(String),
+    Remote {
+        /// `host:port` of each server.
+        hosts: Vec<String>,
+        /// `EXPORT/path` as the server sees it, with any trailing `/` kept.
+        path: String,
+    },
+}
+
+fn bad(url: &str, why: &str) -> Error {
+    Error::new(ErrorKind::Usage, url, format!("malformed URL: {why} (expected dmover://HOST[:PORT]/EXPORT/path)"))
+}
+
+fn parse_host(url: &str, h: &str) -> Result<String, Error> {
+    if h.is_empty() {
+        return Err(bad(url, "empty host"));
+    }
+    let (host, port) = if let Some(rest) = h.strip_prefix('[') {
+        let (addr, after) = rest.split_once(']').ok_or_else(|| bad(url, "unclosed '[' in host"))?;
+        (format!("[{addr}]"), after.strip_prefix(':'))
+    } else {
+        match h.rsplit_once(':') {
+            Some((a, p)) => (a.to_string(), Some(p)),
+            None => (h.to_string(), None),
+        }
+    };
+    if host.is_empty() || host.contains(['/', '@', ' ']) {
+        return Err(bad(url, &format!("bad host '{h}'")));
+    }
+    let port = match port {
+        None => DEFAULT_PORT,
+        Some(p) => p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| bad(url, &format!("bad port '{p}'")))?,
+    };
+    Ok(format!("{host}:{port}"))
+}
+
+impl Location {
+    pub fn parse(s: &str) -> Result<Location, Error> {
+        if s.is_empty() {
+            return Err(Error::new(ErrorKind::Usage, "", "empty path"));
+        }
+        let Some(rest) = s.strip_prefix(SCHEME) else {
+            if s.contains("://") {
+                return Err(bad(s, "unknown scheme"));
+            }
+            return Ok(Location::Local(s.to_string()));
+        };
+        let (hosts, path) = rest.split_once('/').ok_or_else(|| bad(s, "no export named"))?;
+        let hosts = hosts.split(',').map(|h| parse_host(s, h)).collect::<Result<Vec<_>, _>>()?;
+        let export = path.split('/').next().unwrap_or("");
+        if export.is_empty() {
+            return Err(bad(s, "no export named"));
+        }
+        let body = path.trim_end_matches('/');
+        dmover_proto::path::check_relative(body).map_err(|e| bad(s, &e.to_string()))?;
+        Ok(Location::Remote { hosts, path: path.to_string() })
+    }
+
+    pub fn is_remote(&self) -> bool {
+        matches!(self, Location::Remote { .. })
+    }
+
+    /// The path part (local path, or `EXPORT/path`).
+    pub fn path(&self) -> &str {
+        match self {
+            Location::Local(p) => p,
+            Location::Remote { path, .. } => path,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_hosts_ports_and_paths() {
+        assert_eq!(
+            Location::parse("dmover://a:1,b,[::1]:3/ex/d/").unwrap(),
+            Location::Remote { hosts: vec!["a:1".into(), "b:7450".into(), "[::1]:3".into()], path: "ex/d/".into() }
+        );
+        assert_eq!(Location::parse("dmover://h/ex").unwrap(), Location::Remote { hosts: vec!["h:7450".into()], path: "ex".into() });
+        assert_eq!(Location::parse("/tmp/x").unwrap(), Location::Local("/tmp/x".into()));
+        for bad in ["dmover://", "dmover://h", "dmover://h/", "dmover://h:0/e", "dmover://h:x/e", "dmover://,h/e", "dmover://h/e/../x", "ftp://h/e", "dmover://h//x"] {
+            assert_eq!(Location::parse(bad).unwrap_err().kind, ErrorKind::Usage, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! What the user sees: the live progress line while a transfer runs, and the
+//! report at the end (a human summary, or JSON with `--json`).
+
+use dmover_engine::progress::Progress;
+use dmover_proto::frame::Stats;
+use dmover_proto::ErrorKind;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Serialize)]
+pub struct HostReport {
+    pub host: String,
+    pub files: u64,
+    pub bytes: u64,
+}
+
+#[derive(Serialize)]
+pub struct ErrorReport {
+    pub path: String,
+    pub kind: &'static str,
+    pub message: String,
+    #[serde(skip)]
+    pub code: ErrorKind,
+}
+
+/// The completion check: the source list reconciled against what the
+/// destination confirmed.
+#[derive(Serialize)]
+pub struct Check {
+    pub passed: bool,
+    pub source_files: u64,
+    pub source_bytes: u64,
+    pub dest_files: u64,
+    pub dest_bytes: u64,
+    pub digests_match: bool,
+}
+
+#[derive(Serialize)]
+pub struct Report {
+    pub ok: bool,
+    pub files: u64,
+    pub bytes: u64,
+    pub skipped_files: u64,
+    pub skipped_bytes: u64,
+    pub sent_bytes: u64,
+    pub seconds: f64,
+    pub mb_per_s: f64,
+    pub files_per_s: f64,
+    pub retries: u64,
+    pub resent_blocks: u64,
+    pub hosts: Vec<HostReport>,
+    pub errors: Vec<ErrorReport>,
+    pub check: Check,
+}
+
+impl Report {
+    pub fn from_stats(s: &Stats) -> Report {
+        let seconds = s.nanos as f64 / 1e9;
+        let check = Check {
+            passed: s.errors.is_empty() && s.dest_files == s.files && s.dest_bytes == s.bytes && s.digests_match,
+            source_files: s.files,
+            source_bytes: s.bytes,
+            dest_files: s.dest_files,
+            dest_bytes: s.dest_bytes,
+            digests_match: s.digests_match,
+        };
+        Report {
+            ok: check.passed,
+            files: s.files,
+            bytes: s.bytes,
+            skipped_files: s.skipped_files,
+            skipped_bytes: s.skipped_bytes,
+            sent_bytes: s.sent_bytes,
+            seconds,
+            mb_per_s: if seconds > 0.0 { s.bytes as f64 / 1e6 / seconds } else { 0.0 },
+            files_per_s: if seconds > 0.0 { s.files as f64 / seconds } else { 0.0 },
+            retries: s.retries,
+            resent_blocks: s.resent_blocks,
+            hosts: s.hosts.iter().map(|h| HostReport { host: h.host.clone(), files: h.files, bytes: h.bytes }).collect(),
+            errors: s.errors.iter().map(|e| ErrorReport { path: e.path.clone(), kind: e.kind.name(), message: e.message.clone(), code: e.kind }).collect(),
+            check,
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a report serializes")
+    }
+
+    /// The exit code: the first file error's class, or 10 if the check failed.
+    pub fn exit_code(&self) -> i32 {
+        if let Some(e) = self.errors.first() {
+            return e.code as i32;
+        }
+        if !self.check.passed {
+            return ErrorKind::Verify as i32;
+        }
+        0
+    }
+
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{} files, {} in {:.2} s ({:.1} MB/s, {:.0} files/s)",
+            self.files,
+            human(self.bytes),
+            self.seconds,
+            self.mb_per_s,
+            self.files_per_s
+        );
+        if self.skipped_files > 0 {
+            s += &format!("; {} files ({}) already there", self.skipped_files, human(self.skipped_bytes));
+        }
+        if self.retries > 0 {
+            s += &format!("; {} retries", self.retries);
+        }
+        if self.hosts.len() > 1 {
+            for h in &self.hosts {
+                s += &format!("\n  {}: {} files, {}", h.host, h.files, human(h.bytes));
+            }
+        }
+        s += if self.check.passed { "\ncheck: passed (every file verified at the destination)" } else { "\ncheck: FAILED" };
+        s
+    }
+}
+
+pub fn human(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < units.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", units[i])
+    }
+}
+
+/// The progress line on stderr, redrawn from the engine's counters; shown
+/// only on a terminal.
+pub struct ProgressDisplay {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ProgressDisplay {
+    pub fn start(p: Arc<Progress>, wanted: bool) -> ProgressDisplay {
+        let stop = Arc::new(AtomicBool::new(false));
+        if !wanted || !std::io::stderr().is_terminal() {
+            return ProgressDisplay { stop, thread: None };
+        }
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template("{bytes}/{total_bytes} {wide_bar} {binary_bytes_per_sec} ETA {eta} {msg}")
+                    .expect("a valid template"),
+            );
+            while !s.load(Ordering::Relaxed) {
+                let x = p.snapshot();
+                bar.set_length(x.total_bytes);
+                bar.set_position(x.done_bytes.max(x.sent_bytes.min(x.total_bytes)));
+                let more = if x.walk_done { "" } else { "+" };
+                bar.set_message(format!("{}/{}{more} files", x.done_files, x.total_files));
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            bar.finish_and_clear();
+        });
+        ProgressDisplay { stop, thread: Some(thread) }
+    }
+
+    pub fn finish(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! `dmover serve`: parses the server's flags, binds, and runs the server
+//! until SIGTERM or SIGINT.
+
+use crate::sizes::parse_size;
+use clap::Args;
+use dmover_engine::fsroot::Root;
+use dmover_engine::{Error, Result};
+use dmover_proto::ErrorKind;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Address to listen on (loopback unless you say otherwise).
+    #[arg(long, default_value = "127.0.0.1:7450")]
+    pub listen: String,
+    /// A directory to serve: NAME=DIR (repeatable).
+    #[arg(long = "export", value_name = "NAME=DIR", required = true)]
+    pub exports: Vec<String>,
+    /// File holding the shared token clients must prove they know.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: PathBuf,
+    /// Most connections served at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// Seconds a silent connection is kept.
+    #[arg(long, default_value_t = 120)]
+    pub idle_timeout: u64,
+    /// Seconds running transfers may go on after SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    pub grace: u64,
+    /// Staging memory of each receiving transfer.
+    #[arg(long, default_value = "64M")]
+    pub staging: String,
+}
+
+pub fn run(a: ServeArgs) -> Result<i32> {
+    let usage = |subject: &str, msg: String| Error::new(ErrorKind::Usage, subject, msg);
+    let token = crate::read_token(&a.token_file)?;
+    warn_if_readable(&a.token_file);
+    let mut exports = HashMap::new();
+    for e in &a.exports {
+        let (name, dir) = e.split_once('=').ok_or_else(|| usage(e, "an export is NAME=DIR".into()))?;
+        if name.is_empty() || name.contains(['/', '\0']) || name == "." || name == ".." {
+            return Err(usage(e, "an export name is one path component".into()));
+        }
+        let root = Root::export(name, std::path::Path::new(dir)).map_err(|err| Error::io(dir, &err))?;
+        if !root.dir().is_dir() {
+            return Err(usage(dir, "not a directory".into()));
+        }
+        if exports.insert(name.to_string(), root).is_some() {
+            return Err(usage(name, "exported twice".into()));
+        }
+    }
+    let staging = parse_size(&a.staging).map_err(|m| usage("--staging", m))?;
+    let cfg = dmover_server::Config {
+        exports,
+        token,
+        max_connections: a.max_connections.max(1),
+        idle_timeout: Duration::from_secs(a.idle_timeout.max(1)),
+        grace: Duration::from_secs(a.grace),
+        staging: staging.max(1 << 20),
+        writers: 2,
+    };
+    let listener = std::net::TcpListener::bind(&a.listen).map_err(|e| Error::new(ErrorKind::Usage, &a.listen, format!("cannot listen: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?;
+    let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .map_err(|e| Error::io("signals", &e))?;
+    std::thread::spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            log::info!("signal {sig} received");
+            shutdown.trigger();
+        }
+    });
+    let names: Vec<&String> = cfg.exports.keys().collect();
+    log::info!("serving {names:?} on {addr}");
+    println!("dmover: listening on {addr}");
+    dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
+    log::info!("stopped");
+    Ok(0)
+}
+
+fn warn_if_readable(f: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(m) = std::fs::metadata(f) {
+        if m.permissions().mode() & 0o077 != 0 {
+            log::warn!("{}: token file is readable by others; chmod 600 it", f.display());
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! The engine's error type: a class (which is also the exit code), what it
+//! concerns (a path or host), and a message for people.
+
+use dmover_proto::ErrorKind;
+use std::fmt;
+use std::io;
+
+/// An error with its class and the path or host it concerns.
+#[derive(Debug, Clone)]
+pub struct Error {
+    pub kind: ErrorKind,
+    /// The path, host or URL the error is about; may be empty.
+    pub subject: String,
+    pub message: String,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn new(kind: ErrorKind, subject: impl Into<String>, message: impl Into<String>) -> Error {
+        Error { kind, subject: subject.into(), message: message.into() }
+    }
+
+    /// Classifies an I/O error about `subject`.
+    pub fn io(subject: impl Into<String>, e: &io::Error) -> Error {
+        Error::new(classify(e), subject, e.to_string())
+    }
+
+    pub fn internal(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Internal, "", message)
+    }
+
+    pub fn protocol(subject: impl Into<String>, message: impl fmt::Display) -> Error {
+        Error::new(ErrorKind::Internal, subject, format!("protocol error: {message}"))
+    }
+
+    /// A lost or refused connection to `host`.
+    pub fn network(host: impl Into<String>, e: &io::Error) -> Error {
+        Error::new(ErrorKind::Unreachable, host, e.to_string())
+    }
+
+    pub fn is_transient(&self) -> bool {
+        self.kind.is_transient()
+    }
+
+    /// What the user can do about it.
+    pub fn hint(&self) -> &'static str {
+        match self.kind {
+            ErrorKind::NotFound => "check the path",
+            ErrorKind::Permission => "check the file's permissions",
+            ErrorKind::NoSpace => "free space at the destination, then re-run the same command to resume",
+            ErrorKind::Unreachable => "check that the server runs and the host and port are right; re-running resumes",
+            ErrorKind::Auth => "check that the token matches the server's --token-file",
+            ErrorKind::Refused => "use a path inside one of the server's exports",
+            ErrorKind::SourceChanged => "the file was modified during the copy; re-run when it is stable",
+            ErrorKind::Verify => "the data arrived damaged repeatedly; check the network and storage",
+            ErrorKind::Usage => "see dmover --help",
+            ErrorKind::Internal => "please report this",
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.subject.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.subject, self.message)
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Maps an I/O error to an error class.
+pub fn classify(e: &io::Error) -> ErrorKind {
+    use io::ErrorKind as K;
+    match e.kind() {
+        K::NotFound => ErrorKind::NotFound,
+        K::PermissionDenied => ErrorKind::Permission,
+        K::StorageFull => ErrorKind::NoSpace,
+        K::ConnectionRefused | K::ConnectionReset | K::ConnectionAborted | K::NotConnected | K::BrokenPipe
+        | K::TimedOut | K::UnexpectedEof | K::HostUnreachable | K::NetworkUnreachable | K::AddrNotAvailable
+        | K::WouldBlock => ErrorKind::Unreachable,
+        _ => match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorKind::NoSpace,
+            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => ErrorKind::Permission,
+            _ => ErrorKind::Internal,
+        },
+    }
+}

@@ -1,0 +1,66 @@
+//! Both ends of the authentication handshake (see `dmover_proto::auth`).
+
+use crate::error::{Error, Result};
+use crate::wire::{FrameReader, FrameWriter};
+use dmover_proto::auth::{mac_eq, Key, KeyId, Nonce, SessionKey};
+use dmover_proto::{ErrorKind, Msg};
+
+/// A fresh random nonce or identifier.
+pub fn random<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    getrandom::getrandom(&mut b).expect("the operating system's random source failed");
+    b
+}
+
+/// Proves to the server that we know `secret` (named by `key_id`) and checks
+/// that the server knows it too. Returns the session key.
+pub fn client(r: &mut FrameReader, w: &mut FrameWriter, key_id: KeyId, secret: &[u8]) -> Result<SessionKey> {
+    let key = Key::from_secret(secret);
+    let cn: Nonce = random();
+    w.send(&Msg::Hello { key_id, nonce: cn })?;
+    let (sn, proof) = match r.read_msg()? {
+        Msg::Challenge { nonce, proof } => (nonce, proof),
+        m => return Err(Error::protocol(r.peer(), format!("expected a challenge, got {m:?}"))),
+    };
+    if !mac_eq(&proof, &key.server_proof(&cn, &sn)) {
+        let msg = "authentication failed: the server does not know our token (wrong token or not a dmover server)";
+        return Err(Error::new(ErrorKind::Auth, r.peer(), msg));
+    }
+    w.send(&Msg::Proof { proof: key.client_proof(&cn, &sn) })?;
+    match r.read_msg() {
+        Ok(Msg::Welcome) => Ok(key.session_key(&cn, &sn)),
+        Ok(m) => Err(Error::protocol(r.peer(), format!("expected welcome, got {m:?}"))),
+        Err(e) => Err(e),
+    }
+}
+
+/// The server's side: `lookup` gives the secret for a key id, if any.
+/// Returns the key id the client used and the session key. On failure the
+/// client has been told why.
+pub fn server(
+    r: &mut FrameReader,
+    w: &mut FrameWriter,
+    lookup: impl Fn(&KeyId) -> Option<Vec<u8>>,
+) -> Result<(KeyId, SessionKey)> {
+    let (key_id, cn) = match r.read_msg()? {
+        Msg::Hello { key_id, nonce } => (key_id, nonce),
+        m => return Err(Error::protocol(r.peer(), format!("expected hello, got {m:?}"))),
+    };
+    // An unknown key id still gets a challenge, under a random key, so that
+    // a client cannot tell unknown tickets from wrong secrets.
+    let secret = lookup(&key_id);
+    let key = Key::from_secret(secret.as_deref().unwrap_or(&random::<32>()));
+    let sn: Nonce = random();
+    w.send(&Msg::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) })?;
+    let proof = match r.read_msg()? {
+        Msg::Proof { proof } => proof,
+        m => return Err(Error::protocol(r.peer(), format!("expected a proof, got {m:?}"))),
+    };
+    if secret.is_none() || !mac_eq(&proof, &key.client_proof(&cn, &sn)) {
+        let message = "authentication failed: wrong token".to_string();
+        let _ = w.send(&Msg::Error { kind: ErrorKind::Auth, message: message.clone() });
+        return Err(Error::new(ErrorKind::Auth, r.peer(), message));
+    }
+    w.send(&Msg::Welcome)?;
+    Ok((key_id, key.session_key(&cn, &sn)))
+}

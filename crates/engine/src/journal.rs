@@ -1,0 +1,97 @@
+//! The receive journal: which blocks of a partial file are on disk, and
+//! their checksums, so an interrupted transfer resumes where it stopped.
+//!
+//! One journal per multi-block file, in the destination's state directory,
+//! named by a hash of the file's path. A header binds it to the source's
+//! size, mtime and the block size; a record (block index, checksum) is
+//! appended after each block is written. A torn last record is ignored.
+
+use dmover_proto::digest::Sum;
+use dmover_proto::frame::FileMeta;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 8] = b"DMVJ0001";
+const HEADER: usize = 32;
+const RECORD: usize = 24;
+
+/// Where the journal for destination path `rel` lives in `state_dir`.
+pub fn path_for(state_dir: &Path, rel: &str) -> PathBuf {
+    let h = u128::from_be_bytes(dmover_proto::digest::block_sum(rel.as_bytes()));
+    state_dir.join(format!("{h:032x}.journal"))
+}
+
+
+fn header(meta: &FileMeta, block_size: u32) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..16].copy_from_slice(&meta.size.to_be_bytes());
+    h[16..24].copy_from_slice(&meta.mtime_s.to_be_bytes());
+    h[24..28].copy_from_slice(&meta.mtime_ns.to_be_bytes());
+    h[28..32].copy_from_slice(&block_size.to_be_bytes());
+    h
+}
+
+/// The blocks a journal records, if it exists and belongs to this version
+/// of the source file.
+pub fn load(path: &Path, meta: &FileMeta, block_size: u32, blocks: u64) -> Option<Vec<(u64, Sum)>> {
+    let mut buf = Vec::new();
+    File::open(path).ok()?.read_to_end(&mut buf).ok()?;
+    if buf.len() < HEADER || buf[..HEADER] != header(meta, block_size) {
+        return None;
+    }
+    let recs = buf[HEADER..]
+        .chunks_exact(RECORD)
+        .map(|r| (u64::from_be_bytes(r[..8].try_into().expect("8")), r[8..].try_into().expect("16")))
+        .filter(|(b, _)| *b < blocks)
+        .collect();
+    Some(recs)
+}
+
+/// An open journal being appended to.
+pub struct Journal {
+    file: File,
+}
+
+impl Journal {
+    /// Starts a new journal (replacing any old one).
+    pub fn create(path: &Path, meta: &FileMeta, block_size: u32) -> io::Result<Journal> {
+        let mut file = OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
+        file.write_all(&header(meta, block_size))?;
+        Ok(Journal { file })
+    }
+
+    /// Continues an existing journal.
+    pub fn append(path: &Path) -> io::Result<Journal> {
+        Ok(Journal { file: OpenOptions::new().append(true).open(path)? })
+    }
+
+    /// Records that `block` is on disk with checksum `sum`.
+    pub fn record(&mut self, block: u64, sum: &Sum) -> io::Result<()> {
+        let mut r = [0u8; RECORD];
+        r[..8].copy_from_slice(&block.to_be_bytes());
+        r[8..].copy_from_slice(sum);
+        self.file.write_all(&r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn survives_a_torn_record_and_rejects_another_version() {
+        let t = tempfile::tempdir().unwrap();
+        let meta = FileMeta { path: "a".into(), size: 10, mtime_s: 1, mtime_ns: 2, mode: 0o644 };
+        let p = path_for(t.path(), "a");
+        let mut j = Journal::create(&p, &meta, 4).unwrap();
+        j.record(0, &[1; 16]).unwrap();
+        j.record(2, &[3; 16]).unwrap();
+        drop(j);
+        OpenOptions::new().append(true).open(&p).unwrap().write_all(&[9; 5]).unwrap();
+        assert_eq!(load(&p, &meta, 4, 3).unwrap(), vec![(0, [1; 16]), (2, [3; 16])]);
+        assert!(load(&p, &FileMeta { mtime_s: 5, ..meta.clone() }, 4, 3).is_none());
+        assert!(load(&p, &meta, 8, 3).is_none());
+    }
+}

@@ -1,0 +1,717 @@
+//! The receiving end of a transfer.
+//!
+//! One control connection carries announcements in and plans and
+//! confirmations out; any number of data connections (they may attach at
+//! any time) carry blocks in. Threads:
+//!
+//! * the control thread (the caller's) decides for each announced file what
+//!   to ask for — nothing if it is already there (`--sync`, or a resumed
+//!   transfer), the missing blocks of a journaled partial file, or all;
+//! * one thread per data connection reads a block into a staging block,
+//!   checks its checksum (a bad block is asked for again) and queues it;
+//! * writer threads write blocks at their offsets into the file's temporary
+//!   name, journal them and, when the last block and the sender's digest are
+//!   in, verify the digest, set mode and mtime and rename the file into place.
+//!
+//! Staging blocks come from one pool, so a slow disk stalls the network
+//! readers (and through TCP, the sender) instead of growing memory.
+
+use crate::error::{Error, Result};
+use crate::fsroot::Root;
+use crate::journal::{self, Journal};
+use crate::pool::{Block, Pool};
+use crate::source::{PART_SUFFIX, STATE_DIR};
+use crate::transport::Transport;
+use crate::wire::{FrameReader, FrameWriter, Incoming};
+use crossbeam_channel::{Receiver, Sender};
+use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
+use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::{ErrorKind, Msg};
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Where and how to receive.
+pub struct RecvConfig {
+    /// The root paths are confined to (an export, or the local file system).
+    pub root: Root,
+    /// The destination directory (or file, with `DEST_IS_FILE`) below `root`.
+    pub dest: String,
+    pub options: TransferOptions,
+    /// Staging memory for blocks between network and disk.
+    pub staging: u64,
+    /// Threads writing to disk.
+    pub writers: usize,
+    /// A control connection silent this long is considered dead.
+    pub idle_timeout: Duration,
+}
+
+/// How often idle threads look at the stop flag.
+const POLL: Duration = Duration::from_millis(50);
+
+/// Flag in [`TransferOptions::flags`]: `dest` names the file itself.
+pub const DEST_IS_FILE: u32 = 16;
+
+/// What the receiver committed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecvSummary {
+    pub files: u64,
+    pub bytes: u64,
+    pub set: SetDigest,
+}
+
+/// Sends `Ping` on a shared control writer every `every` until dropped, so
+/// the peer's idle timeout does not fire during long quiet stretches.
+pub struct Pinger {
+    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl Pinger {
+    pub fn start(ctl: Arc<Mutex<FrameWriter>>, every: Duration) -> Pinger {
+        let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let s = stop.clone();
+        std::thread::spawn(move || {
+            let (lock, cv) = &*s;
+            let mut stopped = lock.lock().expect("pinger lock");
+            loop {
+                let (g, _) = cv.wait_timeout(stopped, every).expect("pinger lock");
+                stopped = g;
+                if *stopped || ctl.lock().expect("control lock").send(&Msg::Ping).is_err() {
+                    return;
+                }
+            }
+        });
+        Pinger { stop }
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        *self.stop.0.lock().expect("pinger lock") = true;
+        self.stop.1.notify_all();
+    }
+}
+
+/// How often an endpoint pings its peer, given the idle timeout.
+pub fn ping_interval(idle: Duration) -> Duration {
+    (idle / 4).max(Duration::from_millis(100))
+}
+
+struct RecvFile {
+    meta: FileMeta,
+    final_path: PathBuf,
+    temp_path: PathBuf,
+    journal_path: Option<PathBuf>,
+    have: Vec<bool>,
+    sums: Vec<Sum>,
+    missing: u64,
+    /// Blocks taken from a journal of an earlier run (suspect if the digest fails).
+    journaled: Vec<u64>,
+    resets: u8,
+    end: Option<Sum>,
+    file: Option<Arc<File>>,
+    journal: Option<Journal>,
+    /// Truncate the temporary file when first opened.
+    fresh: bool,
+    done: bool,
+}
+
+struct WriteJob {
+    id: u64,
+    file: Arc<Mutex<RecvFile>>,
+    block: u64,
+    sum: Sum,
+    data: Block,
+}
+
+struct Shared {
+    options: TransferOptions,
+    block_size: u64,
+    root: Root,
+    dest_dir: PathBuf,
+    /// The destination file itself, with DEST_IS_FILE.
+    dest_file: Option<PathBuf>,
+    state_dir: PathBuf,
+    resuming: bool,
+    /// Files announced and not yet done; taken by control, data and writer threads.
+    files: Mutex<HashMap<u64, Arc<Mutex<RecvFile>>>>,
+    /// Control connection's writing half; every thread that replies takes it.
+    ctl: Arc<Mutex<FrameWriter>>,
+    pool: Arc<Pool>,
+    /// Directories known to exist below the destination.
+    dirs: Mutex<HashSet<PathBuf>>,
+    /// Committed files; updated by whoever finalizes a file.
+    totals: Mutex<RecvSummary>,
+    /// The first fatal error; set once, then `stop`.
+    fatal: Mutex<Option<Error>>,
+    stop: AtomicBool,
+    /// Every data connection, to close them when the session ends.
+    conns: Mutex<Vec<Box<dyn Transport>>>,
+}
+
+impl Shared {
+    fn reply(&self, m: &Msg) {
+        if let Err(e) = self.ctl.lock().expect("control lock").send(m) {
+            self.fail(e);
+        }
+    }
+
+    fn fail(&self, e: Error) {
+        let mut f = self.fatal.lock().expect("fatal lock");
+        if f.is_none() && !self.stop.load(Ordering::SeqCst) {
+            *f = Some(e);
+        }
+        drop(f);
+        self.stop.store(true, Ordering::SeqCst);
+        self.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
+        self.ctl.lock().map(|w| w.close()).ok();
+    }
+
+    fn discard(&self) -> bool {
+        self.options.has(TransferOptions::DISCARD)
+    }
+}
+
+/// Receives one transfer. `control` is the control connection; data
+/// connections arrive on `streams`. Returns when the sender finishes (or on
+/// a fatal error); partial files stay journaled for a later resume.
+pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>, cfg: RecvConfig) -> Result<RecvSummary> {
+    let opts = cfg.options;
+    let block_size = opts.block_size as u64;
+    if block_size == 0 || block_size > dmover_proto::frame::MAX_BLOCK as u64 {
+        return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
+    }
+    let dest_path = cfg.root.resolve(&cfg.dest)?;
+    let (dest_dir, dest_file) = if opts.has(DEST_IS_FILE) {
+        let parent = dest_path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+        (parent, Some(dest_path))
+    } else {
+        (dest_path, None)
+    };
+    let label = cfg.root.display(&cfg.dest);
+    let state_dir = dest_dir.join(STATE_DIR);
+    let marker = state_dir.join(format!("transfer-{}", hex(&opts.transfer_id)));
+    let mut resuming = false;
+    if !opts.has(TransferOptions::DISCARD) {
+        fs::create_dir_all(&dest_dir).map_err(|e| Error::io(&label, &e))?;
+        resuming = marker.exists();
+        fs::create_dir_all(&state_dir).map_err(|e| Error::io(&label, &e))?;
+        if !resuming {
+            File::create(&marker).map_err(|e| Error::io(&label, &e))?;
+        }
+    }
+    control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(control.peer(), &e))?;
+    let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(control.peer(), &e))?)));
+    let sh = Arc::new(Shared {
+        options: opts,
+        block_size,
+        root: cfg.root,
+        dest_dir,
+        dest_file,
+        state_dir,
+        resuming,
+        files: Mutex::new(HashMap::new()),
+        ctl: ctl.clone(),
+        pool: Pool::new(cfg.staging, block_size as usize, 4),
+        dirs: Mutex::new(HashSet::new()),
+        totals: Mutex::new(RecvSummary::default()),
+        fatal: Mutex::new(None),
+        stop: AtomicBool::new(false),
+        conns: Mutex::new(Vec::new()),
+    });
+    let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
+    let (wtx, wrx) = crossbeam_channel::unbounded::<WriteJob>();
+    let mut threads = Vec::new();
+    for _ in 0..cfg.writers.max(1) {
+        let (sh, wrx) = (sh.clone(), wrx.clone());
+        threads.push(std::thread::spawn(move || writer(&sh, wrx)));
+    }
+    {
+        let (sh, wtx) = (sh.clone(), wtx.clone());
+        threads.push(std::thread::spawn(move || loop {
+            let conn = match streams.recv_timeout(POLL) {
+                Ok(c) => c,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
+                Err(_) => return,
+            };
+            {
+                match conn.split() {
+                    Ok(c) => sh.conns.lock().expect("conns lock").push(c),
+                    Err(e) => sh.fail(Error::network(conn.peer(), &e)),
+                }
+                let (sh, wtx) = (sh.clone(), wtx.clone());
+                std::thread::spawn(move || data_stream(&sh, conn, wtx));
+            }
+        }));
+    }
+    drop(wtx);
+    let mut reader = FrameReader::new(control);
+    let result = control_loop(&sh, &mut reader, &marker);
+    sh.stop.store(true, Ordering::SeqCst);
+    sh.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
+    sh.pool.close();
+    drop(reader);
+    // Writers finish what is queued, so completed blocks reach the journal.
+    sh.files.lock().expect("files lock").clear();
+    for t in threads {
+        let _ = t.join();
+    }
+    let fatal = sh.fatal.lock().expect("fatal lock").take();
+    match (result, fatal) {
+        (Ok(s), None) => Ok(s),
+        (Err(e), _) | (Ok(_), Some(e)) => Err(e),
+    }
+}
+
+fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader, marker: &Path) -> Result<RecvSummary> {
+    loop {
+        let m = match r.read() {
+            Ok(Incoming::Msg(m)) => m,
+            Ok(Incoming::Data(_)) => return Err(Error::protocol(r.peer(), "data frame on the control connection")),
+            Err(e) => return Err(sh.fatal.lock().expect("fatal lock").take().unwrap_or(e)),
+        };
+        match m {
+            Msg::Announce { id, meta, digest } => announce(sh, id, meta, digest),
+            Msg::FileEnd { id, digest } => {
+                let f = sh.files.lock().expect("files lock").get(&id).cloned();
+                if let Some(f) = f {
+                    let mut g = f.lock().expect("file lock");
+                    g.end = Some(digest);
+                    if g.missing == 0 {
+                        finalize(sh, id, &mut g);
+                    }
+                }
+            }
+            Msg::Abort { id, .. } => {
+                if let Some(f) = sh.files.lock().expect("files lock").remove(&id) {
+                    let mut g = f.lock().expect("file lock");
+                    g.done = true;
+                    remove_partial(&g);
+                }
+            }
+            Msg::Finish { .. } => {
+                sh.stop.store(true, Ordering::SeqCst);
+                if !sh.discard() {
+                    let _ = fs::remove_file(marker);
+                    let _ = fs::remove_dir(&sh.state_dir);
+                }
+                let t = *sh.totals.lock().expect("totals lock");
+                sh.ctl.lock().expect("control lock").send(&Msg::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
+                return Ok(t);
+            }
+            Msg::Ping => {}
+            Msg::Error { kind, message } => return Err(Error::new(kind, r.peer(), message)),
+            m => return Err(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
+        }
+        if let Some(e) = sh.fatal.lock().expect("fatal lock").take() {
+            return Err(e);
+        }
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn temp_name(final_path: &Path) -> PathBuf {
+    let name = final_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    final_path.with_file_name(format!(".{name}{PART_SUFFIX}"))
+}
+
+/// Coalesces the blocks not in `have` into ranges.
+fn missing_ranges(have: &[bool]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (i, h) in have.iter().enumerate() {
+        let i = i as u64;
+        if !h {
+            match out.last_mut() {
+                Some((_, e)) if *e == i => *e += 1,
+                _ => out.push((i, i + 1)),
+            }
+        }
+    }
+    out
+}
+
+fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
+    let fail = |kind, message: String| sh.reply(&Msg::Failed { id, kind, message });
+    if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
+        return fail(ErrorKind::Refused, format!("{}: path refused: {e}", meta.path));
+    }
+    let blocks = meta.size.div_ceil(sh.block_size);
+    let n = blocks as usize;
+    if sh.discard() {
+        let f = RecvFile {
+            meta,
+            final_path: PathBuf::new(),
+            temp_path: PathBuf::new(),
+            journal_path: None,
+            have: vec![false; n],
+            sums: vec![[0; 16]; n],
+            missing: blocks,
+            journaled: Vec::new(),
+            resets: 0,
+            end: None,
+            file: None,
+            journal: None,
+            fresh: true,
+            done: false,
+        };
+        sh.files.lock().expect("files lock").insert(id, Arc::new(Mutex::new(f)));
+        let ranges = if blocks > 0 { vec![(0, blocks)] } else { vec![] };
+        return sh.reply(&Msg::Plan { id, skip: false, ranges });
+    }
+    let final_path = match &sh.dest_file {
+        Some(p) => p.clone(),
+        None => match prepare_parent(sh, &meta.path) {
+            Ok(p) => p,
+            Err(e) => return fail(e.kind, e.to_string()),
+        },
+    };
+    // Already there?
+    if sh.options.has(TransferOptions::SYNC) || sh.resuming {
+        if let Ok(m) = fs::symlink_metadata(&final_path) {
+            use std::os::unix::fs::MetadataExt;
+            let same = m.is_file()
+                && m.len() == meta.size
+                && if let (Some(d), true) = (digest, sh.options.has(TransferOptions::CHECKSUM)) {
+                    digest_of(&final_path, sh.block_size).is_ok_and(|x| x == d)
+                } else {
+                    m.mtime() == meta.mtime_s && m.mtime_nsec() as u32 == meta.mtime_ns
+                };
+            if same {
+                let mut t = sh.totals.lock().expect("totals lock");
+                t.files += 1;
+                t.bytes += meta.size;
+                t.set.add(&meta.path, meta.size, &[0; 16]);
+                drop(t);
+                return sh.reply(&Msg::Plan { id, skip: true, ranges: vec![] });
+            }
+        }
+    }
+    let temp_path = temp_name(&final_path);
+    let mut have = vec![false; n];
+    let mut sums = vec![[0u8; 16]; n];
+    let mut journaled = Vec::new();
+    let mut journal_path = None;
+    let mut fresh = true;
+    if blocks > 1 {
+        let jp = journal::path_for(&sh.state_dir, &meta.path);
+        if temp_path.exists() {
+            if let Some(recs) = journal::load(&jp, &meta, sh.block_size as u32, blocks) {
+                for (b, s) in recs {
+                    if !have[b as usize] {
+                        have[b as usize] = true;
+                        sums[b as usize] = s;
+                        journaled.push(b);
+                    }
+                }
+                fresh = false;
+            }
+        }
+        journal_path = Some(jp);
+    }
+    let ranges = missing_ranges(&have);
+    let missing = blocks - journaled.len() as u64;
+    let journal = match (&journal_path, fresh) {
+        (Some(jp), false) => Journal::append(jp).ok(),
+        _ => None,
+    };
+    let f = RecvFile {
+        meta,
+        final_path,
+        temp_path,
+        journal_path,
+        have,
+        sums,
+        missing,
+        journaled,
+        resets: 0,
+        end: None,
+        file: None,
+        journal,
+        fresh,
+        done: false,
+    };
+    sh.files.lock().expect("files lock").insert(id, Arc::new(Mutex::new(f)));
+    sh.reply(&Msg::Plan { id, skip: false, ranges });
+}
+
+/// Resolves `rel`'s final path and makes its parent directory exist, with
+/// no symlink on the way (in an export).
+fn prepare_parent(sh: &Shared, rel: &str) -> Result<PathBuf> {
+    let final_path = sh.dest_dir.join(rel);
+    let parent = final_path.parent().expect("a joined path has a parent").to_path_buf();
+    if parent != sh.dest_dir && !sh.dirs.lock().expect("dirs lock").contains(&parent) {
+        if sh.root.is_confined() {
+            // Re-check the whole path below the export for symlinks.
+            let rel_dir = parent.strip_prefix(sh.root.dir()).map_err(|_| Error::internal("destination outside its export"))?;
+            sh.root.resolve(&rel_dir.to_string_lossy())?;
+        }
+        fs::create_dir_all(&parent).map_err(|e| Error::io(sh.root.display(rel), &e))?;
+        sh.dirs.lock().expect("dirs lock").insert(parent);
+    }
+    Ok(final_path)
+}
+
+/// The digest of a file on disk (for `--checksum`).
+pub fn digest_of(path: &Path, block_size: u64) -> std::io::Result<Sum> {
+    let f = File::open(path)?;
+    let mut buf = vec![0u8; block_size as usize];
+    let mut sums = Vec::new();
+    let mut off = 0;
+    loop {
+        let n = read_full_at(&f, &mut buf, off)?;
+        if n == 0 {
+            break;
+        }
+        sums.push(block_sum(&buf[..n]));
+        off += n as u64;
+    }
+    Ok(file_digest(&sums))
+}
+
+/// Reads until `buf` is full or the file ends; returns the bytes read.
+pub fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read_at(&mut buf[n..], off + n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Sender<WriteJob>) {
+    let mut r = FrameReader::new(conn);
+    loop {
+        let h = match r.read() {
+            Ok(Incoming::Data(h)) => h,
+            Ok(Incoming::Msg(Msg::Ping)) => continue,
+            Ok(Incoming::Msg(m)) => return sh.fail(Error::protocol(r.peer(), format!("unexpected {m:?} on a data stream"))),
+            Err(e) => {
+                if !sh.stop.load(Ordering::SeqCst) {
+                    sh.fail(e);
+                }
+                return;
+            }
+        };
+        if h.len as u64 > sh.block_size || h.offset % sh.block_size != 0 {
+            return sh.fail(Error::protocol(r.peer(), format!("bad block: offset {} length {}", h.offset, h.len)));
+        }
+        let Some(mut data) = sh.pool.take(h.len as usize) else { return };
+        if let Err(e) = r.read_block(&mut data) {
+            if !sh.stop.load(Ordering::SeqCst) {
+                sh.fail(e);
+            }
+            return;
+        }
+        let Some(file) = sh.files.lock().expect("files lock").get(&h.file).cloned() else {
+            continue; // aborted or failed meanwhile
+        };
+        let block = h.offset / sh.block_size;
+        {
+            let g = file.lock().expect("file lock");
+            let expect = g.meta.size.saturating_sub(h.offset).min(sh.block_size);
+            if block as usize >= g.have.len() || h.len as u64 != expect {
+                drop(g);
+                return sh.fail(Error::protocol(r.peer(), format!("block {block} of file {} has the wrong length", h.file)));
+            }
+        }
+        if block_sum(&data) != h.sum {
+            log::warn!("damaged block {block} of file {} from {}; asking again", h.file, r.peer());
+            sh.reply(&Msg::Nack { id: h.file, block });
+            continue;
+        }
+        if sh.discard() {
+            drop(data);
+            mark_written(sh, h.file, &file, block, h.sum);
+            continue;
+        }
+        if wtx.send(WriteJob { id: h.file, file, block, sum: h.sum, data }).is_err() {
+            return;
+        }
+    }
+}
+
+fn writer(sh: &Arc<Shared>, rx: Receiver<WriteJob>) {
+    for job in rx {
+        let handle = {
+            let mut g = job.file.lock().expect("file lock");
+            if g.done {
+                continue;
+            }
+            match open_temp(&mut g, sh.block_size as u32) {
+                Ok(f) => f,
+                Err(e) => {
+                    let e = Error::io(sh.root.display(&g.meta.path), &e);
+                    file_failed(sh, job.id, &mut g, e);
+                    continue;
+                }
+            }
+        };
+        let off = job.block * sh.block_size;
+        if let Err(e) = handle.write_all_at(&job.data, off) {
+            let mut g = job.file.lock().expect("file lock");
+            let e = Error::io(sh.root.display(&g.meta.path), &e);
+            file_failed(sh, job.id, &mut g, e);
+            continue;
+        }
+        drop(job.data);
+        mark_written(sh, job.id, &job.file, job.block, job.sum);
+    }
+}
+
+fn open_temp(g: &mut RecvFile, block_size: u32) -> std::io::Result<Arc<File>> {
+    if let Some(f) = &g.file {
+        return Ok(f.clone());
+    }
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(g.fresh)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(&g.temp_path)?;
+    if g.fresh {
+        if let Some(jp) = &g.journal_path {
+            g.journal = Some(Journal::create(jp, &g.meta, block_size)?);
+        }
+    }
+    g.fresh = false;
+    let f = Arc::new(f);
+    g.file = Some(f.clone());
+    Ok(f)
+}
+
+fn mark_written(sh: &Arc<Shared>, id: u64, file: &Arc<Mutex<RecvFile>>, block: u64, sum: Sum) {
+    let mut g = file.lock().expect("file lock");
+    if g.done || g.have[block as usize] {
+        return;
+    }
+    g.have[block as usize] = true;
+    g.sums[block as usize] = sum;
+    g.missing -= 1;
+    if let Some(j) = g.journal.as_mut() {
+        if let Err(e) = j.record(block, &sum) {
+            log::warn!("cannot journal {}: {e}", g.meta.path);
+            g.journal = None;
+        }
+    }
+    if g.missing == 0 && g.end.is_some() {
+        finalize(sh, id, &mut g);
+    }
+}
+
+fn file_failed(sh: &Arc<Shared>, id: u64, g: &mut RecvFile, e: Error) {
+    g.done = true;
+    g.file = None;
+    remove_partial(g);
+    sh.files.lock().expect("files lock").remove(&id);
+    let kind = e.kind;
+    sh.reply(&Msg::Failed { id, kind, message: e.to_string() });
+    if kind == ErrorKind::NoSpace {
+        sh.fail(e);
+    }
+}
+
+fn remove_partial(g: &RecvFile) {
+    if !g.temp_path.as_os_str().is_empty() {
+        let _ = fs::remove_file(&g.temp_path);
+    }
+    if let Some(j) = &g.journal_path {
+        let _ = fs::remove_file(j);
+    }
+}
+
+/// Verifies a complete file and moves it into place.
+fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
+    if g.done {
+        return;
+    }
+    let digest = file_digest(&g.sums);
+    if Some(digest) != g.end {
+        if g.resets == 0 && !g.journaled.is_empty() {
+            // Blocks kept from an earlier run disagree with the source: fetch them again.
+            log::warn!("{}: resumed blocks do not match the source; fetching them again", g.meta.path);
+            g.resets += 1;
+            let suspects = std::mem::take(&mut g.journaled);
+            for b in &suspects {
+                g.have[*b as usize] = false;
+            }
+            g.missing += suspects.len() as u64;
+            if let Some(jp) = &g.journal_path {
+                g.journal = None;
+                if let Ok(mut j) = Journal::create(jp, &g.meta, sh.block_size as u32) {
+                    for (b, s) in g.have.iter().zip(&g.sums).enumerate().filter(|(_, (h, _))| **h).map(|(b, (_, s))| (b, *s)) {
+                        let _ = j.record(b as u64, &s);
+                    }
+                    g.journal = Some(j);
+                }
+            }
+            for b in suspects {
+                sh.reply(&Msg::Nack { id, block: b });
+            }
+            return;
+        }
+        let path = g.meta.path.clone();
+        return file_failed(sh, id, g, Error::new(ErrorKind::Verify, sh.root.display(&path), "checksum mismatch"));
+    }
+    if !sh.discard() {
+        if let Err(e) = commit(g) {
+            let path = g.meta.path.clone();
+            return file_failed(sh, id, g, Error::io(sh.root.display(&path), &e));
+        }
+    }
+    g.done = true;
+    sh.files.lock().expect("files lock").remove(&id);
+    let mut t = sh.totals.lock().expect("totals lock");
+    t.files += 1;
+    t.bytes += g.meta.size;
+    t.set.add(&g.meta.path, g.meta.size, &digest);
+    drop(t);
+    sh.reply(&Msg::Done { id, digest });
+}
+
+/// Sets mode and mtime on the temporary file and renames it to its final name.
+fn commit(g: &mut RecvFile) -> std::io::Result<()> {
+    let f = match g.file.take() {
+        Some(f) => f,
+        None => Arc::new(OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_NOFOLLOW).open(&g.temp_path)?),
+    };
+    f.set_permissions(fs::Permissions::from_mode(g.meta.mode))?;
+    let times = [
+        libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
+        libc::timespec { tv_sec: g.meta.mtime_s as libc::time_t, tv_nsec: g.meta.mtime_ns as libc::c_long },
+    ];
+    // SAFETY: the descriptor is open for the call and `times` points at two timespecs.
+    if unsafe { libc::futimens(f.as_raw_fd(), times.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    drop(f);
+    g.journal = None;
+    fs::rename(&g.temp_path, &g.final_path)?;
+    if let Some(j) = &g.journal_path {
+        let _ = fs::remove_file(j);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_coalesce() {
+        assert_eq!(missing_ranges(&[true, false, false, true, false]), vec![(1, 3), (4, 5)]);
+        assert_eq!(missing_ranges(&[]), vec![]);
+    }
+}

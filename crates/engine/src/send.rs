@@ -1,0 +1,611 @@
+//! The sending end of a transfer.
+//!
+//! Files flow through four stages, each in its own threads, joined by
+//! channels and bounded by the staging pool and an announcement window:
+//!
+//! 1. the walker lists the sources and streams entries as it finds them;
+//! 2. the announcer (the caller's thread) gives each file an id and a host
+//!    (round-robin over the destination hosts, skipping a host whose window
+//!    is full) and announces it on that host's control connection, up to
+//!    [`WINDOW`] files ahead — so thousands of small files cost no round trip
+//!    each, only one pipelined announcement;
+//! 3. when a host's plan for a file arrives, its blocks become read jobs of
+//!    up to [`CHUNK_BLOCKS`] blocks; `concurrency` reader threads read them
+//!    into staging blocks, checksum each block and queue it for its host
+//!    (several readers can read chunks of one large file at once);
+//! 4. one thread per data connection writes queued blocks to the network;
+//!    any block can take any stream, so a large file is striped over all of
+//!    them and small files share them.
+//!
+//! After a file's last block the sender announces its digest; the receiver
+//! confirms it (or asks for damaged blocks again). A source that changes
+//! while it is read is abandoned and reported, never committed.
+
+use crate::error::{Error, Result};
+use crate::fsroot::Root;
+use crate::pool::{Block, Pool};
+use crate::progress::Progress;
+use crate::recv::{digest_of, ping_interval, read_full_at, Pinger};
+use crate::source::{self, Entry, Event};
+use crate::transport::Transport;
+use crate::wire::{FrameReader, FrameWriter};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
+use dmover_proto::frame::{DataHeader, FileError, FileMeta, HostShare, Stats, TransferOptions};
+use dmover_proto::{ErrorKind, Msg};
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Files announced to one host and not yet settled. Bounds the sender's
+/// bookkeeping and the receiver's open state, while keeping enough
+/// announcements ahead to hide the round trip.
+pub const WINDOW: usize = 1024;
+/// Blocks per read job: a large file is read by several readers at once in
+/// chunks of this many blocks.
+pub const CHUNK_BLOCKS: u64 = 16;
+/// Entries the walker may list ahead of the announcer.
+const WALK_AHEAD: usize = 4096;
+/// How often idle threads look at the stop flag.
+const POLL: Duration = Duration::from_millis(50);
+
+/// One destination: its control connection and data connections, already
+/// authenticated and attached to a receiving session.
+pub struct HostLink {
+    pub name: String,
+    pub control: Box<dyn Transport>,
+    pub data: Vec<Box<dyn Transport>>,
+}
+
+/// What to send.
+pub enum Files {
+    /// Files found by walking `specs` under `root`.
+    Walk { root: Root, specs: Vec<String> },
+    /// One file of `size` bytes made up in memory (benchmarks).
+    Generate { name: String, size: u64 },
+}
+
+pub struct SendConfig {
+    pub options: TransferOptions,
+    /// Reader threads: files (or chunks of a large file) read at once.
+    pub concurrency: usize,
+    /// Staging memory shared by all streams of this transfer.
+    pub staging: u64,
+    pub idle_timeout: Duration,
+    pub progress: Arc<Progress>,
+}
+
+struct SendFile {
+    id: u64,
+    host: usize,
+    path: PathBuf,
+    meta: FileMeta,
+    blocks: u64,
+    st: Mutex<FileState>,
+}
+
+#[derive(Default)]
+struct FileState {
+    sums: Vec<Sum>,
+    chunks_left: u64,
+    aborted: bool,
+}
+
+struct Job {
+    file: Arc<SendFile>,
+    first: u64,
+    end: u64,
+    /// Blocks in these ranges are sent; the others only read for the digest.
+    send: Arc<Vec<(u64, u64)>>,
+    resend: bool,
+}
+
+struct Outgoing {
+    header: DataHeader,
+    data: Block,
+}
+
+#[derive(Default)]
+struct Tally {
+    /// Unsettled files per host.
+    outstanding: Vec<usize>,
+    /// Per host: what its `Finished` said.
+    finished: Vec<Option<(u64, u64, u128)>>,
+    shares: Vec<HostShare>,
+    files: u64,
+    bytes: u64,
+    skipped_files: u64,
+    skipped_bytes: u64,
+    resent_blocks: u64,
+    errors: Vec<FileError>,
+    /// Per host: the set digest of the files it confirmed.
+    sets: Vec<SetDigest>,
+}
+
+struct Shared {
+    options: TransferOptions,
+    block_size: u64,
+    generate: bool,
+    progress: Arc<Progress>,
+    pool: Arc<Pool>,
+    /// Announced, unsettled files; control readers and readers look them up.
+    files: Mutex<HashMap<u64, Arc<SendFile>>>,
+    /// Counters and per-host state; `changed` is signalled on every update.
+    tally: Mutex<Tally>,
+    changed: Condvar,
+    /// Control writers, one per host; the announcer, readers and control readers share them.
+    ctl: Vec<Arc<Mutex<FrameWriter>>>,
+    /// Blocks queued for each host's data streams.
+    data_tx: Vec<Sender<Outgoing>>,
+    jobs_tx: Sender<Job>,
+    fatal: Mutex<Option<Error>>,
+    stop: AtomicBool,
+    /// Every connection, to close them all on a fatal error; the first
+    /// `hosts` are the control connections, which outlive a successful send.
+    conns: Vec<Box<dyn Transport>>,
+    sent: AtomicU64,
+}
+
+impl Shared {
+    fn fail(&self, e: Error) {
+        let mut f = self.fatal.lock().expect("fatal lock");
+        if f.is_none() {
+            *f = Some(e);
+        }
+        drop(f);
+        self.stop.store(true, Ordering::SeqCst);
+        self.conns.iter().for_each(|c| c.close());
+        self.pool.close();
+        let _g = self.tally.lock().expect("tally lock");
+        self.changed.notify_all();
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    fn tell(&self, host: usize, m: &Msg) {
+        if let Err(e) = self.ctl[host].lock().expect("control lock").send(m) {
+            self.fail(e);
+        }
+    }
+
+    /// A file is settled (done, skipped, failed or abandoned).
+    fn settle(&self, f: &SendFile, update: impl FnOnce(&mut Tally)) {
+        self.files.lock().expect("files lock").remove(&f.id);
+        let mut t = self.tally.lock().expect("tally lock");
+        t.outstanding[f.host] -= 1;
+        update(&mut t);
+        drop(t);
+        self.changed.notify_all();
+    }
+
+    fn file_error(&self, f: &SendFile, kind: ErrorKind, message: String) {
+        let path = f.meta.path.clone();
+        log::warn!("{path}: {message}");
+        self.settle(f, |t| t.errors.push(FileError { path, kind, message }));
+    }
+}
+
+/// Sends the files to the hosts and returns the outcome once every host has
+/// confirmed the end of the transfer.
+pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats> {
+    let started = Instant::now();
+    let n = links.len();
+    assert!(n > 0, "send needs a destination");
+    let block_size = cfg.options.block_size as u64;
+    let streams: usize = links.iter().map(|l| l.data.len()).sum();
+    let generate = matches!(files, Files::Generate { .. });
+    let min_blocks = streams + cfg.concurrency;
+    let pool = if generate {
+        Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_random)
+    } else {
+        Pool::new(cfg.staging, block_size as usize, min_blocks)
+    };
+    let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
+    let mut ctl = Vec::new();
+    let mut data_tx = Vec::new();
+    let mut data_rx = Vec::new();
+    let mut conns = Vec::new();
+    let mut readers_of_ctl = Vec::new();
+    let mut names = Vec::new();
+    for l in &links {
+        let split = |t: &Box<dyn Transport>| t.split().map_err(|e| Error::network(&l.name, &e));
+        l.control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(&l.name, &e))?;
+        ctl.push(Arc::new(Mutex::new(FrameWriter::new(split(&l.control)?))));
+        conns.insert(ctl.len() - 1, split(&l.control)?);
+        for d in &l.data {
+            conns.push(split(d)?);
+        }
+        let (tx, rx) = crossbeam_channel::unbounded::<Outgoing>();
+        data_tx.push(tx);
+        data_rx.push(rx);
+        names.push(l.name.clone());
+    }
+    let tally = Tally {
+        outstanding: vec![0; n],
+        finished: vec![None; n],
+        sets: vec![SetDigest::default(); n],
+        shares: names.iter().map(|h| HostShare { host: h.clone(), ..Default::default() }).collect(),
+        ..Default::default()
+    };
+    let sh = Arc::new(Shared {
+        options: cfg.options,
+        block_size,
+        generate,
+        progress: cfg.progress.clone(),
+        pool,
+        files: Mutex::new(HashMap::new()),
+        tally: Mutex::new(tally),
+        changed: Condvar::new(),
+        ctl,
+        data_tx,
+        jobs_tx,
+        fatal: Mutex::new(None),
+        stop: AtomicBool::new(false),
+        conns,
+        sent: AtomicU64::new(0),
+    });
+
+    let mut threads = Vec::new();
+    let _pingers: Vec<Pinger> = sh.ctl.iter().map(|c| Pinger::start(c.clone(), ping_interval(cfg.idle_timeout))).collect();
+    for (host, l) in links.into_iter().enumerate() {
+        let rx = data_rx[host].clone();
+        for d in l.data {
+            let (sh, rx) = (sh.clone(), rx.clone());
+            let every = ping_interval(cfg.idle_timeout);
+            threads.push(std::thread::spawn(move || data_stream(&sh, d, rx, every)));
+        }
+        let sh2 = sh.clone();
+        let control = l.control;
+        readers_of_ctl.push(std::thread::spawn(move || control_reader(&sh2, host, FrameReader::new(control))));
+    }
+    drop(data_rx);
+    for _ in 0..cfg.concurrency.max(1) {
+        let (sh, rx) = (sh.clone(), jobs_rx.clone());
+        threads.push(std::thread::spawn(move || reader(&sh, rx)));
+    }
+    drop(jobs_rx);
+
+    let result = announce_all(&sh, files);
+    let finish = result.and_then(|()| finish(&sh));
+    // Stop everything: streams drain their queues first when all went well.
+    sh.stop.store(true, Ordering::SeqCst);
+    sh.pool.close();
+    for t in threads {
+        let _ = t.join();
+    }
+    // The data connections are done; the control connections stay open for
+    // whoever owns them (a server reports on its client's control connection).
+    sh.conns[n..].iter().for_each(|c| c.close());
+    for t in readers_of_ctl {
+        let _ = t.join();
+    }
+    if let Some(e) = sh.fatal.lock().expect("fatal lock").take() {
+        return Err(e);
+    }
+    finish?;
+    let t = sh.tally.lock().expect("tally lock");
+    let (dest_files, dest_bytes) = t.finished.iter().flatten().fold((0, 0), |a, f| (a.0 + f.0, a.1 + f.1));
+    let digests_match = t.finished.iter().zip(&t.sets).all(|(f, s)| f.is_some_and(|f| f.2 == s.0));
+    Ok(Stats {
+        files: t.files,
+        bytes: t.bytes,
+        skipped_files: t.skipped_files,
+        skipped_bytes: t.skipped_bytes,
+        sent_bytes: sh.sent.load(Ordering::Relaxed),
+        retries: 0,
+        resent_blocks: t.resent_blocks,
+        nanos: started.elapsed().as_nanos() as u64,
+        hosts: t.shares.clone(),
+        errors: t.errors.clone(),
+        dest_files,
+        dest_bytes,
+        digests_match,
+    })
+}
+
+fn fill_random(b: &mut [u8]) {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d ^ b.as_ptr() as u64;
+    for c in b.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let v = x.to_le_bytes();
+        c.copy_from_slice(&v[..c.len()]);
+    }
+}
+
+/// Walks the sources (in a thread) and announces every file.
+fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
+    let (tx, rx) = crossbeam_channel::bounded::<Event>(WALK_AHEAD);
+    let walker = std::thread::spawn(move || match files {
+        Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send(ev).is_ok()),
+        Files::Generate { name, size } => {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644 };
+            let _ = tx.send(Event::File(Entry { path: PathBuf::new(), meta }));
+        }
+    });
+    let hosts = sh.ctl.len();
+    let mut next_id = 0u64;
+    let mut rr = 0usize;
+    for ev in rx.iter() {
+        if sh.stopped() {
+            break;
+        }
+        match ev {
+            Event::File(e) => {
+                let host = {
+                    let mut t = sh.tally.lock().expect("tally lock");
+                    loop {
+                        if sh.stopped() {
+                            break None;
+                        }
+                        if let Some(h) = (0..hosts).map(|i| (rr + i) % hosts).find(|h| t.outstanding[*h] < WINDOW) {
+                            t.outstanding[h] += 1;
+                            t.files += 1;
+                            t.bytes += e.meta.size;
+                            break Some(h);
+                        }
+                        t = sh.changed.wait(t).expect("tally lock");
+                    }
+                };
+                let Some(host) = host else { break };
+                rr = (host + 1) % hosts;
+                Progress::add(&sh.progress.total_files, 1);
+                Progress::add(&sh.progress.total_bytes, e.meta.size);
+                next_id += 1;
+                let blocks = e.meta.size.div_ceil(sh.block_size);
+                let f = Arc::new(SendFile { id: next_id, host, path: e.path, meta: e.meta, blocks, st: Mutex::default() });
+                let digest = if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate {
+                    digest_of(&f.path, sh.block_size).ok()
+                } else {
+                    None
+                };
+                sh.files.lock().expect("files lock").insert(f.id, f.clone());
+                sh.tell(host, &Msg::Announce { id: f.id, meta: f.meta.clone(), digest });
+            }
+            Event::Error(e) => {
+                log::warn!("{e}");
+                let mut t = sh.tally.lock().expect("tally lock");
+                t.errors.push(FileError { path: e.subject.clone(), kind: e.kind, message: e.message.clone() });
+            }
+            Event::SkippedLink(p) => log::warn!("{p}: symbolic link skipped"),
+        }
+    }
+    drop(rx);
+    let _ = walker.join();
+    sh.progress.walk_done.store(true, Ordering::Relaxed);
+    // Wait until every file is settled.
+    let mut t = sh.tally.lock().expect("tally lock");
+    while !sh.stopped() && t.outstanding.iter().any(|o| *o > 0) {
+        t = sh.changed.wait(t).expect("tally lock");
+    }
+    Ok(())
+}
+
+/// Tells every host the transfer is over and waits for their totals.
+fn finish(sh: &Arc<Shared>) -> Result<()> {
+    for host in 0..sh.ctl.len() {
+        let (files, bytes, set) = {
+            let t = sh.tally.lock().expect("tally lock");
+            (t.shares[host].files, t.shares[host].bytes, t.sets[host])
+        };
+        sh.tell(host, &Msg::Finish { files, bytes, set_digest: set.0 });
+    }
+    let mut t = sh.tally.lock().expect("tally lock");
+    while !sh.stopped() && t.finished.iter().any(Option::is_none) {
+        t = sh.changed.wait(t).expect("tally lock");
+    }
+    Ok(())
+}
+
+fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
+    loop {
+        let m = match r.read_msg() {
+            Ok(m) => m,
+            Err(e) => {
+                let finished = sh.tally.lock().expect("tally lock").finished[host].is_some();
+                if !finished && !sh.stopped() {
+                    sh.fail(e);
+                }
+                return;
+            }
+        };
+        let lookup = |id: &u64| sh.files.lock().expect("files lock").get(id).cloned();
+        match m {
+            Msg::Plan { id, skip, ranges } => {
+                let Some(f) = lookup(&id) else { continue };
+                if skip {
+                    Progress::add(&sh.progress.done_files, 1);
+                    Progress::add(&sh.progress.done_bytes, f.meta.size);
+                    sh.settle(&f, |t| {
+                        t.skipped_files += 1;
+                        t.skipped_bytes += f.meta.size;
+                        t.shares[f.host].files += 1;
+                        t.shares[f.host].bytes += f.meta.size;
+                        t.sets[f.host].add(&f.meta.path, f.meta.size, &[0; 16]);
+                    });
+                    continue;
+                }
+                if ranges.iter().any(|(_, e)| *e > f.blocks) {
+                    return sh.fail(Error::protocol(r.peer(), format!("plan for {} asks for blocks past its end", f.meta.path)));
+                }
+                let chunks = f.blocks.div_ceil(CHUNK_BLOCKS);
+                {
+                    let mut st = f.st.lock().expect("file lock");
+                    st.sums = vec![[0; 16]; f.blocks as usize];
+                    st.chunks_left = chunks;
+                }
+                if chunks == 0 {
+                    sh.tell(host, &Msg::FileEnd { id, digest: file_digest(&[]) });
+                    continue;
+                }
+                let send = Arc::new(ranges);
+                for c in 0..chunks {
+                    let first = c * CHUNK_BLOCKS;
+                    let end = (first + CHUNK_BLOCKS).min(f.blocks);
+                    let _ = sh.jobs_tx.send(Job { file: f.clone(), first, end, send: send.clone(), resend: false });
+                }
+            }
+            Msg::Nack { id, block } => {
+                let Some(f) = lookup(&id) else { continue };
+                if block >= f.blocks {
+                    return sh.fail(Error::protocol(r.peer(), "request for a block past the end of a file"));
+                }
+                sh.tally.lock().expect("tally lock").resent_blocks += 1;
+                let send = Arc::new(vec![(block, block + 1)]);
+                let _ = sh.jobs_tx.send(Job { file: f, first: block, end: block + 1, send, resend: true });
+            }
+            Msg::Done { id, digest } => {
+                let Some(f) = lookup(&id) else { continue };
+                let ours = file_digest(&f.st.lock().expect("file lock").sums);
+                if ours != digest {
+                    sh.file_error(&f, ErrorKind::Verify, "the destination's digest differs from the source's".into());
+                    continue;
+                }
+                Progress::add(&sh.progress.done_files, 1);
+                Progress::add(&sh.progress.done_bytes, f.meta.size);
+                sh.settle(&f, |t| {
+                    t.shares[f.host].files += 1;
+                    t.shares[f.host].bytes += f.meta.size;
+                    t.sets[f.host].add(&f.meta.path, f.meta.size, &digest);
+                });
+            }
+            Msg::Failed { id, kind, message } => {
+                let Some(f) = lookup(&id) else { continue };
+                f.st.lock().expect("file lock").aborted = true;
+                sh.file_error(&f, kind, message);
+            }
+            Msg::Finished { files, bytes, set_digest } => {
+                let mut t = sh.tally.lock().expect("tally lock");
+                t.finished[host] = Some((files, bytes, set_digest));
+                drop(t);
+                sh.changed.notify_all();
+                return;
+            }
+            Msg::Ping => {}
+            m => return sh.fail(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
+        }
+    }
+}
+
+fn reader(sh: &Arc<Shared>, jobs: Receiver<Job>) {
+    loop {
+        let job = match jobs.recv_timeout(POLL) {
+            Ok(j) => j,
+            Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
+            Err(_) => return,
+        };
+        if sh.stopped() {
+            return;
+        }
+        if let Err((kind, message)) = read_job(sh, &job) {
+            let f = &job.file;
+            let first = {
+                let mut st = f.st.lock().expect("file lock");
+                !std::mem::replace(&mut st.aborted, true)
+            };
+            if first {
+                sh.tell(f.host, &Msg::Abort { id: f.id, kind, message: message.clone() });
+                sh.file_error(f, kind, message);
+            }
+        }
+    }
+}
+
+/// Reads (and queues) the blocks of one job; on the file's last chunk, sends
+/// its digest. Errors concern the file, not the transfer.
+fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, String)> {
+    let f = &job.file;
+    if f.st.lock().expect("file lock").aborted {
+        return Ok(());
+    }
+    let file = if sh.generate {
+        None
+    } else {
+        let file = File::open(&f.path).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
+        unchanged(&file, &f.meta)?;
+        Some(file)
+    };
+    for b in job.first..job.end {
+        let off = b * sh.block_size;
+        let len = (f.meta.size - off).min(sh.block_size) as usize;
+        let Some(mut data) = sh.pool.take(len) else { return Ok(()) };
+        if let Some(file) = &file {
+            let n = read_full_at(file, &mut data, off).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
+            if n < len {
+                return Err((ErrorKind::SourceChanged, "the file shrank while it was read".into()));
+            }
+        }
+        let sum = block_sum(&data);
+        f.st.lock().expect("file lock").sums[b as usize] = sum;
+        if job.send.iter().any(|(a, e)| (*a..*e).contains(&b)) {
+            let header = DataHeader { file: f.id, offset: off, sum, len: len as u32 };
+            if sh.data_tx[f.host].send(Outgoing { header, data }).is_err() {
+                return Ok(());
+            }
+        }
+    }
+    if let Some(file) = &file {
+        unchanged(file, &f.meta)?;
+    }
+    if job.resend {
+        return Ok(());
+    }
+    let digest = {
+        let mut st = f.st.lock().expect("file lock");
+        st.chunks_left -= 1;
+        if st.chunks_left > 0 || st.aborted {
+            return Ok(());
+        }
+        file_digest(&st.sums)
+    };
+    sh.tell(f.host, &Msg::FileEnd { id: f.id, digest });
+    Ok(())
+}
+
+/// Fails if the open file no longer has the size and mtime it was announced with.
+fn unchanged(file: &File, meta: &FileMeta) -> std::result::Result<(), (ErrorKind, String)> {
+    let m = file.metadata().map_err(|e| (crate::error::classify(&e), e.to_string()))?;
+    if m.len() != meta.size || m.mtime() != meta.mtime_s || m.mtime_nsec() as u32 != meta.mtime_ns {
+        return Err((ErrorKind::SourceChanged, "the file changed while it was being copied".into()));
+    }
+    Ok(())
+}
+
+fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing>, ping_every: Duration) {
+    let mut w = FrameWriter::new(conn);
+    let mut last = Instant::now();
+    loop {
+        match rx.recv_timeout(POLL) {
+            Ok(o) => {
+                if let Err(e) = w.send_block(&o.header, &o.data) {
+                    if !sh.stopped() {
+                        sh.fail(e);
+                    }
+                    return;
+                }
+                last = Instant::now();
+                let n = o.header.len as u64;
+                sh.sent.fetch_add(n, Ordering::Relaxed);
+                Progress::add(&sh.progress.sent_bytes, n);
+            }
+            Err(RecvTimeoutError::Timeout) if sh.stopped() => return,
+            Err(RecvTimeoutError::Timeout) => {
+                if last.elapsed() >= ping_every {
+                    if w.send(&Msg::Ping).is_err() {
+                        return;
+                    }
+                    last = Instant::now();
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! Framed I/O over a [`Transport`]: the thin driver between bytes and
+//! [`dmover_proto`] frames.
+
+use crate::error::{Error, Result};
+use crate::transport::Transport;
+use dmover_proto::frame::{DataHeader, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA};
+use dmover_proto::Msg;
+use std::io::{self, BufReader, IoSlice, Read, Write};
+
+/// Read buffer of a frame reader: large enough to take a data header and
+/// the start of its block in one read.
+const READ_BUFFER: usize = 256 * 1024;
+
+/// What arrived: a control message, or a data header whose block must be
+/// read next with [`FrameReader::read_block`].
+#[derive(Debug)]
+pub enum Incoming {
+    Msg(Msg),
+    Data(DataHeader),
+}
+
+/// Reads frames from the reading half of a transport.
+pub struct FrameReader {
+    inner: BufReader<Box<dyn Transport>>,
+    peer: String,
+    body: Vec<u8>,
+}
+
+impl FrameReader {
+    pub fn new(t: Box<dyn Transport>) -> FrameReader {
+        let peer = t.peer();
+        FrameReader { inner: BufReader::with_capacity(READ_BUFFER, t), peer, body: Vec::new() }
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The next frame; connection errors are `Unreachable`, bad frames `Internal`.
+    pub fn read(&mut self) -> Result<Incoming> {
+        let mut h = [0u8; HEADER_LEN];
+        self.inner.read_exact(&mut h).map_err(|e| self.net(&e))?;
+        let h = Header::parse(&h).map_err(|e| Error::protocol(&self.peer, e))?;
+        if h.kind == KIND_DATA {
+            let mut d = [0u8; DATA_HEADER_LEN];
+            self.inner.read_exact(&mut d).map_err(|e| self.net(&e))?;
+            return Ok(Incoming::Data(DataHeader::decode(h.len, &d)));
+        }
+        self.body.resize(h.len as usize, 0);
+        self.inner.read_exact(&mut self.body).map_err(|e| self.net(&e))?;
+        let m = h.decode_msg(&self.body).map_err(|e| Error::protocol(&self.peer, e))?;
+        Ok(Incoming::Msg(m))
+    }
+
+    /// The next frame, which must be a control message.
+    pub fn read_msg(&mut self) -> Result<Msg> {
+        match self.read()? {
+            Incoming::Msg(Msg::Error { kind, message }) => Err(Error::new(kind, &self.peer, message)),
+            Incoming::Msg(m) => Ok(m),
+            Incoming::Data(_) => Err(Error::protocol(&self.peer, "unexpected data frame")),
+        }
+    }
+
+    /// Reads the block that follows a data header into `buf` (exactly its length).
+    pub fn read_block(&mut self, buf: &mut [u8]) -> Result<()> {
+        self.inner.read_exact(buf).map_err(|e| self.net(&e))
+    }
+
+    fn net(&self, e: &io::Error) -> Error {
+        Error::network(&self.peer, e)
+    }
+}
+
+/// Writes frames to the writing half of a transport.
+pub struct FrameWriter {
+    inner: Box<dyn Transport>,
+    peer: String,
+    buf: Vec<u8>,
+}
+
+impl FrameWriter {
+    pub fn new(t: Box<dyn Transport>) -> FrameWriter {
+        let peer = t.peer();
+        FrameWriter { inner: t, peer, buf: Vec::with_capacity(256) }
+    }
+
+    /// Sends one control message.
+    pub fn send(&mut self, m: &Msg) -> Result<()> {
+        self.buf.clear();
+        m.encode(&mut self.buf);
+        let r = self.inner.write_all(&self.buf);
+        r.map_err(|e| Error::network(&self.peer, &e))
+    }
+
+    /// Sends one block: header and data in one vectored write where possible.
+    pub fn send_block(&mut self, h: &DataHeader, data: &[u8]) -> Result<()> {
+        let head = h.encode();
+        let r = write_all_vectored(&mut self.inner, &head, data);
+        r.map_err(|e| Error::network(&self.peer, &e))
+    }
+
+    /// Closes the underlying transport (both halves).
+    pub fn close(&self) {
+        self.inner.close()
+    }
+}
+
+fn write_all_vectored(w: &mut dyn Write, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+    while !a.is_empty() {
+        let n = w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        if n < a.len() {
+            a = &a[n..];
+        } else {
+            b = &b[n - a.len()..];
+            a = &[];
+        }
+    }
+    w.write_all(b)
+}

@@ -1,0 +1,47 @@
+//! Tickets: short-lived secrets a server issues so that another server can
+//! deliver files to it on a client's behalf (third-party transfers). A
+//! ticket allows receiving into one destination only, and expires.
+
+use dmover_engine::handshake::random;
+use dmover_proto::auth::KeyId;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long a ticket stays valid after it is issued.
+pub const TICKET_LIFETIME: Duration = Duration::from_secs(600);
+
+struct Ticket {
+    secret: [u8; 32],
+    dest: String,
+    expires: Instant,
+}
+
+/// The tickets a server has issued; the control threads issue and look up.
+#[derive(Default)]
+pub struct Tickets {
+    map: Mutex<HashMap<KeyId, Ticket>>,
+}
+
+impl Tickets {
+    /// A new ticket for receiving into `dest` (an export path).
+    pub fn issue(&self, dest: &str) -> (KeyId, [u8; 32]) {
+        let (id, secret): (KeyId, [u8; 32]) = (random(), random());
+        let mut m = self.map.lock().expect("tickets lock");
+        let now = Instant::now();
+        m.retain(|_, t| t.expires > now);
+        m.insert(id, Ticket { secret, dest: dest.to_string(), expires: now + TICKET_LIFETIME });
+        (id, secret)
+    }
+
+    /// The secret of a valid ticket.
+    pub fn secret(&self, id: &KeyId) -> Option<Vec<u8>> {
+        let m = self.map.lock().expect("tickets lock");
+        m.get(id).filter(|t| t.expires > Instant::now()).map(|t| t.secret.to_vec())
+    }
+
+    /// The destination a ticket allows.
+    pub fn dest(&self, id: &KeyId) -> Option<String> {
+        self.map.lock().expect("tickets lock").get(id).map(|t| t.dest.clone())
+    }
+}
