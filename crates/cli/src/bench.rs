@@ -71,7 +71,7 @@ pub fn run(a: BenchArgs) -> Result<i32> {
     let started = Instant::now();
     let creds: Vec<_> = hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
     let links = session::receive_links(&creds, &path, options, a.streams as usize)?;
-    let cfg = SendConfig { options, concurrency: 4, staging, idle_timeout: Duration::from_secs(120), progress };
+    let cfg = SendConfig { options, concurrency: 4, staging, idle_timeout: Duration::from_secs(120), progress, bwlimit: 0 };
     let stats = send::send(files, links, cfg);
     if let Some(d) = scratch {
         let _ = std::fs::remove_dir_all(d);

@@ -50,6 +50,9 @@ pub struct CpArgs {
     /// With --sync: compare content checksums instead of modification times.
     #[arg(long, requires = "sync")]
     pub checksum: bool,
+    /// Limit the sending rate, in bytes per second (e.g. 10M).
+    #[arg(long, value_name = "RATE", default_value = "0", value_parser = parse_size)]
+    pub bwlimit: u64,
     /// Retries after a transient network error.
     #[arg(long, default_value_t = 5)]
     pub retries: u32,
@@ -140,7 +143,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     }
     let mut plan = Plan {
         options: TransferOptions { transfer_id: transfer_id(&a.paths, a.block_size), block_size: a.block_size as u32, flags },
-        params: EngineParams { streams: a.streams, concurrency: a.concurrency, staging: a.staging, retries: a.retries },
+        params: EngineParams { streams: a.streams, concurrency: a.concurrency, staging: a.staging, retries: a.retries, bwlimit: a.bwlimit },
         dest_path: dest.path().to_string(),
         sources,
         dest,
@@ -215,6 +218,7 @@ fn send_config(p: &Plan, progress: &Arc<Progress>) -> SendConfig {
         staging: p.params.staging,
         idle_timeout: IDLE_TIMEOUT,
         progress: progress.clone(),
+        bwlimit: p.params.bwlimit,
     }
 }
 

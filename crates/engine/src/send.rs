@@ -77,6 +77,8 @@ pub struct SendConfig {
     pub staging: u64,
     pub idle_timeout: Duration,
     pub progress: Arc<Progress>,
+    /// Bytes per second for all streams together (0: no limit).
+    pub bwlimit: u64,
 }
 
 struct SendFile {
@@ -148,6 +150,8 @@ struct Shared {
     /// `hosts` are the control connections, which outlive a successful send.
     conns: Vec<Box<dyn Transport>>,
     sent: AtomicU64,
+    bwlimit: u64,
+    started: Instant,
 }
 
 impl Shared {
@@ -249,6 +253,8 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         stop: AtomicBool::new(false),
         conns,
         sent: AtomicU64::new(0),
+        bwlimit: cfg.bwlimit,
+        started,
     });
 
     let mut threads = Vec::new();
@@ -579,12 +585,27 @@ fn unchanged(file: &File, meta: &FileMeta) -> std::result::Result<(), (ErrorKind
     Ok(())
 }
 
+/// With a bandwidth limit, waits until sending `n` more bytes keeps the
+/// transfer's average rate under it.
+fn pace(sh: &Shared, n: u64) {
+    if sh.bwlimit == 0 {
+        return;
+    }
+    let total = sh.sent.load(Ordering::Relaxed) + n;
+    let due = Duration::from_secs_f64(total as f64 / sh.bwlimit as f64);
+    let now = sh.started.elapsed();
+    if due > now {
+        std::thread::sleep(due - now);
+    }
+}
+
 fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing>, ping_every: Duration) {
     let mut w = FrameWriter::new(conn);
     let mut last = Instant::now();
     loop {
         match rx.recv_timeout(POLL) {
             Ok(o) => {
+                pace(sh, o.header.len as u64);
                 if let Err(e) = w.send_block(&o.header, &o.data) {
                     if !sh.stopped() {
                         sh.fail(e);

@@ -129,6 +129,8 @@ pub struct EngineParams {
     pub concurrency: u32,
     pub staging: u64,
     pub retries: u32,
+    /// Bytes per second the sender may send in all (0: no limit).
+    pub bwlimit: u64,
 }
 
 /// What a file announcement says about the file.
@@ -287,6 +289,7 @@ impl W<'_> {
         self.u32(p.concurrency);
         self.u64(p.staging);
         self.u32(p.retries);
+        self.u64(p.bwlimit);
     }
 }
 
@@ -341,7 +344,7 @@ impl<'a> R<'a> {
         Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.u32()? })
     }
     fn params(&mut self) -> Result<EngineParams, DecodeError> {
-        Ok(EngineParams { streams: self.u32()?, concurrency: self.u32()?, staging: self.u64()?, retries: self.u32()? })
+        Ok(EngineParams { streams: self.u32()?, concurrency: self.u32()?, staging: self.u64()?, retries: self.u32()?, bwlimit: self.u64()? })
     }
 }
 
@@ -712,7 +715,7 @@ mod tests {
             Msg::Stat { path: "a/b".into() },
             Msg::StatReply { kind: FileKind::Dir, size: 9, mtime_s: 10 },
             Msg::Receive { dest: "x".into(), options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3 } },
-            Msg::Send { sources: vec!["a".into(), "b/*.h5".into()], options: TransferOptions::default(), params: EngineParams { streams: 4, concurrency: 8, staging: 1 << 26, retries: 5 } },
+            Msg::Send { sources: vec!["a".into(), "b/*.h5".into()], options: TransferOptions::default(), params: EngineParams { streams: 4, concurrency: 8, staging: 1 << 26, retries: 5, bwlimit: 7 } },
             Msg::SessionOpened { session: [8; 16] },
             Msg::Ready,
             Msg::Grant { dest: "out".into() },

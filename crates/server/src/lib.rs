@@ -336,6 +336,7 @@ fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, progress
         staging: p.staging.clamp(1 << 20, 1 << 30),
         idle_timeout: srv.cfg.idle_timeout,
         progress,
+        bwlimit: p.bwlimit,
     }
 }
 
