@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager
 
-from .datasets import Dataset
+from .datasets import Dataset, warm_up
 from .system import BenchError, CommandLog, run
 
 
@@ -33,6 +33,7 @@ class Context:
     wanem_dir: Path | None
     cold_cache: bool = True
     timeout: float = 900    # per command
+    dest_slash: bool = True  # remote destinations written as .../dst-N/
     log: CommandLog = field(default_factory=CommandLog)
     notes: list[str] = field(default_factory=list)
     _token: Path | None = None
@@ -187,6 +188,8 @@ def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
     try:
         for ds in wl.datasets(ctx):
             ds.ensure(ctx.scratch)
+            res.commands.add(f"# warm-up, not timed: read every file of {ds.src(ctx.scratch)}")
+            warm_up(ds, ctx.scratch)
         tools = wl.tools(ctx)
         for tool in tools:
             res.figures[tool.name] = []

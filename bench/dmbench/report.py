@@ -21,6 +21,10 @@ def fmt(x: float | None) -> str:
     return f"{x:.2f}"
 
 
+def fmt_ratio(ratio: float | None) -> str:
+    return f"{ratio * 100:.0f} %" if ratio else "–"
+
+
 def fmt_spread(stat) -> str:
     return f"{fmt(stat.lo)} – {fmt(stat.hi)}" if stat else "–"
 
@@ -66,6 +70,9 @@ def _header(meta: dict) -> str:
         f"- **page cache**: {meta['page_cache']}",
         f"- **peers**: {v['iperf3']}; {v['rsync']}; {v['rclone']}; {v['cp']}; {v['fio']}",
         f"- **scratch directory** (data sets, destinations): `{meta['scratch']}`",
+        *([] if meta.get("dest_slash", True) else [
+            "- **`--no-dest-slash`**: dmover destinations were written `dmover://…/dst-N` "
+            "(no trailing slash; same meaning since every source is `SRC/`)"]),
         "",
         "Each figure is the median of the runs, with the min – max spread. A ratio is "
         "dmover's median / the peer's median. Raw per-run figures: `bench/"
@@ -79,12 +86,12 @@ def _header(meta: dict) -> str:
 
 def _summary(results: list[WorkloadResult]) -> str:
     lines = ["## Summary", "",
-             "| # | measurement | dmover | peer | target | result |",
-             "|---|---|---|---|---|---|"]
+             "| # | measurement | dmover | peer | dmover / peer | target | result |",
+             "|---|---|---|---|---|---|---|"]
     numbered = [r for r in results if r.rows]
     for i, res in enumerate(numbered, 1):
         if res.skipped:
-            lines.append(f"| {i} | {res.title} | – | – | – | skipped: {res.skipped} |")
+            lines.append(f"| {i} | {res.title} | – | – | – | – | skipped: {res.skipped} |")
             continue
         for row in res.rows:
             if row.target is None:
@@ -93,7 +100,7 @@ def _summary(results: list[WorkloadResult]) -> str:
             own = fmt(ev["own"].median) if ev["own"] else "–"
             peer = f"{row.peer}: {fmt(ev['peer'].median)}" if ev["peer"] else "–"
             lines.append(f"| {i} | {res.title}: {row.measure} | {own} | {peer} | "
-                         f"{row.target.text} | {verdict_text(row, ev)} |")
+                         f"{fmt_ratio(ev['ratio'])} | {row.target.text} | {verdict_text(row, ev)} |")
     failed = [r for r in results if r.errors]
     if failed:
         lines += ["", "Steps that failed: " + ", ".join(f"{r.title} ({len(r.errors)})"
@@ -116,7 +123,7 @@ def _section(i: int, res: WorkloadResult, runs: int) -> str:
         ev = res.evaluate(row)
         own, peer = ev["own"], ev["peer"]
         n = len(own.values) if own else 0
-        ratio = f"{ev['ratio'] * 100:.0f} %" if ev["ratio"] else "–"
+        ratio = fmt_ratio(ev["ratio"])
         lines.append(
             f"| {row.measure} | {row.tool} ({n} runs) | {fmt(own.median if own else None)} "
             f"| {fmt_spread(own)} | {row.peer or '–'} | {fmt(peer.median if peer else None)} "

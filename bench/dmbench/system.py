@@ -291,7 +291,7 @@ def first_line(argv: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unavailable"
     text = (res.stdout or res.stderr).strip()
-    return text.splitlines()[0] if text and res.returncode == 0 else "unavailable"
+    return " ".join(text.splitlines()[0].split()) if text and res.returncode == 0 else "unavailable"
 
 
 def _meminfo_kib(key: str) -> int:

@@ -27,12 +27,14 @@ def _check(res: Result) -> Result:
 
 
 def parse_json_report(res: Result) -> dict:
-    """The JSON object a tool printed on stdout (whole output or last line)."""
+    """The last JSON object a tool printed on stdout, starting at a line start
+    (the whole output, or after other lines)."""
     text = res.stdout.strip()
-    candidates = [text] + [line for line in reversed(text.splitlines()) if line.startswith("{")]
-    for cand in candidates:
+    starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n" and text[i + 1:i + 2] == "{"]
+    decoder = json.JSONDecoder()
+    for start in reversed(starts):
         try:
-            obj = json.loads(cand)
+            obj, _ = decoder.raw_decode(text, start)
         except ValueError:
             continue
         if isinstance(obj, dict):
@@ -291,7 +293,7 @@ class DmoverCopy(CopyTool):
     def command(self, ctx, src, dest, run_no):
         return in_netns(self.client_netns, [
             str(ctx.dmover), "cp", "--json", *self.options, "--token-file", str(ctx.token()),
-            f"{src}/", self.server.url(f"dst-{run_no}/")])
+            f"{src}/", self.server.url(f"dst-{run_no}" + ("/" if ctx.dest_slash else ""))])
 
     def parse(self, ctx, res):
         rep = parse_json_report(res)

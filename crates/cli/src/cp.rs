@@ -144,7 +144,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     let mut plan = Plan {
         options: TransferOptions { transfer_id: transfer_id(&a.paths, a.block_size), block_size: a.block_size as u32, flags },
         params: EngineParams { streams: a.streams, concurrency: a.concurrency, staging: a.staging, retries: a.retries, bwlimit: a.bwlimit },
-        dest_path: dest.path().to_string(),
+        dest_path: dest.path().trim_end_matches('/').to_string(),
         sources,
         dest,
         cred,
