@@ -1,0 +1,264 @@
+//! Copies in all four directions, naming rules, globs and round-robin over
+//! several servers: the destination must end up byte-identical to the
+//! source, with modes and mtimes kept, and the report must say so.
+
+mod util;
+
+use std::collections::BTreeSet;
+use std::fs;
+use util::*;
+
+/// Common checks of a successful report against the source tree.
+fn check_report(j: &serde_json::Value, src: &std::path::Path) {
+    let files = list_files(src);
+    assert_eq!(u(&j["files"]), files.len() as u64, "files in the report: {j:#}");
+    assert_eq!(u(&j["bytes"]), total_size(src), "bytes in the report: {j:#}");
+    assert_eq!(u(&j["skipped_files"]), 0, "{j:#}");
+    assert!(j["seconds"].as_f64().is_some_and(|s| s > 0.0), "seconds: {j:#}");
+    let hosts = j["hosts"].as_array().expect("hosts");
+    let (hf, hb) = hosts.iter().fold((0, 0), |a, h| (a.0 + u(&h["files"]), a.1 + u(&h["bytes"])));
+    assert_eq!((hf, hb), (u(&j["files"]), u(&j["bytes"])), "host shares must add up to the totals: {j:#}");
+}
+
+#[test]
+fn local_to_local_tree_is_identical() {
+    let env = Env::new();
+    let src = env.path("data");
+    make_tree(&src, 1, 30);
+    let dst = env.mkdir("out");
+    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&dst).run();
+    let j = r.assert_ok();
+    check_report(&j, &src);
+    assert_same_tree(&src, &dst.join("data"));
+}
+
+#[test]
+fn local_to_remote_tree_is_identical() {
+    let env = Env::new();
+    let src = env.path("data");
+    make_tree(&src, 2, 30);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([src.as_os_str(), srv.url("e/up").as_ref()]).run();
+    let j = r.assert_ok();
+    check_report(&j, &src);
+    assert_eq!(j["hosts"][0]["host"], srv.addr(), "{j:#}");
+    assert_same_tree(&src, &export.join("up/data"));
+}
+
+#[test]
+fn remote_to_local_tree_is_identical() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let src = export.join("data");
+    make_tree(&src, 3, 30);
+    let srv = env.serve(&[("e", &export)]);
+    let dst = env.mkdir("down");
+    let r = env.cp([srv.url("e/data").as_ref(), dst.as_os_str()]).run();
+    let j = r.assert_ok();
+    check_report(&j, &src);
+    assert_same_tree(&src, &dst.join("data"));
+}
+
+#[test]
+fn remote_to_remote_third_party_tree_is_identical() {
+    let env = Env::new();
+    let ea = env.mkdir("export-a");
+    let eb = env.mkdir("export-b");
+    let src = ea.join("data");
+    make_tree(&src, 4, 30);
+    let a = env.serve(&[("ea", &ea)]);
+    let b = env.serve(&[("eb", &eb)]);
+    let r = env.cp([a.url("ea/data"), b.url("eb/copy")]).run();
+    let j = r.assert_ok();
+    check_report(&j, &src);
+    assert_same_tree(&src, &eb.join("copy/data"));
+    // The source export is untouched.
+    let again = env.path("expected");
+    make_tree(&again, 4, 30);
+    assert_same_tree(&again, &src);
+}
+
+#[test]
+fn token_from_the_environment_works() {
+    let env = Env::new();
+    let src = env.path("data");
+    make_tree(&src, 5, 3);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(srv.url("e")).env("DMOVER_TOKEN", env.token_str()).run();
+    r.assert_ok();
+    assert_same_tree(&src, &export.join("data"));
+}
+
+#[test]
+fn naming_follows_rsync() {
+    let env = Env::new();
+    let src = env.path("data");
+    make_tree(&src, 6, 6);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+
+    // `dir/` copies the contents.
+    let r = env.cp([format!("{}/", src.display()), srv.url("e/contents")]).run();
+    r.assert_ok();
+    assert_same_tree(&src, &export.join("contents"));
+
+    // A single file to a name that does not exist is written as that name (upload).
+    let one = src.join("a/b/c/multi.dat");
+    let r = env.cp([one.as_os_str(), srv.url("e/renamed.bin").as_ref()]).run();
+    r.assert_ok();
+    assert!(export.join("renamed.bin").is_file(), "renamed.bin should be a file: {:?}", list_tree(&export).keys().collect::<Vec<_>>());
+    assert!(same_content(&one, &export.join("renamed.bin")));
+    assert_eq!(mtime_of(&one), mtime_of(&export.join("renamed.bin")));
+
+    // ... and locally, and when downloading.
+    let local = env.mkdir("local");
+    let r = dmover(["cp", "--json", "-q"]).arg(&one).arg(local.join("x.bin")).run();
+    r.assert_ok();
+    assert!(same_content(&one, &local.join("x.bin")));
+    let r = env.cp([srv.url("e/renamed.bin"), local.join("y.bin").display().to_string()]).run();
+    r.assert_ok();
+    assert!(same_content(&one, &local.join("y.bin")));
+    assert_eq!(mtime_of(&one), mtime_of(&local.join("y.bin")));
+
+    // A single file into an existing directory keeps its name.
+    let r = dmover(["cp", "--json", "-q"]).arg(&one).arg(&local).run();
+    r.assert_ok();
+    assert!(same_content(&one, &local.join("multi.dat")));
+
+    // Several sources into one destination.
+    let r = env.cp([src.join("one.bin").display().to_string(), src.join("a").display().to_string(), srv.url("e/several")]).run();
+    r.assert_ok();
+    assert!(same_content(&src.join("one.bin"), &export.join("several/one.bin")));
+    assert_same_tree(&src.join("a"), &export.join("several/a"));
+}
+
+/// A destination URL ending in `/` names a directory, as a local one does
+/// (`cp dir dmover://h/e/sub/` → `sub/dir/...`).
+#[test]
+fn remote_destination_with_trailing_slash() {
+    let env = Env::new();
+    let src = env.path("data");
+    make_tree(&src, 7, 4);
+    let export = env.mkdir("export");
+    fs::create_dir(export.join("sub")).unwrap();
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([src.display().to_string(), srv.url("e/sub/")]).run();
+    r.assert_ok();
+    assert_same_tree(&src, &export.join("sub/data"));
+    // A single file into `dir/`.
+    let r = env.cp([src.join("one.bin").display().to_string(), srv.url("e/sub/")]).run();
+    r.assert_ok();
+    assert!(same_content(&src.join("one.bin"), &export.join("sub/one.bin")));
+}
+
+/// The set of .dat files below `root`, relative to it.
+fn dat_files(root: &std::path::Path) -> BTreeSet<String> {
+    list_files(root).into_keys().filter(|k| k.ends_with(".dat")).collect()
+}
+
+#[test]
+fn glob_keeps_relative_paths_upload() {
+    let env = Env::new();
+    let src = env.path("src");
+    make_tree(&src, 8, 18);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    // Quoted: one argv element, expanded by dmover.
+    let pattern = format!("{}/**/*.dat", src.display());
+    let r = env.cp([pattern, srv.url("e/g")]).run();
+    let j = r.assert_ok();
+    let want = dat_files(&src);
+    assert!(want.len() > 5 && want.iter().any(|p| p.contains('/')) && want.iter().any(|p| !p.contains('/')));
+    let got: BTreeSet<String> = list_files(&export.join("g")).into_keys().collect();
+    assert_eq!(got, want, "a glob's matches keep their path below the glob's directory");
+    assert_eq!(u(&j["files"]), want.len() as u64);
+    for p in &want {
+        assert!(same_content(&src.join(p), &export.join("g").join(p)), "{p}");
+        assert_eq!(mtime_of(&src.join(p)), mtime_of(&export.join("g").join(p)), "{p}");
+    }
+}
+
+#[test]
+fn glob_keeps_relative_paths_download_and_local() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let src = export.join("src");
+    make_tree(&src, 9, 18);
+    let srv = env.serve(&[("e", &export)]);
+    let want = dat_files(&src);
+
+    let down = env.mkdir("down");
+    let r = env.cp([srv.url("e/src/**/*.dat"), down.display().to_string()]).run();
+    r.assert_ok();
+    let got: BTreeSet<String> = list_files(&down).into_keys().collect();
+    assert_eq!(got, want, "remote glob");
+
+    let local = env.mkdir("local");
+    let r = dmover(["cp", "--json", "-q"]).arg(format!("{}/*/*.dat", src.display())).arg(&local).run();
+    r.assert_ok();
+    let got: BTreeSet<String> = list_files(&local).into_keys().collect();
+    let one_level: BTreeSet<String> = want.iter().filter(|p| p.matches('/').count() == 1).cloned().collect();
+    assert!(!one_level.is_empty());
+    assert_eq!(got, one_level, "'*/*.dat' matches one directory level only");
+}
+
+#[test]
+fn round_robin_over_three_servers() {
+    let env = Env::new();
+    let src = env.path("data");
+    make_tree(&src, 10, 40);
+    let exports: Vec<_> = (0..3).map(|i| env.mkdir(&format!("export{i}"))).collect();
+    let servers: Vec<_> = exports.iter().map(|e| env.serve(&[("e", e)])).collect();
+    let url = format!("dmover://{}/e/rr", servers.iter().map(|s| s.addr()).collect::<Vec<_>>().join(","));
+    let r = env.cp([src.display().to_string(), url]).run();
+    let j = r.assert_ok();
+    check_report(&j, &src);
+    let n = list_files(&src).len();
+
+    // Every server got a real share; the report says which.
+    let hosts = j["hosts"].as_array().unwrap();
+    assert_eq!(hosts.len(), 3, "{j:#}");
+    let mut union = std::collections::BTreeMap::new();
+    for (s, e) in servers.iter().zip(&exports) {
+        let here = list_files(&e.join("rr"));
+        assert!(here.len() >= n / 6, "server {} got only {} of {n} files", s.addr(), here.len());
+        let h = hosts.iter().find(|h| h["host"] == s.addr()).unwrap_or_else(|| panic!("{} not in hosts: {j:#}", s.addr()));
+        assert_eq!(u(&h["files"]), here.len() as u64, "{} files: {j:#}", s.addr());
+        assert_eq!(u(&h["bytes"]), total_size(&e.join("rr")), "{} bytes: {j:#}", s.addr());
+        for (k, node) in here {
+            assert!(union.insert(k.clone(), (e.join("rr"), node)).is_none(), "{k} was sent to two servers");
+        }
+    }
+    // The union is the source.
+    let want = list_files(&src.parent().unwrap().join("data"));
+    let want: Vec<_> = want.keys().map(|k| format!("data/{k}")).collect();
+    let got: Vec<_> = union.keys().cloned().collect();
+    assert_eq!(got, want);
+    for (k, (root, node)) in &union {
+        let rel = k.strip_prefix("data/").unwrap();
+        assert!(same_content(&src.join(rel), &root.join(k)), "{k}");
+        let Node::File { mode, mtime, .. } = node else { unreachable!() };
+        let Node::File { mode: m0, mtime: t0, .. } = &list_files(&src)[rel] else { unreachable!() };
+        assert_eq!((mode, mtime), (m0, t0), "{k}: mode and mtime");
+    }
+    // No resume state left behind anywhere.
+    for e in &exports {
+        assert!(!list_tree(e).keys().any(|k| k.contains(".dmover-part")), "leftovers in {}", e.display());
+    }
+}
+
+/// `dir` copied recursively must bring its empty subdirectories too (as cp
+/// -r and rsync -r do).
+#[test]
+fn empty_directories_are_copied() {
+    let env = Env::new();
+    let src = env.path("data");
+    make_tree(&src, 11, 2);
+    fs::create_dir_all(src.join("empty/inner")).unwrap();
+    let dst = env.mkdir("out");
+    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&dst).run();
+    r.assert_ok();
+    assert!(dst.join("data/empty/inner").is_dir(), "empty directories were not copied: {:?}", list_tree(&dst.join("data")).keys().collect::<Vec<_>>());
+}

@@ -1,0 +1,798 @@
+//! Shared helpers for the end-to-end tests: they run the real `dmover`
+//! binary as separate processes, on loopback, with real files.
+//!
+//! * [`Env`]: a temporary directory with a token, from which servers and
+//!   trees are made; everything under it goes away with it.
+//! * [`Server`]: a `dmover serve` process on port 0; killed when dropped.
+//! * [`dmover`] / [`Cmd`]: run a client command with a timeout and capture
+//!   its exit code, stdout and stderr; [`Cmd::spawn`] for one to interrupt.
+//! * Trees: [`make_tree`] writes deterministic pseudo-random files with
+//!   varied sizes, modes and (nanosecond) mtimes; [`assert_same_tree`]
+//!   compares two trees byte for byte, with mode and mtime.
+//! * [`Mount`]: a tmpfs or read-only bind mount, unmounted when dropped.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, Read, Seek, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_dmover");
+
+/// How long any single client command may run before the test gives up.
+pub const CMD_TIMEOUT: Duration = Duration::from_secs(120);
+
+// ---------------------------------------------------------------------------
+// Polling
+
+/// Polls `f` every 20 ms until it returns true; false after `timeout`.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The environment: a temp dir with a token
+
+pub struct Env {
+    pub dir: tempfile::TempDir,
+    pub token: PathBuf,
+}
+
+impl Env {
+    pub fn new() -> Env {
+        let dir = tempfile::Builder::new().prefix("dmover-e2e-").tempdir().expect("temp dir");
+        // Readable by other users, for the tests that drop privileges.
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let token = dir.path().join("token");
+        let r = dmover(["token".as_ref(), token.as_os_str()]).run();
+        assert_eq!(r.code, 0, "dmover token failed: {}", r.stderr);
+        let mode = fs::metadata(&token).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "token file mode");
+        Env { dir, token }
+    }
+
+    pub fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// Makes (and returns) a directory below the environment.
+    pub fn mkdir(&self, rel: &str) -> PathBuf {
+        let p = self.path(rel);
+        fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    pub fn token_str(&self) -> String {
+        fs::read_to_string(&self.token).unwrap().trim().to_string()
+    }
+
+    /// Starts a server exporting `exports` (NAME, DIR) with this env's token.
+    pub fn serve(&self, exports: &[(&str, &Path)]) -> Server {
+        Server::start(ServerSpec::new(&self.token, exports, &self.path(&format!("server-{}.log", unique()))))
+    }
+
+    /// A `dmover cp ... --json -q --token-file TOKEN` command.
+    pub fn cp<S: AsRef<OsStr>>(&self, args: impl IntoIterator<Item = S>) -> Cmd {
+        let mut c = dmover(["cp", "--json", "-q", "--token-file"]);
+        c.arg(&self.token);
+        c.args(args);
+        c
+    }
+}
+
+/// A number unique in this process (for file names).
+pub fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::SeqCst)
+}
+
+// ---------------------------------------------------------------------------
+// Servers
+
+#[derive(Clone)]
+pub struct ServerSpec {
+    pub token: PathBuf,
+    pub exports: Vec<(String, PathBuf)>,
+    pub listen: String,
+    pub log: PathBuf,
+    pub extra: Vec<OsString>,
+    /// Command prefix (e.g. setpriv ...), if any.
+    pub prefix: Vec<OsString>,
+}
+
+impl ServerSpec {
+    pub fn new(token: &Path, exports: &[(&str, &Path)], log: &Path) -> ServerSpec {
+        ServerSpec {
+            token: token.to_path_buf(),
+            exports: exports.iter().map(|(n, d)| (n.to_string(), d.to_path_buf())).collect(),
+            listen: "127.0.0.1:0".into(),
+            log: log.to_path_buf(),
+            extra: Vec::new(),
+            prefix: Vec::new(),
+        }
+    }
+}
+
+/// A running `dmover serve`. Dropping it kills it (SIGKILL) and reaps it.
+pub struct Server {
+    pub spec: ServerSpec,
+    child: Option<Child>,
+    pub port: u16,
+    /// Exit status, once it exited and was reaped.
+    pub status: Option<ExitStatus>,
+}
+
+impl Server {
+    pub fn start(spec: ServerSpec) -> Server {
+        let mut s = Server { spec, child: None, port: 0, status: None };
+        s.launch(Duration::from_secs(60));
+        s
+    }
+
+    /// Starts the process and waits for its "listening on" line. Retries
+    /// while the address is still taken (a restart on the same port).
+    fn launch(&mut self, patience: Duration) {
+        let end = Instant::now() + patience;
+        loop {
+            match self.try_launch() {
+                Ok(port) => {
+                    self.port = port;
+                    return;
+                }
+                Err(e) if Instant::now() < end && e.contains("cannot listen") => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => panic!("server did not start: {e}\nlog:\n{}", self.log()),
+            }
+        }
+    }
+
+    fn try_launch(&mut self) -> Result<u16, String> {
+        let log = fs::OpenOptions::new().create(true).append(true).open(&self.spec.log).unwrap();
+        let mut cmd = if self.spec.prefix.is_empty() {
+            Command::new(BIN)
+        } else {
+            let mut c = Command::new(&self.spec.prefix[0]);
+            c.args(&self.spec.prefix[1..]).arg(BIN);
+            c
+        };
+        cmd.arg("serve").arg("--listen").arg(&self.spec.listen);
+        for (n, d) in &self.spec.exports {
+            let mut e = OsString::from(format!("{n}="));
+            e.push(d.as_os_str());
+            cmd.arg("--export").arg(e);
+        }
+        cmd.arg("--token-file").arg(&self.spec.token).args(&self.spec.extra);
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log));
+        let mut child = cmd.spawn().map_err(|e| format!("spawn: {e}"))?;
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(l)) = lines.next() {
+                let _ = tx.send(l);
+            }
+            // Keep draining so the server never blocks on stdout.
+            for _ in lines {}
+        });
+        let line = rx.recv_timeout(Duration::from_secs(60));
+        match line {
+            Ok(l) => {
+                let port = l
+                    .strip_prefix("dmover: listening on ")
+                    .and_then(|a| a.rsplit_once(':'))
+                    .and_then(|(_, p)| p.trim().parse::<u16>().ok())
+                    .ok_or_else(|| format!("unexpected first line {l:?}"))?;
+                assert_ne!(port, 0, "server reported port 0");
+                self.child = Some(child);
+                self.status = None;
+                Ok(port)
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let st = child.wait();
+                Err(format!("no 'listening on' line (exit {st:?}); log: {}", self.log()))
+            }
+        }
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// `dmover://127.0.0.1:PORT/rel`
+    pub fn url(&self, rel: &str) -> String {
+        format!("dmover://{}/{}", self.addr(), rel)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("server running").id()
+    }
+
+    /// The server's stderr so far (all its runs).
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.spec.log).unwrap_or_default()
+    }
+
+    /// True while the process has not exited.
+    pub fn running(&mut self) -> bool {
+        match self.child.as_mut() {
+            None => false,
+            Some(c) => match c.try_wait().unwrap() {
+                None => true,
+                Some(st) => {
+                    self.status = Some(st);
+                    self.child = None;
+                    false
+                }
+            },
+        }
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            self.status = c.wait().ok();
+        }
+    }
+
+    /// Sends a signal to the server process.
+    pub fn signal(&self, sig: i32) {
+        let pid = self.pid() as libc::pid_t;
+        // SAFETY: kill(2) with a pid we own.
+        assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
+    }
+
+    /// Waits for the process to exit; its status, or None after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        wait_until(timeout, || !self.running());
+        self.status
+    }
+
+    /// Starts the server again on the same port, with the same exports.
+    pub fn restart(&mut self) {
+        assert!(!self.running(), "restart of a running server");
+        self.spec.listen = self.addr();
+        self.launch(Duration::from_secs(30));
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A loopback port nobody listens on (bound, then released).
+pub fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+// ---------------------------------------------------------------------------
+// Running dmover
+
+/// A dmover command being put together.
+pub struct Cmd {
+    prefix: Vec<OsString>,
+    args: Vec<OsString>,
+    envs: Vec<(OsString, OsString)>,
+    cwd: Option<PathBuf>,
+    timeout: Duration,
+}
+
+pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
+    Cmd { prefix: Vec::new(), args: args.into_iter().map(|a| a.as_ref().to_os_string()).collect(), envs: Vec::new(), cwd: None, timeout: CMD_TIMEOUT }
+}
+
+/// What a finished command did.
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl Run {
+    /// The JSON report on stdout.
+    pub fn json(&self) -> Value {
+        serde_json::from_str(self.stdout.trim()).unwrap_or_else(|e| panic!("stdout is not a JSON report ({e}):\n{}\nstderr:\n{}", self.stdout, self.stderr))
+    }
+
+    /// Lines of stderr that are dmover's own error messages.
+    pub fn error_lines(&self) -> Vec<&str> {
+        self.stderr.lines().filter(|l| l.starts_with("dmover: error")).collect()
+    }
+
+    /// Asserts success: exit 0, `ok`, check passed, no errors. Returns the report.
+    pub fn assert_ok(&self) -> Value {
+        assert_eq!(self.code, 0, "exit code; stderr:\n{}\nstdout:\n{}", self.stderr, self.stdout);
+        let j = self.json();
+        assert_eq!(j["ok"], true, "report: {j:#}");
+        assert_eq!(j["check"]["passed"], true, "report: {j:#}");
+        assert_eq!(j["check"]["digests_match"], true, "report: {j:#}");
+        assert_eq!(j["errors"].as_array().map(Vec::len), Some(0), "report: {j:#}");
+        assert_eq!(j["check"]["source_files"], j["files"], "report: {j:#}");
+        assert_eq!(j["check"]["dest_files"], j["files"], "report: {j:#}");
+        assert_eq!(j["check"]["source_bytes"], j["bytes"], "report: {j:#}");
+        assert_eq!(j["check"]["dest_bytes"], j["bytes"], "report: {j:#}");
+        assert!(!self.stderr.contains("panicked"), "stderr: {}", self.stderr);
+        j
+    }
+
+    /// Asserts a failure with `code` and exactly one one-line error on
+    /// stderr that mentions every one of `names`.
+    pub fn assert_fails(&self, code: i32, names: &[&str]) {
+        assert_eq!(self.code, code, "exit code (want {code}); stderr:\n{}\nstdout:\n{}", self.stderr, self.stdout);
+        assert!(!self.stderr.contains("panicked"), "dmover panicked: {}", self.stderr);
+        let errs = self.error_lines();
+        assert_eq!(errs.len(), 1, "want exactly one 'dmover: error' line on stderr, got:\n{}", self.stderr);
+        for n in names {
+            assert!(errs[0].contains(n), "the error line does not name {n:?}: {:?}\nstderr:\n{}", errs[0], self.stderr);
+        }
+    }
+}
+
+impl Cmd {
+    pub fn arg(&mut self, a: impl AsRef<OsStr>) -> &mut Cmd {
+        self.args.push(a.as_ref().to_os_string());
+        self
+    }
+
+    pub fn args<S: AsRef<OsStr>>(&mut self, a: impl IntoIterator<Item = S>) -> &mut Cmd {
+        self.args.extend(a.into_iter().map(|a| a.as_ref().to_os_string()));
+        self
+    }
+
+    pub fn env(&mut self, k: impl AsRef<OsStr>, v: impl AsRef<OsStr>) -> &mut Cmd {
+        self.envs.push((k.as_ref().into(), v.as_ref().into()));
+        self
+    }
+
+    pub fn cwd(&mut self, d: impl AsRef<Path>) -> &mut Cmd {
+        self.cwd = Some(d.as_ref().to_path_buf());
+        self
+    }
+
+    pub fn timeout(&mut self, t: Duration) -> &mut Cmd {
+        self.timeout = t;
+        self
+    }
+
+    /// Runs it under `prefix` (e.g. `setpriv --reuid=...`).
+    pub fn prefix<S: AsRef<OsStr>>(&mut self, p: impl IntoIterator<Item = S>) -> &mut Cmd {
+        self.prefix = p.into_iter().map(|a| a.as_ref().to_os_string()).collect();
+        self
+    }
+
+    /// Starts it in the background.
+    pub fn spawn(&self) -> Proc {
+        let out = tempfile::tempfile().unwrap();
+        let err = tempfile::tempfile().unwrap();
+        let mut c = if self.prefix.is_empty() {
+            Command::new(BIN)
+        } else {
+            let mut c = Command::new(&self.prefix[0]);
+            c.args(&self.prefix[1..]).arg(BIN);
+            c
+        };
+        c.args(&self.args);
+        c.env_remove("DMOVER_TOKEN").env_remove("DMOVER_LOG");
+        for (k, v) in &self.envs {
+            c.env(k, v);
+        }
+        if let Some(d) = &self.cwd {
+            c.current_dir(d);
+        }
+        c.stdin(Stdio::null()).stdout(Stdio::from(out.try_clone().unwrap())).stderr(Stdio::from(err.try_clone().unwrap()));
+        let child = c.spawn().expect("spawn dmover");
+        Proc { child: Some(child), out, err, started: Instant::now(), timeout: self.timeout, desc: format!("{:?}", self.args) }
+    }
+
+    /// Runs it to the end (killing it after the timeout, which fails the test).
+    pub fn run(&self) -> Run {
+        self.spawn().wait()
+    }
+}
+
+/// A background dmover process; killed (SIGKILL) if dropped while running.
+pub struct Proc {
+    child: Option<Child>,
+    out: File,
+    err: File,
+    started: Instant,
+    timeout: Duration,
+    desc: String,
+}
+
+fn read_all(f: &mut File) -> String {
+    let mut s = String::new();
+    f.rewind().unwrap();
+    let mut b = Vec::new();
+    f.read_to_end(&mut b).unwrap();
+    s.push_str(&String::from_utf8_lossy(&b));
+    s
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Still running?
+    pub fn running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| c.try_wait().unwrap().is_none())
+    }
+
+    /// SIGKILL and reap; returns what it printed.
+    pub fn kill9(mut self) -> Run {
+        let mut c = self.child.take().unwrap();
+        let _ = c.kill();
+        let st = c.wait().unwrap();
+        Run { code: code_of(st), stdout: read_all(&mut self.out), stderr: read_all(&mut self.err), elapsed: self.started.elapsed() }
+    }
+
+    /// Waits for the end (the test fails if it takes longer than the timeout).
+    pub fn wait(mut self) -> Run {
+        let mut c = self.child.take().unwrap();
+        let deadline = self.started + self.timeout;
+        let st = loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                break st;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                panic!(
+                    "dmover {} did not finish within {:?}\nstdout:\n{}\nstderr:\n{}",
+                    self.desc,
+                    self.timeout,
+                    read_all(&mut self.out),
+                    read_all(&mut self.err)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        Run { code: code_of(st), stdout: read_all(&mut self.out), stderr: read_all(&mut self.err), elapsed: self.started.elapsed() }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn code_of(st: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
+}
+
+// ---------------------------------------------------------------------------
+// Files and trees
+
+/// xorshift64*: deterministic pseudo-random bytes.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}
+
+/// Writes `size` pseudo-random bytes (from `seed`) to `path`, making parents.
+pub fn write_random(path: &Path, size: u64, seed: u64) {
+    if let Some(p) = path.parent() {
+        fs::create_dir_all(p).unwrap();
+    }
+    let mut f = std::io::BufWriter::new(File::create(path).unwrap());
+    let mut rng = Rng::new(seed ^ 0x5151);
+    let mut buf = vec![0u8; 1 << 16];
+    let mut left = size;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        rng.fill(&mut buf[..n]);
+        f.write_all(&buf[..n]).unwrap();
+        left -= n as u64;
+    }
+    f.flush().unwrap();
+}
+
+/// Sets a file's mtime (and atime) to `secs`.`nsec` without following symlinks.
+pub fn set_mtime(path: &Path, secs: i64, nsec: i64) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let ts = [libc::timespec { tv_sec: secs as libc::time_t, tv_nsec: nsec as _ }, libc::timespec { tv_sec: secs as libc::time_t, tv_nsec: nsec as _ }];
+    // SAFETY: a valid C string and two timespecs.
+    let r = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) };
+    assert_eq!(r, 0, "utimensat {}: {}", path.display(), std::io::Error::last_os_error());
+}
+
+pub fn mtime_of(path: &Path) -> (i64, i64) {
+    let m = fs::symlink_metadata(path).unwrap();
+    (m.mtime(), m.mtime_nsec())
+}
+
+pub fn chmod(path: &Path, mode: u32) {
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// Writes a file with content, mode and mtime chosen by `rng`.
+pub fn make_file(path: &Path, size: u64, rng: &mut Rng) {
+    write_random(path, size, rng.next());
+    const MODES: [u32; 5] = [0o644, 0o600, 0o755, 0o640, 0o444];
+    chmod(path, MODES[rng.below(MODES.len() as u64) as usize]);
+    // Somewhere in 2001..2021, with nanoseconds.
+    set_mtime(path, 1_000_000_000 + rng.below(600_000_000) as i64, rng.below(1_000_000_000) as i64);
+}
+
+/// A tree of `n_small` small files spread over a few directories, plus a few
+/// edge cases (empty, one byte, exactly one block, one block and a byte,
+/// a multi-block file, odd names). Returns the relative paths of all files.
+pub fn make_tree(root: &Path, seed: u64, n_small: usize) -> Vec<String> {
+    let mut rng = Rng::new(seed);
+    let mut files = Vec::new();
+    let mib = 1u64 << 20;
+    let fixed: [(&str, u64); 8] = [
+        ("empty.dat", 0),
+        ("one.bin", 1),
+        ("a/page.dat", 4095),
+        ("a/block.dat", mib),
+        ("a/b/block_plus_one.dat", mib + 1),
+        ("a/b/c/multi.dat", 3 * mib + 12_345),
+        ("name with spaces.txt", 777),
+        ("ünïcødé/€.txt", 1234),
+    ];
+    for (p, size) in fixed {
+        make_file(&root.join(p), size, &mut rng);
+        files.push(p.to_string());
+    }
+    let dirs = ["", "a", "a/b", "d1", "d1/d2", "d3"];
+    for i in 0..n_small {
+        let d = dirs[i % dirs.len()];
+        let ext = if i % 3 == 0 { "txt" } else { "dat" };
+        let p = if d.is_empty() { format!("f{i:03}.{ext}") } else { format!("{d}/f{i:03}.{ext}") };
+        let size = rng.below(40_000);
+        make_file(&root.join(&p), size, &mut rng);
+        files.push(p);
+    }
+    files.sort();
+    files
+}
+
+/// An entry of a tree snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Node {
+    Dir,
+    File { size: u64, mode: u32, mtime: (i64, i64) },
+    Link(PathBuf),
+    Other,
+}
+
+/// Every entry below `root` (relative path → node), not following symlinks.
+pub fn list_tree(root: &Path) -> BTreeMap<String, Node> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![(root.to_path_buf(), String::new())];
+    while let Some((dir, rel)) = stack.pop() {
+        for e in fs::read_dir(&dir).unwrap_or_else(|e| panic!("read_dir {}: {e}", dir.display())) {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            let r = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+            let m = fs::symlink_metadata(e.path()).unwrap();
+            let node = if m.file_type().is_symlink() {
+                Node::Link(fs::read_link(e.path()).unwrap())
+            } else if m.is_dir() {
+                stack.push((e.path(), r.clone()));
+                Node::Dir
+            } else if m.is_file() {
+                Node::File { size: m.len(), mode: m.mode() & 0o7777, mtime: (m.mtime(), m.mtime_nsec()) }
+            } else {
+                Node::Other
+            };
+            out.insert(r, node);
+        }
+    }
+    out
+}
+
+/// Regular files below `root` (relative path → node).
+pub fn list_files(root: &Path) -> BTreeMap<String, Node> {
+    list_tree(root).into_iter().filter(|(_, n)| matches!(n, Node::File { .. })).collect()
+}
+
+/// Byte-for-byte comparison of two files.
+pub fn same_content(a: &Path, b: &Path) -> bool {
+    let (Ok(fa), Ok(fb)) = (File::open(a), File::open(b)) else { return false };
+    if fa.metadata().unwrap().len() != fb.metadata().unwrap().len() {
+        return false;
+    }
+    let (mut ra, mut rb) = (BufReader::with_capacity(1 << 20, fa), BufReader::with_capacity(1 << 20, fb));
+    let (mut ba, mut bb) = (vec![0u8; 1 << 16], vec![0u8; 1 << 16]);
+    loop {
+        let n = read_full(&mut ra, &mut ba);
+        let m = read_full(&mut rb, &mut bb);
+        if n != m || ba[..n] != bb[..m] {
+            return false;
+        }
+        if n == 0 {
+            return true;
+        }
+    }
+}
+
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]).unwrap() {
+            0 => break,
+            k => n += k,
+        }
+    }
+    n
+}
+
+/// Asserts that `dst` holds exactly the tree `src` holds (same paths, same
+/// kinds; files byte-identical with the same mode and mtime). Directory
+/// attributes are not compared. Any leftover (temporary file, resume state)
+/// in `dst` fails the comparison.
+pub fn assert_same_tree(src: &Path, dst: &Path) {
+    let a = list_tree(src);
+    let b = list_tree(dst);
+    let only_a: Vec<_> = a.keys().filter(|k| !b.contains_key(*k)).collect();
+    let only_b: Vec<_> = b.keys().filter(|k| !a.contains_key(*k)).collect();
+    assert!(
+        only_a.is_empty() && only_b.is_empty(),
+        "trees differ: {} vs {}\nmissing at the destination: {only_a:?}\nextra at the destination: {only_b:?}",
+        src.display(),
+        dst.display()
+    );
+    for (k, na) in &a {
+        let nb = &b[k];
+        match (na, nb) {
+            (Node::Dir, Node::Dir) => {}
+            (Node::File { size: sa, mode: ma, mtime: ta }, Node::File { size: sb, mode: mb, mtime: tb }) => {
+                assert_eq!(sa, sb, "{k}: size");
+                assert!(same_content(&src.join(k), &dst.join(k)), "{k}: content differs");
+                assert_eq!(format!("{ma:o}"), format!("{mb:o}"), "{k}: mode");
+                assert_eq!(ta, tb, "{k}: mtime (s, ns)");
+            }
+            _ => assert_eq!(na, nb, "{k}: kind"),
+        }
+    }
+}
+
+/// Bytes actually allocated to regular files below `dir` (sparse-aware:
+/// what has been written so far), not counting dmover's resume state.
+pub fn written_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = fs::symlink_metadata(e.path()) else { continue };
+            if m.is_dir() {
+                if e.file_name() != ".dmover-partial" {
+                    stack.push(e.path());
+                }
+            } else if m.is_file() {
+                total += (m.blocks() * 512).min(m.len());
+            }
+        }
+    }
+    total
+}
+
+/// Asserts that every file below `dst` under a final name (not a
+/// `.NAME.dmover-part`, not in `.dmover-partial/`) equals its counterpart
+/// below `src`: no final name is ever half-written. Returns how many there were.
+pub fn assert_final_names_complete(src: &Path, dst: &Path) -> usize {
+    let mut n = 0;
+    for (k, _) in list_files(dst) {
+        let name = k.rsplit('/').next().unwrap();
+        if k.split('/').any(|c| c == ".dmover-partial") || (name.starts_with('.') && name.ends_with(".dmover-part")) {
+            continue;
+        }
+        assert!(same_content(&src.join(&k), &dst.join(&k)), "{k} exists under its final name but differs from the source");
+        n += 1;
+    }
+    n
+}
+
+// ---------------------------------------------------------------------------
+// Mounts
+
+/// A mount point, unmounted (lazily) when dropped.
+pub struct Mount {
+    pub path: PathBuf,
+}
+
+fn sh(cmd: &str, args: &[&OsStr]) -> Result<(), String> {
+    let out = Command::new(cmd).args(args).output().map_err(|e| format!("{cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+impl Mount {
+    /// A tmpfs of `size` (e.g. "4m") at `path` (created).
+    pub fn tmpfs(path: &Path, size: &str) -> Mount {
+        fs::create_dir_all(path).unwrap();
+        let opt = format!("size={size},mode=0755");
+        sh("mount", &["-t".as_ref(), "tmpfs".as_ref(), "-o".as_ref(), opt.as_ref(), "tmpfs".as_ref(), path.as_os_str()])
+            .unwrap_or_else(|e| panic!("cannot mount a tmpfs (these tests need root): {e}"));
+        Mount { path: path.to_path_buf() }
+    }
+
+    /// `path` bind-mounted onto itself, read-only.
+    pub fn read_only(path: &Path) -> Mount {
+        sh("mount", &["--bind".as_ref(), path.as_os_str(), path.as_os_str()]).unwrap_or_else(|e| panic!("bind mount: {e}"));
+        let m = Mount { path: path.to_path_buf() };
+        sh("mount", &["-o".as_ref(), "remount,ro,bind".as_ref(), path.as_os_str()]).unwrap_or_else(|e| panic!("read-only remount: {e}"));
+        m
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Err(e) = sh("umount", &[self.path.as_os_str()]) {
+            eprintln!("umount failed ({e}); unmounting lazily");
+            let _ = sh("umount", &["-l".as_ref(), self.path.as_os_str()]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Reports
+
+pub fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not an unsigned number: {v}"))
+}
+
+/// Total size of the files listed (relative to `root`).
+pub fn total_size(root: &Path) -> u64 {
+    list_files(root).values().map(|n| if let Node::File { size, .. } = n { *size } else { 0 }).sum()
+}
