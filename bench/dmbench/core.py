@@ -33,7 +33,6 @@ class Context:
     wanem_dir: Path | None
     cold_cache: bool = True
     timeout: float = 900    # per command
-    dest_slash: bool = True  # remote destinations written as .../dst-N/
     log: CommandLog = field(default_factory=CommandLog)
     notes: list[str] = field(default_factory=list)
     _token: Path | None = None

@@ -43,7 +43,9 @@ class Dataset:
 
     def describe(self) -> str:
         where = f" in {self.dirs} directories" if self.dirs else ""
-        return f"{self.files:,} × {human_size(self.file_size)}iB{where}, random content"
+        size = human_size(self.file_size)
+        size = f"{size[:-1]} {size[-1]}iB" if size[-1] in "KMG" else f"{size} B"
+        return f"{self.files:,} × {size}{where}, random content"
 
     def relpaths(self) -> list[str]:
         if not self.dirs:

@@ -70,9 +70,6 @@ def _header(meta: dict) -> str:
         f"- **page cache**: {meta['page_cache']}",
         f"- **peers**: {v['iperf3']}; {v['rsync']}; {v['rclone']}; {v['cp']}; {v['fio']}",
         f"- **scratch directory** (data sets, destinations): `{meta['scratch']}`",
-        *([] if meta.get("dest_slash", True) else [
-            "- **`--no-dest-slash`**: dmover destinations were written `dmover://…/dst-N` "
-            "(no trailing slash; same meaning since every source is `SRC/`)"]),
         "",
         "Each figure is the median of the runs, with the min – max spread. A ratio is "
         "dmover's median / the peer's median. Raw per-run figures: `bench/"
@@ -129,8 +126,9 @@ def _section(i: int, res: WorkloadResult, runs: int) -> str:
             f"| {fmt_spread(own)} | {row.peer or '–'} | {fmt(peer.median if peer else None)} "
             f"| {fmt_spread(peer)} | {ratio} | {row.target.text if row.target else '–'} "
             f"| {verdict_text(row, ev)} |")
-    lines += ["", f"Commands (set-up, run 1 of {runs}, teardown; the other runs repeat "
-              "run 1 with their own run number in `dst-N`):", "", "```sh"]
+    per_run = ("; the other runs repeat run 1 with their own run number in `dst-N`"
+               if any("dst-1" in c for c in res.commands.lines("run 1")) else "")
+    lines += ["", f"Commands (set-up, run 1 of {runs}, teardown{per_run}):", "", "```sh"]
     for phase, title in (("setup", "set-up"), ("run 1", "each run"), ("teardown", "teardown")):
         cmds = res.commands.lines(phase)
         if cmds:

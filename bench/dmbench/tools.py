@@ -293,7 +293,7 @@ class DmoverCopy(CopyTool):
     def command(self, ctx, src, dest, run_no):
         return in_netns(self.client_netns, [
             str(ctx.dmover), "cp", "--json", *self.options, "--token-file", str(ctx.token()),
-            f"{src}/", self.server.url(f"dst-{run_no}" + ("/" if ctx.dest_slash else ""))])
+            f"{src}/", self.server.url(f"dst-{run_no}/")])
 
     def parse(self, ctx, res):
         rep = parse_json_report(res)

@@ -9,14 +9,14 @@ use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::fsroot::Root;
 use dmover_engine::progress::Progress;
-use dmover_engine::recv::{self, RecvConfig, DEST_IS_FILE};
+use dmover_engine::recv::{self, RecvConfig, DEST_MAY_BE_FILE};
 use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
 use dmover_engine::session::{self, Conn, Credential};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::FrameReader;
 use dmover_engine::{Error, Result};
-use dmover_proto::frame::{EngineParams, FileKind, Stats, TicketedHost, TransferOptions};
+use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -89,7 +89,7 @@ struct Plan {
     options: TransferOptions,
     params: EngineParams,
     cred: Option<Credential>,
-    /// The destination path to give the receiver (a directory, or the file with DEST_IS_FILE).
+    /// The destination path to give the receiver (a directory, or maybe a file: DEST_MAY_BE_FILE).
     dest_path: String,
 }
 
@@ -149,9 +149,8 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         dest,
         cred,
     };
-    if single_file_to_file(&plan)? {
-        plan.options.flags |= DEST_IS_FILE;
-        plan.dest_path = plan.dest_path.trim_end_matches('/').to_string();
+    if may_be_file_to_file(&plan) {
+        plan.options.flags |= DEST_MAY_BE_FILE;
     }
     Ok(plan)
 }
@@ -174,37 +173,13 @@ fn transfer_id(paths: &[String], block_size: u64) -> [u8; 16] {
     dmover_proto::digest::block_sum(s.as_bytes())
 }
 
-/// A single regular file copied to a name that is not a directory.
-fn single_file_to_file(p: &Plan) -> Result<bool> {
-    let [src] = p.sources.as_slice() else { return Ok(false) };
+/// One source that may be a single file, and a destination that does not
+/// say it is a directory: the receiver writes a lone file as DEST itself
+/// unless DEST is an existing directory.
+fn may_be_file_to_file(p: &Plan) -> bool {
+    let [src] = p.sources.as_slice() else { return false };
     let sp = src.path();
-    let dp = p.dest.path();
-    if sp.ends_with('/') || sp.contains(['*', '?', '[', '{']) || dp.ends_with('/') {
-        return Ok(false);
-    }
-    let is = |loc: &Location, want: FileKind| -> Result<bool> {
-        match loc {
-            Location::Local(path) => Ok(match std::fs::metadata(path) {
-                Ok(m) => (want == FileKind::File && m.is_file()) || (want == FileKind::Dir && m.is_dir()),
-                Err(_) => false,
-            }),
-            Location::Remote { hosts, path } => {
-                let mut c = Conn::control(&hosts[0], p.cred.as_ref().expect("remote needs a token"))?;
-                match c.request(&Msg::Stat { path: path.trim_end_matches('/').to_string() })? {
-                    Msg::StatReply { kind, .. } => Ok(kind == want),
-                    m => Err(Error::protocol(&hosts[0], format!("expected a stat reply, got {m:?}"))),
-                }
-            }
-        }
-    };
-    if !is(src, FileKind::File)? {
-        return Ok(false);
-    }
-    // An export root is always a directory.
-    if matches!(&p.dest, Location::Remote { path, .. } if !path.trim_end_matches('/').contains('/')) {
-        return Ok(false);
-    }
-    Ok(!is(&p.dest, FileKind::Dir)?)
+    !(sp.ends_with('/') || sp.contains(['*', '?', '[', '{']) || p.dest.path().ends_with('/'))
 }
 
 fn specs(p: &Plan) -> Vec<String> {
@@ -281,12 +256,13 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let host = &hosts[0];
     let cred = p.cred.clone().expect("remote needs a token");
     with_retries(a.retries, |_| {
+        let started = session::start_streams(host, &cred, a.streams as usize);
         let mut c = Conn::control(host, &cred)?;
         let m = c.request(&Msg::Send { sources: specs(p), options: p.options, params: p.params })?;
         let Msg::SessionOpened { session } = m else {
             return Err(Error::protocol(host, format!("expected a session, got {m:?}")));
         };
-        let data = session::open_streams(host, &cred, session, a.streams as usize)?;
+        let data = session::attach_streams(started, session)?;
         c.send(&Msg::Ready)?;
         let control = c.into_transport();
         let after = control.split().map_err(|e| Error::network(host, &e))?;
@@ -337,7 +313,7 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
     params.retries = a.retries;
     c.send(&Msg::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params })?;
     loop {
-        match c.reader.read_msg().map_err(|e| Error { subject: if e.subject.is_empty() { src.clone() } else { e.subject }, ..e })? {
+        match c.read_msg()? {
             Msg::Progress { files, bytes, total_files, total_bytes, walk_done } => progress.set(&dmover_engine::progress::Snapshot {
                 total_files,
                 total_bytes,

@@ -13,7 +13,8 @@ pub fn random<const N: usize>() -> [u8; N] {
 }
 
 /// Proves to the server that we know `secret` (named by `key_id`) and checks
-/// that the server knows it too. Returns the session key.
+/// that the server knows it too. Returns the session key; the server's
+/// `Welcome` is still to be read with [`expect_welcome`].
 pub fn client(r: &mut FrameReader, w: &mut FrameWriter, key_id: KeyId, secret: &[u8]) -> Result<SessionKey> {
     let key = Key::from_secret(secret);
     let cn: Nonce = random();
@@ -27,10 +28,16 @@ pub fn client(r: &mut FrameReader, w: &mut FrameWriter, key_id: KeyId, secret: &
         return Err(Error::new(ErrorKind::Auth, r.peer(), msg));
     }
     w.send(&Msg::Proof { proof: key.client_proof(&cn, &sn) })?;
-    match r.read_msg() {
-        Ok(Msg::Welcome) => Ok(key.session_key(&cn, &sn)),
-        Ok(m) => Err(Error::protocol(r.peer(), format!("expected welcome, got {m:?}"))),
-        Err(e) => Err(e),
+    Ok(key.session_key(&cn, &sn))
+}
+
+/// Reads the server's `Welcome`. A client may send its first request right
+/// after its proof and read the welcome before the answer: the server
+/// handles frames in order, so this saves a round trip.
+pub fn expect_welcome(r: &mut FrameReader) -> Result<()> {
+    match r.read_msg()? {
+        Msg::Welcome => Ok(()),
+        m => Err(Error::protocol(r.peer(), format!("expected welcome, got {m:?}"))),
     }
 }
 
@@ -52,9 +59,14 @@ pub fn server(
     let key = Key::from_secret(secret.as_deref().unwrap_or(&random::<32>()));
     let sn: Nonce = random();
     w.send(&Msg::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) })?;
-    let proof = match r.read_msg()? {
-        Msg::Proof { proof } => proof,
-        m => return Err(Error::protocol(r.peer(), format!("expected a proof, got {m:?}"))),
+    let proof = match r.read_msg() {
+        Ok(Msg::Proof { proof }) => proof,
+        Err(e) if e.kind == ErrorKind::Unreachable => {
+            // A client that does not like our proof hangs up here.
+            return Err(Error::new(ErrorKind::Auth, r.peer(), "authentication failed: the client hung up after our challenge (different tokens?)"));
+        }
+        Err(e) => return Err(e),
+        Ok(m) => return Err(Error::protocol(r.peer(), format!("expected a proof, got {m:?}"))),
     };
     if secret.is_none() || !mac_eq(&proof, &key.client_proof(&cn, &sn)) {
         let message = "authentication failed: wrong token".to_string();

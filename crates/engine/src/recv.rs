@@ -40,7 +40,7 @@ use std::time::Duration;
 pub struct RecvConfig {
     /// The root paths are confined to (an export, or the local file system).
     pub root: Root,
-    /// The destination directory (or file, with `DEST_IS_FILE`) below `root`.
+    /// The destination directory (or file, see [`DEST_MAY_BE_FILE`]) below `root`.
     pub dest: String,
     pub options: TransferOptions,
     /// Staging memory for blocks between network and disk.
@@ -54,8 +54,10 @@ pub struct RecvConfig {
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 
-/// Flag in [`TransferOptions::flags`]: `dest` names the file itself.
-pub const DEST_IS_FILE: u32 = 16;
+/// Flag in [`TransferOptions::flags`]: the sources are one file or one
+/// directory; if `dest` is not an existing directory, a lone file (a path
+/// with no `/`) is written as `dest` itself, as `cp a b` does.
+pub const DEST_MAY_BE_FILE: u32 = 16;
 
 /// What the receiver committed.
 #[derive(Debug, Clone, Copy, Default)]
@@ -134,7 +136,7 @@ struct Shared {
     block_size: u64,
     root: Root,
     dest_dir: PathBuf,
-    /// The destination file itself, with DEST_IS_FILE.
+    /// The destination file itself, with DEST_MAY_BE_FILE.
     dest_file: Option<PathBuf>,
     state_dir: PathBuf,
     resuming: bool,
@@ -161,15 +163,22 @@ impl Shared {
         }
     }
 
+    /// Ends the session: tells the sender why (best effort) and closes every connection.
     fn fail(&self, e: Error) {
         let mut f = self.fatal.lock().expect("fatal lock");
-        if f.is_none() && !self.stop.load(Ordering::SeqCst) {
-            *f = Some(e);
+        let first = f.is_none() && !self.stop.load(Ordering::SeqCst);
+        if first {
+            *f = Some(e.clone());
         }
         drop(f);
         self.stop.store(true, Ordering::SeqCst);
         self.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
-        self.ctl.lock().map(|w| w.close()).ok();
+        if let Ok(mut w) = self.ctl.lock() {
+            if first && e.kind != ErrorKind::Unreachable {
+                let _ = w.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+            }
+            w.close();
+        }
     }
 
     fn discard(&self) -> bool {
@@ -187,18 +196,20 @@ pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>
         return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
     }
     let dest_path = cfg.root.resolve(&cfg.dest)?;
-    let (dest_dir, dest_file) = if opts.has(DEST_IS_FILE) {
+    // A lone file goes to the destination itself unless that is a directory.
+    let (dest_file, state_parent) = if opts.has(DEST_MAY_BE_FILE) && !dest_path.is_dir() {
         let parent = dest_path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
-        (parent, Some(dest_path))
+        (Some(dest_path.clone()), parent)
     } else {
-        (dest_path, None)
+        (None, dest_path.clone())
     };
+    let dest_dir = dest_path;
     let label = cfg.root.display(&cfg.dest);
-    let state_dir = dest_dir.join(STATE_DIR);
+    let state_dir = state_parent.join(STATE_DIR);
     let marker = state_dir.join(format!("transfer-{}", hex(&opts.transfer_id)));
     let mut resuming = false;
     if !opts.has(TransferOptions::DISCARD) {
-        fs::create_dir_all(&dest_dir).map_err(|e| Error::io(&label, &e))?;
+        fs::create_dir_all(&state_parent).map_err(|e| Error::io(&label, &e))?;
         resuming = marker.exists();
         fs::create_dir_all(&state_dir).map_err(|e| Error::io(&label, &e))?;
         if !resuming {
@@ -367,8 +378,8 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         return sh.reply(&Msg::Plan { id, skip: false, ranges });
     }
     let final_path = match &sh.dest_file {
-        Some(p) => p.clone(),
-        None => match prepare_parent(sh, &meta.path) {
+        Some(p) if !meta.path.contains('/') => p.clone(),
+        _ => match prepare_parent(sh, &meta.path) {
             Ok(p) => p,
             Err(e) => return fail(e.kind, e.to_string()),
         },

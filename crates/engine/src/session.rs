@@ -30,7 +30,9 @@ impl Credential {
 /// An authenticated connection to a server.
 pub struct Conn {
     pub host: String,
-    pub reader: FrameReader,
+    reader: FrameReader,
+    /// The server's `Welcome` has not been read yet.
+    welcome_pending: bool,
     pub writer: FrameWriter,
     transport: Box<dyn Transport>,
     pub session_key: SessionKey,
@@ -46,13 +48,23 @@ impl Conn {
         let mut reader = FrameReader::new(split(&t)?);
         let mut writer = FrameWriter::new(split(&t)?);
         let session_key = handshake::client(&mut reader, &mut writer, cred.key_id, &cred.secret).map_err(|e| Error { subject: host.to_string(), ..e })?;
-        Ok(Conn { host: host.to_string(), reader, writer, transport: t, session_key })
+        Ok(Conn { host: host.to_string(), reader, welcome_pending: true, writer, transport: t, session_key })
     }
 
-    /// Sends a request and reads the answer (a server's `Error` becomes `Err`).
+    /// Reads the next message (a server's `Error` becomes `Err`).
+    pub fn read_msg(&mut self) -> Result<Msg> {
+        let host = &self.host;
+        let named = |e: Error| Error { subject: if e.subject.is_empty() { host.clone() } else { e.subject }, ..e };
+        if std::mem::take(&mut self.welcome_pending) {
+            handshake::expect_welcome(&mut self.reader).map_err(named)?;
+        }
+        self.reader.read_msg().map_err(named)
+    }
+
+    /// Sends a request and reads the answer.
     pub fn request(&mut self, m: &Msg) -> Result<Msg> {
         self.writer.send(m)?;
-        self.reader.read_msg().map_err(|e| Error { subject: if e.subject.is_empty() { self.host.clone() } else { e.subject }, ..e })
+        self.read_msg()
     }
 
     pub fn send(&mut self, m: &Msg) -> Result<()> {
@@ -60,8 +72,9 @@ impl Conn {
     }
 
     /// Hands over the raw transport (nothing is buffered: the server only
-    /// ever answers requests during setup).
+    /// ever answers requests during setup). The welcome must have been read.
     pub fn into_transport(self) -> Box<dyn Transport> {
+        debug_assert!(!self.welcome_pending);
         let _ = self.transport.set_read_timeout(None);
         self.transport
     }
@@ -81,29 +94,47 @@ fn expect_session(host: &str, m: Msg) -> Result<[u8; 16]> {
     }
 }
 
-/// Opens `n` data connections to `session` on `host`, in parallel.
-pub fn open_streams(host: &str, cred: &Credential, session: [u8; 16], n: usize) -> Result<Vec<Box<dyn Transport>>> {
-    let handles: Vec<_> = (0..n)
-        .map(|i| {
-            let (host, cred) = (host.to_string(), cred.clone());
-            std::thread::spawn(move || -> Result<Box<dyn Transport>> {
-                let mut c = Conn::open(&host, &cred)?;
-                let m = c.request(&Msg::OpenData { session, index: i as u32 })?;
-                expect_session(&host, m)?;
-                Ok(c.into_transport())
+/// Starts `n` connections to `host` in parallel: connected and
+/// authenticated, but not yet attached to a session. Run it while the
+/// control connection sets the session up, so the round trips overlap.
+pub fn start_streams(host: &str, cred: &Credential, n: usize) -> std::thread::JoinHandle<Result<Vec<Conn>>> {
+    let (host, cred) = (host.to_string(), cred.clone());
+    std::thread::spawn(move || {
+        let handles: Vec<_> = (0..n)
+            .map(|_| {
+                let (host, cred) = (host.clone(), cred.clone());
+                std::thread::spawn(move || Conn::open(&host, &cred))
             })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))).collect()
+    })
+}
+
+/// Attaches started connections to `session`: all requests go out before
+/// any answer is awaited, so this costs one round trip.
+pub fn attach_streams(started: std::thread::JoinHandle<Result<Vec<Conn>>>, session: [u8; 16]) -> Result<Vec<Box<dyn Transport>>> {
+    let mut conns = started.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))?;
+    for (i, c) in conns.iter_mut().enumerate() {
+        c.send(&Msg::OpenData { session, index: i as u32 })?;
+    }
+    conns
+        .into_iter()
+        .map(|mut c| {
+            let m = c.read_msg()?;
+            expect_session(&c.host, m)?;
+            Ok(c.into_transport())
         })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))).collect()
+        .collect()
 }
 
 /// Opens a receiving session for `dest` on `host` with `streams` data
 /// connections: a link the sending engine can use.
 pub fn receive_link(host: &str, cred: &Credential, dest: &str, options: TransferOptions, streams: usize) -> Result<HostLink> {
+    let started = start_streams(host, cred, streams);
     let mut c = Conn::control(host, cred)?;
     let m = c.request(&Msg::Receive { dest: dest.to_string(), options })?;
     let session = expect_session(host, m)?;
-    let data = open_streams(host, cred, session, streams)?;
+    let data = attach_streams(started, session)?;
     Ok(HostLink { name: host.to_string(), control: c.into_transport(), data })
 }
 

@@ -1,0 +1,340 @@
+//! Things that go wrong: each must end with its documented exit code and
+//! one line on stderr that names the path or host concerned, and must not
+//! leave a half-written file under a final name.
+
+mod util;
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::symlink;
+use std::time::Duration;
+use util::*;
+
+const MIB: u64 = 1 << 20;
+
+/// Run as `nobody`: root ignores file permissions.
+const NOBODY: [&str; 4] = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"];
+
+#[test]
+fn missing_local_source_exits_3() {
+    let env = Env::new();
+    let missing = env.path("no/such/file.dat");
+    let out = env.mkdir("out");
+    let r = dmover(["cp", "--json", "-q"]).arg(&missing).arg(&out).run();
+    r.assert_fails(3, &["no/such/file.dat"]);
+    assert!(list_tree(&out).is_empty(), "something was written: {:?}", list_tree(&out));
+    // The report says what failed.
+    let j = r.json();
+    assert_eq!(j["ok"], false);
+    assert_eq!(j["errors"][0]["kind"], "not-found", "{j:#}");
+
+    // Uploading it, too.
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([missing.display().to_string(), srv.url("e")]).run();
+    r.assert_fails(3, &["no/such/file.dat"]);
+
+    // A glob that matches nothing.
+    let r = dmover(["cp", "-q"]).arg(format!("{}/*.nothing", env.root().display())).arg(&out).run();
+    r.assert_fails(3, &["*.nothing"]);
+}
+
+#[test]
+fn missing_remote_source_exits_3() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let down = env.mkdir("down");
+    let r = env.cp([srv.url("e/nope/missing.dat"), down.display().to_string()]).run();
+    r.assert_fails(3, &["nope/missing.dat"]);
+    assert!(list_files(&down).is_empty());
+}
+
+#[test]
+fn unreadable_source_file_exits_4() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("ok.dat"), 5000, 1);
+    write_random(&src.join("secret.dat"), 5000, 2);
+    chmod(&src.join("secret.dat"), 0o600); // root's, unreadable for nobody
+    let out = env.mkdir("out");
+    chmod(&out, 0o777);
+    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).prefix(NOBODY).run();
+    r.assert_fails(4, &["secret.dat"]);
+    assert!(!out.join("src/secret.dat").exists(), "secret.dat exists at the destination");
+    assert_eq!(r.json()["errors"][0]["kind"], "permission-denied");
+}
+
+/// The server cannot read a file it exports (it runs as nobody): the client
+/// downloading it gets 4, naming the file.
+#[test]
+fn file_the_server_cannot_read_exits_4() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("secret.dat"), 5000, 3);
+    chmod(&export.join("secret.dat"), 0o600);
+    let token = env.path("nobody-token");
+    fs::copy(&env.token, &token).unwrap();
+    // SAFETY: chown(2) on a path we made.
+    let c = std::ffi::CString::new(token.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
+    let mut spec = ServerSpec::new(&token, &[("e", &export)], &env.path("server.log"));
+    spec.prefix = NOBODY.iter().map(Into::into).collect();
+    let srv = Server::start(spec);
+    let down = env.mkdir("down");
+    let r = env.cp([srv.url("e/secret.dat"), down.display().to_string()]).run();
+    r.assert_fails(4, &["secret.dat"]);
+    assert!(!down.join("secret.dat").exists());
+}
+
+/// Root is refused by a read-only file system: uploading into an export
+/// that is a read-only mount exits 4 and names the destination. (A correct
+/// server answers at once; the timeout only keeps a hang from stalling the suite.)
+#[test]
+fn read_only_destination_upload_exits_4() {
+    let env = Env::new();
+    let src = env.path("src");
+    make_tree(&src, 1, 3);
+    let export = env.mkdir("export");
+    let _ro = Mount::read_only(&export);
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([src.display().to_string(), srv.url("e/in"), "--retries".into(), "0".into()]).timeout(Duration::from_secs(20)).run();
+    r.assert_fails(4, &["e/in"]);
+}
+
+#[test]
+fn read_only_destination_local_exits_4() {
+    let env = Env::new();
+    let src = env.path("src");
+    make_tree(&src, 1, 3);
+    let out = env.mkdir("out");
+    let _ro = Mount::read_only(&out);
+    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run();
+    r.assert_fails(4, &[out.to_str().unwrap()]);
+}
+
+/// The destination file system fills up: exit 5, and no file under its
+/// final name (nor a temporary file eating the space) is left behind.
+#[test]
+fn destination_full_upload_exits_5() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("big.dat"), 8 * MIB, 5);
+    let export = env.path("full");
+    let _m = Mount::tmpfs(&export, "4m");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([src.join("big.dat").display().to_string(), srv.url("e/big.dat"), "--retries".into(), "1".into()]).run();
+    r.assert_fails(5, &["big.dat"]);
+    assert!(!export.join("big.dat").exists(), "big.dat exists under its final name");
+    assert!(!export.join(".big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+}
+
+#[test]
+fn destination_full_local_exits_5() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("big.dat"), 8 * MIB, 6);
+    write_random(&src.join("small.dat"), 1000, 7);
+    let out = env.path("full");
+    let _m = Mount::tmpfs(&out, "4m");
+    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run();
+    r.assert_fails(5, &["big.dat"]);
+    assert!(!out.join("src/big.dat").exists(), "big.dat exists under its final name");
+    assert!(!out.join("src/.big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+}
+
+#[test]
+fn unreachable_host_exits_6() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 8);
+    let port = closed_port();
+    let host = format!("127.0.0.1:{port}");
+    for (from, to) in [
+        (src.display().to_string(), format!("dmover://{host}/e/x")),
+        (src.join("a.dat").display().to_string(), format!("dmover://{host}/e/x")),
+        (format!("dmover://{host}/e/x"), env.path("down").display().to_string()),
+    ] {
+        let r = env.cp([from, to, "--retries".into(), "0".into()]).run();
+        r.assert_fails(6, &[&host]);
+        assert!(r.elapsed < Duration::from_secs(30), "took {:?} with --retries 0", r.elapsed);
+    }
+}
+
+/// `--retries 2`: two retries (0.5 s + 1 s of backoff) before giving up.
+fn assert_retried(r: &Run, host: &str) {
+    r.assert_fails(6, &[host]);
+    assert!(r.elapsed >= Duration::from_millis(1400), "2 retries (0.5 s + 1 s backoff) took only {:?}; stderr:\n{}", r.elapsed, r.stderr);
+}
+
+#[test]
+fn unreachable_host_is_retried_directory_transfers() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 8);
+    let host = format!("127.0.0.1:{}", closed_port());
+    let r = env.cp([src.display().to_string(), format!("dmover://{host}/e/x"), "--retries".into(), "2".into()]).run();
+    assert_retried(&r, &host);
+    let r = env.cp([format!("dmover://{host}/e/x/"), env.path("down").display().to_string(), "--retries".into(), "2".into()]).run();
+    assert_retried(&r, &host);
+}
+
+/// The same for a single file (where dmover first asks the server what the
+/// path is) and for a third-party copy.
+#[test]
+fn unreachable_host_is_retried_single_file_and_third_party() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 8);
+    let host = format!("127.0.0.1:{}", closed_port());
+    let r = env.cp([src.join("a.dat").display().to_string(), format!("dmover://{host}/e/x"), "--retries".into(), "2".into()]).run();
+    assert_retried(&r, &host);
+    let r = env.cp([format!("dmover://{host}/e/x"), env.path("down").display().to_string(), "--retries".into(), "2".into()]).run();
+    assert_retried(&r, &host);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([format!("dmover://{host}/e/x/"), srv.url("e/y"), "--retries".into(), "2".into()]).run();
+    assert_retried(&r, &host);
+}
+
+#[test]
+fn wrong_token_exits_7() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let other = env.path("other-token");
+    assert_eq!(dmover(["token".as_ref(), other.as_os_str()]).run().code, 0);
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 9);
+    let r = dmover(["cp", "--json", "-q", "--token-file"]).arg(&other).arg(&src).arg(srv.url("e")).run();
+    r.assert_fails(7, &[&srv.addr()]);
+    assert!(list_tree(&export).is_empty());
+    let r = dmover(["cp", "-q"]).arg(srv.url("e/a.dat")).arg(env.path("x")).env("DMOVER_TOKEN", "0123456789abcdef0123456789abcdef").run();
+    r.assert_fails(7, &[&srv.addr()]);
+}
+
+#[test]
+fn unknown_export_exits_8() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 10);
+    let r = env.cp([src.display().to_string(), srv.url("nosuch/dir")]).run();
+    r.assert_fails(8, &["nosuch"]);
+    let r = env.cp([srv.url("nosuch/a.dat"), env.path("down").display().to_string()]).run();
+    r.assert_fails(8, &["nosuch"]);
+}
+
+/// `..` never reaches the server: it is a malformed URL (2). A symlink inside
+/// the export that leads out is refused by the server (8), both ways.
+#[test]
+fn paths_outside_the_export_exit_2_or_8() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let outside = env.mkdir("outside");
+    write_random(&outside.join("secret.dat"), 3000, 11);
+    fs::create_dir(export.join("d")).unwrap();
+    symlink(&outside, export.join("d/link")).unwrap();
+    symlink(outside.join("secret.dat"), export.join("filelink")).unwrap();
+    let srv = env.serve(&[("e", &export)]);
+    let down = env.mkdir("down");
+
+    let r = env.cp([srv.url("e/../outside/secret.dat"), down.display().to_string()]).run();
+    r.assert_fails(2, &["e/../outside"]);
+
+    let r = env.cp([srv.url("e/d/link/secret.dat"), down.display().to_string()]).run();
+    r.assert_fails(8, &["d/link"]);
+    let r = env.cp([srv.url("e/filelink"), down.display().to_string()]).run();
+    r.assert_fails(8, &["filelink"]);
+    assert!(list_files(&down).is_empty(), "something was downloaded: {:?}", list_files(&down));
+
+    let src = env.path("src");
+    write_random(&src.join("evil.dat"), 3000, 12);
+    let r = env.cp([src.join("evil.dat").display().to_string(), srv.url("e/d/link/")]).run();
+    r.assert_fails(8, &["d/link"]);
+    let r = env.cp([src.display().to_string(), srv.url("e/d/link/sub")]).run();
+    r.assert_fails(8, &["d/link"]);
+    assert_eq!(list_files(&outside).into_keys().collect::<Vec<_>>(), ["secret.dat"], "something was written outside the export");
+}
+
+#[test]
+fn malformed_url_exits_2() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 100, 13);
+    let port = closed_port();
+    for bad in [
+        "dmover://".to_string(),
+        "dmover://127.0.0.1".to_string(),
+        "dmover://127.0.0.1:99999/e".to_string(),
+        "dmover://127.0.0.1:x/e".to_string(),
+        format!("dmover://127.0.0.1:{port}//e"),
+        format!("dmover://127.0.0.1:{port}/e/../x"),
+        format!("dmovr://127.0.0.1:{port}/e"),
+    ] {
+        let r = env.cp([src.display().to_string(), bad.clone()]).run();
+        r.assert_fails(2, &[&bad]);
+        let r = env.cp([bad.clone(), env.path("down").display().to_string()]).run();
+        r.assert_fails(2, &[&bad]);
+    }
+    // Usage errors from the command line itself.
+    assert_eq!(dmover(["cp", "only-one-path"]).run().code, 2);
+    assert_eq!(dmover(["cp", "--block-size", "1", "a", "b"]).run().code, 2);
+    assert_eq!(dmover(["frobnicate"]).run().code, 2);
+    // A remote location without any token.
+    let r = dmover(["cp", "-q"]).arg(&src).arg(format!("dmover://127.0.0.1:{port}/e")).run();
+    assert_eq!(r.code, 2, "no token: {}", r.stderr);
+}
+
+/// Appends to `path` once `dst` has received at least `after` bytes, while
+/// `proc` is still running. Returns false if the transfer finished first.
+fn append_while_sending(proc: &mut Proc, path: &std::path::Path, dst: &std::path::Path, after: u64) -> bool {
+    let ok = wait_until(Duration::from_secs(60), || written_bytes(dst) >= after || !proc.running());
+    assert!(ok, "no progress");
+    if !proc.running() {
+        return false;
+    }
+    let mut f = fs::OpenOptions::new().append(true).open(path).unwrap();
+    f.write_all(b"appended while being sent").unwrap();
+    true
+}
+
+/// A file that grows while it is sent: exit 9 naming it, and it does not
+/// appear under its final name. The staging memory is kept smaller than the
+/// file so that it is still being read when it changes.
+#[test]
+fn source_changed_while_uploading_exits_9() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("growing.dat"), 8 * MIB, 14);
+    write_random(&src.join("stable.dat"), 4000, 15);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let mut p = env
+        .cp([src.display().to_string(), srv.url("e"), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .spawn();
+    assert!(append_while_sending(&mut p, &src.join("growing.dat"), &export, 2 * MIB), "the transfer ended before the file was changed");
+    let r = p.wait();
+    r.assert_fails(9, &["growing.dat"]);
+    assert_eq!(r.json()["errors"][0]["kind"], "source-changed");
+    assert!(!export.join("src/growing.dat").exists(), "a changed file was committed under its final name");
+    assert!(same_content(&src.join("stable.dat"), &export.join("src/stable.dat")), "the unchanged file should still be copied");
+}
+
+#[test]
+fn source_changed_while_downloading_exits_9() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let src = export.join("src");
+    write_random(&src.join("growing.dat"), 8 * MIB, 16);
+    let srv = env.serve(&[("e", &export)]);
+    let down = env.mkdir("down");
+    let mut p = env
+        .cp([srv.url("e/src"), down.display().to_string(), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .spawn();
+    assert!(append_while_sending(&mut p, &src.join("growing.dat"), &down, 2 * MIB), "the transfer ended before the file was changed");
+    let r = p.wait();
+    r.assert_fails(9, &["growing.dat"]);
+    assert!(!down.join("src/growing.dat").exists(), "a changed file was committed under its final name");
+}

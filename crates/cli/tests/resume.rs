@@ -1,0 +1,224 @@
+//! Interrupted transfers: kill -9 the client or the server part way through
+//! (a rate limit makes the transfer slow enough to catch), then let the
+//! retry or a re-run of the same command finish. The result must be
+//! byte-identical, only what was missing may be sent again, and no file may
+//! ever appear under its final name before it is complete.
+
+mod util;
+
+use std::path::Path;
+use std::time::Duration;
+use util::*;
+
+const MIB: u64 = 1 << 20;
+const BIG: u64 = 24 * MIB;
+/// Slow enough that the kill lands mid-transfer, fast enough for the suite.
+const RATE: &str = "6M";
+
+/// The data set: one 24 MiB file and a dozen small ones. Returns its size.
+fn make_set(dir: &Path) -> u64 {
+    let mut rng = Rng::new(77);
+    make_file(&dir.join("big.bin"), BIG, &mut rng);
+    for i in 0..12 {
+        make_file(&dir.join(format!("small/s{i:02}.dat")), 1000 + rng.below(50_000), &mut rng);
+    }
+    total_size(dir)
+}
+
+/// Waits until `frac` of `total` bytes are written below `dst`, checking all
+/// the while that no final name is half-written; fails if `proc` ends first.
+/// Returns the bytes written when the threshold was seen.
+fn wait_for_progress(proc: &mut Proc, src: &Path, dst: &Path, total: u64, frac: f64) -> u64 {
+    let want = (total as f64 * frac) as u64;
+    let mut seen = 0;
+    let ok = wait_until(Duration::from_secs(90), || {
+        if dst.exists() {
+            assert_final_names_complete(src, dst);
+        }
+        seen = written_bytes(dst);
+        seen >= want || !proc.running()
+    });
+    assert!(ok, "no progress: {seen} of {total} bytes written after 90 s");
+    assert!(proc.running(), "the transfer ended before it could be interrupted ({seen} of {total} bytes written)");
+    seen
+}
+
+/// Checks the state of an interrupted destination: the big file is not under
+/// its final name, what is under a final name is complete, resume state is there.
+fn check_interrupted(src: &Path, dst: &Path, total: u64) -> u64 {
+    // The resume state lives in the destination directory given to cp.
+    let dest_dir = dst.parent().unwrap();
+    let written = written_bytes(dst);
+    assert!(written < total, "the transfer had completed ({written} of {total}) — not interrupted");
+    assert!(!dst.join("big.bin").exists(), "big.bin exists under its final name after an interruption");
+    assert!(dst.join(".big.bin.dmover-part").is_file(), "no .big.bin.dmover-part: {:?}", list_tree(dst).keys().collect::<Vec<_>>());
+    let states: Vec<_> = list_tree(dest_dir).into_keys().filter(|k| k.starts_with(".dmover-partial/")).collect();
+    assert!(!states.is_empty(), "no .dmover-partial/ resume state in {}", dest_dir.display());
+    assert_final_names_complete(src, dst);
+    written
+}
+
+/// After success no resume state is left in the destination directory.
+fn assert_no_state(dst: &Path) {
+    let d = dst.parent().unwrap();
+    assert!(!d.join(".dmover-partial").exists(), "{}/.dmover-partial/ was not removed after the transfer completed", d.display());
+}
+
+/// The re-run sent only what was missing.
+fn check_resumed(j: &serde_json::Value, total: u64, written_at_kill: u64) {
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {total} bytes; {written_at_kill} were written before the interruption");
+    assert_eq!(u(&j["bytes"]), total, "{j:#}");
+    assert!(
+        sent + written_at_kill / 2 < total,
+        "the re-run sent {sent} of {total} bytes although {written_at_kill} were already at the destination: not resumed\n{j:#}"
+    );
+}
+
+#[test]
+fn client_killed_mid_upload_then_rerun_resumes() {
+    let env = Env::new();
+    let src = env.path("data");
+    let total = make_set(&src);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let dst = export.join("in/data");
+    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), RATE.into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    p.kill9();
+    // The server notices the lost connection; what it wrote stays journaled.
+    std::thread::sleep(Duration::from_millis(300));
+    let written = check_interrupted(&src, &dst, total);
+
+    let j = cmd.run().assert_ok();
+    check_resumed(&j, total, written);
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
+}
+
+#[test]
+fn client_killed_mid_download_then_rerun_resumes() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let src = export.join("data");
+    let total = make_set(&src);
+    let srv = env.serve(&[("e", &export)]);
+    let down = env.mkdir("down");
+    let dst = down.join("data");
+    let mut cmd = env.cp([srv.url("e/data"), down.display().to_string(), "--bwlimit".into(), RATE.into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    p.kill9();
+    let written = check_interrupted(&src, &dst, total);
+
+    let j = cmd.run().assert_ok();
+    check_resumed(&j, total, written);
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
+}
+
+#[test]
+fn client_killed_mid_local_copy_then_rerun_resumes() {
+    let env = Env::new();
+    let src = env.path("data");
+    let total = make_set(&src);
+    let out = env.mkdir("out");
+    let dst = out.join("data");
+    let mut cmd = dmover(["cp", "--json", "-q", "--bwlimit", RATE]);
+    cmd.arg(&src).arg(&out).cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    p.kill9();
+    let written = check_interrupted(&src, &dst, total);
+
+    let j = cmd.run().assert_ok();
+    check_resumed(&j, total, written);
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
+}
+
+/// The server dies mid-upload and comes back on the same port: the same
+/// client process, retrying, finishes the job and does not send it all again.
+#[test]
+fn server_killed_mid_upload_client_retries_and_resumes() {
+    let env = Env::new();
+    let src = env.path("data");
+    let total = make_set(&src);
+    let export = env.mkdir("export");
+    let mut srv = env.serve(&[("e", &export)]);
+    let dst = export.join("in/data");
+    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), RATE.into(), "--retries".into(), "6".into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    srv.kill9();
+    let written = check_interrupted(&src, &dst, total);
+    assert!(p.running(), "the client gave up at once instead of retrying");
+    srv.restart();
+
+    let r = p.wait();
+    let j = r.assert_ok();
+    assert!(u(&j["retries"]) >= 1, "the report shows no retry: {j:#}");
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
+    // sent_bytes counts both attempts: the first sent about `written`, so
+    // without resuming the total would be about `total + written`.
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("retried: sent {sent} in all for {total} bytes; {written} were written before the server died");
+    assert!(sent < total + written / 2, "sent {sent} bytes for {total} with {written} already there: the retry did not resume\n{j:#}");
+    assert!(srv.log().contains("listening") || srv.log().contains("serving"), "server log: {}", srv.log());
+}
+
+/// The server dies mid-upload; the client (no retries) exits 6 naming the
+/// host; after a restart on the same port a re-run resumes.
+#[test]
+fn server_killed_mid_upload_then_rerun_resumes() {
+    let env = Env::new();
+    let src = env.path("data");
+    let total = make_set(&src);
+    let export = env.mkdir("export");
+    let mut srv = env.serve(&[("e", &export)]);
+    let dst = export.join("in/data");
+    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), RATE.into(), "--retries".into(), "0".into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    srv.kill9();
+    let r = p.wait();
+    r.assert_fails(6, &[&srv.addr()]);
+    let written = check_interrupted(&src, &dst, total);
+
+    srv.restart();
+    let j = cmd.run().assert_ok();
+    check_resumed(&j, total, written);
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
+}
+
+/// A partial file whose source changed in between is not resumed from stale
+/// blocks: the re-run must produce the new content.
+#[test]
+fn rerun_after_source_changed_does_not_mix_old_and_new_blocks() {
+    let env = Env::new();
+    let src = env.path("data");
+    let total = make_set(&src);
+    let out = env.mkdir("out");
+    let dst = out.join("data");
+    let mut cmd = dmover(["cp", "--json", "-q", "--bwlimit", RATE]);
+    cmd.arg(&src).arg(&out).cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    p.kill9();
+    check_interrupted(&src, &dst, total);
+    // New content, same size, a different mtime.
+    let (s, _) = mtime_of(&src.join("big.bin"));
+    write_random(&src.join("big.bin"), BIG, 4242);
+    set_mtime(&src.join("big.bin"), s + 10, 0);
+
+    cmd.run().assert_ok();
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
+}
