@@ -129,6 +129,29 @@ fn destination_full_upload_exits_5() {
     assert!(!export.join(".big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
 }
 
+/// An error about a destination file names where that file is: the
+/// destination directory given on the command line is part of the path.
+#[test]
+fn destination_errors_name_the_full_destination_path() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("big.dat"), 8 * MIB, 5);
+    let export = env.path("full");
+    let _m = Mount::tmpfs(&export, "4m");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([src.display().to_string(), srv.url("e/deep/er"), "--retries".into(), "0".into()]).run();
+    r.assert_fails(5, &["e/deep/er/src/big.dat"]);
+
+    // Downloading onto a full local disk.
+    let srcx = env.mkdir("export2");
+    write_random(&srcx.join("src/big.dat"), 8 * MIB, 6);
+    let srv2 = env.serve(&[("e", &srcx)]);
+    let local = env.path("full-local");
+    let _m2 = Mount::tmpfs(&local, "4m");
+    let r = env.cp([srv2.url("e/src"), local.join("deep").display().to_string(), "--retries".into(), "0".into()]).run();
+    r.assert_fails(5, &[&local.join("deep/src/big.dat").display().to_string()]);
+}
+
 #[test]
 fn destination_full_local_exits_5() {
     let env = Env::new();

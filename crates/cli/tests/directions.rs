@@ -262,3 +262,49 @@ fn empty_directories_are_copied() {
     r.assert_ok();
     assert!(dst.join("data/empty/inner").is_dir(), "empty directories were not copied: {:?}", list_tree(&dst.join("data")).keys().collect::<Vec<_>>());
 }
+
+#[test]
+fn third_party_round_robin_over_two_servers() {
+    let env = Env::new();
+    let ea = env.mkdir("export-a");
+    let src = ea.join("data");
+    make_tree(&src, 12, 20);
+    let a = env.serve(&[("e", &ea)]);
+    let dests: Vec<_> = (0..2).map(|i| env.mkdir(&format!("dest{i}"))).collect();
+    let servers: Vec<_> = dests.iter().map(|d| env.serve(&[("e", d)])).collect();
+    let url = format!("dmover://{}/e/out", servers.iter().map(|s| s.addr()).collect::<Vec<_>>().join(","));
+    let j = env.cp([a.url("e/data"), url]).run().assert_ok();
+    check_report(&j, &src);
+    let mut got = std::collections::BTreeSet::new();
+    for d in &dests {
+        let here = list_files(&d.join("out"));
+        assert!(here.len() >= 5, "{} got only {} files", d.display(), here.len());
+        for k in here.keys() {
+            let rel = k.strip_prefix("data/").expect("under data/");
+            assert!(same_content(&src.join(rel), &d.join("out").join(k)), "{k}");
+            assert!(got.insert(rel.to_string()), "{rel} sent twice");
+        }
+    }
+    assert_eq!(got, list_files(&src).into_keys().collect(), "the union of the destinations is the source");
+}
+
+/// More files than the sender keeps in flight per host, so its window
+/// fills and drains; tiny and empty files.
+#[test]
+fn many_small_files_round_trip() {
+    let env = Env::new();
+    let src = env.path("many");
+    let mut rng = Rng::new(13);
+    for i in 0..2500u32 {
+        make_file(&src.join(format!("d{}/f{i:04}", i % 7)), rng.below(300), &mut rng);
+    }
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let j = env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 2500);
+    assert_same_tree(&src, &export.join("many"));
+    let down = env.mkdir("down");
+    let j = env.cp([srv.url("e/many"), down.display().to_string()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 2500);
+    assert_same_tree(&src, &down.join("many"));
+}

@@ -222,3 +222,33 @@ fn rerun_after_source_changed_does_not_mix_old_and_new_blocks() {
     assert_same_tree(&src, &dst);
     assert_no_state(&dst);
 }
+
+/// The server dies mid-download and comes back: the retrying client
+/// resumes into its local partial file.
+#[test]
+fn server_killed_mid_download_client_retries_and_resumes() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let src = export.join("data");
+    let total = make_set(&src);
+    let mut srv = env.serve(&[("e", &export)]);
+    let down = env.mkdir("down");
+    let dst = down.join("data");
+    let mut cmd = env.cp([srv.url("e/data"), down.display().to_string(), "--bwlimit".into(), RATE.into(), "--retries".into(), "6".into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    srv.kill9();
+    let written = check_interrupted(&src, &dst, total);
+    assert!(p.running(), "the client gave up at once instead of retrying");
+    srv.restart();
+
+    let j = p.wait().assert_ok();
+    assert!(u(&j["retries"]) >= 1, "the report shows no retry: {j:#}");
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
+    // Here sent_bytes is the last attempt's (the server's report).
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("retried download: sent {sent} of {total}; {written} were written before the server died");
+    assert!(sent + written / 2 < total, "the retry sent {sent} of {total} bytes with {written} already there: not resumed\n{j:#}");
+}

@@ -236,12 +236,17 @@ pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>
         conns: Mutex::new(Vec::new()),
     });
     let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
-    let (wtx, wrx) = crossbeam_channel::unbounded::<WriteJob>();
+    // One queue per writer, and a file's blocks always go to the same
+    // writer: writers to one file would only contend for its inode lock.
+    let mut wtx = Vec::new();
     let mut threads = Vec::new();
     for _ in 0..cfg.writers.max(1) {
-        let (sh, wrx) = (sh.clone(), wrx.clone());
-        threads.push(std::thread::spawn(move || writer(&sh, wrx)));
+        let (tx, rx) = crossbeam_channel::unbounded::<WriteJob>();
+        wtx.push(tx);
+        let sh = sh.clone();
+        threads.push(std::thread::spawn(move || writer(&sh, rx)));
     }
+    let wtx: Arc<[Sender<WriteJob>]> = wtx.into();
     {
         let (sh, wtx) = (sh.clone(), wtx.clone());
         threads.push(std::thread::spawn(move || loop {
@@ -501,7 +506,7 @@ pub fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize
     Ok(n)
 }
 
-fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Sender<WriteJob>) {
+fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<WriteJob>]>) {
     let mut r = FrameReader::new(conn);
     loop {
         let h = match r.read() {
@@ -547,7 +552,8 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Sender<WriteJob>
             mark_written(sh, h.file, &file, block, h.sum);
             continue;
         }
-        if wtx.send(WriteJob { id: h.file, file, block, sum: h.sum, data }).is_err() {
+        let w = &wtx[(h.file % wtx.len() as u64) as usize];
+        if w.send(WriteJob { id: h.file, file, block, sum: h.sum, data }).is_err() {
             return;
         }
     }

@@ -1,0 +1,249 @@
+//! The server under hostile or careless clients: wrong tokens, symlinks that
+//! lead out of an export, garbage on the port, and signals.
+
+mod util;
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::symlink;
+use std::time::Duration;
+use util::*;
+
+#[test]
+fn wrong_token_is_refused_and_logged() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("data.dat"), 10_000, 1);
+    let srv = env.serve(&[("e", &export)]);
+    let bad = env.path("bad-token");
+    assert_eq!(dmover(["token".as_ref(), bad.as_os_str()]).run().code, 0);
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 2);
+
+    let r = dmover(["cp", "--json", "-q", "--token-file"]).arg(&bad).arg(&src).arg(srv.url("e")).run();
+    r.assert_fails(7, &[&srv.addr()]);
+    let r = dmover(["cp", "--json", "-q", "--token-file"]).arg(&bad).arg(srv.url("e/data.dat")).arg(env.path("stolen.dat")).run();
+    r.assert_fails(7, &[&srv.addr()]);
+    assert!(!env.path("stolen.dat").exists(), "data was served to a client with the wrong token");
+    assert_eq!(list_files(&export).into_keys().collect::<Vec<_>>(), ["data.dat"], "a client with the wrong token wrote into the export");
+
+    let ok = wait_until(Duration::from_secs(10), || srv.log().matches("refused").count() >= 2);
+    let log = srv.log();
+    assert!(ok, "the server did not log the refusals:\n{log}");
+    assert!(log.lines().any(|l| l.contains("refused") && l.contains("127.0.0.1") && (l.contains("token") || l.contains("authentication"))), "the refusal log line should name the peer and the reason:\n{log}");
+    assert!(!log.contains(&env.token_str()), "the server logged its token");
+
+    // The right token still works.
+    env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+}
+
+#[test]
+fn serve_warns_about_a_token_file_others_can_read() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    chmod(&env.token, 0o644);
+    let srv = env.serve(&[("e", &export)]);
+    assert!(wait_until(Duration::from_secs(10), || srv.log().contains("readable")), "no warning about the token file's mode:\n{}", srv.log());
+}
+
+#[test]
+fn token_file_too_short_is_a_usage_error() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let short = env.path("short");
+    fs::write(&short, "abc\n").unwrap();
+    let r = dmover(["serve", "--listen", "127.0.0.1:0", "--export"]).arg(format!("e={}", export.display())).arg("--token-file").arg(&short).timeout(Duration::from_secs(20)).run();
+    r.assert_fails(2, &["short"]);
+}
+
+/// A symlink inside an export that leads out is refused for reading and for
+/// writing, the refusal is logged, and nothing outside is read or touched.
+#[test]
+fn symlinks_leading_out_of_an_export_are_refused() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let outside = env.mkdir("outside");
+    write_random(&outside.join("secret.dat"), 5000, 3);
+    write_random(&outside.join("victim.dat"), 5000, 4);
+    let victim_before = fs::read(outside.join("victim.dat")).unwrap();
+    fs::create_dir_all(export.join("tree/sub")).unwrap();
+    write_random(&export.join("tree/sub/fine.dat"), 100, 5);
+    symlink(&outside, export.join("tree/out")).unwrap(); // a directory leading out
+    symlink(outside.join("secret.dat"), export.join("tree/sub/secret.dat")).unwrap(); // a file leading out
+    symlink(outside.join("victim.dat"), export.join("victim.dat")).unwrap();
+    let srv = env.serve(&[("e", &export)]);
+
+    // Reading through them, named directly.
+    let down = env.mkdir("down");
+    env.cp([srv.url("e/tree/out/secret.dat"), down.display().to_string()]).run().assert_fails(8, &["tree/out"]);
+    env.cp([srv.url("e/tree/out/"), down.display().to_string()]).run().assert_fails(8, &["tree/out"]);
+    env.cp([srv.url("e/tree/sub/secret.dat"), down.display().to_string()]).run().assert_fails(8, &["secret.dat"]);
+    // Reading a tree that contains them: they are skipped, never followed.
+    let r = env.cp([srv.url("e/tree"), down.display().to_string()]).run();
+    let files: Vec<_> = list_files(&down).into_keys().collect();
+    assert_eq!(files, ["tree/sub/fine.dat"], "what was downloaded (report: {})", r.stdout);
+    for (k, _) in list_tree(&down) {
+        assert!(!k.contains("secret"), "{k} was downloaded");
+    }
+    let r = env.cp([srv.url("e/**/*.dat"), env.mkdir("down-glob").display().to_string()]).run();
+    assert!(!list_files(&env.path("down-glob")).keys().any(|k| k.contains("secret")), "a glob followed a symlink out: {}", r.stdout);
+
+    // Writing through them.
+    let src = env.path("src");
+    write_random(&src.join("victim.dat"), 777, 6);
+    write_random(&src.join("secret.dat"), 777, 7);
+    env.cp([src.join("victim.dat").display().to_string(), srv.url("e/tree/out/")]).run().assert_fails(8, &["tree/out"]);
+    env.cp([src.display().to_string(), srv.url("e/tree/out/x")]).run().assert_fails(8, &["tree/out"]);
+    env.cp([src.join("victim.dat").display().to_string(), srv.url("e/tree/out/victim.dat")]).run().assert_fails(8, &["tree/out"]);
+    // A file named on the command line that is a symlink leading out.
+    env.cp([src.join("victim.dat").display().to_string(), srv.url("e/victim.dat")]).run().assert_fails(8, &["victim.dat"]);
+
+    assert_eq!(fs::read(outside.join("victim.dat")).unwrap(), victim_before, "a file outside the export was overwritten");
+    assert_eq!(list_tree(&outside).into_keys().collect::<Vec<_>>(), ["secret.dat", "victim.dat"], "something was created outside the export");
+    let log = srv.log();
+    assert!(log.lines().filter(|l| l.contains("refused") && l.contains("symlink")).count() >= 3, "the refusals were not logged:\n{log}");
+}
+
+/// Files inside a directory being uploaded that already exist at the
+/// destination as symlinks (or as planted temporary names) are replaced or
+/// refused, never written through.
+#[test]
+fn planted_symlinks_in_the_destination_are_not_written_through() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let outside = env.mkdir("outside");
+    write_random(&outside.join("victim1"), 5000, 8);
+    write_random(&outside.join("victim2"), 5000, 9);
+    let before1 = fs::read(outside.join("victim1")).unwrap();
+    let before2 = fs::read(outside.join("victim2")).unwrap();
+    fs::create_dir_all(export.join("in/src")).unwrap();
+    symlink(outside.join("victim1"), export.join("in/src/a.dat")).unwrap();
+    symlink(outside.join("victim2"), export.join("in/src/.b.dat.dmover-part")).unwrap();
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 3000, 10);
+    write_random(&src.join("b.dat"), 3000, 11);
+    let r = env.cp([src.display().to_string(), srv.url("e/in")]).run();
+    assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+    assert_eq!(fs::read(outside.join("victim1")).unwrap(), before1, "written through a symlink at the final name");
+    assert_eq!(fs::read(outside.join("victim2")).unwrap(), before2, "written through a symlink at the temporary name");
+    // Where the copy succeeded, the symlink was replaced by the real file.
+    let a = export.join("in/src/a.dat");
+    if fs::symlink_metadata(&a).unwrap().is_file() {
+        assert!(same_content(&src.join("a.dat"), &a));
+    } else {
+        assert_ne!(r.code, 0, "a.dat is still a symlink but cp reported success");
+    }
+}
+
+/// Sends `bytes` on a fresh connection, then reads until the server closes
+/// it (or a timeout).
+fn send_garbage(addr: &str, bytes: &[u8]) {
+    let Ok(mut s) = TcpStream::connect(addr) else { return };
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+#[test]
+fn garbage_on_the_port_does_not_crash_the_server() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut srv = env.serve(&[("e", &export)]);
+    let addr = srv.addr();
+    // A silent connection that stays open through everything below.
+    let silent = TcpStream::connect(&addr).unwrap();
+
+    let mut rng = Rng::new(99);
+    let mut payloads: Vec<Vec<u8>> = Vec::new();
+    for size in [1, 7, 8, 100, 4096, 1 << 20] {
+        let mut b = vec![0u8; size];
+        rng.fill(&mut b);
+        payloads.push(b);
+    }
+    payloads.push(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec());
+    payloads.push(vec![0u8; 64]);
+    payloads.push(vec![0xff; 64]);
+    // Headers that claim huge or impossible bodies (kind, flags, reserved, length).
+    payloads.push([1u8, 0, 0, 0, 0xff, 0xff, 0xff, 0xff].to_vec());
+    payloads.push([64u8, 0, 0, 0, 0x04, 0x00, 0x00, 0x20].to_vec()); // data frame of 64 MiB before authenticating
+    payloads.push([64u8, 0, 0, 0, 0, 0, 0, 4].to_vec()); // data frame shorter than its own header
+    let mut hello = [1u8, 0, 0, 0, 0, 0x10, 0, 0].to_vec(); // a 1 MiB control frame, cut short
+    hello.extend_from_slice(b"DMOVER\0\x01");
+    payloads.push(hello);
+    let mut hello = [1u8, 0, 0, 0, 0, 0, 0, 40].to_vec(); // the magic, then nonsense
+    hello.extend_from_slice(b"DMOVER\0\x01");
+    hello.extend_from_slice(&[0xAB; 32]);
+    payloads.push(hello);
+    for kind in 0..=255u8 {
+        let mut b = vec![kind, 0, 0, 0, 0, 0, 0, 48];
+        let mut body = vec![0u8; 48];
+        rng.fill(&mut body);
+        b.extend_from_slice(&body);
+        payloads.push(b);
+    }
+    // Many at once, as well as one after another.
+    std::thread::scope(|s| {
+        for chunk in payloads.chunks(16) {
+            let addr = addr.clone();
+            s.spawn(move || chunk.iter().for_each(|p| send_garbage(&addr, p)));
+        }
+    });
+    assert!(srv.running(), "the server died:\n{}", srv.log());
+    assert!(!srv.log().contains("panicked"), "a server thread panicked:\n{}", srv.log());
+
+    // It still serves real clients, in both directions.
+    let src = env.path("src");
+    make_tree(&src, 12, 5);
+    env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+    assert_same_tree(&src, &export.join("src"));
+    let down = env.mkdir("down");
+    env.cp([srv.url("e/src"), down.display().to_string()]).run().assert_ok();
+    assert_same_tree(&src, &down.join("src"));
+    assert!(srv.running());
+    drop(silent);
+}
+
+#[test]
+fn sigterm_and_sigint_make_an_idle_server_exit_0() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        let mut srv = env.serve(&[("e", &export)]);
+        // It works before the signal.
+        let src = env.path("src");
+        make_tree(&src, 13, 1);
+        env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+        srv.signal(sig);
+        let st = srv.wait_exit(Duration::from_secs(20));
+        let st = st.unwrap_or_else(|| panic!("the server did not exit within 20 s of signal {sig}:\n{}", srv.log()));
+        assert_eq!(st.code(), Some(0), "exit status after signal {sig}: {st:?}\n{}", srv.log());
+    }
+}
+
+/// SIGTERM during a transfer: the running transfer is allowed to finish
+/// (within --grace), then the server exits 0.
+#[test]
+fn sigterm_lets_a_running_transfer_finish() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    write_random(&src.join("big.dat"), 6 << 20, 14);
+    let mut p = env.cp([src.display().to_string(), srv.url("e"), "--bwlimit".into(), "3M".into(), "--retries".into(), "0".into()]).spawn();
+    assert!(wait_until(Duration::from_secs(60), || written_bytes(&export) >= 1 << 20 || !p.running()), "no progress");
+    assert!(p.running(), "the transfer finished before the signal");
+    srv.signal(libc::SIGTERM);
+    let r = p.wait();
+    r.assert_ok();
+    assert_same_tree(&src, &export.join("src"));
+    let st = srv.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| panic!("the server did not exit after the transfer:\n{}", srv.log()));
+    assert_eq!(st.code(), Some(0), "{}", srv.log());
+}
