@@ -103,7 +103,7 @@ impl Report {
 
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "{} files, {} in {:.2} s ({:.1} MB/s, {:.0} files/s)",
+            "{} files, {} in {:.2} s ({:.1} MB/s, {:.1} files/s)",
             self.files,
             human(self.bytes),
             self.seconds,
@@ -163,6 +163,10 @@ impl ProgressDisplay {
             );
             while !s.load(Ordering::Relaxed) {
                 let x = p.snapshot();
+                if x.total_files == 0 {
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
                 bar.set_length(x.total_bytes);
                 bar.set_position(x.done_bytes.max(x.sent_bytes.min(x.total_bytes)));
                 let more = if x.walk_done { "" } else { "+" };
