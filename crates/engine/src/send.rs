@@ -108,7 +108,11 @@ struct Job {
 
 struct Outgoing {
     header: DataHeader,
+    /// The block as read (and checksummed); it also holds the block's
+    /// place in the staging budget until it is sent.
     data: Block,
+    /// The file it came from, to send from the page cache without a copy.
+    file: Option<Arc<File>>,
 }
 
 #[derive(Default)]
@@ -537,7 +541,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
     } else {
         let file = File::open(&f.path).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
         unchanged(&file, &f.meta)?;
-        Some(file)
+        Some(Arc::new(file))
     };
     for b in job.first..job.end {
         let off = b * sh.block_size;
@@ -553,7 +557,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         f.st.lock().expect("file lock").sums[b as usize] = sum;
         if job.send.iter().any(|(a, e)| (*a..*e).contains(&b)) {
             let header = DataHeader { file: f.id, offset: off, sum, len: len as u32 };
-            if sh.data_tx[f.host].send(Outgoing { header, data }).is_err() {
+            if sh.data_tx[f.host].send(Outgoing { header, data, file: file.clone() }).is_err() {
                 return Ok(());
             }
         }
@@ -606,7 +610,11 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing
         match rx.recv_timeout(POLL) {
             Ok(o) => {
                 pace(sh, o.header.len as u64);
-                if let Err(e) = w.send_block(&o.header, &o.data) {
+                let r = match &o.file {
+                    Some(f) => w.send_block_from(&o.header, f, &o.data),
+                    None => w.send_block(&o.header, &o.data),
+                };
+                if let Err(e) = r {
                     if !sh.stopped() {
                         sh.fail(e);
                     }

@@ -6,7 +6,9 @@
 //! (local-to-local copies). Encryption or rate limits would be layers that
 //! wrap a `Transport`.
 
+use std::fs::File;
 use std::io::{self, Read, Write};
+use std::os::unix::io::{AsRawFd, RawFd};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
@@ -21,6 +23,52 @@ pub trait Transport: Read + Write + Send + Sync + 'static {
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;
     /// The peer, for messages.
     fn peer(&self) -> String;
+    /// Sends `head` and then up to `len` bytes of `file` from `offset`,
+    /// without copying the file's bytes through user space where the
+    /// transport can. Returns how many file bytes went (fewer if the file
+    /// shrank: the caller sends the rest from memory), or `None` if the
+    /// transport cannot (the caller writes everything from memory).
+    fn send_file(&mut self, _head: &[u8], _file: &File, _offset: u64, _len: usize) -> Option<io::Result<usize>> {
+        None
+    }
+}
+
+/// `send_file` for sockets: the head with MSG_MORE (so it shares a packet
+/// with the data), then sendfile(2), which hands page-cache pages to the
+/// socket.
+fn socket_send_file(fd: RawFd, head: &[u8], file: &File, offset: u64, len: usize) -> io::Result<usize> {
+    let mut sent = 0;
+    while sent < head.len() {
+        let rest = &head[sent..];
+        // SAFETY: `rest` is valid for reads of its length during the call.
+        let n = unsafe { libc::send(fd, rest.as_ptr().cast(), rest.len(), libc::MSG_MORE | libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        sent += n as usize;
+    }
+    let mut off = offset as libc::off_t;
+    let end = offset + len as u64;
+    while (off as u64) < end {
+        let want = (end - off as u64) as usize;
+        // SAFETY: both descriptors are open; `off` is a valid pointer the kernel advances.
+        let n = unsafe { libc::sendfile(fd, file.as_raw_fd(), &mut off, want) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break; // the file shrank
+        }
+    }
+    Ok((off as u64 - offset) as usize)
 }
 
 impl Transport for TcpStream {
@@ -35,6 +83,9 @@ impl Transport for TcpStream {
     }
     fn peer(&self) -> String {
         self.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into())
+    }
+    fn send_file(&mut self, head: &[u8], file: &File, offset: u64, len: usize) -> Option<io::Result<usize>> {
+        Some(socket_send_file(self.as_raw_fd(), head, file, offset, len))
     }
 }
 

@@ -99,6 +99,20 @@ impl FrameWriter {
         r.map_err(|e| Error::network(&self.peer, &e))
     }
 
+    /// Sends one block whose bytes were read from `file` at `h.offset`: from
+    /// the page cache where the transport can, else from `data`.
+    pub fn send_block_from(&mut self, h: &DataHeader, file: &std::fs::File, data: &[u8]) -> Result<()> {
+        let head = h.encode();
+        let r = match self.inner.send_file(&head, file, h.offset, data.len()) {
+            // If the file shrank meanwhile, the frame is completed from memory;
+            // its checksum then fails at the receiver, which asks again.
+            Some(Ok(n)) => self.inner.write_all(&data[n..]),
+            Some(Err(e)) => Err(e),
+            None => write_all_vectored(&mut self.inner, &head, data),
+        };
+        r.map_err(|e| Error::network(&self.peer, &e))
+    }
+
     /// Closes the underlying transport (both halves).
     pub fn close(&self) {
         self.inner.close()
