@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager
 
-from .datasets import Dataset, warm_up
-from .system import BenchError, CommandLog, run
+from .datasets import Dataset
+from .system import BenchError, CommandLog, remove_tree, run
 
 
 @dataclass
@@ -187,8 +187,7 @@ def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
     try:
         for ds in wl.datasets(ctx):
             ds.ensure(ctx.scratch)
-            res.commands.add(f"# warm-up, not timed: read every file of {ds.src(ctx.scratch)}")
-            warm_up(ds, ctx.scratch)
+            warm_up(ctx, ds)
         tools = wl.tools(ctx)
         for tool in tools:
             res.figures[tool.name] = []
@@ -202,7 +201,7 @@ def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
                     res.errors.append(f"{tool.name}: set-up failed: {_explain(exc)}")
             for run_no in range(1, ctx.runs + 1):
                 res.commands.phase = f"run {run_no}"
-                for tool in active:
+                for tool in rotated(active, run_no - 1):
                     _measure_once(ctx, tool, run_no, res)
             res.commands.phase = "teardown"
     except Exception as exc:  # noqa: BLE001
@@ -212,6 +211,25 @@ def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
             res.errors.append(f"{name}: produced no figures")
     res.seconds = time.monotonic() - t0
     return res
+
+
+def warm_up(ctx: Context, ds: Dataset) -> None:
+    """Copy the data set once, untimed, and delete the copy. On a virtual
+    machine the host caches the virtual disk and allocates its blocks on
+    first write; without this the first run would be much slower than the
+    others."""
+    dest = ctx.work / "warm-up"
+    ctx.log.add("# warm-up, not timed:")
+    res = run(ctx.log, ["cp", "-r", str(ds.src(ctx.scratch)), str(dest)], timeout=ctx.timeout)
+    remove_tree(ctx.log, dest)
+    if res.rc != 0:
+        raise BenchError(f"warm-up copy failed: {res.describe()}")
+
+
+def rotated(items: list, k: int) -> list:
+    """items rotated left by k: each tool takes its turn at going first."""
+    k %= max(len(items), 1)
+    return items[k:] + items[:k]
 
 
 def _measure_once(ctx: Context, tool: Tool, run_no: int, res: WorkloadResult) -> None:

@@ -95,17 +95,6 @@ class Dataset:
         return self.src(scratch)
 
 
-def warm_up(ds: Dataset, scratch: Path) -> None:
-    """Read every file once. On a VM the host caches the virtual disk: without
-    this, whichever tool runs first would read from a cold host cache."""
-    buf = bytearray(CHUNK)
-    src = ds.src(scratch)
-    for rel in ds.relpaths():
-        with open(src / rel, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-
 def _write_random(path: Path, size: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:

@@ -126,8 +126,9 @@ def _section(i: int, res: WorkloadResult, runs: int) -> str:
             f"| {fmt_spread(own)} | {row.peer or '–'} | {fmt(peer.median if peer else None)} "
             f"| {fmt_spread(peer)} | {ratio} | {row.target.text if row.target else '–'} "
             f"| {verdict_text(row, ev)} |")
-    per_run = ("; the other runs repeat run 1 with their own run number in `dst-N`"
-               if any("dst-1" in c for c in res.commands.lines("run 1")) else "")
+    per_run = "; the other runs repeat run 1 with the tools in rotated order"
+    if any("dst-1" in c for c in res.commands.lines("run 1")):
+        per_run += " and their own run number in `dst-N`"
     lines += ["", f"Commands (set-up, run 1 of {runs}, teardown{per_run}):", "", "```sh"]
     for phase, title in (("setup", "set-up"), ("run 1", "each run"), ("teardown", "teardown")):
         cmds = res.commands.lines(phase)
