@@ -128,8 +128,10 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
         srv.active.fetch_add(1, Ordering::SeqCst);
         let srv = srv.clone();
         std::thread::spawn(move || {
-            if let Err(e) = serve(&srv, Box::new(stream)) {
-                log::warn!("{e}");
+            match serve(&srv, Box::new(stream)) {
+                Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
+                Err(e) => log::warn!("{e}"),
+                Ok(()) => {}
             }
             srv.active.fetch_sub(1, Ordering::SeqCst);
         });
@@ -161,8 +163,7 @@ fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
         } else {
             srv.tickets.secret(id)
         }
-    })
-    .inspect_err(|e| log::warn!("refused {peer}: {}", e.message))?;
+    })?;
     let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(srv.tickets.dest(&key_id).unwrap_or_default()) };
     match r.read_msg()? {
         Msg::OpenControl => {
@@ -224,6 +225,53 @@ fn open_session(srv: &Server) -> (SessionGuard<'_>, crossbeam_channel::Receiver<
     (SessionGuard { srv, id }, rx)
 }
 
+/// What a request leads to, once it has been checked.
+enum Action {
+    /// Answer and wait for the next request.
+    Reply(Msg),
+    /// Become the receiving end of a transfer into `dest` below `root`.
+    Receive { root: Root, dest: String, options: TransferOptions },
+    /// Become the sending end of a transfer to this client.
+    Send { root: Root, specs: Vec<String>, options: TransferOptions, params: EngineParams },
+    /// Send to other servers on this client's behalf.
+    Push { root: Root, specs: Vec<String>, dest: String, hosts: Vec<TicketedHost>, options: TransferOptions, params: EngineParams },
+    Nothing,
+}
+
+/// Checks a request; an error here is a refusal the client is told about.
+fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::SessionKey) -> Result<Action> {
+    if let Grant::Ticket(dest) = grant {
+        if !matches!(&m, Msg::Receive { dest: d, .. } if d == dest) {
+            return Err(Error::new(ErrorKind::Refused, dest.clone(), "a ticket only allows receiving into its destination"));
+        }
+    }
+    Ok(match m {
+        Msg::Stat { path } => Action::Reply(stat(srv, &path)?),
+        Msg::Receive { dest, options } => {
+            let (root, rest) = locate(srv, &dest)?;
+            root.resolve(rest)?;
+            Action::Receive { root: root.clone(), dest: rest.to_string(), options }
+        }
+        Msg::Send { sources, options, params } => {
+            let (root, specs) = resolve_sources(srv, &sources)?;
+            Action::Send { root, specs, options, params }
+        }
+        Msg::Grant { dest } => {
+            let (root, rest) = locate(srv, &dest)?;
+            root.resolve(rest)?;
+            let (key_id, secret) = srv.tickets.issue(&dest);
+            Action::Reply(Msg::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })
+        }
+        Msg::Push { sources, dest, hosts, options, params } => {
+            let (root, specs) = resolve_sources(srv, &sources)?;
+            Action::Push { root, specs, dest, hosts, options, params }
+        }
+        Msg::Ping => Action::Nothing,
+        m => return Err(Error::protocol("", format!("unexpected request {m:?}"))),
+    })
+}
+
+/// Serves requests on a control connection until it ends or becomes a transfer.
 fn control(
     srv: &Arc<Server>,
     t: Box<dyn Transport>,
@@ -238,48 +286,21 @@ fn control(
             Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()), // the client went away
             Err(e) => return Err(e),
         };
-        if let Grant::Ticket(dest) = grant {
-            if !matches!(&m, Msg::Receive { dest: d, .. } if d == dest) {
-                refuse(&mut w, &Error::new(ErrorKind::Refused, dest.clone(), "a ticket only allows receiving into its destination"))?;
-                continue;
-            }
-        }
-        match m {
-            Msg::Stat { path } => match stat(srv, &path) {
-                Ok(reply) => w.send(&reply)?,
-                Err(e) => refuse(&mut w, &e)?,
-            },
-            Msg::Receive { dest, options } => {
-                let root = match locate(srv, &dest).and_then(|(root, rest)| root.resolve(rest).map(|_| (root.clone(), rest.to_string()))) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        refuse(&mut w, &e)?;
-                        continue;
-                    }
-                };
+        match prepare(srv, m, grant, skey) {
+            Err(e) => refuse(&mut w, &e)?,
+            Ok(Action::Nothing) => {}
+            Ok(Action::Reply(m)) => w.send(&m)?,
+            Ok(Action::Receive { root, dest, options }) => {
                 let (guard, rx) = open_session(srv);
                 w.send(&Msg::SessionOpened { session: guard.id })?;
                 drop(r);
-                let cfg = RecvConfig {
-                    root: root.0,
-                    dest: root.1,
-                    options,
-                    staging: srv.cfg.staging,
-                    writers: srv.cfg.writers,
-                    idle_timeout: srv.cfg.idle_timeout,
-                };
+                let label = root.display(&dest);
+                let cfg = RecvConfig { root, dest, options, staging: srv.cfg.staging, writers: srv.cfg.writers, idle_timeout: srv.cfg.idle_timeout };
                 let s = recv::receive(t, rx, cfg)?;
-                log::info!("received {} files, {} bytes into {dest}", s.files, s.bytes);
+                log::info!("received {} files, {} bytes into {label}", s.files, s.bytes);
                 return Ok(());
             }
-            Msg::Send { sources, options, params } => {
-                let (root, specs) = match resolve_sources(srv, &sources) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        refuse(&mut w, &e)?;
-                        continue;
-                    }
-                };
+            Ok(Action::Send { root, specs, options, params }) => {
                 let (guard, rx) = open_session(srv);
                 w.send(&Msg::SessionOpened { session: guard.id })?;
                 match r.read_msg()? {
@@ -295,26 +316,10 @@ fn control(
                 let stats = send::send(Files::Walk { root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
                 return finish_report(&mut w, stats);
             }
-            Msg::Grant { dest } => match locate(srv, &dest).and_then(|(root, rest)| root.resolve(rest)) {
-                Ok(_) => {
-                    let (key_id, secret) = srv.tickets.issue(&dest);
-                    w.send(&Msg::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })?;
-                }
-                Err(e) => refuse(&mut w, &e)?,
-            },
-            Msg::Push { sources, dest, hosts, options, params } => {
-                let (root, specs) = match resolve_sources(srv, &sources) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        refuse(&mut w, &e)?;
-                        continue;
-                    }
-                };
+            Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
                 let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);
                 return finish_report(&mut w, stats);
             }
-            Msg::Ping => {}
-            m => refuse(&mut w, &Error::protocol(t.peer(), format!("unexpected request {m:?}")))?,
         }
     }
 }
