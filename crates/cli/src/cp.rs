@@ -106,7 +106,15 @@ pub fn run(a: CpArgs) -> Result<i32> {
         (true, true) => third_party(&plan, &a, &progress),
     };
     display.finish();
-    let mut stats = result?;
+    let mut stats = match result {
+        Ok(s) => s,
+        Err(e) => {
+            if a.json {
+                println!("{}", report::failure_json(&e));
+            }
+            return Err(e);
+        }
+    };
     stats.nanos = started.elapsed().as_nanos() as u64;
     let r = report::Report::from_stats(&stats);
     if a.json {
@@ -223,14 +231,17 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
         let _ = tx.send(Box::new(y));
     }
     drop(tx);
-    let cfg = recv_config(p);
-    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, cfg));
+    let prepared = recv::prepare(recv_config(p))?;
+    let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
     let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data };
     let sent = send::send(Files::Walk { root: Root::local(), specs: specs(p) }, vec![link], send_config(p, progress));
     let received = receiver.join().unwrap_or_else(|_| Err(Error::internal("receiver panicked")));
-    let stats = sent?;
-    received?;
-    Ok(stats)
+    match (sent, received) {
+        (Ok(stats), Ok(_)) => Ok(stats),
+        // When the receiver fails, the sender only sees the connection go: report the cause.
+        (_, Err(e)) if e.kind != ErrorKind::Unreachable => Err(e),
+        (Err(e), _) | (_, Err(e)) => Err(e),
+    }
 }
 
 fn remote_parts(l: &Location) -> (&[String], &str) {
@@ -256,6 +267,7 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let host = &hosts[0];
     let cred = p.cred.clone().expect("remote needs a token");
     with_retries(a.retries, |_| {
+        let prepared = recv::prepare(recv_config(p))?;
         let started = session::start_streams(host, &cred, a.streams as usize);
         let mut c = Conn::control(host, &cred)?;
         let m = c.request(&Msg::Send { sources: specs(p), options: p.options, params: p.params })?;
@@ -271,7 +283,7 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
             let _ = tx.send(d);
         });
         drop(tx);
-        let summary = recv::receive(control, rx, recv_config(p));
+        let summary = prepared.run(control, rx);
         // The sender's report follows its `Finish`.
         let mut r = FrameReader::new(after);
         let report = r.read_msg();
@@ -299,32 +311,33 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
     let (dest_hosts, _) = remote_parts(&p.dest);
     let src = &src_hosts[0];
     let cred = p.cred.clone().expect("remote needs a token");
-    let mut tickets = Vec::new();
-    for h in dest_hosts {
-        let (key_id, secret) = session::grant(h, &cred, &p.dest_path)?;
-        tickets.push((h.clone(), key_id, secret));
-    }
-    let mut c = Conn::control(src, &cred)?;
-    let hosts = tickets
-        .iter()
-        .map(|(addr, key_id, secret)| TicketedHost { addr: addr.clone(), key_id: *key_id, wrapped_secret: c.session_key.wrap(key_id, secret) })
-        .collect();
-    let mut params = p.params;
-    params.retries = a.retries;
-    c.send(&Msg::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params })?;
-    loop {
-        match c.read_msg()? {
-            Msg::Progress { files, bytes, total_files, total_bytes, walk_done } => progress.set(&dmover_engine::progress::Snapshot {
-                total_files,
-                total_bytes,
-                walk_done,
-                done_files: files,
-                done_bytes: bytes,
-                sent_bytes: 0,
-            }),
-            Msg::Report(s) => return Ok(s),
-            Msg::Ping => {}
-            m => return Err(Error::protocol(src, format!("expected progress, got {m:?}"))),
+    // The source server retries its own connections; these retries cover ours.
+    with_retries(a.retries, |_| {
+        let mut tickets = Vec::new();
+        for h in dest_hosts {
+            let (key_id, secret) = session::grant(h, &cred, &p.dest_path)?;
+            tickets.push((h.clone(), key_id, secret));
         }
-    }
+        let mut c = Conn::control(src, &cred)?;
+        let hosts = tickets
+            .iter()
+            .map(|(addr, key_id, secret)| TicketedHost { addr: addr.clone(), key_id: *key_id, wrapped_secret: c.session_key.wrap(key_id, secret) })
+            .collect();
+        c.send(&Msg::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params: p.params })?;
+        loop {
+            match c.read_msg()? {
+                Msg::Progress { files, bytes, total_files, total_bytes, walk_done } => progress.set(&dmover_engine::progress::Snapshot {
+                    total_files,
+                    total_bytes,
+                    walk_done,
+                    done_files: files,
+                    done_bytes: bytes,
+                    sent_bytes: 0,
+                }),
+                Msg::Report(s) => return Ok(s),
+                Msg::Ping => {}
+                m => return Err(Error::protocol(src, format!("expected progress, got {m:?}"))),
+            }
+        }
+    })
 }

@@ -126,6 +126,15 @@ impl Report {
     }
 }
 
+/// The JSON report of a transfer that ended with a fatal error.
+pub fn failure_json(e: &dmover_engine::Error) -> String {
+    let v = serde_json::json!({
+        "ok": false,
+        "error": { "kind": e.kind.name(), "subject": e.subject, "message": e.message, "exit_code": e.kind as i32 },
+    });
+    serde_json::to_string_pretty(&v).expect("a report serializes")
+}
+
 pub fn human(b: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;

@@ -123,33 +123,61 @@ fn destination_full_upload_exits_5() {
     let export = env.path("full");
     let _m = Mount::tmpfs(&export, "4m");
     let srv = env.serve(&[("e", &export)]);
-    let r = env.cp([src.join("big.dat").display().to_string(), srv.url("e/big.dat"), "--retries".into(), "1".into()]).run();
-    r.assert_fails(5, &["big.dat"]);
-    assert!(!export.join("big.dat").exists(), "big.dat exists under its final name");
-    assert!(!export.join(".big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+    // Several times: the outcome must not depend on which thread notices first.
+    for _ in 0..4 {
+        let r = env.cp([src.join("big.dat").display().to_string(), srv.url("e/big.dat"), "--retries".into(), "1".into()]).run();
+        r.assert_fails(5, &["big.dat"]);
+        assert!(!export.join("big.dat").exists(), "big.dat exists under its final name");
+        assert!(!export.join(".big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+    }
+}
+
+#[test]
+fn destination_full_download_exits_5() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/big.dat"), 8 * MIB, 6);
+    let srv = env.serve(&[("e", &export)]);
+    let local = env.path("full");
+    let _m = Mount::tmpfs(&local, "4m");
+    // Several times: the outcome must not depend on which thread notices first.
+    for _ in 0..4 {
+        let r = env.cp([srv.url("e/src"), local.display().to_string(), "--retries".into(), "0".into()]).run();
+        r.assert_fails(5, &["big.dat"]);
+        assert!(!local.join("src/big.dat").exists(), "big.dat exists under its final name");
+        assert!(!local.join("src/.big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+    }
 }
 
 /// An error about a destination file names where that file is: the
 /// destination directory given on the command line is part of the path.
+/// (A read-only subdirectory makes a clean per-file error.)
 #[test]
-fn destination_errors_name_the_full_destination_path() {
+fn destination_errors_name_the_full_destination_path_upload() {
     let env = Env::new();
     let src = env.path("src");
-    write_random(&src.join("big.dat"), 8 * MIB, 5);
-    let export = env.path("full");
-    let _m = Mount::tmpfs(&export, "4m");
+    write_random(&src.join("a.dat"), 5000, 5);
+    let export = env.mkdir("export");
+    let ro = export.join("deep/er/src");
+    fs::create_dir_all(&ro).unwrap();
+    let _m = Mount::read_only(&ro);
     let srv = env.serve(&[("e", &export)]);
-    let r = env.cp([src.display().to_string(), srv.url("e/deep/er"), "--retries".into(), "0".into()]).run();
-    r.assert_fails(5, &["e/deep/er/src/big.dat"]);
+    let r = env.cp([src.display().to_string(), srv.url("e/deep/er"), "--retries".into(), "0".into()]).timeout(Duration::from_secs(20)).run();
+    r.assert_fails(4, &["e/deep/er/src/a.dat"]);
+}
 
-    // Downloading onto a full local disk.
-    let srcx = env.mkdir("export2");
-    write_random(&srcx.join("src/big.dat"), 8 * MIB, 6);
-    let srv2 = env.serve(&[("e", &srcx)]);
-    let local = env.path("full-local");
-    let _m2 = Mount::tmpfs(&local, "4m");
-    let r = env.cp([srv2.url("e/src"), local.join("deep").display().to_string(), "--retries".into(), "0".into()]).run();
-    r.assert_fails(5, &[&local.join("deep/src/big.dat").display().to_string()]);
+#[test]
+fn destination_errors_name_the_full_destination_path_download() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/a.dat"), 5000, 6);
+    let srv = env.serve(&[("e", &export)]);
+    let local = env.mkdir("local");
+    let ro = local.join("deep/src");
+    fs::create_dir_all(&ro).unwrap();
+    let _m = Mount::read_only(&ro);
+    let r = env.cp([srv.url("e/src"), local.join("deep").display().to_string(), "--retries".into(), "0".into()]).timeout(Duration::from_secs(20)).run();
+    r.assert_fails(4, &[&ro.join("a.dat").display().to_string()]);
 }
 
 #[test]
@@ -160,10 +188,13 @@ fn destination_full_local_exits_5() {
     write_random(&src.join("small.dat"), 1000, 7);
     let out = env.path("full");
     let _m = Mount::tmpfs(&out, "4m");
-    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run();
-    r.assert_fails(5, &["big.dat"]);
-    assert!(!out.join("src/big.dat").exists(), "big.dat exists under its final name");
-    assert!(!out.join("src/.big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+    // Several times: the outcome must not depend on which thread notices first.
+    for _ in 0..4 {
+        let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run();
+        r.assert_fails(5, &["big.dat"]);
+        assert!(!out.join("src/big.dat").exists(), "big.dat exists under its final name");
+        assert!(!out.join("src/.big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+    }
 }
 
 #[test]
@@ -185,6 +216,7 @@ fn unreachable_host_exits_6() {
 }
 
 /// `--retries 2`: two retries (0.5 s + 1 s of backoff) before giving up.
+#[track_caller]
 fn assert_retried(r: &Run, host: &str) {
     r.assert_fails(6, &[host]);
     assert!(r.elapsed >= Duration::from_millis(1400), "2 retries (0.5 s + 1 s backoff) took only {:?}; stderr:\n{}", r.elapsed, r.stderr);
@@ -202,10 +234,10 @@ fn unreachable_host_is_retried_directory_transfers() {
     assert_retried(&r, &host);
 }
 
-/// The same for a single file (where dmover first asks the server what the
-/// path is) and for a third-party copy.
+/// The same for a single file (dmover may have to ask the server what the
+/// destination is).
 #[test]
-fn unreachable_host_is_retried_single_file_and_third_party() {
+fn unreachable_host_is_retried_single_file() {
     let env = Env::new();
     let src = env.path("src");
     write_random(&src.join("a.dat"), 1000, 8);
@@ -214,9 +246,18 @@ fn unreachable_host_is_retried_single_file_and_third_party() {
     assert_retried(&r, &host);
     let r = env.cp([format!("dmover://{host}/e/x"), env.path("down").display().to_string(), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
+}
+
+/// A third-party copy whose source server is down is retried too.
+#[test]
+fn unreachable_host_is_retried_third_party() {
+    let env = Env::new();
+    let host = format!("127.0.0.1:{}", closed_port());
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
     let r = env.cp([format!("dmover://{host}/e/x/"), srv.url("e/y"), "--retries".into(), "2".into()]).run();
+    assert_retried(&r, &host);
+    let r = env.cp([srv.url("e"), format!("dmover://{host}/e/y"), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
 }
 
@@ -360,4 +401,54 @@ fn source_changed_while_downloading_exits_9() {
     let r = p.wait();
     r.assert_fails(9, &["growing.dat"]);
     assert!(!down.join("src/growing.dat").exists(), "a changed file was committed under its final name");
+}
+
+/// A file overwritten in place (same size) while it is sent: exit 9, never
+/// committed — neither with the old blocks nor with a mix.
+#[test]
+fn source_modified_in_place_while_uploading_exits_9() {
+    use std::os::unix::fs::FileExt;
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("rewritten.dat"), 8 * MIB, 17);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let mut p = env
+        .cp([src.display().to_string(), srv.url("e"), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .spawn();
+    let ok = wait_until(Duration::from_secs(60), || written_bytes(&export) >= 2 * MIB || !p.running());
+    assert!(ok && p.running(), "the transfer ended before the file was changed");
+    let f = fs::OpenOptions::new().write(true).open(src.join("rewritten.dat")).unwrap();
+    let mut junk = vec![0u8; 100_000];
+    Rng::new(5).fill(&mut junk);
+    f.write_all_at(&junk, 6 * MIB).unwrap(); // not sent yet
+    f.write_all_at(&junk, MIB).unwrap(); // probably sent already
+    drop(f);
+    let r = p.wait();
+    r.assert_fails(9, &["rewritten.dat"]);
+    assert!(!export.join("src/rewritten.dat").exists(), "a changed file was committed under its final name");
+}
+
+/// A file truncated while it is sent: exit 9 (no hang, no desynchronised
+/// stream), not committed, and the server carries on.
+#[test]
+fn source_truncated_while_uploading_exits_9() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("shrinking.dat"), 8 * MIB, 18);
+    let export = env.mkdir("export");
+    let mut srv = env.serve(&[("e", &export)]);
+    let mut p = env
+        .cp([src.display().to_string(), srv.url("e"), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .timeout(Duration::from_secs(60))
+        .spawn();
+    let ok = wait_until(Duration::from_secs(60), || written_bytes(&export) >= 2 * MIB || !p.running());
+    assert!(ok && p.running(), "the transfer ended before the file was changed");
+    fs::OpenOptions::new().write(true).open(src.join("shrinking.dat")).unwrap().set_len(3 * MIB + 5).unwrap();
+    let r = p.wait();
+    r.assert_fails(9, &["shrinking.dat"]);
+    assert!(!export.join("src/shrinking.dat").exists(), "a changed file was committed under its final name");
+    assert!(srv.running(), "the server died: {}", srv.log());
+    write_random(&src.join("shrinking.dat"), 1000, 19);
+    env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
 }

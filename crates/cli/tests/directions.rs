@@ -122,10 +122,17 @@ fn naming_follows_rsync() {
     assert!(same_content(&one, &local.join("y.bin")));
     assert_eq!(mtime_of(&one), mtime_of(&local.join("y.bin")));
 
-    // A single file into an existing directory keeps its name.
+    // A single file into an existing directory keeps its name (locally and remotely).
     let r = dmover(["cp", "--json", "-q"]).arg(&one).arg(&local).run();
     r.assert_ok();
     assert!(same_content(&one, &local.join("multi.dat")));
+    fs::create_dir(export.join("existing")).unwrap();
+    let r = env.cp([one.as_os_str(), srv.url("e/existing").as_ref()]).run();
+    r.assert_ok();
+    assert!(same_content(&one, &export.join("existing/multi.dat")), "{:?}", list_tree(&export.join("existing")));
+    let r = env.cp([one.as_os_str(), srv.url("e").as_ref()]).run();
+    r.assert_ok();
+    assert!(same_content(&one, &export.join("multi.dat")), "a file copied to an export's root keeps its name");
 
     // Several sources into one destination.
     let r = env.cp([src.join("one.bin").display().to_string(), src.join("a").display().to_string(), srv.url("e/several")]).run();
@@ -307,4 +314,35 @@ fn many_small_files_round_trip() {
     let j = env.cp([srv.url("e/many"), down.display().to_string()]).run().assert_ok();
     assert_eq!(u(&j["files"]), 2500);
     assert_same_tree(&src, &down.join("many"));
+}
+
+/// `--bwlimit` caps the rate in every direction (for a download the server
+/// sends, at the client's limit; for a third-party copy the source server).
+#[test]
+fn bwlimit_is_honoured_in_every_direction() {
+    let env = Env::new();
+    let src = env.path("data");
+    write_random(&src.join("three.dat"), 3 << 20, 1);
+    let ea = env.mkdir("export-a");
+    write_random(&ea.join("data/three.dat"), 3 << 20, 1);
+    let eb = env.mkdir("export-b");
+    let a = env.serve(&[("e", &ea)]);
+    let b = env.serve(&[("e", &eb)]);
+    let out = env.mkdir("out");
+    let cases: [(&str, String, String); 4] = [
+        ("local", src.display().to_string(), out.join("l").display().to_string()),
+        ("upload", src.display().to_string(), b.url("e/u")),
+        ("download", a.url("e/data"), out.join("d").display().to_string()),
+        ("third party", a.url("e/data"), b.url("e/t")),
+    ];
+    let mut too_fast = Vec::new();
+    for (what, from, to) in cases {
+        let r = env.cp([from, to, "--bwlimit".into(), "2M".into()]).run();
+        let j = r.assert_ok();
+        // 3 MiB at 2 MiB/s: at least 1.5 s (some slack for timer granularity).
+        if r.elapsed < std::time::Duration::from_millis(1300) {
+            too_fast.push(format!("{what}: {:?} (report: {} s)", r.elapsed, j["seconds"]));
+        }
+    }
+    assert!(too_fast.is_empty(), "3 MiB at --bwlimit 2M must take at least 1.5 s; these were faster: {too_fast:#?}");
 }

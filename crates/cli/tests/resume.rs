@@ -44,24 +44,27 @@ fn wait_for_progress(proc: &mut Proc, src: &Path, dst: &Path, total: u64, frac: 
 }
 
 /// Checks the state of an interrupted destination: the big file is not under
-/// its final name, what is under a final name is complete, resume state is there.
+/// its final name, what is under a final name is complete, resume state is
+/// there (in the destination directory given to cp, or — if that did not
+/// exist before — possibly its parent; `resume_state_lives_in_the_destination_directory`
+/// checks the documented place).
 fn check_interrupted(src: &Path, dst: &Path, total: u64) -> u64 {
-    // The resume state lives in the destination directory given to cp.
     let dest_dir = dst.parent().unwrap();
     let written = written_bytes(dst);
     assert!(written < total, "the transfer had completed ({written} of {total}) — not interrupted");
     assert!(!dst.join("big.bin").exists(), "big.bin exists under its final name after an interruption");
     assert!(dst.join(".big.bin.dmover-part").is_file(), "no .big.bin.dmover-part: {:?}", list_tree(dst).keys().collect::<Vec<_>>());
-    let states: Vec<_> = list_tree(dest_dir).into_keys().filter(|k| k.starts_with(".dmover-partial/")).collect();
-    assert!(!states.is_empty(), "no .dmover-partial/ resume state in {}", dest_dir.display());
+    let state = [dest_dir, dest_dir.parent().unwrap()].iter().any(|d| d.join(".dmover-partial").is_dir());
+    assert!(state, "no .dmover-partial/ resume state in {} (or its parent)", dest_dir.display());
     assert_final_names_complete(src, dst);
     written
 }
 
-/// After success no resume state is left in the destination directory.
+/// After success no resume state is left in the destination directory (or its parent).
 fn assert_no_state(dst: &Path) {
-    let d = dst.parent().unwrap();
-    assert!(!d.join(".dmover-partial").exists(), "{}/.dmover-partial/ was not removed after the transfer completed", d.display());
+    for d in [dst.parent().unwrap(), dst.parent().unwrap().parent().unwrap()] {
+        assert!(!d.join(".dmover-partial").exists(), "{}/.dmover-partial/ was not removed after the transfer completed", d.display());
+    }
 }
 
 /// The re-run sent only what was missing.
@@ -120,12 +123,14 @@ fn client_killed_mid_download_then_rerun_resumes() {
     assert_no_state(&dst);
 }
 
-#[test]
-fn client_killed_mid_local_copy_then_rerun_resumes() {
+fn local_copy_killed_then_rerun(dest_exists: bool) {
     let env = Env::new();
     let src = env.path("data");
     let total = make_set(&src);
-    let out = env.mkdir("out");
+    let out = if dest_exists { env.mkdir("out") } else { env.path("new/out") };
+    if !dest_exists {
+        env.mkdir("new");
+    }
     let dst = out.join("data");
     let mut cmd = dmover(["cp", "--json", "-q", "--bwlimit", RATE]);
     cmd.arg(&src).arg(&out).cwd(env.root());
@@ -138,6 +143,18 @@ fn client_killed_mid_local_copy_then_rerun_resumes() {
     check_resumed(&j, total, written);
     assert_same_tree(&src, &dst);
     assert_no_state(&dst);
+}
+
+#[test]
+fn client_killed_mid_local_copy_then_rerun_resumes() {
+    local_copy_killed_then_rerun(true);
+}
+
+/// The same when DEST did not exist before the first run (the first run
+/// creates it; the re-run finds it).
+#[test]
+fn client_killed_mid_local_copy_to_new_dest_then_rerun_resumes() {
+    local_copy_killed_then_rerun(false);
 }
 
 /// The server dies mid-upload and comes back on the same port: the same
@@ -162,13 +179,13 @@ fn server_killed_mid_upload_client_retries_and_resumes() {
     let r = p.wait();
     let j = r.assert_ok();
     assert!(u(&j["retries"]) >= 1, "the report shows no retry: {j:#}");
-    assert_same_tree(&src, &dst);
-    assert_no_state(&dst);
     // sent_bytes counts both attempts: the first sent about `written`, so
     // without resuming the total would be about `total + written`.
     let sent = u(&j["sent_bytes"]);
     eprintln!("retried: sent {sent} in all for {total} bytes; {written} were written before the server died");
     assert!(sent < total + written / 2, "sent {sent} bytes for {total} with {written} already there: the retry did not resume\n{j:#}");
+    assert_same_tree(&src, &dst);
+    assert_no_state(&dst);
     assert!(srv.log().contains("listening") || srv.log().contains("serving"), "server log: {}", srv.log());
 }
 
@@ -251,4 +268,25 @@ fn server_killed_mid_download_client_retries_and_resumes() {
     let sent = u(&j["sent_bytes"]);
     eprintln!("retried download: sent {sent} of {total}; {written} were written before the server died");
     assert!(sent + written / 2 < total, "the retry sent {sent} of {total} bytes with {written} already there: not resumed\n{j:#}");
+}
+
+/// CLI.md: "Resume state lives in `.dmover-partial/` in the destination
+/// directory" — the DEST named on the command line, whether or not it
+/// existed before, and not its parent (which may be shared, e.g. an export root).
+#[test]
+fn resume_state_lives_in_the_destination_directory() {
+    let env = Env::new();
+    let src = env.path("data");
+    let total = make_set(&src);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let dest_dir = export.join("in");
+    let dst = dest_dir.join("data");
+    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), RATE.into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    wait_for_progress(&mut p, &src, &dst, total, 0.2);
+    p.kill9();
+    assert!(dest_dir.join(".dmover-partial").is_dir(), "no .dmover-partial/ in the destination directory {}: {:?}", dest_dir.display(), list_tree(&export).keys().filter(|k| !k.contains("small/")).collect::<Vec<_>>());
+    assert!(!export.join(".dmover-partial").exists(), "resume state was put in the destination's parent (the export root)");
 }

@@ -85,6 +85,8 @@ pub fn classify(e: &io::Error) -> ErrorKind {
         _ => match e.raw_os_error() {
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorKind::NoSpace,
             Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => ErrorKind::Permission,
+            // O_NOFOLLOW met a symlink where dmover writes.
+            Some(libc::ELOOP) => ErrorKind::Refused,
             _ => ErrorKind::Internal,
         },
     }

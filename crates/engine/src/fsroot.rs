@@ -49,6 +49,15 @@ impl Root {
         }
     }
 
+    /// The name of a resolved path for messages: its export path, or the
+    /// local path as it is.
+    pub fn label_of(&self, path: &Path) -> String {
+        match path.strip_prefix(&self.dir) {
+            Ok(rel) if self.confined => self.display(&rel.to_string_lossy()),
+            _ => path.display().to_string(),
+        }
+    }
+
     /// Resolves `rel` (a wire path when confined, a local path otherwise).
     /// When confined, refuses syntax that escapes and any existing component
     /// that is a symlink.

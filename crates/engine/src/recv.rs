@@ -51,6 +51,10 @@ pub struct RecvConfig {
     pub idle_timeout: Duration,
 }
 
+/// File type bits of a mode, and the type of a directory (as in st_mode).
+pub const MODE_TYPE: u32 = 0o170000;
+pub const MODE_DIR: u32 = 0o040000;
+
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -135,11 +139,12 @@ struct Shared {
     options: TransferOptions,
     block_size: u64,
     root: Root,
+    /// The destination as the user named it (for messages).
+    dest_label: String,
     dest_dir: PathBuf,
-    /// The destination file itself, with DEST_MAY_BE_FILE.
-    dest_file: Option<PathBuf>,
-    state_dir: PathBuf,
-    resuming: bool,
+    may_be_file: bool,
+    /// Settled before the session or by the first announcement; the control thread sets it.
+    layout: Mutex<Option<Layout>>,
     /// Files announced and not yet done; taken by control, data and writer threads.
     files: Mutex<HashMap<u64, Arc<Mutex<RecvFile>>>>,
     /// Control connection's writing half; every thread that replies takes it.
@@ -184,48 +189,100 @@ impl Shared {
     fn discard(&self) -> bool {
         self.options.has(TransferOptions::DISCARD)
     }
+
+    /// How to name `rel` (a path within the transfer) in messages: the
+    /// export path at a server, the local path at a client.
+    fn name(&self, rel: &str) -> String {
+        if self.root.is_confined() {
+            self.root.display(&dmover_proto::path::join(&self.dest_label, rel))
+        } else {
+            self.dest_dir.join(rel).display().to_string()
+        }
+    }
+}
+
+/// Where a transfer's files and resume state go. Settled by the first
+/// announcement when the destination may be a file.
+struct Layout {
+    /// The destination file itself, when a lone file is written as DEST.
+    dest_file: Option<PathBuf>,
+    state_dir: PathBuf,
+    /// Exists while this transfer is incomplete.
+    marker: PathBuf,
+    /// The marker existed: an earlier run of this transfer was interrupted.
+    resuming: bool,
+}
+
+impl Layout {
+    /// Creates the state directory and marker under `parent`.
+    fn settle(parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
+        let state_dir = parent.join(STATE_DIR);
+        let marker = state_dir.join(format!("transfer-{}", hex(transfer_id)));
+        fs::create_dir_all(&state_dir)?;
+        let resuming = marker.exists();
+        if !resuming {
+            File::create(&marker)?;
+        }
+        Ok(Layout { dest_file, state_dir, marker, resuming })
+    }
+}
+
+/// A receiving end whose destination has been checked, ready to [`run`](Prepared::run).
+pub struct Prepared {
+    cfg: RecvConfig,
+    dest_dir: PathBuf,
+    /// The destination is not a directory (yet) and may receive a lone file.
+    may_be_file: bool,
+    layout: Option<Layout>,
+}
+
+/// Checks and prepares the destination, so that problems (a read-only or
+/// missing directory, a path outside the export) are reported before a
+/// session starts.
+pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
+    let block_size = cfg.options.block_size as u64;
+    if block_size == 0 || block_size > dmover_proto::frame::MAX_BLOCK as u64 {
+        return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
+    }
+    let dest_dir = cfg.root.resolve(&cfg.dest)?;
+    let label = cfg.root.display(&cfg.dest);
+    let may_be_file = cfg.options.has(DEST_MAY_BE_FILE) && !dest_dir.is_dir();
+    let mut layout = None;
+    if !cfg.options.has(TransferOptions::DISCARD) {
+        if may_be_file {
+            // Whether DEST is the file or its directory is settled by the first file.
+            let parent = dest_dir.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+            fs::create_dir_all(&parent).map_err(|e| Error::io(&label, &e))?;
+        } else {
+            fs::create_dir_all(&dest_dir).map_err(|e| Error::io(&label, &e))?;
+            layout = Some(Layout::settle(&dest_dir, None, &cfg.options.transfer_id).map_err(|e| Error::io(&label, &e))?);
+        }
+    }
+    Ok(Prepared { cfg, dest_dir, may_be_file, layout })
 }
 
 /// Receives one transfer. `control` is the control connection; data
 /// connections arrive on `streams`. Returns when the sender finishes (or on
 /// a fatal error); partial files stay journaled for a later resume.
 pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>, cfg: RecvConfig) -> Result<RecvSummary> {
+    prepare(cfg)?.run(control, streams)
+}
+
+impl Prepared {
+pub fn run(self, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
+    let Prepared { cfg, dest_dir, may_be_file, layout } = self;
     let opts = cfg.options;
     let block_size = opts.block_size as u64;
-    if block_size == 0 || block_size > dmover_proto::frame::MAX_BLOCK as u64 {
-        return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
-    }
-    let dest_path = cfg.root.resolve(&cfg.dest)?;
-    // A lone file goes to the destination itself unless that is a directory.
-    let (dest_file, state_parent) = if opts.has(DEST_MAY_BE_FILE) && !dest_path.is_dir() {
-        let parent = dest_path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
-        (Some(dest_path.clone()), parent)
-    } else {
-        (None, dest_path.clone())
-    };
-    let dest_dir = dest_path;
-    let label = cfg.root.display(&cfg.dest);
-    let state_dir = state_parent.join(STATE_DIR);
-    let marker = state_dir.join(format!("transfer-{}", hex(&opts.transfer_id)));
-    let mut resuming = false;
-    if !opts.has(TransferOptions::DISCARD) {
-        fs::create_dir_all(&state_parent).map_err(|e| Error::io(&label, &e))?;
-        resuming = marker.exists();
-        fs::create_dir_all(&state_dir).map_err(|e| Error::io(&label, &e))?;
-        if !resuming {
-            File::create(&marker).map_err(|e| Error::io(&label, &e))?;
-        }
-    }
     control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(control.peer(), &e))?;
     let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(control.peer(), &e))?)));
     let sh = Arc::new(Shared {
         options: opts,
         block_size,
         root: cfg.root,
+        dest_label: cfg.dest.clone(),
         dest_dir,
-        dest_file,
-        state_dir,
-        resuming,
+        may_be_file,
+        layout: Mutex::new(layout),
         files: Mutex::new(HashMap::new()),
         ctl: ctl.clone(),
         pool: Pool::new(cfg.staging, block_size as usize, 4),
@@ -267,7 +324,7 @@ pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>
     }
     drop(wtx);
     let mut reader = FrameReader::new(control);
-    let result = control_loop(&sh, &mut reader, &marker);
+    let result = control_loop(&sh, &mut reader);
     sh.stop.store(true, Ordering::SeqCst);
     sh.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
     sh.pool.close();
@@ -283,8 +340,9 @@ pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>
         (Err(e), _) | (Ok(_), Some(e)) => Err(e),
     }
 }
+}
 
-fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader, marker: &Path) -> Result<RecvSummary> {
+fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
     loop {
         let m = match r.read() {
             Ok(Incoming::Msg(m)) => m,
@@ -312,9 +370,9 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader, marker: &Path) -> Result<
             }
             Msg::Finish { .. } => {
                 sh.stop.store(true, Ordering::SeqCst);
-                if !sh.discard() {
-                    let _ = fs::remove_file(marker);
-                    let _ = fs::remove_dir(&sh.state_dir);
+                if let Some(l) = sh.layout.lock().expect("layout lock").as_ref() {
+                    let _ = fs::remove_file(&l.marker);
+                    let _ = fs::remove_dir(&l.state_dir);
                 }
                 let t = *sh.totals.lock().expect("totals lock");
                 sh.ctl.lock().expect("control lock").send(&Msg::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
@@ -355,9 +413,9 @@ fn missing_ranges(have: &[bool]) -> Vec<(u64, u64)> {
 }
 
 fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
-    let fail = |kind, message: String| sh.reply(&Msg::Failed { id, kind, message });
+    let fail = |subject: String, e: Error| sh.reply(&Msg::Failed { id, kind: e.kind, subject, message: e.message });
     if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
-        return fail(ErrorKind::Refused, format!("{}: path refused: {e}", meta.path));
+        return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
     }
     let blocks = meta.size.div_ceil(sh.block_size);
     let n = blocks as usize;
@@ -382,15 +440,36 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         let ranges = if blocks > 0 { vec![(0, blocks)] } else { vec![] };
         return sh.reply(&Msg::Plan { id, skip: false, ranges });
     }
-    let final_path = match &sh.dest_file {
-        Some(p) if !meta.path.contains('/') => p.clone(),
+    let lone = !meta.path.contains('/');
+    let (dest_file, state_dir, resuming) = {
+        let mut l = sh.layout.lock().expect("layout lock");
+        if l.is_none() {
+            let (parent, dest_file) = if sh.may_be_file && lone {
+                (sh.dest_dir.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from(".")), Some(sh.dest_dir.clone()))
+            } else {
+                (sh.dest_dir.clone(), None)
+            };
+            match Layout::settle(&parent, dest_file, &sh.options.transfer_id) {
+                Ok(x) => *l = Some(x),
+                // Nothing can be received here: end the transfer with the reason.
+                Err(e) => return sh.fail(Error::io(sh.name(""), &e)),
+            }
+        }
+        let l = l.as_ref().expect("settled above");
+        (l.dest_file.clone(), l.state_dir.clone(), l.resuming)
+    };
+    let final_path = match (&dest_file, lone) {
+        (Some(p), true) => p.clone(),
         _ => match prepare_parent(sh, &meta.path) {
             Ok(p) => p,
-            Err(e) => return fail(e.kind, e.to_string()),
+            Err(e) => return fail(sh.name(&meta.path), e),
         },
     };
+    if meta.mode & MODE_TYPE == MODE_DIR {
+        return make_dir(sh, id, &meta, &final_path);
+    }
     // Already there?
-    if sh.options.has(TransferOptions::SYNC) || sh.resuming {
+    if sh.options.has(TransferOptions::SYNC) || resuming {
         if let Ok(m) = fs::symlink_metadata(&final_path) {
             use std::os::unix::fs::MetadataExt;
             let same = m.is_file()
@@ -417,7 +496,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
     let mut journal_path = None;
     let mut fresh = true;
     if blocks > 1 {
-        let jp = journal::path_for(&sh.state_dir, &meta.path);
+        let jp = journal::path_for(&state_dir, &meta.path);
         if temp_path.exists() {
             if let Some(recs) = journal::load(&jp, &meta, sh.block_size as u32, blocks) {
                 for (b, s) in recs {
@@ -569,7 +648,7 @@ fn writer(sh: &Arc<Shared>, rx: Receiver<WriteJob>) {
             match open_temp(&mut g, sh.block_size as u32) {
                 Ok(f) => f,
                 Err(e) => {
-                    let e = Error::io(sh.root.display(&g.meta.path), &e);
+                    let e = Error::io("", &e);
                     file_failed(sh, job.id, &mut g, e);
                     continue;
                 }
@@ -578,7 +657,7 @@ fn writer(sh: &Arc<Shared>, rx: Receiver<WriteJob>) {
         let off = job.block * sh.block_size;
         if let Err(e) = handle.write_all_at(&job.data, off) {
             let mut g = job.file.lock().expect("file lock");
-            let e = Error::io(sh.root.display(&g.meta.path), &e);
+            let e = Error::io("", &e);
             file_failed(sh, job.id, &mut g, e);
             continue;
         }
@@ -628,16 +707,38 @@ fn mark_written(sh: &Arc<Shared>, id: u64, file: &Arc<Mutex<RecvFile>>, block: u
     }
 }
 
+/// A file failed at this end: its partial state goes, and the sender is
+/// told — or, when the disk is full, the whole transfer ends (every later
+/// file would fail the same way).
 fn file_failed(sh: &Arc<Shared>, id: u64, g: &mut RecvFile, e: Error) {
     g.done = true;
     g.file = None;
     remove_partial(g);
     sh.files.lock().expect("files lock").remove(&id);
-    let kind = e.kind;
-    sh.reply(&Msg::Failed { id, kind, message: e.to_string() });
-    if kind == ErrorKind::NoSpace {
-        sh.fail(e);
+    let subject = sh.name(&g.meta.path);
+    if e.kind == ErrorKind::NoSpace {
+        return sh.fail(Error { subject, ..e });
     }
+    sh.reply(&Msg::Failed { id, kind: e.kind, subject, message: e.message });
+}
+
+/// Creates a directory that was empty at the source.
+fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path) {
+    let made = match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "something other than a directory is in the way")),
+        Err(_) => fs::create_dir(path),
+    }
+    .and_then(|()| fs::set_permissions(path, fs::Permissions::from_mode(meta.mode & 0o7777)));
+    if let Err(e) = made {
+        return sh.reply(&Msg::Failed { id, kind: crate::error::classify(&e), subject: sh.name(&meta.path), message: e.to_string() });
+    }
+    let digest = file_digest(&[]);
+    let mut t = sh.totals.lock().expect("totals lock");
+    t.files += 1;
+    t.set.add(&meta.path, 0, &digest);
+    drop(t);
+    sh.reply(&Msg::Done { id, digest });
 }
 
 fn remove_partial(g: &RecvFile) {
@@ -679,13 +780,11 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
             }
             return;
         }
-        let path = g.meta.path.clone();
-        return file_failed(sh, id, g, Error::new(ErrorKind::Verify, sh.root.display(&path), "checksum mismatch"));
+        return file_failed(sh, id, g, Error::new(ErrorKind::Verify, "", "checksum mismatch"));
     }
     if !sh.discard() {
         if let Err(e) = commit(g) {
-            let path = g.meta.path.clone();
-            return file_failed(sh, id, g, Error::io(sh.root.display(&path), &e));
+            return file_failed(sh, id, g, Error::io("", &e));
         }
     }
     g.done = true;

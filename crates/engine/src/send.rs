@@ -85,6 +85,8 @@ struct SendFile {
     id: u64,
     host: usize,
     path: PathBuf,
+    /// The source's name in messages.
+    label: String,
     meta: FileMeta,
     blocks: u64,
     st: Mutex<FileState>,
@@ -154,14 +156,18 @@ struct Shared {
     /// `hosts` are the control connections, which outlive a successful send.
     conns: Vec<Box<dyn Transport>>,
     sent: AtomicU64,
+    /// Bytes that have been given a time slot under the bandwidth limit.
+    paced: AtomicU64,
     bwlimit: u64,
     started: Instant,
 }
 
 impl Shared {
+    /// Ends the transfer with `e`. The first error wins, except that a lost
+    /// connection gives way to the reason the peer gave for closing it.
     fn fail(&self, e: Error) {
         let mut f = self.fatal.lock().expect("fatal lock");
-        if f.is_none() {
+        if f.as_ref().is_none_or(|old| old.kind == ErrorKind::Unreachable && e.kind != ErrorKind::Unreachable) {
             *f = Some(e);
         }
         drop(f);
@@ -192,9 +198,10 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    fn file_error(&self, f: &SendFile, kind: ErrorKind, message: String) {
-        let path = f.meta.path.clone();
-        log::warn!("{path}: {message}");
+    /// Records a file's failure; `path` names where it failed (empty: the file's name).
+    fn file_error(&self, f: &SendFile, path: String, kind: ErrorKind, message: String) {
+        let path = if path.is_empty() { f.meta.path.clone() } else { path };
+        log::info!("{path}: {message}");
         self.settle(f, |t| t.errors.push(FileError { path, kind, message }));
     }
 }
@@ -257,6 +264,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         stop: AtomicBool::new(false),
         conns,
         sent: AtomicU64::new(0),
+        paced: AtomicU64::new(0),
         bwlimit: cfg.bwlimit,
         started,
     });
@@ -333,6 +341,10 @@ fn fill_random(b: &mut [u8]) {
 /// Walks the sources (in a thread) and announces every file.
 fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     let (tx, rx) = crossbeam_channel::bounded::<Event>(WALK_AHEAD);
+    let root = match &files {
+        Files::Walk { root, .. } => root.clone(),
+        Files::Generate { .. } => Root::local(),
+    };
     let walker = std::thread::spawn(move || match files {
         Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send(ev).is_ok()),
         Files::Generate { name, size } => {
@@ -371,7 +383,8 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                 Progress::add(&sh.progress.total_bytes, e.meta.size);
                 next_id += 1;
                 let blocks = e.meta.size.div_ceil(sh.block_size);
-                let f = Arc::new(SendFile { id: next_id, host, path: e.path, meta: e.meta, blocks, st: Mutex::default() });
+                let label = root.label_of(&e.path);
+                let f = Arc::new(SendFile { id: next_id, host, path: e.path, label, meta: e.meta, blocks, st: Mutex::default() });
                 let digest = if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate {
                     digest_of(&f.path, sh.block_size).ok()
                 } else {
@@ -381,7 +394,7 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                 sh.tell(host, &Msg::Announce { id: f.id, meta: f.meta.clone(), digest });
             }
             Event::Error(e) => {
-                log::warn!("{e}");
+                log::info!("{e}");
                 let mut t = sh.tally.lock().expect("tally lock");
                 t.errors.push(FileError { path: e.subject.clone(), kind: e.kind, message: e.message.clone() });
             }
@@ -476,7 +489,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 let Some(f) = lookup(&id) else { continue };
                 let ours = file_digest(&f.st.lock().expect("file lock").sums);
                 if ours != digest {
-                    sh.file_error(&f, ErrorKind::Verify, "the destination's digest differs from the source's".into());
+                    sh.file_error(&f, String::new(), ErrorKind::Verify, "the destination's digest differs from the source's".into());
                     continue;
                 }
                 Progress::add(&sh.progress.done_files, 1);
@@ -487,10 +500,10 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                     t.sets[f.host].add(&f.meta.path, f.meta.size, &digest);
                 });
             }
-            Msg::Failed { id, kind, message } => {
+            Msg::Failed { id, kind, subject, message } => {
                 let Some(f) = lookup(&id) else { continue };
                 f.st.lock().expect("file lock").aborted = true;
-                sh.file_error(&f, kind, message);
+                sh.file_error(&f, subject, kind, message);
             }
             Msg::Finished { files, bytes, set_digest } => {
                 let mut t = sh.tally.lock().expect("tally lock");
@@ -523,7 +536,7 @@ fn reader(sh: &Arc<Shared>, jobs: Receiver<Job>) {
             };
             if first {
                 sh.tell(f.host, &Msg::Abort { id: f.id, kind, message: message.clone() });
-                sh.file_error(f, kind, message);
+                sh.file_error(f, f.label.clone(), kind, message);
             }
         }
     }
@@ -595,7 +608,7 @@ fn pace(sh: &Shared, n: u64) {
     if sh.bwlimit == 0 {
         return;
     }
-    let total = sh.sent.load(Ordering::Relaxed) + n;
+    let total = sh.paced.fetch_add(n, Ordering::Relaxed) + n;
     let due = Duration::from_secs_f64(total as f64 / sh.bwlimit as f64);
     let now = sh.started.elapsed();
     if due > now {

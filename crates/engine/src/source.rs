@@ -10,6 +10,7 @@
 
 use crate::error::{Error, Result};
 use crate::fsroot::Root;
+use crate::recv::MODE_DIR;
 use dmover_proto::frame::FileMeta;
 use dmover_proto::ErrorKind;
 use globset::{GlobBuilder, GlobMatcher};
@@ -22,7 +23,7 @@ pub const PART_SUFFIX: &str = ".dmover-part";
 /// Directory of resume state in a destination; never sent.
 pub const STATE_DIR: &str = ".dmover-partial";
 
-/// A file found by the walk.
+/// A file found by the walk (or an empty directory: its mode says so).
 #[derive(Debug, Clone)]
 pub struct Entry {
     /// Where to read it.
@@ -127,17 +128,19 @@ fn walk_dir(
         let rd = match fs::read_dir(&dir) {
             Ok(rd) => rd,
             Err(e) => {
-                if !emit(Event::Error(Error::io(dir.display().to_string(), &e))) {
+                if !emit(Event::Error(Error::io(root.label_of(&dir), &e))) {
                     return false;
                 }
                 continue;
             }
         };
+        let mut entries = 0usize;
         for ent in rd {
+            entries += 1;
             let ent = match ent {
                 Ok(e) => e,
                 Err(e) => {
-                    if !emit(Event::Error(Error::io(dir.display().to_string(), &e))) {
+                    if !emit(Event::Error(Error::io(root.label_of(&dir), &e))) {
                         return false;
                     }
                     continue;
@@ -165,15 +168,24 @@ fn walk_dir(
             } else if ft.is_file() && matched && !fname.ends_with(PART_SUFFIX) {
                 let ev = match ent.metadata() {
                     Ok(m) => Event::File(Entry { path: ent.path(), meta: meta_of(child, &m) }),
-                    Err(e) => Event::Error(Error::io(ent.path().display().to_string(), &e)),
+                    Err(e) => Event::Error(Error::io(root.label_of(&ent.path()), &e)),
                 };
                 if !emit(ev) {
                     return false;
                 }
             }
         }
+        // An empty directory is sent as itself, so that it exists at the destination.
+        if entries == 0 && take_all && !name.is_empty() {
+            let ev = match fs::symlink_metadata(&dir) {
+                Ok(m) => Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | (m.mode() & 0o7777), ..meta_of(name, &m) }, path: dir }),
+                Err(e) => Event::Error(Error::io(root.label_of(&dir), &e)),
+            };
+            if !emit(ev) {
+                return false;
+            }
+        }
     }
-    let _ = root;
     true
 }
 
@@ -214,6 +226,7 @@ mod tests {
             fs::write(p, b"x").unwrap();
         }
         fs::write(t.path().join("d/s/.x.dmover-part"), b"x").unwrap();
+        fs::create_dir_all(t.path().join("e/empty")).unwrap();
         let r = Root::export("e", t.path()).unwrap();
         assert_eq!(names(&r, "d"), ["d/a.dat", "d/b.txt", "d/s/c.dat", "d/s/t/e.dat"]);
         assert_eq!(names(&r, "d/"), ["a.dat", "b.txt", "s/c.dat", "s/t/e.dat"]);
@@ -222,7 +235,9 @@ mod tests {
         assert_eq!(names(&r, "d/**/*.dat"), ["a.dat", "s/c.dat", "s/t/e.dat"]);
         assert_eq!(names(&r, "d/s"), ["s/c.dat", "s/t/e.dat"]);
         assert_eq!(names(&r, "d/a.dat"), ["a.dat"]);
-        assert_eq!(names(&r, "*"), ["d/a.dat", "d/b.txt", "d/s/c.dat", "d/s/t/e.dat"]);
+        assert_eq!(names(&r, "*"), ["d/a.dat", "d/b.txt", "d/s/c.dat", "d/s/t/e.dat", "e/empty"]);
+        assert_eq!(names(&r, "e"), ["e/empty"]);
+        assert_eq!(names(&r, "e/empty/"), Vec::<String>::new());
         assert_eq!(collect(&r, &["d/*.zip".into()]).unwrap_err().kind, ErrorKind::NotFound);
         assert_eq!(collect(&r, &["nope".into()]).unwrap_err().kind, ErrorKind::NotFound);
         assert_eq!(collect(&r, &["../d".into()]).unwrap_err().kind, ErrorKind::Refused);

@@ -252,8 +252,8 @@ pub enum Msg {
     Nack { id: u64, block: u64 },
     /// Rx→Tx: file `id` is verified and in place.
     Done { id: u64, digest: Sum },
-    /// Rx→Tx: file `id` failed at the receiver.
-    Failed { id: u64, kind: ErrorKind, message: String },
+    /// Rx→Tx: file `id` failed at the receiver; `subject` names where.
+    Failed { id: u64, kind: ErrorKind, subject: String, message: String },
     /// Tx→Rx: no more files; totals and the set digest of what was sent.
     Finish { files: u64, bytes: u64, set_digest: u128 },
     /// Rx→Tx: what the receiver committed.
@@ -402,11 +402,17 @@ impl Msg {
             }
             Proof { proof } => w.bytes(proof),
             Welcome | OpenControl | Ready | Ping => {}
-            Error { kind, message } | Abort { kind, message, .. } | Failed { kind, message, .. } => {
-                if let Abort { id, .. } | Failed { id, .. } = self {
+            Error { kind, message } | Abort { kind, message, .. } => {
+                if let Abort { id, .. } = self {
                     w.u64(*id);
                 }
                 w.u8(*kind as u8);
+                w.str(message);
+            }
+            Failed { id, kind, subject, message } => {
+                w.u64(*id);
+                w.u8(*kind as u8);
+                w.str(subject);
                 w.str(message);
             }
             OpenData { session, index } => {
@@ -597,7 +603,7 @@ impl Msg {
             33 => Abort { id: r.u64()?, kind: r.kind()?, message: r.str()? },
             34 => Nack { id: r.u64()?, block: r.u64()? },
             35 => Done { id: r.u64()?, digest: r.arr()? },
-            36 => Failed { id: r.u64()?, kind: r.kind()?, message: r.str()? },
+            36 => Failed { id: r.u64()?, kind: r.kind()?, subject: r.str()?, message: r.str()? },
             37 => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             38 => Finished { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             39 => Ping,
@@ -742,7 +748,7 @@ mod tests {
             Msg::Abort { id: 15, kind: ErrorKind::SourceChanged, message: "changed".into() },
             Msg::Nack { id: 16, block: 17 },
             Msg::Done { id: 18, digest: [3; 16] },
-            Msg::Failed { id: 19, kind: ErrorKind::Permission, message: "denied".into() },
+            Msg::Failed { id: 19, kind: ErrorKind::Permission, subject: "e/d/f".into(), message: "denied".into() },
             Msg::Finish { files: 1, bytes: 2, set_digest: u128::MAX },
             Msg::Finished { files: 1, bytes: 2, set_digest: 5 },
             Msg::Ping,

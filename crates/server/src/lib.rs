@@ -291,12 +291,19 @@ fn control(
             Ok(Action::Nothing) => {}
             Ok(Action::Reply(m)) => w.send(&m)?,
             Ok(Action::Receive { root, dest, options }) => {
+                let label = root.display(&dest);
+                let cfg = RecvConfig { root, dest, options, staging: srv.cfg.staging, writers: srv.cfg.writers, idle_timeout: srv.cfg.idle_timeout };
+                let prepared = match recv::prepare(cfg) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        refuse(&mut w, &e)?;
+                        continue;
+                    }
+                };
                 let (guard, rx) = open_session(srv);
                 w.send(&Msg::SessionOpened { session: guard.id })?;
                 drop(r);
-                let label = root.display(&dest);
-                let cfg = RecvConfig { root, dest, options, staging: srv.cfg.staging, writers: srv.cfg.writers, idle_timeout: srv.cfg.idle_timeout };
-                let s = recv::receive(t, rx, cfg)?;
+                let s = prepared.run(t, rx)?;
                 log::info!("received {} files, {} bytes into {label}", s.files, s.bytes);
                 return Ok(());
             }

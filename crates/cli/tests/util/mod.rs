@@ -106,6 +106,19 @@ pub fn unique() -> u64 {
     N.fetch_add(1, Ordering::SeqCst)
 }
 
+/// Makes a child die with the test thread that started it, should the test
+/// process be killed before its guards run.
+fn die_with_parent(c: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Servers
 
@@ -184,6 +197,7 @@ impl Server {
         }
         cmd.arg("--token-file").arg(&self.spec.token).args(&self.spec.extra);
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log));
+        die_with_parent(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| format!("spawn: {e}"))?;
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -317,6 +331,7 @@ pub struct Run {
 
 impl Run {
     /// The JSON report on stdout.
+    #[track_caller]
     pub fn json(&self) -> Value {
         serde_json::from_str(self.stdout.trim()).unwrap_or_else(|e| panic!("stdout is not a JSON report ({e}):\n{}\nstderr:\n{}", self.stdout, self.stderr))
     }
@@ -327,6 +342,7 @@ impl Run {
     }
 
     /// Asserts success: exit 0, `ok`, check passed, no errors. Returns the report.
+    #[track_caller]
     pub fn assert_ok(&self) -> Value {
         assert_eq!(self.code, 0, "exit code; stderr:\n{}\nstdout:\n{}", self.stderr, self.stdout);
         let j = self.json();
@@ -344,6 +360,7 @@ impl Run {
 
     /// Asserts a failure with `code` and exactly one one-line error on
     /// stderr that mentions every one of `names`.
+    #[track_caller]
     pub fn assert_fails(&self, code: i32, names: &[&str]) {
         assert_eq!(self.code, code, "exit code (want {code}); stderr:\n{}\nstdout:\n{}", self.stderr, self.stdout);
         assert!(!self.stderr.contains("panicked"), "dmover panicked: {}", self.stderr);
@@ -407,6 +424,7 @@ impl Cmd {
             c.current_dir(d);
         }
         c.stdin(Stdio::null()).stdout(Stdio::from(out.try_clone().unwrap())).stderr(Stdio::from(err.try_clone().unwrap()));
+        die_with_parent(&mut c);
         let child = c.spawn().expect("spawn dmover");
         Proc { child: Some(child), out, err, started: Instant::now(), timeout: self.timeout, desc: format!("{:?}", self.args) }
     }
@@ -616,13 +634,20 @@ pub fn list_tree(root: &Path) -> BTreeMap<String, Node> {
     let mut out = BTreeMap::new();
     let mut stack = vec![(root.to_path_buf(), String::new())];
     while let Some((dir, rel)) = stack.pop() {
-        for e in fs::read_dir(&dir).unwrap_or_else(|e| panic!("read_dir {}: {e}", dir.display())) {
-            let e = e.unwrap();
+        let rd = match fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            // A directory that vanished while a transfer runs.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !rel.is_empty() => continue,
+            Err(e) => panic!("read_dir {}: {e}", dir.display()),
+        };
+        for e in rd {
+            let Ok(e) = e else { continue };
             let name = e.file_name().to_string_lossy().into_owned();
             let r = if rel.is_empty() { name } else { format!("{rel}/{name}") };
-            let m = fs::symlink_metadata(e.path()).unwrap();
+            // Entries can vanish between readdir and lstat (a temporary file renamed).
+            let Ok(m) = fs::symlink_metadata(e.path()) else { continue };
             let node = if m.file_type().is_symlink() {
-                Node::Link(fs::read_link(e.path()).unwrap())
+                Node::Link(fs::read_link(e.path()).unwrap_or_default())
             } else if m.is_dir() {
                 stack.push((e.path(), r.clone()));
                 Node::Dir
@@ -677,6 +702,7 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> usize {
 /// kinds; files byte-identical with the same mode and mtime). Directory
 /// attributes are not compared. Any leftover (temporary file, resume state)
 /// in `dst` fails the comparison.
+#[track_caller]
 pub fn assert_same_tree(src: &Path, dst: &Path) {
     let a = list_tree(src);
     let b = list_tree(dst);
@@ -727,6 +753,7 @@ pub fn written_bytes(dir: &Path) -> u64 {
 /// Asserts that every file below `dst` under a final name (not a
 /// `.NAME.dmover-part`, not in `.dmover-partial/`) equals its counterpart
 /// below `src`: no final name is ever half-written. Returns how many there were.
+#[track_caller]
 pub fn assert_final_names_complete(src: &Path, dst: &Path) -> usize {
     let mut n = 0;
     for (k, _) in list_files(dst) {
