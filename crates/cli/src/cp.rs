@@ -321,7 +321,11 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
         let mut c = Conn::control(src, &cred)?;
         let hosts = tickets
             .iter()
-            .map(|(addr, key_id, secret)| TicketedHost { addr: addr.clone(), key_id: *key_id, wrapped_secret: c.session_key.wrap(key_id, secret) })
+            .map(|(addr, key_id, secret)| TicketedHost {
+                addr: addr.clone(),
+                key_id: *key_id,
+                wrapped_secret: c.session_key.wrap(key_id, secret),
+            })
             .collect();
         c.send(&Msg::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params: p.params })?;
         loop {

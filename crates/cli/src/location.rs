@@ -93,7 +93,17 @@ mod tests {
         );
         assert_eq!(Location::parse("dmover://h/ex").unwrap(), Location::Remote { hosts: vec!["h:7450".into()], path: "ex".into() });
         assert_eq!(Location::parse("/tmp/x").unwrap(), Location::Local("/tmp/x".into()));
-        for bad in ["dmover://", "dmover://h", "dmover://h/", "dmover://h:0/e", "dmover://h:x/e", "dmover://,h/e", "dmover://h/e/../x", "ftp://h/e", "dmover://h//x"] {
+        for bad in [
+            "dmover://",
+            "dmover://h",
+            "dmover://h/",
+            "dmover://h:0/e",
+            "dmover://h:x/e",
+            "dmover://,h/e",
+            "dmover://h/e/../x",
+            "ftp://h/e",
+            "dmover://h//x",
+        ] {
             assert_eq!(Location::parse(bad).unwrap_err().kind, ErrorKind::Usage, "{bad}");
         }
     }

@@ -65,7 +65,11 @@ pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>, Error> {
     let s = std::fs::read(f).map_err(|e| Error::new(ErrorKind::Usage, f.display().to_string(), format!("cannot read token file: {e}")))?;
     let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
     if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
-        let msg = format!("token is too short ({} bytes; at least {}): make one with `dmover token FILE`", t.len(), dmover_proto::auth::MIN_TOKEN_LEN);
+        let msg = format!(
+            "token is too short ({} bytes; at least {}): make one with `dmover token FILE`",
+            t.len(),
+            dmover_proto::auth::MIN_TOKEN_LEN
+        );
         return Err(Error::new(ErrorKind::Usage, f.display().to_string(), msg));
     }
     Ok(t)

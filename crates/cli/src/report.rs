@@ -81,7 +81,11 @@ impl Report {
             retries: s.retries,
             resent_blocks: s.resent_blocks,
             hosts: s.hosts.iter().map(|h| HostReport { host: h.host.clone(), files: h.files, bytes: h.bytes }).collect(),
-            errors: s.errors.iter().map(|e| ErrorReport { path: e.path.clone(), kind: e.kind.name(), message: e.message.clone(), code: e.kind }).collect(),
+            errors: s
+                .errors
+                .iter()
+                .map(|e| ErrorReport { path: e.path.clone(), kind: e.kind.name(), message: e.message.clone(), code: e.kind })
+                .collect(),
             check,
         }
     }

@@ -63,7 +63,8 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         staging: staging.max(1 << 20),
         writers: 2,
     };
-    let listener = std::net::TcpListener::bind(&a.listen).map_err(|e| Error::new(ErrorKind::Usage, &a.listen, format!("cannot listen: {e}")))?;
+    let listener =
+        std::net::TcpListener::bind(&a.listen).map_err(|e| Error::new(ErrorKind::Usage, &a.listen, format!("cannot listen: {e}")))?;
     let addr = listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?;
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])

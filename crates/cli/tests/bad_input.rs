@@ -162,7 +162,8 @@ fn destination_errors_name_the_full_destination_path_upload() {
     fs::create_dir_all(&ro).unwrap();
     let _m = Mount::read_only(&ro);
     let srv = env.serve(&[("e", &export)]);
-    let r = env.cp([src.display().to_string(), srv.url("e/deep/er"), "--retries".into(), "0".into()]).timeout(Duration::from_secs(20)).run();
+    let r =
+        env.cp([src.display().to_string(), srv.url("e/deep/er"), "--retries".into(), "0".into()]).timeout(Duration::from_secs(20)).run();
     r.assert_fails(4, &["e/deep/er/src/a.dat"]);
 }
 
@@ -176,7 +177,10 @@ fn destination_errors_name_the_full_destination_path_download() {
     let ro = local.join("deep/src");
     fs::create_dir_all(&ro).unwrap();
     let _m = Mount::read_only(&ro);
-    let r = env.cp([srv.url("e/src"), local.join("deep").display().to_string(), "--retries".into(), "0".into()]).timeout(Duration::from_secs(20)).run();
+    let r = env
+        .cp([srv.url("e/src"), local.join("deep").display().to_string(), "--retries".into(), "0".into()])
+        .timeout(Duration::from_secs(20))
+        .run();
     r.assert_fails(4, &[&ro.join("a.dat").display().to_string()]);
 }
 
@@ -376,7 +380,16 @@ fn source_changed_while_uploading_exits_9() {
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
     let mut p = env
-        .cp([src.display().to_string(), srv.url("e"), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .cp([
+            src.display().to_string(),
+            srv.url("e"),
+            "--bwlimit".into(),
+            "3M".into(),
+            "--staging".into(),
+            "1M".into(),
+            "--block-size".into(),
+            "64K".into(),
+        ])
         .spawn();
     assert!(append_while_sending(&mut p, &src.join("growing.dat"), &export, 2 * MIB), "the transfer ended before the file was changed");
     let r = p.wait();
@@ -395,7 +408,16 @@ fn source_changed_while_downloading_exits_9() {
     let srv = env.serve(&[("e", &export)]);
     let down = env.mkdir("down");
     let mut p = env
-        .cp([srv.url("e/src"), down.display().to_string(), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .cp([
+            srv.url("e/src"),
+            down.display().to_string(),
+            "--bwlimit".into(),
+            "3M".into(),
+            "--staging".into(),
+            "1M".into(),
+            "--block-size".into(),
+            "64K".into(),
+        ])
         .spawn();
     assert!(append_while_sending(&mut p, &src.join("growing.dat"), &down, 2 * MIB), "the transfer ended before the file was changed");
     let r = p.wait();
@@ -414,7 +436,16 @@ fn source_modified_in_place_while_uploading_exits_9() {
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
     let mut p = env
-        .cp([src.display().to_string(), srv.url("e"), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .cp([
+            src.display().to_string(),
+            srv.url("e"),
+            "--bwlimit".into(),
+            "3M".into(),
+            "--staging".into(),
+            "1M".into(),
+            "--block-size".into(),
+            "64K".into(),
+        ])
         .spawn();
     let ok = wait_until(Duration::from_secs(60), || written_bytes(&export) >= 2 * MIB || !p.running());
     assert!(ok && p.running(), "the transfer ended before the file was changed");
@@ -439,7 +470,16 @@ fn source_truncated_while_uploading_exits_9() {
     let export = env.mkdir("export");
     let mut srv = env.serve(&[("e", &export)]);
     let mut p = env
-        .cp([src.display().to_string(), srv.url("e"), "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+        .cp([
+            src.display().to_string(),
+            srv.url("e"),
+            "--bwlimit".into(),
+            "3M".into(),
+            "--staging".into(),
+            "1M".into(),
+            "--block-size".into(),
+            "64K".into(),
+        ])
         .timeout(Duration::from_secs(60))
         .spawn();
     let ok = wait_until(Duration::from_secs(60), || written_bytes(&export) >= 2 * MIB || !p.running());

@@ -44,7 +44,8 @@ fn bench_disk_to_disk() {
     let r = bench(&env, &["--disk"], &srv.url("e"));
     check(&r);
     // A real 64 MiB file was written at the server.
-    let sizes: Vec<u64> = list_files(&export).values().filter_map(|n| if let Node::File { size, .. } = n { Some(*size) } else { None }).collect();
+    let sizes: Vec<u64> =
+        list_files(&export).values().filter_map(|n| if let Node::File { size, .. } = n { Some(*size) } else { None }).collect();
     assert!(sizes.contains(&SIZE), "no 64 MiB file at the server: {:?}", list_tree(&export));
     assert!(list_tree(&env.path("tmp")).is_empty(), "bench --disk left its scratch file behind: {:?}", list_tree(&env.path("tmp")));
 }

@@ -267,7 +267,11 @@ fn empty_directories_are_copied() {
     let dst = env.mkdir("out");
     let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&dst).run();
     r.assert_ok();
-    assert!(dst.join("data/empty/inner").is_dir(), "empty directories were not copied: {:?}", list_tree(&dst.join("data")).keys().collect::<Vec<_>>());
+    assert!(
+        dst.join("data/empty/inner").is_dir(),
+        "empty directories were not copied: {:?}",
+        list_tree(&dst.join("data")).keys().collect::<Vec<_>>()
+    );
 }
 
 #[test]

@@ -287,6 +287,11 @@ fn resume_state_lives_in_the_destination_directory() {
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.2);
     p.kill9();
-    assert!(dest_dir.join(".dmover-partial").is_dir(), "no .dmover-partial/ in the destination directory {}: {:?}", dest_dir.display(), list_tree(&export).keys().filter(|k| !k.contains("small/")).collect::<Vec<_>>());
+    assert!(
+        dest_dir.join(".dmover-partial").is_dir(),
+        "no .dmover-partial/ in the destination directory {}: {:?}",
+        dest_dir.display(),
+        list_tree(&export).keys().filter(|k| !k.contains("small/")).collect::<Vec<_>>()
+    );
     assert!(!export.join(".dmover-partial").exists(), "resume state was put in the destination's parent (the export root)");
 }

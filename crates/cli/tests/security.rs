@@ -31,7 +31,10 @@ fn wrong_token_is_refused_and_logged() {
     let ok = wait_until(Duration::from_secs(10), || srv.log().matches("refused").count() >= 2);
     let log = srv.log();
     assert!(ok, "the server did not log the refusals:\n{log}");
-    assert!(log.lines().any(|l| l.contains("refused") && l.contains("127.0.0.1") && (l.contains("token") || l.contains("authentication"))), "the refusal log line should name the peer and the reason:\n{log}");
+    assert!(
+        log.lines().any(|l| l.contains("refused") && l.contains("127.0.0.1") && (l.contains("token") || l.contains("authentication"))),
+        "the refusal log line should name the peer and the reason:\n{log}"
+    );
     assert!(!log.contains(&env.token_str()), "the server logged its token");
 
     // The right token still works.
@@ -44,7 +47,11 @@ fn serve_warns_about_a_token_file_others_can_read() {
     let export = env.mkdir("export");
     chmod(&env.token, 0o644);
     let srv = env.serve(&[("e", &export)]);
-    assert!(wait_until(Duration::from_secs(10), || srv.log().contains("readable")), "no warning about the token file's mode:\n{}", srv.log());
+    assert!(
+        wait_until(Duration::from_secs(10), || srv.log().contains("readable")),
+        "no warning about the token file's mode:\n{}",
+        srv.log()
+    );
 }
 
 #[test]
@@ -53,7 +60,12 @@ fn token_file_too_short_is_a_usage_error() {
     let export = env.mkdir("export");
     let short = env.path("short");
     fs::write(&short, "abc\n").unwrap();
-    let r = dmover(["serve", "--listen", "127.0.0.1:0", "--export"]).arg(format!("e={}", export.display())).arg("--token-file").arg(&short).timeout(Duration::from_secs(20)).run();
+    let r = dmover(["serve", "--listen", "127.0.0.1:0", "--export"])
+        .arg(format!("e={}", export.display()))
+        .arg("--token-file")
+        .arg(&short)
+        .timeout(Duration::from_secs(20))
+        .run();
     r.assert_fails(2, &["short"]);
 }
 
@@ -100,7 +112,11 @@ fn symlinks_leading_out_of_an_export_are_refused() {
     env.cp([src.join("victim.dat").display().to_string(), srv.url("e/victim.dat")]).run().assert_fails(8, &["victim.dat"]);
 
     assert_eq!(fs::read(outside.join("victim.dat")).unwrap(), victim_before, "a file outside the export was overwritten");
-    assert_eq!(list_tree(&outside).into_keys().collect::<Vec<_>>(), ["secret.dat", "victim.dat"], "something was created outside the export");
+    assert_eq!(
+        list_tree(&outside).into_keys().collect::<Vec<_>>(),
+        ["secret.dat", "victim.dat"],
+        "something was created outside the export"
+    );
     let log = srv.log();
     assert!(log.lines().filter(|l| l.contains("refused") && l.contains("symlink")).count() >= 3, "the refusals were not logged:\n{log}");
 }

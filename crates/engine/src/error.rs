@@ -79,8 +79,16 @@ pub fn classify(e: &io::Error) -> ErrorKind {
         K::NotFound => ErrorKind::NotFound,
         K::PermissionDenied => ErrorKind::Permission,
         K::StorageFull => ErrorKind::NoSpace,
-        K::ConnectionRefused | K::ConnectionReset | K::ConnectionAborted | K::NotConnected | K::BrokenPipe
-        | K::TimedOut | K::UnexpectedEof | K::HostUnreachable | K::NetworkUnreachable | K::AddrNotAvailable
+        K::ConnectionRefused
+        | K::ConnectionReset
+        | K::ConnectionAborted
+        | K::NotConnected
+        | K::BrokenPipe
+        | K::TimedOut
+        | K::UnexpectedEof
+        | K::HostUnreachable
+        | K::NetworkUnreachable
+        | K::AddrNotAvailable
         | K::WouldBlock => ErrorKind::Unreachable,
         _ => match e.raw_os_error() {
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorKind::NoSpace,

@@ -71,9 +71,7 @@ impl Root {
         for (i, c) in comps.iter().enumerate() {
             p.push(c);
             match p.symlink_metadata() {
-                Ok(m) if m.file_type().is_symlink() => {
-                    return Err(self.refuse(rel, "symlinks are not followed inside an export"))
-                }
+                Ok(m) if m.file_type().is_symlink() => return Err(self.refuse(rel, "symlinks are not followed inside an export")),
                 Ok(_) => {}
                 Err(_) => {
                     // Below a missing component nothing exists, so nothing is a symlink.

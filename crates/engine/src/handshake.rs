@@ -44,11 +44,7 @@ pub fn expect_welcome(r: &mut FrameReader) -> Result<()> {
 /// The server's side: `lookup` gives the secret for a key id, if any.
 /// Returns the key id the client used and the session key. On failure the
 /// client has been told why.
-pub fn server(
-    r: &mut FrameReader,
-    w: &mut FrameWriter,
-    lookup: impl Fn(&KeyId) -> Option<Vec<u8>>,
-) -> Result<(KeyId, SessionKey)> {
+pub fn server(r: &mut FrameReader, w: &mut FrameWriter, lookup: impl Fn(&KeyId) -> Option<Vec<u8>>) -> Result<(KeyId, SessionKey)> {
     let (key_id, cn) = match r.read_msg()? {
         Msg::Hello { key_id, nonce } => (key_id, nonce),
         m => return Err(Error::protocol(r.peer(), format!("expected hello, got {m:?}"))),
@@ -63,7 +59,11 @@ pub fn server(
         Ok(Msg::Proof { proof }) => proof,
         Err(e) if e.kind == ErrorKind::Unreachable => {
             // A client that does not like our proof hangs up here.
-            return Err(Error::new(ErrorKind::Auth, r.peer(), "authentication failed: the client hung up after our challenge (different tokens?)"));
+            return Err(Error::new(
+                ErrorKind::Auth,
+                r.peer(),
+                "authentication failed: the client hung up after our challenge (different tokens?)",
+            ));
         }
         Err(e) => return Err(e),
         Ok(m) => return Err(Error::protocol(r.peer(), format!("expected a proof, got {m:?}"))),

@@ -22,7 +22,6 @@ pub fn path_for(state_dir: &Path, rel: &str) -> PathBuf {
     state_dir.join(format!("{h:032x}.journal"))
 }
 
-
 fn header(meta: &FileMeta, block_size: u32) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];
     h[..8].copy_from_slice(MAGIC);

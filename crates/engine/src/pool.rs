@@ -57,10 +57,6 @@ impl Pool {
         Arc::new(Pool { fill: Some(fill), ..p })
     }
 
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-
     pub fn blocks(&self) -> usize {
         self.blocks
     }

@@ -269,77 +269,77 @@ pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>
 }
 
 impl Prepared {
-pub fn run(self, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
-    let Prepared { cfg, dest_dir, may_be_file, layout } = self;
-    let opts = cfg.options;
-    let block_size = opts.block_size as u64;
-    control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(control.peer(), &e))?;
-    let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(control.peer(), &e))?)));
-    let sh = Arc::new(Shared {
-        options: opts,
-        block_size,
-        root: cfg.root,
-        dest_label: cfg.dest.clone(),
-        dest_dir,
-        may_be_file,
-        layout: Mutex::new(layout),
-        files: Mutex::new(HashMap::new()),
-        ctl: ctl.clone(),
-        pool: Pool::new(cfg.staging, block_size as usize, 4),
-        dirs: Mutex::new(HashSet::new()),
-        totals: Mutex::new(RecvSummary::default()),
-        fatal: Mutex::new(None),
-        stop: AtomicBool::new(false),
-        conns: Mutex::new(Vec::new()),
-    });
-    let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
-    // One queue per writer, and a file's blocks always go to the same
-    // writer: writers to one file would only contend for its inode lock.
-    let mut wtx = Vec::new();
-    let mut threads = Vec::new();
-    for _ in 0..cfg.writers.max(1) {
-        let (tx, rx) = crossbeam_channel::unbounded::<WriteJob>();
-        wtx.push(tx);
-        let sh = sh.clone();
-        threads.push(std::thread::spawn(move || writer(&sh, rx)));
-    }
-    let wtx: Arc<[Sender<WriteJob>]> = wtx.into();
-    {
-        let (sh, wtx) = (sh.clone(), wtx.clone());
-        threads.push(std::thread::spawn(move || loop {
-            let conn = match streams.recv_timeout(POLL) {
-                Ok(c) => c,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
-                Err(_) => return,
-            };
-            {
-                match conn.split() {
-                    Ok(c) => sh.conns.lock().expect("conns lock").push(c),
-                    Err(e) => sh.fail(Error::network(conn.peer(), &e)),
+    pub fn run(self, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
+        let Prepared { cfg, dest_dir, may_be_file, layout } = self;
+        let opts = cfg.options;
+        let block_size = opts.block_size as u64;
+        control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(control.peer(), &e))?;
+        let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(control.peer(), &e))?)));
+        let sh = Arc::new(Shared {
+            options: opts,
+            block_size,
+            root: cfg.root,
+            dest_label: cfg.dest.clone(),
+            dest_dir,
+            may_be_file,
+            layout: Mutex::new(layout),
+            files: Mutex::new(HashMap::new()),
+            ctl: ctl.clone(),
+            pool: Pool::new(cfg.staging, block_size as usize, 4),
+            dirs: Mutex::new(HashSet::new()),
+            totals: Mutex::new(RecvSummary::default()),
+            fatal: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(Vec::new()),
+        });
+        let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
+        // One queue per writer, and a file's blocks always go to the same
+        // writer: writers to one file would only contend for its inode lock.
+        let mut wtx = Vec::new();
+        let mut threads = Vec::new();
+        for _ in 0..cfg.writers.max(1) {
+            let (tx, rx) = crossbeam_channel::unbounded::<WriteJob>();
+            wtx.push(tx);
+            let sh = sh.clone();
+            threads.push(std::thread::spawn(move || writer(&sh, rx)));
+        }
+        let wtx: Arc<[Sender<WriteJob>]> = wtx.into();
+        {
+            let (sh, wtx) = (sh.clone(), wtx.clone());
+            threads.push(std::thread::spawn(move || loop {
+                let conn = match streams.recv_timeout(POLL) {
+                    Ok(c) => c,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
+                    Err(_) => return,
+                };
+                {
+                    match conn.split() {
+                        Ok(c) => sh.conns.lock().expect("conns lock").push(c),
+                        Err(e) => sh.fail(Error::network(conn.peer(), &e)),
+                    }
+                    let (sh, wtx) = (sh.clone(), wtx.clone());
+                    std::thread::spawn(move || data_stream(&sh, conn, wtx));
                 }
-                let (sh, wtx) = (sh.clone(), wtx.clone());
-                std::thread::spawn(move || data_stream(&sh, conn, wtx));
-            }
-        }));
+            }));
+        }
+        drop(wtx);
+        let mut reader = FrameReader::new(control);
+        let result = control_loop(&sh, &mut reader);
+        sh.stop.store(true, Ordering::SeqCst);
+        sh.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
+        sh.pool.close();
+        drop(reader);
+        // Writers finish what is queued, so completed blocks reach the journal.
+        sh.files.lock().expect("files lock").clear();
+        for t in threads {
+            let _ = t.join();
+        }
+        let fatal = sh.fatal.lock().expect("fatal lock").take();
+        match (result, fatal) {
+            (Ok(s), None) => Ok(s),
+            (Err(e), _) | (Ok(_), Some(e)) => Err(e),
+        }
     }
-    drop(wtx);
-    let mut reader = FrameReader::new(control);
-    let result = control_loop(&sh, &mut reader);
-    sh.stop.store(true, Ordering::SeqCst);
-    sh.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
-    sh.pool.close();
-    drop(reader);
-    // Writers finish what is queued, so completed blocks reach the journal.
-    sh.files.lock().expect("files lock").clear();
-    for t in threads {
-        let _ = t.join();
-    }
-    let fatal = sh.fatal.lock().expect("fatal lock").take();
-    match (result, fatal) {
-        (Ok(s), None) => Ok(s),
-        (Err(e), _) | (Ok(_), Some(e)) => Err(e),
-    }
-}
 }
 
 fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
@@ -670,13 +670,7 @@ fn open_temp(g: &mut RecvFile, block_size: u32) -> std::io::Result<Arc<File>> {
     if let Some(f) = &g.file {
         return Ok(f.clone());
     }
-    let f = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(g.fresh)
-        .custom_flags(libc::O_NOFOLLOW)
-        .mode(0o600)
-        .open(&g.temp_path)?;
+    let f = OpenOptions::new().write(true).create(true).truncate(g.fresh).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(&g.temp_path)?;
     if g.fresh {
         if let Some(jp) = &g.journal_path {
             g.journal = Some(Journal::create(jp, &g.meta, block_size)?);

@@ -229,12 +229,12 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     let mut readers_of_ctl = Vec::new();
     let mut names = Vec::new();
     for l in &links {
-        let split = |t: &Box<dyn Transport>| t.split().map_err(|e| Error::network(&l.name, &e));
+        let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&l.name, &e));
         l.control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(&l.name, &e))?;
-        ctl.push(Arc::new(Mutex::new(FrameWriter::new(split(&l.control)?))));
-        conns.insert(ctl.len() - 1, split(&l.control)?);
+        ctl.push(Arc::new(Mutex::new(FrameWriter::new(split(l.control.as_ref())?))));
+        conns.insert(ctl.len() - 1, split(l.control.as_ref())?);
         for d in &l.data {
-            conns.push(split(d)?);
+            conns.push(split(d.as_ref())?);
         }
         let (tx, rx) = crossbeam_channel::unbounded::<Outgoing>();
         data_tx.push(tx);
@@ -385,11 +385,8 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                 let blocks = e.meta.size.div_ceil(sh.block_size);
                 let label = root.label_of(&e.path);
                 let f = Arc::new(SendFile { id: next_id, host, path: e.path, label, meta: e.meta, blocks, st: Mutex::default() });
-                let digest = if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate {
-                    digest_of(&f.path, sh.block_size).ok()
-                } else {
-                    None
-                };
+                let digest =
+                    if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate { digest_of(&f.path, sh.block_size).ok() } else { None };
                 sh.files.lock().expect("files lock").insert(f.id, f.clone());
                 sh.tell(host, &Msg::Announce { id: f.id, meta: f.meta.clone(), digest });
             }

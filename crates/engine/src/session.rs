@@ -44,10 +44,11 @@ impl Conn {
         let t = connect_tcp(host).map_err(|e| Error::network(host, &e))?;
         let t: Box<dyn Transport> = Box::new(t);
         t.set_read_timeout(Some(SETUP_TIMEOUT)).map_err(|e| Error::network(host, &e))?;
-        let split = |t: &Box<dyn Transport>| t.split().map_err(|e| Error::network(host, &e));
-        let mut reader = FrameReader::new(split(&t)?);
-        let mut writer = FrameWriter::new(split(&t)?);
-        let session_key = handshake::client(&mut reader, &mut writer, cred.key_id, &cred.secret).map_err(|e| Error { subject: host.to_string(), ..e })?;
+        let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(host, &e));
+        let mut reader = FrameReader::new(split(t.as_ref())?);
+        let mut writer = FrameWriter::new(split(t.as_ref())?);
+        let session_key =
+            handshake::client(&mut reader, &mut writer, cred.key_id, &cred.secret).map_err(|e| Error { subject: host.to_string(), ..e })?;
         Ok(Conn { host: host.to_string(), reader, welcome_pending: true, writer, transport: t, session_key })
     }
 

@@ -8,7 +8,7 @@
 //! grow with the tree. Symlinks are not followed (they are counted and
 //! skipped), and dmover's own partial files are never sent.
 
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::fsroot::Root;
 use crate::recv::MODE_DIR;
 use dmover_proto::frame::FileMeta;
@@ -115,13 +115,7 @@ fn walk_spec(root: &Root, spec: &str, emit: &mut dyn FnMut(Event) -> bool) -> bo
 /// Depth-first walk of `dir`, whose entries are named `prefix/...`. With a
 /// glob, entries are named relative to `dir` and only matches are sent (a
 /// matching directory is sent whole).
-fn walk_dir(
-    root: &Root,
-    dir: PathBuf,
-    prefix: String,
-    glob: Option<(&GlobMatcher, usize)>,
-    emit: &mut dyn FnMut(Event) -> bool,
-) -> bool {
+fn walk_dir(root: &Root, dir: PathBuf, prefix: String, glob: Option<(&GlobMatcher, usize)>, emit: &mut dyn FnMut(Event) -> bool) -> bool {
     // (directory, its name, depth below the glob base, inside a matched directory)
     let mut stack = vec![(dir, prefix, 0usize, glob.is_none())];
     while let Some((dir, name, depth, take_all)) = stack.pop() {
@@ -178,7 +172,9 @@ fn walk_dir(
         // An empty directory is sent as itself, so that it exists at the destination.
         if entries == 0 && take_all && !name.is_empty() {
             let ev = match fs::symlink_metadata(&dir) {
-                Ok(m) => Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | (m.mode() & 0o7777), ..meta_of(name, &m) }, path: dir }),
+                Ok(m) => {
+                    Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | (m.mode() & 0o7777), ..meta_of(name, &m) }, path: dir })
+                }
                 Err(e) => Event::Error(Error::io(root.label_of(&dir), &e)),
             };
             if !emit(ev) {
@@ -189,27 +185,27 @@ fn walk_dir(
     true
 }
 
-/// Walks and collects (for tests and small jobs).
-pub fn collect(root: &Root, specs: &[String]) -> Result<Vec<Entry>> {
-    let mut out = Vec::new();
-    let mut err = None;
-    walk(root, specs, &mut |ev| {
-        match ev {
-            Event::File(e) => out.push(e),
-            Event::Error(e) => err = Some(e),
-            Event::SkippedLink(_) => {}
-        }
-        err.is_none()
-    });
-    match err {
-        Some(e) => Err(e),
-        None => Ok(out),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Result;
+
+    fn collect(root: &Root, specs: &[String]) -> Result<Vec<Entry>> {
+        let mut out = Vec::new();
+        let mut err = None;
+        walk(root, specs, &mut |ev| {
+            match ev {
+                Event::File(e) => out.push(e),
+                Event::Error(e) => err = Some(e),
+                Event::SkippedLink(_) => {}
+            }
+            err.is_none()
+        });
+        match err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
 
     fn names(root: &Root, spec: &str) -> Vec<String> {
         let mut v: Vec<String> = collect(root, &[spec.to_string()]).unwrap().into_iter().map(|e| e.meta.path).collect();

@@ -8,8 +8,8 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::unix::io::{AsRawFd, RawFd};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 

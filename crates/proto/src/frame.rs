@@ -265,12 +265,24 @@ pub enum Msg {
 struct W<'a>(&'a mut Vec<u8>);
 
 impl W<'_> {
-    fn u8(&mut self, v: u8) { self.0.push(v) }
-    fn u32(&mut self, v: u32) { self.0.extend_from_slice(&v.to_be_bytes()) }
-    fn u64(&mut self, v: u64) { self.0.extend_from_slice(&v.to_be_bytes()) }
-    fn i64(&mut self, v: i64) { self.0.extend_from_slice(&v.to_be_bytes()) }
-    fn u128(&mut self, v: u128) { self.0.extend_from_slice(&v.to_be_bytes()) }
-    fn bytes(&mut self, v: &[u8]) { self.0.extend_from_slice(v) }
+    fn u8(&mut self, v: u8) {
+        self.0.push(v)
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_be_bytes())
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_be_bytes())
+    }
+    fn i64(&mut self, v: i64) {
+        self.0.extend_from_slice(&v.to_be_bytes())
+    }
+    fn u128(&mut self, v: u128) {
+        self.0.extend_from_slice(&v.to_be_bytes())
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        self.0.extend_from_slice(v)
+    }
     fn str(&mut self, v: &str) {
         self.u32(v.len() as u32);
         self.bytes(v.as_bytes());
@@ -310,11 +322,21 @@ impl<'a> R<'a> {
     fn arr<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
         Ok(self.take(N)?.try_into().expect("length checked"))
     }
-    fn u8(&mut self) -> Result<u8, DecodeError> { Ok(self.take(1)?[0]) }
-    fn u32(&mut self) -> Result<u32, DecodeError> { Ok(u32::from_be_bytes(self.arr()?)) }
-    fn u64(&mut self) -> Result<u64, DecodeError> { Ok(u64::from_be_bytes(self.arr()?)) }
-    fn i64(&mut self) -> Result<i64, DecodeError> { Ok(i64::from_be_bytes(self.arr()?)) }
-    fn u128(&mut self) -> Result<u128, DecodeError> { Ok(u128::from_be_bytes(self.arr()?)) }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_be_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_be_bytes(self.arr()?))
+    }
+    fn i64(&mut self) -> Result<i64, DecodeError> {
+        Ok(i64::from_be_bytes(self.arr()?))
+    }
+    fn u128(&mut self) -> Result<u128, DecodeError> {
+        Ok(u128::from_be_bytes(self.arr()?))
+    }
     fn str(&mut self) -> Result<String, DecodeError> {
         let n = self.u32()? as usize;
         let b = self.take(n)?;
@@ -339,12 +361,20 @@ impl<'a> R<'a> {
             v => Err(DecodeError::Invalid("bool", v as u64)),
         }
     }
-    fn kind(&mut self) -> Result<ErrorKind, DecodeError> { Ok(ErrorKind::from_u8(self.u8()?)) }
+    fn kind(&mut self) -> Result<ErrorKind, DecodeError> {
+        Ok(ErrorKind::from_u8(self.u8()?))
+    }
     fn options(&mut self) -> Result<TransferOptions, DecodeError> {
         Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.u32()? })
     }
     fn params(&mut self) -> Result<EngineParams, DecodeError> {
-        Ok(EngineParams { streams: self.u32()?, concurrency: self.u32()?, staging: self.u64()?, retries: self.u32()?, bwlimit: self.u64()? })
+        Ok(EngineParams {
+            streams: self.u32()?,
+            concurrency: self.u32()?,
+            staging: self.u64()?,
+            retries: self.u32()?,
+            bwlimit: self.u64()?,
+        })
     }
 }
 
@@ -459,7 +489,18 @@ impl Msg {
                 w.u8(*walk_done as u8);
             }
             Report(s) => {
-                for v in [s.files, s.bytes, s.skipped_files, s.skipped_bytes, s.sent_bytes, s.retries, s.resent_blocks, s.nanos, s.dest_files, s.dest_bytes] {
+                for v in [
+                    s.files,
+                    s.bytes,
+                    s.skipped_files,
+                    s.skipped_bytes,
+                    s.sent_bytes,
+                    s.retries,
+                    s.resent_blocks,
+                    s.nanos,
+                    s.dest_files,
+                    s.dest_bytes,
+                ] {
                     w.u64(v);
                 }
                 w.u8(s.digests_match as u8);
@@ -565,7 +606,18 @@ impl Msg {
             21 => Progress { files: r.u64()?, bytes: r.u64()?, total_files: r.u64()?, total_bytes: r.u64()?, walk_done: r.bool()? },
             22 => {
                 let mut s = Stats::default();
-                for v in [&mut s.files, &mut s.bytes, &mut s.skipped_files, &mut s.skipped_bytes, &mut s.sent_bytes, &mut s.retries, &mut s.resent_blocks, &mut s.nanos, &mut s.dest_files, &mut s.dest_bytes] {
+                for v in [
+                    &mut s.files,
+                    &mut s.bytes,
+                    &mut s.skipped_files,
+                    &mut s.skipped_bytes,
+                    &mut s.sent_bytes,
+                    &mut s.retries,
+                    &mut s.resent_blocks,
+                    &mut s.nanos,
+                    &mut s.dest_files,
+                    &mut s.dest_bytes,
+                ] {
                     *v = r.u64()?;
                 }
                 s.digests_match = r.bool()?;
@@ -721,7 +773,11 @@ mod tests {
             Msg::Stat { path: "a/b".into() },
             Msg::StatReply { kind: FileKind::Dir, size: 9, mtime_s: 10 },
             Msg::Receive { dest: "x".into(), options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3 } },
-            Msg::Send { sources: vec!["a".into(), "b/*.h5".into()], options: TransferOptions::default(), params: EngineParams { streams: 4, concurrency: 8, staging: 1 << 26, retries: 5, bwlimit: 7 } },
+            Msg::Send {
+                sources: vec!["a".into(), "b/*.h5".into()],
+                options: TransferOptions::default(),
+                params: EngineParams { streams: 4, concurrency: 8, staging: 1 << 26, retries: 5, bwlimit: 7 },
+            },
             Msg::SessionOpened { session: [8; 16] },
             Msg::Ready,
             Msg::Grant { dest: "out".into() },

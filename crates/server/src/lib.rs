@@ -157,13 +157,8 @@ fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
     t.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(net)?;
     let mut r = FrameReader::new(t.split().map_err(net)?);
     let mut w = FrameWriter::new(t.split().map_err(net)?);
-    let (key_id, skey) = handshake::server(&mut r, &mut w, |id| {
-        if *id == TOKEN_KEY_ID {
-            Some(srv.cfg.token.clone())
-        } else {
-            srv.tickets.secret(id)
-        }
-    })?;
+    let (key_id, skey) =
+        handshake::server(&mut r, &mut w, |id| if *id == TOKEN_KEY_ID { Some(srv.cfg.token.clone()) } else { srv.tickets.secret(id) })?;
     let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(srv.tickets.dest(&key_id).unwrap_or_default()) };
     match r.read_msg()? {
         Msg::OpenControl => {
@@ -230,11 +225,27 @@ enum Action {
     /// Answer and wait for the next request.
     Reply(Msg),
     /// Become the receiving end of a transfer into `dest` below `root`.
-    Receive { root: Root, dest: String, options: TransferOptions },
+    Receive {
+        root: Root,
+        dest: String,
+        options: TransferOptions,
+    },
     /// Become the sending end of a transfer to this client.
-    Send { root: Root, specs: Vec<String>, options: TransferOptions, params: EngineParams },
+    Send {
+        root: Root,
+        specs: Vec<String>,
+        options: TransferOptions,
+        params: EngineParams,
+    },
     /// Send to other servers on this client's behalf.
-    Push { root: Root, specs: Vec<String>, dest: String, hosts: Vec<TicketedHost>, options: TransferOptions, params: EngineParams },
+    Push {
+        root: Root,
+        specs: Vec<String>,
+        dest: String,
+        hosts: Vec<TicketedHost>,
+        options: TransferOptions,
+        params: EngineParams,
+    },
     Nothing,
 }
 
@@ -292,7 +303,14 @@ fn control(
             Ok(Action::Reply(m)) => w.send(&m)?,
             Ok(Action::Receive { root, dest, options }) => {
                 let label = root.display(&dest);
-                let cfg = RecvConfig { root, dest, options, staging: srv.cfg.staging, writers: srv.cfg.writers, idle_timeout: srv.cfg.idle_timeout };
+                let cfg = RecvConfig {
+                    root,
+                    dest,
+                    options,
+                    staging: srv.cfg.staging,
+                    writers: srv.cfg.writers,
+                    idle_timeout: srv.cfg.idle_timeout,
+                };
                 let prepared = match recv::prepare(cfg) {
                     Ok(p) => p,
                     Err(e) => {
@@ -358,7 +376,13 @@ fn stat(srv: &Server, path: &str) -> Result<Msg> {
     Ok(match std::fs::symlink_metadata(&p) {
         Ok(m) => {
             use std::os::unix::fs::MetadataExt;
-            let kind = if m.is_file() { FileKind::File } else if m.is_dir() { FileKind::Dir } else { FileKind::Other };
+            let kind = if m.is_file() {
+                FileKind::File
+            } else if m.is_dir() {
+                FileKind::Dir
+            } else {
+                FileKind::Other
+            };
             Msg::StatReply { kind, size: m.len(), mtime_s: m.mtime() }
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Msg::StatReply { kind: FileKind::Missing, size: 0, mtime_s: 0 },
@@ -415,7 +439,13 @@ fn push(
             if last.elapsed() >= Duration::from_millis(500) {
                 last = Instant::now();
                 let p = progress.snapshot();
-                let m = Msg::Progress { files: p.done_files, bytes: p.done_bytes, total_files: p.total_files, total_bytes: p.total_bytes, walk_done: p.walk_done };
+                let m = Msg::Progress {
+                    files: p.done_files,
+                    bytes: p.done_bytes,
+                    total_files: p.total_files,
+                    total_bytes: p.total_bytes,
+                    walk_done: p.walk_done,
+                };
                 if w.send(&m).is_err() {
                     break;
                 }

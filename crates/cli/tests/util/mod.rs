@@ -317,7 +317,13 @@ pub struct Cmd {
 }
 
 pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
-    Cmd { prefix: Vec::new(), args: args.into_iter().map(|a| a.as_ref().to_os_string()).collect(), envs: Vec::new(), cwd: None, timeout: CMD_TIMEOUT }
+    Cmd {
+        prefix: Vec::new(),
+        args: args.into_iter().map(|a| a.as_ref().to_os_string()).collect(),
+        envs: Vec::new(),
+        cwd: None,
+        timeout: CMD_TIMEOUT,
+    }
 }
 
 /// What a finished command did.
@@ -333,7 +339,8 @@ impl Run {
     /// The JSON report on stdout.
     #[track_caller]
     pub fn json(&self) -> Value {
-        serde_json::from_str(self.stdout.trim()).unwrap_or_else(|e| panic!("stdout is not a JSON report ({e}):\n{}\nstderr:\n{}", self.stdout, self.stderr))
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not a JSON report ({e}):\n{}\nstderr:\n{}", self.stdout, self.stderr))
     }
 
     /// Lines of stderr that are dmover's own error messages.
@@ -562,7 +569,10 @@ pub fn write_random(path: &Path, size: u64, seed: u64) {
 pub fn set_mtime(path: &Path, secs: i64, nsec: i64) {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-    let ts = [libc::timespec { tv_sec: secs as libc::time_t, tv_nsec: nsec as _ }, libc::timespec { tv_sec: secs as libc::time_t, tv_nsec: nsec as _ }];
+    let ts = [
+        libc::timespec { tv_sec: secs as libc::time_t, tv_nsec: nsec as _ },
+        libc::timespec { tv_sec: secs as libc::time_t, tv_nsec: nsec as _ },
+    ];
     // SAFETY: a valid C string and two timespecs.
     let r = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) };
     assert_eq!(r, 0, "utimensat {}: {}", path.display(), std::io::Error::last_os_error());
