@@ -1,13 +1,14 @@
 //! `dmover`: a parallel data mover for scientific data sets.
 //!
 //! Subcommands: `serve` (the daemon), `cp` (copy files between local paths
-//! and servers), `bench` (network and disk throughput between two
-//! endpoints) and `token` (make a shared secret). Errors are printed as one
+//! and servers), `ls` (list what a server path names), `bench` (network and
+//! disk throughput between two endpoints) and `token` (make a shared secret). Errors are printed as one
 //! line and mapped to the exit codes documented in docs/CLI.md.
 
 mod bench;
 mod cp;
 mod location;
+mod ls;
 mod report;
 mod serve;
 mod sizes;
@@ -30,6 +31,8 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Copy files and directories: SRC... DEST.
     Cp(cp::CpArgs),
+    /// List the files a server path, directory or glob names.
+    Ls(ls::LsArgs),
     /// Measure throughput to a server (memory to memory, or disk to disk).
     Bench(bench::BenchArgs),
     /// Write a new random token to FILE (mode 0600).
@@ -104,6 +107,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Cp(a) => cp::run(a),
+        Cmd::Ls(a) => ls::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Token { file } => write_token(&file).map(|()| 0),
     };

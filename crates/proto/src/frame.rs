@@ -190,16 +190,6 @@ pub struct Stats {
     pub digests_match: bool,
 }
 
-/// A file's type as `Stat` reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum FileKind {
-    Missing = 0,
-    File = 1,
-    Dir = 2,
-    Other = 3,
-}
-
 /// A control message. Comments give the direction: C client, S server,
 /// Tx the sending end of a transfer, Rx the receiving end.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -218,10 +208,6 @@ pub enum Msg {
     OpenControl,
     /// C→S: this connection is data stream `index` of `session`.
     OpenData { session: [u8; 16], index: u32 },
-    /// C→S: describe a path in an export.
-    Stat { path: String },
-    /// S→C.
-    StatReply { kind: FileKind, size: u64, mtime_s: i64 },
     /// C→S: receive files into `dest` (a directory in an export).
     Receive { dest: String, options: TransferOptions },
     /// C→S: send the files named by `sources` to this connection's client.
@@ -260,6 +246,10 @@ pub enum Msg {
     Finished { files: u64, bytes: u64, set_digest: u128 },
     /// Either way: keeps an idle connection alive.
     Ping,
+    /// C→S: list the files a source spec names (a path, directory or glob).
+    List { path: String },
+    /// S→C: some of the listing; `done` on the last batch.
+    Listing { entries: Vec<FileMeta>, done: bool },
 }
 
 struct W<'a>(&'a mut Vec<u8>);
@@ -390,8 +380,6 @@ impl Msg {
             Error { .. } => 5,
             OpenControl => 10,
             OpenData { .. } => 11,
-            Stat { .. } => 12,
-            StatReply { .. } => 13,
             Receive { .. } => 14,
             Send { .. } => 15,
             SessionOpened { .. } => 16,
@@ -411,6 +399,8 @@ impl Msg {
             Finish { .. } => 37,
             Finished { .. } => 38,
             Ping => 39,
+            List { .. } => 23,
+            Listing { .. } => 24,
         }
     }
 
@@ -449,11 +439,17 @@ impl Msg {
                 w.bytes(session);
                 w.u32(*index);
             }
-            Stat { path } | Grant { dest: path } => w.str(path),
-            StatReply { kind, size, mtime_s } => {
-                w.u8(*kind as u8);
-                w.u64(*size);
-                w.i64(*mtime_s);
+            Grant { dest: path } | List { path } => w.str(path),
+            Listing { entries, done } => {
+                w.u32(entries.len() as u32);
+                for m in entries {
+                    w.str(&m.path);
+                    w.u64(m.size);
+                    w.i64(m.mtime_s);
+                    w.u32(m.mtime_ns);
+                    w.u32(m.mode);
+                }
+                w.u8(*done as u8);
             }
             Receive { dest, options } => {
                 w.str(dest);
@@ -575,18 +571,6 @@ impl Msg {
             5 => Error { kind: r.kind()?, message: r.str()? },
             10 => OpenControl,
             11 => OpenData { session: r.arr()?, index: r.u32()? },
-            12 => Stat { path: r.str()? },
-            13 => {
-                let k = r.u8()?;
-                let kind = match k {
-                    0 => FileKind::Missing,
-                    1 => FileKind::File,
-                    2 => FileKind::Dir,
-                    3 => FileKind::Other,
-                    v => return Err(DecodeError::Invalid("file kind", v as u64)),
-                };
-                StatReply { kind, size: r.u64()?, mtime_s: r.i64()? }
-            }
             14 => Receive { dest: r.str()?, options: r.options()? },
             15 => Send { sources: r.strs()?, options: r.options()?, params: r.params()? },
             16 => SessionOpened { session: r.arr()? },
@@ -659,6 +643,15 @@ impl Msg {
             37 => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             38 => Finished { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             39 => Ping,
+            23 => List { path: r.str()? },
+            24 => {
+                let n = r.count(4 + 8 + 8 + 4 + 4)?;
+                let mut entries = Vec::with_capacity(n);
+                for _ in 0..n {
+                    entries.push(FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()? });
+                }
+                Listing { entries, done: r.bool()? }
+            }
             k => return Err(DecodeError::UnknownKind(k)),
         };
         if !r.buf.is_empty() {
@@ -770,8 +763,6 @@ mod tests {
             Msg::Error { kind: ErrorKind::Refused, message: "no".into() },
             Msg::OpenControl,
             Msg::OpenData { session: [6; 16], index: 3 },
-            Msg::Stat { path: "a/b".into() },
-            Msg::StatReply { kind: FileKind::Dir, size: 9, mtime_s: 10 },
             Msg::Receive { dest: "x".into(), options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3 } },
             Msg::Send {
                 sources: vec!["a".into(), "b/*.h5".into()],
@@ -808,6 +799,8 @@ mod tests {
             Msg::Finish { files: 1, bytes: 2, set_digest: u128::MAX },
             Msg::Finished { files: 1, bytes: 2, set_digest: 5 },
             Msg::Ping,
+            Msg::List { path: "e/*.h5".into() },
+            Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },
         ]
     }
 

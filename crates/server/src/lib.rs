@@ -1,5 +1,5 @@
 //! The dmover server: accepts connections, authenticates them, and serves
-//! the requests of each: stat, receive files, send files, issue tickets and
+//! the requests of each: list, receive files, send files, issue tickets and
 //! push files to other servers (third-party transfers).
 //!
 //! [`run`] owns the accept loop; each connection gets a thread. A connection
@@ -21,7 +21,7 @@ use dmover_engine::session::{self, Credential};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::TOKEN_KEY_ID;
-use dmover_proto::frame::{EngineParams, FileKind, Stats, TicketedHost, TransferOptions};
+use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -237,6 +237,11 @@ enum Action {
         options: TransferOptions,
         params: EngineParams,
     },
+    /// Stream a listing of what `spec` names.
+    List {
+        root: Root,
+        spec: String,
+    },
     /// Send to other servers on this client's behalf.
     Push {
         root: Root,
@@ -257,7 +262,6 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
         }
     }
     Ok(match m {
-        Msg::Stat { path } => Action::Reply(stat(srv, &path)?),
         Msg::Receive { dest, options } => {
             let (root, rest) = locate(srv, &dest)?;
             root.resolve(rest)?;
@@ -276,6 +280,10 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
         Msg::Push { sources, dest, hosts, options, params } => {
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Push { root, specs, dest, hosts, options, params }
+        }
+        Msg::List { path } => {
+            let (root, mut specs) = resolve_sources(srv, std::slice::from_ref(&path))?;
+            Action::List { root, spec: specs.remove(0) }
         }
         Msg::Ping => Action::Nothing,
         m => return Err(Error::protocol("", format!("unexpected request {m:?}"))),
@@ -341,11 +349,45 @@ fn control(
                 let stats = send::send(Files::Walk { root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
                 return finish_report(&mut w, stats);
             }
+            Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
             Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
                 let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);
                 return finish_report(&mut w, stats);
             }
         }
+    }
+}
+
+/// Entries per `Listing` frame.
+const LISTING_BATCH: usize = 512;
+
+/// Streams the files `spec` names, in batches, as the walk finds them.
+fn list(w: &mut FrameWriter, root: &Root, spec: &str) -> Result<()> {
+    let mut batch = Vec::new();
+    let mut listed = 0usize;
+    let mut first_error = None;
+    let mut sent = Ok(());
+    dmover_engine::source::walk(root, &[spec.to_string()], &mut |ev| {
+        match ev {
+            dmover_engine::source::Event::File(e) => {
+                batch.push(e.meta);
+                listed += 1;
+                if batch.len() == LISTING_BATCH {
+                    sent = w.send(&Msg::Listing { entries: std::mem::take(&mut batch), done: false });
+                }
+            }
+            dmover_engine::source::Event::Error(e) => {
+                log::info!("listing {}: {e}", root.display(spec));
+                first_error.get_or_insert(e);
+            }
+            dmover_engine::source::Event::SkippedLink(_) => {}
+        }
+        sent.is_ok()
+    });
+    sent?;
+    match first_error {
+        Some(e) if listed == 0 => refuse(w, &e),
+        _ => w.send(&Msg::Listing { entries: batch, done: true }),
     }
 }
 
@@ -368,26 +410,6 @@ fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, progress
         progress,
         bwlimit: p.bwlimit,
     }
-}
-
-fn stat(srv: &Server, path: &str) -> Result<Msg> {
-    let (root, rest) = locate(srv, path)?;
-    let p = root.resolve(rest)?;
-    Ok(match std::fs::symlink_metadata(&p) {
-        Ok(m) => {
-            use std::os::unix::fs::MetadataExt;
-            let kind = if m.is_file() {
-                FileKind::File
-            } else if m.is_dir() {
-                FileKind::Dir
-            } else {
-                FileKind::Other
-            };
-            Msg::StatReply { kind, size: m.len(), mtime_s: m.mtime() }
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Msg::StatReply { kind: FileKind::Missing, size: 0, mtime_s: 0 },
-        Err(e) => return Err(Error::io(root.display(rest), &e)),
-    })
 }
 
 /// All sources must name the same export; returns its root and the specs below it.

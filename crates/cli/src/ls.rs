@@ -1,0 +1,67 @@
+//! `dmover ls`: lists what a path, directory or glob names on a server —
+//! the same names a copy of it would send.
+
+use crate::location::Location;
+use crate::TokenArgs;
+use clap::Args;
+use dmover_engine::session::{Conn, Credential};
+use dmover_engine::{Error, Result};
+use dmover_proto::frame::FileMeta;
+use dmover_proto::{ErrorKind, Msg};
+
+#[derive(Args)]
+pub struct LsArgs {
+    /// What to list: dmover://HOST[:PORT]/EXPORT/path (a file, directory or glob).
+    pub url: String,
+    /// Print a JSON array of {path, size, mtime, mode}.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub token: TokenArgs,
+}
+
+pub fn run(a: LsArgs) -> Result<i32> {
+    let Location::Remote { hosts, path } = Location::parse(&a.url)? else {
+        return Err(Error::new(ErrorKind::Usage, &a.url, "ls needs a dmover:// URL (use ls(1) for local paths)"));
+    };
+    let host = &hosts[0];
+    let mut c = Conn::control(host, &Credential::token(&a.token.token()?))?;
+    c.send(&Msg::List { path })?;
+    let mut all = Vec::new();
+    loop {
+        match c.read_msg()? {
+            Msg::Listing { entries, done } => {
+                if a.json {
+                    all.extend(entries);
+                } else {
+                    entries.iter().for_each(|m| println!("{}", line(m)));
+                }
+                if done {
+                    break;
+                }
+            }
+            m => return Err(Error::protocol(host, format!("expected a listing, got {m:?}"))),
+        }
+    }
+    if a.json {
+        let v: Vec<_> = all
+            .iter()
+            .map(|m| serde_json::json!({ "path": m.path, "size": m.size, "mtime": m.mtime_s, "mode": format!("{:o}", m.mode) }))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v).expect("a listing serializes"));
+    }
+    Ok(0)
+}
+
+/// `drwxr-xr-x` style permissions, size and path.
+fn line(m: &FileMeta) -> String {
+    let kind = if m.mode & dmover_engine::recv::MODE_TYPE == dmover_engine::recv::MODE_DIR { 'd' } else { '-' };
+    let mut perms = String::from(kind);
+    for shift in [6, 3, 0] {
+        let b = (m.mode >> shift) & 7;
+        perms.push(if b & 4 != 0 { 'r' } else { '-' });
+        perms.push(if b & 2 != 0 { 'w' } else { '-' });
+        perms.push(if b & 1 != 0 { 'x' } else { '-' });
+    }
+    format!("{perms} {:>14} {:>12} {}", m.size, m.mtime_s, m.path)
+}
