@@ -171,7 +171,13 @@ impl Shared {
     /// Ends the session: tells the sender why (best effort) and closes every connection.
     fn fail(&self, e: Error) {
         let mut f = self.fatal.lock().expect("fatal lock");
-        let first = f.is_none() && !self.stop.load(Ordering::SeqCst);
+        // A lost connection during our own shutdown is no error; and a real
+        // cause (a full disk) beats a lost connection, whichever came first.
+        let lost = e.kind == ErrorKind::Unreachable;
+        let first = match &*f {
+            None => !lost || !self.stop.load(Ordering::SeqCst),
+            Some(old) => old.kind == ErrorKind::Unreachable && !lost,
+        };
         if first {
             *f = Some(e.clone());
         }
@@ -180,9 +186,14 @@ impl Shared {
         self.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
         if let Ok(mut w) = self.ctl.lock() {
             if first && e.kind != ErrorKind::Unreachable {
+                // Say why, and leave the connection readable: closing it
+                // with the sender's messages unread would reset it and could
+                // destroy our message before the sender reads it.
                 let _ = w.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+                w.close_write();
+            } else {
+                w.close();
             }
-            w.close();
         }
     }
 
@@ -323,8 +334,12 @@ impl Prepared {
             }));
         }
         drop(wtx);
+        let ctl_handle = control.split().map_err(|e| Error::network(control.peer(), &e))?;
         let mut reader = FrameReader::new(control);
         let result = control_loop(&sh, &mut reader);
+        if result.as_ref().is_err_and(|e| e.kind != ErrorKind::Unreachable) {
+            crate::transport::linger(ctl_handle.as_ref());
+        }
         sh.stop.store(true, Ordering::SeqCst);
         sh.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
         sh.pool.close();
@@ -337,6 +352,7 @@ impl Prepared {
         let fatal = sh.fatal.lock().expect("fatal lock").take();
         match (result, fatal) {
             (Ok(s), None) => Ok(s),
+            (Err(e), Some(f)) if e.kind == ErrorKind::Unreachable => Err(f),
             (Err(e), _) | (Ok(_), Some(e)) => Err(e),
         }
     }
@@ -347,7 +363,7 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
         let m = match r.read() {
             Ok(Incoming::Msg(m)) => m,
             Ok(Incoming::Data(_)) => return Err(Error::protocol(r.peer(), "data frame on the control connection")),
-            Err(e) => return Err(sh.fatal.lock().expect("fatal lock").take().unwrap_or(e)),
+            Err(e) => return Err(e),
         };
         match m {
             Msg::Announce { id, meta, digest } => announce(sh, id, meta, digest),

@@ -190,7 +190,9 @@ impl Shared {
 
     /// A file is settled (done, skipped, failed or abandoned).
     fn settle(&self, f: &SendFile, update: impl FnOnce(&mut Tally)) {
-        self.files.lock().expect("files lock").remove(&f.id);
+        if self.files.lock().expect("files lock").remove(&f.id).is_none() {
+            return; // settled already (a failure reported by both ends)
+        }
         let mut t = self.tally.lock().expect("tally lock");
         t.outstanding[f.host] -= 1;
         update(&mut t);

@@ -19,6 +19,9 @@ pub trait Transport: Read + Write + Send + Sync + 'static {
     fn split(&self) -> io::Result<Box<dyn Transport>>;
     /// Ends the stream in both directions; blocked reads and writes return.
     fn close(&self);
+    /// Ends the sending direction only: the peer reads what was sent, then
+    /// the end of the stream, while this end can still read.
+    fn close_write(&self);
     /// Fails reads that wait longer than `t` (None: wait forever).
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;
     /// The peer, for messages.
@@ -78,6 +81,9 @@ impl Transport for TcpStream {
     fn close(&self) {
         let _ = self.shutdown(Shutdown::Both);
     }
+    fn close_write(&self) {
+        let _ = self.shutdown(Shutdown::Write);
+    }
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         TcpStream::set_read_timeout(self, t)
     }
@@ -95,6 +101,9 @@ impl Transport for UnixStream {
     }
     fn close(&self) {
         let _ = self.shutdown(Shutdown::Both);
+    }
+    fn close_write(&self) {
+        let _ = self.shutdown(Shutdown::Write);
     }
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         UnixStream::set_read_timeout(self, t)
@@ -121,4 +130,20 @@ pub fn connect_tcp(addr: &str) -> io::Result<TcpStream> {
         }
     }
     Err(last)
+}
+
+/// How long a connection that ends in an error waits for the peer to hang up.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// Stops sending and reads until the peer hangs up (or a short while
+/// passes). Use it after sending an error: closing with the peer's messages
+/// unread would reset the connection and could destroy the error message
+/// before the peer reads it.
+pub fn linger(t: &dyn Transport) {
+    t.close_write();
+    let Ok(mut r) = t.split() else { return };
+    let _ = r.set_read_timeout(Some(LINGER));
+    let deadline = std::time::Instant::now() + LINGER;
+    let mut buf = [0u8; 16 * 1024];
+    while std::time::Instant::now() < deadline && matches!(r.read(&mut buf), Ok(n) if n > 0) {}
 }

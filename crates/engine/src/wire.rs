@@ -117,6 +117,11 @@ impl FrameWriter {
     pub fn close(&self) {
         self.inner.close()
     }
+
+    /// Ends the sending direction (see [`Transport::close_write`]).
+    pub fn close_write(&self) {
+        self.inner.close_write()
+    }
 }
 
 fn write_all_vectored(w: &mut dyn Write, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {

@@ -58,6 +58,9 @@ impl Transport for Flipping {
     fn close(&self) {
         self.inner.close()
     }
+    fn close_write(&self) {
+        self.inner.close_write()
+    }
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         self.inner.set_read_timeout(t)
     }

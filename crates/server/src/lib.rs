@@ -181,10 +181,12 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
     loop {
         let tx = srv.sessions.lock().expect("sessions lock").get(&session).cloned();
         if let Some(tx) = tx {
-            w.send(&Msg::SessionOpened { session })?;
+            // Hand the connection over first, then confirm: once the client
+            // has every confirmation, the session has every connection. (The
+            // session sends nothing on it before the client's next request.)
             let _ = t.set_read_timeout(None);
             let _ = tx.send(t);
-            return Ok(());
+            return w.send(&Msg::SessionOpened { session });
         }
         if Instant::now() > deadline {
             return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "no such session"));
@@ -347,12 +349,12 @@ fn control(
                 }
                 let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data };
                 let stats = send::send(Files::Walk { root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
-                return finish_report(&mut w, stats);
+                return finish_report(&mut w, t.as_ref(), stats);
             }
             Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
             Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
                 let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);
-                return finish_report(&mut w, stats);
+                return finish_report(&mut w, t.as_ref(), stats);
             }
         }
     }
@@ -391,11 +393,13 @@ fn list(w: &mut FrameWriter, root: &Root, spec: &str) -> Result<()> {
     }
 }
 
-fn finish_report(w: &mut FrameWriter, stats: Result<Stats>) -> Result<()> {
+/// Ends a send or push with its report, or with the error that stopped it.
+fn finish_report(w: &mut FrameWriter, t: &dyn Transport, stats: Result<Stats>) -> Result<()> {
     match stats {
         Ok(s) => w.send(&Msg::Report(s)),
         Err(e) => {
             let _ = w.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+            dmover_engine::transport::linger(t);
             Err(e)
         }
     }

@@ -295,6 +295,9 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.kill9();
+        if std::thread::panicking() {
+            eprintln!("--- log of the server at {} ---\n{}", self.addr(), self.log());
+        }
     }
 }
 
