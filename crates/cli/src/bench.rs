@@ -23,7 +23,7 @@ pub struct BenchArgs {
     /// The server: dmover://HOST[:PORT]/EXPORT[/dir]
     pub url: String,
     /// Data connections.
-    #[arg(short = 'P', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(short = 'p', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// Bytes to send.
     #[arg(long, default_value = "4G")]

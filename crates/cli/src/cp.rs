@@ -33,7 +33,7 @@ pub struct CpArgs {
     #[arg(required = true, num_args = 2.., value_name = "SRC... DEST")]
     pub paths: Vec<String>,
     /// Data connections per host pair.
-    #[arg(short = 'P', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(short = 'p', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// Files (or chunks of large files) read and sent at once.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -48,7 +48,7 @@ pub struct CpArgs {
     #[arg(long)]
     pub sync: bool,
     /// With --sync: compare content checksums instead of modification times.
-    #[arg(long, requires = "sync")]
+    #[arg(short = 'c', long, requires = "sync")]
     pub checksum: bool,
     /// Limit the sending rate, in bytes per second (e.g. 10M).
     #[arg(long, value_name = "RATE", default_value = "0", value_parser = parse_size)]
