@@ -50,6 +50,9 @@ pub const WINDOW: usize = 1024;
 pub const CHUNK_BLOCKS: u64 = 16;
 /// Entries the walker may list ahead of the announcer.
 const WALK_AHEAD: usize = 4096;
+/// How long the control connections are still read after a data
+/// connection was lost, for the receiver's reason.
+const REASON_WAIT: Duration = Duration::from_secs(2);
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -166,13 +169,25 @@ impl Shared {
     /// Ends the transfer with `e`. The first error wins, except that a lost
     /// connection gives way to the reason the peer gave for closing it.
     fn fail(&self, e: Error) {
+        let e_kind_lost = e.kind == ErrorKind::Unreachable;
         let mut f = self.fatal.lock().expect("fatal lock");
         if f.as_ref().is_none_or(|old| old.kind == ErrorKind::Unreachable && e.kind != ErrorKind::Unreachable) {
             *f = Some(e);
         }
         drop(f);
         self.stop.store(true, Ordering::SeqCst);
-        self.conns.iter().for_each(|c| c.close());
+        let hosts = self.ctl.len();
+        self.conns[hosts..].iter().for_each(|c| c.close());
+        if e_kind_lost {
+            // A receiver that fails closes the data connections first and
+            // says why on the control connection: read on there a little
+            // longer rather than cut the reason off.
+            self.conns[..hosts].iter().for_each(|c| {
+                let _ = c.set_read_timeout(Some(REASON_WAIT));
+            });
+        } else {
+            self.conns[..hosts].iter().for_each(|c| c.close());
+        }
         self.pool.close();
         let _g = self.tally.lock().expect("tally lock");
         self.changed.notify_all();
@@ -433,7 +448,8 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
             Ok(m) => m,
             Err(e) => {
                 let finished = sh.tally.lock().expect("tally lock").finished[host].is_some();
-                if !finished && !sh.stopped() {
+                // After a stop, only a reason the receiver gave still matters.
+                if !finished && (!sh.stopped() || e.kind != ErrorKind::Unreachable) {
                     sh.fail(e);
                 }
                 return;
