@@ -168,6 +168,19 @@ impl Shared {
         }
     }
 
+    /// A reply from the control thread, which flushes when its input runs dry.
+    fn queue(&self, m: &Msg) {
+        if let Err(e) = self.ctl.lock().expect("control lock").queue(m) {
+            self.fail(e);
+        }
+    }
+
+    fn flush(&self) {
+        if let Err(e) = self.ctl.lock().expect("control lock").flush() {
+            self.fail(e);
+        }
+    }
+
     /// Ends the session: tells the sender why (best effort) and closes every connection.
     fn fail(&self, e: Error) {
         let mut f = self.fatal.lock().expect("fatal lock");
@@ -360,6 +373,10 @@ impl Prepared {
 
 fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
     loop {
+        // Replies go out together once the announcements received so far are answered.
+        if r.buffered() == 0 {
+            sh.flush();
+        }
         let m = match r.read() {
             Ok(Incoming::Msg(m)) => m,
             Ok(Incoming::Data(_)) => return Err(Error::protocol(r.peer(), "data frame on the control connection")),
@@ -429,7 +446,7 @@ fn missing_ranges(have: &[bool]) -> Vec<(u64, u64)> {
 }
 
 fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
-    let fail = |subject: String, e: Error| sh.reply(&Msg::Failed { id, kind: e.kind, subject, message: e.message });
+    let fail = |subject: String, e: Error| sh.queue(&Msg::Failed { id, kind: e.kind, subject, message: e.message });
     if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
         return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
     }
@@ -454,7 +471,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         };
         sh.files.lock().expect("files lock").insert(id, Arc::new(Mutex::new(f)));
         let ranges = if blocks > 0 { vec![(0, blocks)] } else { vec![] };
-        return sh.reply(&Msg::Plan { id, skip: false, ranges });
+        return sh.queue(&Msg::Plan { id, skip: false, ranges });
     }
     let lone = !meta.path.contains('/');
     let (dest_file, state_dir, resuming) = {
@@ -501,7 +518,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
                 t.bytes += meta.size;
                 t.set.add(&meta.path, meta.size, &[0; 16]);
                 drop(t);
-                return sh.reply(&Msg::Plan { id, skip: true, ranges: vec![] });
+                return sh.queue(&Msg::Plan { id, skip: true, ranges: vec![] });
             }
         }
     }
@@ -550,7 +567,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         done: false,
     };
     sh.files.lock().expect("files lock").insert(id, Arc::new(Mutex::new(f)));
-    sh.reply(&Msg::Plan { id, skip: false, ranges });
+    sh.queue(&Msg::Plan { id, skip: false, ranges });
 }
 
 /// Resolves `rel`'s final path and makes its parent directory exist, with
@@ -741,14 +758,14 @@ fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path) {
     }
     .and_then(|()| fs::set_permissions(path, fs::Permissions::from_mode(meta.mode & 0o7777)));
     if let Err(e) = made {
-        return sh.reply(&Msg::Failed { id, kind: crate::error::classify(&e), subject: sh.name(&meta.path), message: e.to_string() });
+        return sh.queue(&Msg::Failed { id, kind: crate::error::classify(&e), subject: sh.name(&meta.path), message: e.to_string() });
     }
     let digest = file_digest(&[]);
     let mut t = sh.totals.lock().expect("totals lock");
     t.files += 1;
     t.set.add(&meta.path, 0, &digest);
     drop(t);
-    sh.reply(&Msg::Done { id, digest });
+    sh.queue(&Msg::Done { id, digest });
 }
 
 fn remove_partial(g: &RecvFile) {

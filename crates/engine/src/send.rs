@@ -53,6 +53,9 @@ const WALK_AHEAD: usize = 4096;
 /// How long the control connections are still read after a data
 /// connection was lost, for the receiver's reason.
 const REASON_WAIT: Duration = Duration::from_secs(2);
+/// Smallest block sent with sendfile: below it, one write from the copy
+/// already in memory costs less than sendfile's two system calls.
+const SENDFILE_MIN: u32 = 256 * 1024;
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -195,6 +198,12 @@ impl Shared {
 
     fn stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
+    }
+
+    fn queue(&self, host: usize, m: &Msg) {
+        if let Err(e) = self.ctl[host].lock().expect("control lock").queue(m) {
+            self.fail(e);
+        }
     }
 
     fn tell(&self, host: usize, m: &Msg) {
@@ -371,6 +380,8 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
         }
     });
     let hosts = sh.ctl.len();
+    // Hosts with announcements queued and not yet written.
+    let mut queued = vec![false; hosts];
     let mut next_id = 0u64;
     let mut rr = 0usize;
     for ev in rx.iter() {
@@ -391,6 +402,13 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                             t.bytes += e.meta.size;
                             break Some(h);
                         }
+                        // Announcements still queued must go out before we wait for answers.
+                        drop(t);
+                        flush_queued(sh, &mut queued);
+                        t = sh.tally.lock().expect("tally lock");
+                        if (0..hosts).any(|h| t.outstanding[h] < WINDOW) {
+                            continue;
+                        }
                         t = sh.changed.wait(t).expect("tally lock");
                     }
                 };
@@ -405,7 +423,8 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                 let digest =
                     if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate { digest_of(&f.path, sh.block_size).ok() } else { None };
                 sh.files.lock().expect("files lock").insert(f.id, f.clone());
-                sh.tell(host, &Msg::Announce { id: f.id, meta: f.meta.clone(), digest });
+                sh.queue(host, &Msg::Announce { id: f.id, meta: f.meta.clone(), digest });
+                queued[host] = true;
             }
             Event::Error(e) => {
                 log::info!("{e}");
@@ -414,7 +433,12 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
             }
             Event::SkippedLink(p) => log::warn!("{p}: symbolic link skipped"),
         }
+        // Announce in batches, but never keep one back while the walk is busy.
+        if rx.is_empty() {
+            flush_queued(sh, &mut queued);
+        }
     }
+    flush_queued(sh, &mut queued);
     drop(rx);
     let _ = walker.join();
     sh.progress.walk_done.store(true, Ordering::Relaxed);
@@ -424,6 +448,17 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
         t = sh.changed.wait(t).expect("tally lock");
     }
     Ok(())
+}
+
+/// Writes the announcements queued for each host.
+fn flush_queued(sh: &Shared, queued: &mut [bool]) {
+    for (host, q) in queued.iter_mut().enumerate() {
+        if std::mem::take(q) {
+            if let Err(e) = sh.ctl[host].lock().expect("control lock").flush() {
+                sh.fail(e);
+            }
+        }
+    }
 }
 
 /// Tells every host the transfer is over and waits for their totals.
@@ -639,8 +674,8 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing
             Ok(o) => {
                 pace(sh, o.header.len as u64);
                 let r = match &o.file {
-                    Some(f) => w.send_block_from(&o.header, f, &o.data),
-                    None => w.send_block(&o.header, &o.data),
+                    Some(f) if o.header.len >= SENDFILE_MIN => w.send_block_from(&o.header, f, &o.data),
+                    _ => w.send_block(&o.header, &o.data),
                 };
                 if let Err(e) = r {
                     if !sh.stopped() {

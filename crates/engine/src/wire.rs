@@ -36,6 +36,11 @@ impl FrameReader {
         &self.peer
     }
 
+    /// Bytes received and not yet decoded: zero means the next read waits.
+    pub fn buffered(&self) -> usize {
+        self.inner.buffer().len()
+    }
+
     /// The next frame; connection errors are `Unreachable`, bad frames `Internal`.
     pub fn read(&mut self) -> Result<Incoming> {
         let mut h = [0u8; HEADER_LEN];
@@ -75,20 +80,43 @@ impl FrameReader {
 pub struct FrameWriter {
     inner: Box<dyn Transport>,
     peer: String,
-    buf: Vec<u8>,
+    /// Encoded messages not yet written (see [`FrameWriter::queue`]).
+    pending: Vec<u8>,
 }
+
+/// Queued messages are written once they reach this many bytes.
+const QUEUE_LIMIT: usize = 64 * 1024;
 
 impl FrameWriter {
     pub fn new(t: Box<dyn Transport>) -> FrameWriter {
         let peer = t.peer();
-        FrameWriter { inner: t, peer, buf: Vec::with_capacity(256) }
+        FrameWriter { inner: t, peer, pending: Vec::with_capacity(256) }
     }
 
-    /// Sends one control message.
+    /// Sends one control message (after any queued ones).
     pub fn send(&mut self, m: &Msg) -> Result<()> {
-        self.buf.clear();
-        m.encode(&mut self.buf);
-        let r = self.inner.write_all(&self.buf);
+        m.encode(&mut self.pending);
+        self.flush()
+    }
+
+    /// Queues a message, to go with others in one write: at the next
+    /// [`flush`](FrameWriter::flush) or `send`, or when the queue is full.
+    /// Whoever queues must flush before waiting for an answer.
+    pub fn queue(&mut self, m: &Msg) -> Result<()> {
+        m.encode(&mut self.pending);
+        if self.pending.len() >= QUEUE_LIMIT {
+            return self.flush();
+        }
+        Ok(())
+    }
+
+    /// Writes the queued messages.
+    pub fn flush(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let r = self.inner.write_all(&self.pending);
+        self.pending.clear();
         r.map_err(|e| Error::network(&self.peer, &e))
     }
 
