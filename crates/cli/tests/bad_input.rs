@@ -113,6 +113,17 @@ fn read_only_destination_local_exits_4() {
     r.assert_fails(4, &[out.to_str().unwrap()]);
 }
 
+/// Runs `copy` several times (the outcome must not depend on which thread
+/// notices first): each exits 5 naming big.dat, and leaves neither big.dat
+/// under its final name nor a temporary file eating the space in `dir`.
+fn assert_disk_full(copy: impl Fn() -> Run, dir: &std::path::Path) {
+    for _ in 0..4 {
+        copy().assert_fails(5, &["big.dat"]);
+        assert!(!dir.join("big.dat").exists(), "big.dat exists under its final name");
+        assert!(!dir.join(".big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
+    }
+}
+
 /// The destination file system fills up: exit 5, and no file under its
 /// final name (nor a temporary file eating the space) is left behind.
 #[test]
@@ -123,13 +134,10 @@ fn destination_full_upload_exits_5() {
     let export = env.path("full");
     let _m = Mount::tmpfs(&export, "4m");
     let srv = env.serve(&[("e", &export)]);
-    // Several times: the outcome must not depend on which thread notices first.
-    for _ in 0..4 {
-        let r = env.cp([src.join("big.dat").display().to_string(), srv.url("e/big.dat"), "--retries".into(), "1".into()]).run();
-        r.assert_fails(5, &["big.dat"]);
-        assert!(!export.join("big.dat").exists(), "big.dat exists under its final name");
-        assert!(!export.join(".big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
-    }
+    assert_disk_full(
+        || env.cp([src.join("big.dat").display().to_string(), srv.url("e/big.dat"), "--retries".into(), "1".into()]).run(),
+        &export,
+    );
 }
 
 #[test]
@@ -140,13 +148,7 @@ fn destination_full_download_exits_5() {
     let srv = env.serve(&[("e", &export)]);
     let local = env.path("full");
     let _m = Mount::tmpfs(&local, "4m");
-    // Several times: the outcome must not depend on which thread notices first.
-    for _ in 0..4 {
-        let r = env.cp([srv.url("e/src"), local.display().to_string(), "--retries".into(), "0".into()]).run();
-        r.assert_fails(5, &["big.dat"]);
-        assert!(!local.join("src/big.dat").exists(), "big.dat exists under its final name");
-        assert!(!local.join("src/.big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
-    }
+    assert_disk_full(|| env.cp([srv.url("e/src"), local.display().to_string(), "--retries".into(), "0".into()]).run(), &local.join("src"));
 }
 
 /// An error about a destination file names where that file is: the
@@ -192,13 +194,7 @@ fn destination_full_local_exits_5() {
     write_random(&src.join("small.dat"), 1000, 7);
     let out = env.path("full");
     let _m = Mount::tmpfs(&out, "4m");
-    // Several times: the outcome must not depend on which thread notices first.
-    for _ in 0..4 {
-        let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run();
-        r.assert_fails(5, &["big.dat"]);
-        assert!(!out.join("src/big.dat").exists(), "big.dat exists under its final name");
-        assert!(!out.join("src/.big.dat.dmover-part").exists(), "the temporary file was left filling the disk");
-    }
+    assert_disk_full(|| dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run(), &out.join("src"));
 }
 
 #[test]

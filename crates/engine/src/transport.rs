@@ -74,19 +74,26 @@ fn socket_send_file(fd: RawFd, head: &[u8], file: &File, offset: u64, len: usize
     Ok((off as u64 - offset) as usize)
 }
 
+/// The methods every socket type implements the same way.
+macro_rules! socket_transport {
+    ($t:ty) => {
+        fn split(&self) -> io::Result<Box<dyn Transport>> {
+            Ok(Box::new(self.try_clone()?))
+        }
+        fn close(&self) {
+            let _ = self.shutdown(Shutdown::Both);
+        }
+        fn close_write(&self) {
+            let _ = self.shutdown(Shutdown::Write);
+        }
+        fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+            <$t>::set_read_timeout(self, t)
+        }
+    };
+}
+
 impl Transport for TcpStream {
-    fn split(&self) -> io::Result<Box<dyn Transport>> {
-        Ok(Box::new(self.try_clone()?))
-    }
-    fn close(&self) {
-        let _ = self.shutdown(Shutdown::Both);
-    }
-    fn close_write(&self) {
-        let _ = self.shutdown(Shutdown::Write);
-    }
-    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        TcpStream::set_read_timeout(self, t)
-    }
+    socket_transport!(TcpStream);
     fn peer(&self) -> String {
         self.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into())
     }
@@ -95,19 +102,9 @@ impl Transport for TcpStream {
     }
 }
 
+/// A socket pair joins two engines in one process (local copies).
 impl Transport for UnixStream {
-    fn split(&self) -> io::Result<Box<dyn Transport>> {
-        Ok(Box::new(self.try_clone()?))
-    }
-    fn close(&self) {
-        let _ = self.shutdown(Shutdown::Both);
-    }
-    fn close_write(&self) {
-        let _ = self.shutdown(Shutdown::Write);
-    }
-    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        UnixStream::set_read_timeout(self, t)
-    }
+    socket_transport!(UnixStream);
     fn peer(&self) -> String {
         "local".into()
     }
