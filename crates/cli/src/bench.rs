@@ -95,12 +95,7 @@ fn write_random(path: &std::path::Path, size: u64) -> Result<()> {
     let mut buf = vec![0u8; 1 << 20];
     let mut left = size;
     while left > 0 {
-        for c in buf.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-        }
+        send::fill_random(&mut x, &mut buf);
         let n = left.min(buf.len() as u64) as usize;
         f.write_all(&buf[..n]).map_err(io)?;
         left -= n as u64;

@@ -127,6 +127,29 @@ struct RecvFile {
     done: bool,
 }
 
+impl RecvFile {
+    /// A file of `blocks` blocks of which nothing has arrived yet.
+    fn new(meta: FileMeta, blocks: u64) -> RecvFile {
+        let n = blocks as usize;
+        RecvFile {
+            meta,
+            final_path: PathBuf::new(),
+            temp_path: PathBuf::new(),
+            journal_path: None,
+            have: vec![false; n],
+            sums: vec![[0; 16]; n],
+            missing: blocks,
+            journaled: Vec::new(),
+            resets: 0,
+            end: None,
+            file: None,
+            journal: None,
+            fresh: true,
+            done: false,
+        }
+    }
+}
+
 struct WriteJob {
     id: u64,
     file: Arc<Mutex<RecvFile>>,
@@ -451,27 +474,8 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
     }
     let blocks = meta.size.div_ceil(sh.block_size);
-    let n = blocks as usize;
     if sh.discard() {
-        let f = RecvFile {
-            meta,
-            final_path: PathBuf::new(),
-            temp_path: PathBuf::new(),
-            journal_path: None,
-            have: vec![false; n],
-            sums: vec![[0; 16]; n],
-            missing: blocks,
-            journaled: Vec::new(),
-            resets: 0,
-            end: None,
-            file: None,
-            journal: None,
-            fresh: true,
-            done: false,
-        };
-        sh.files.lock().expect("files lock").insert(id, Arc::new(Mutex::new(f)));
-        let ranges = if blocks > 0 { vec![(0, blocks)] } else { vec![] };
-        return sh.queue(&Msg::Plan { id, skip: false, ranges });
+        return plan(sh, id, RecvFile::new(meta, blocks));
     }
     let lone = !meta.path.contains('/');
     let (dest_file, state_dir, resuming) = {
@@ -522,50 +526,33 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
             }
         }
     }
-    let temp_path = temp_name(&final_path);
-    let mut have = vec![false; n];
-    let mut sums = vec![[0u8; 16]; n];
-    let mut journaled = Vec::new();
-    let mut journal_path = None;
-    let mut fresh = true;
+    let mut f = RecvFile::new(meta, blocks);
+    f.temp_path = temp_name(&final_path);
+    f.final_path = final_path;
     if blocks > 1 {
-        let jp = journal::path_for(&state_dir, &meta.path);
-        if temp_path.exists() {
-            if let Some(recs) = journal::load(&jp, &meta, sh.block_size as u32, blocks) {
+        let jp = journal::path_for(&state_dir, &f.meta.path);
+        if f.temp_path.exists() {
+            if let Some(recs) = journal::load(&jp, &f.meta, sh.block_size as u32, blocks) {
                 for (b, s) in recs {
-                    if !have[b as usize] {
-                        have[b as usize] = true;
-                        sums[b as usize] = s;
-                        journaled.push(b);
+                    if !f.have[b as usize] {
+                        f.have[b as usize] = true;
+                        f.sums[b as usize] = s;
+                        f.journaled.push(b);
+                        f.missing -= 1;
                     }
                 }
-                fresh = false;
+                f.fresh = false;
+                f.journal = Journal::append(&jp).ok();
             }
         }
-        journal_path = Some(jp);
+        f.journal_path = Some(jp);
     }
-    let ranges = missing_ranges(&have);
-    let missing = blocks - journaled.len() as u64;
-    let journal = match (&journal_path, fresh) {
-        (Some(jp), false) => Journal::append(jp).ok(),
-        _ => None,
-    };
-    let f = RecvFile {
-        meta,
-        final_path,
-        temp_path,
-        journal_path,
-        have,
-        sums,
-        missing,
-        journaled,
-        resets: 0,
-        end: None,
-        file: None,
-        journal,
-        fresh,
-        done: false,
-    };
+    plan(sh, id, f);
+}
+
+/// Registers an announced file and asks for the blocks it still lacks.
+fn plan(sh: &Arc<Shared>, id: u64, f: RecvFile) {
+    let ranges = missing_ranges(&f.have);
     sh.files.lock().expect("files lock").insert(id, Arc::new(Mutex::new(f)));
     sh.queue(&Msg::Plan { id, skip: false, ranges });
 }

@@ -243,7 +243,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     let generate = matches!(files, Files::Generate { .. });
     let min_blocks = streams + cfg.concurrency;
     let pool = if generate {
-        Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_random)
+        Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_block)
     } else {
         Pool::new(cfg.staging, block_size as usize, min_blocks)
     };
@@ -353,15 +353,20 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     })
 }
 
-fn fill_random(b: &mut [u8]) {
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d ^ b.as_ptr() as u64;
+/// Fills `b` with incompressible bytes from a xorshift generator whose
+/// state is `x` (benchmark data: fast, not cryptographic).
+pub fn fill_random(x: &mut u64, b: &mut [u8]) {
     for c in b.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let v = x.to_le_bytes();
-        c.copy_from_slice(&v[..c.len()]);
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
     }
+}
+
+/// Fill for generated blocks: each block gets its own sequence.
+fn fill_block(b: &mut [u8]) {
+    fill_random(&mut (0x2545_f491_4f6c_dd1d ^ b.as_ptr() as u64), b);
 }
 
 /// Walks the sources (in a thread) and announces every file.
