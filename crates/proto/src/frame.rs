@@ -105,6 +105,9 @@ pub struct TransferOptions {
     pub transfer_id: [u8; 16],
     pub block_size: u32,
     pub flags: u32,
+    /// Socket buffer size (SO_SNDBUF and SO_RCVBUF) for the data
+    /// connections at both ends; 0 leaves the system's autotuning on.
+    pub tcp_buffer: u32,
 }
 
 impl TransferOptions {
@@ -246,6 +249,15 @@ pub enum Msg {
     Finished { files: u64, bytes: u64, set_digest: u128 },
     /// Either way: keeps an idle connection alive.
     Ping,
+    /// Tx→Rx on the control connection: a probe the receiver answers at
+    /// once with the same `stamp`, the payload bytes it has taken off its
+    /// data connections so far (`received`) and how full its staging is
+    /// (`staged`, percent). The sender's tuner measures round-trip time and
+    /// goodput from the answers.
+    Echo { stamp: u64, received: u64, staged: u8 },
+    /// Tx→Rx on a data connection: nothing more comes on it (the sender
+    /// dropped a stream); the receiver closes it.
+    StreamEnd,
     /// C→S: list the files a source spec names (a path, directory or glob).
     List { path: String },
     /// S→C: some of the listing; `done` on the last batch.
@@ -285,6 +297,7 @@ impl W<'_> {
         self.bytes(&o.transfer_id);
         self.u32(o.block_size);
         self.u32(o.flags);
+        self.u32(o.tcp_buffer);
     }
     fn params(&mut self, p: &EngineParams) {
         self.u32(p.streams);
@@ -355,7 +368,7 @@ impl<'a> R<'a> {
         Ok(ErrorKind::from_u8(self.u8()?))
     }
     fn options(&mut self) -> Result<TransferOptions, DecodeError> {
-        Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.u32()? })
+        Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.u32()?, tcp_buffer: self.u32()? })
     }
     fn params(&mut self) -> Result<EngineParams, DecodeError> {
         Ok(EngineParams {
@@ -399,6 +412,8 @@ impl Msg {
             Finish { .. } => 37,
             Finished { .. } => 38,
             Ping => 39,
+            Echo { .. } => 40,
+            StreamEnd => 41,
             List { .. } => 23,
             Listing { .. } => 24,
         }
@@ -421,7 +436,12 @@ impl Msg {
                 w.bytes(proof);
             }
             Proof { proof } => w.bytes(proof),
-            Welcome | OpenControl | Ready | Ping => {}
+            Welcome | OpenControl | Ready | Ping | StreamEnd => {}
+            Echo { stamp, received, staged } => {
+                w.u64(*stamp);
+                w.u64(*received);
+                w.u8(*staged);
+            }
             Error { kind, message } | Abort { kind, message, .. } => {
                 if let Abort { id, .. } = self {
                     w.u64(*id);
@@ -643,6 +663,8 @@ impl Msg {
             37 => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             38 => Finished { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             39 => Ping,
+            40 => Echo { stamp: r.u64()?, received: r.u64()?, staged: r.u8()? },
+            41 => StreamEnd,
             23 => List { path: r.str()? },
             24 => {
                 let n = r.count(4 + 8 + 8 + 4 + 4)?;
@@ -763,7 +785,7 @@ mod tests {
             Msg::Error { kind: ErrorKind::Refused, message: "no".into() },
             Msg::OpenControl,
             Msg::OpenData { session: [6; 16], index: 3 },
-            Msg::Receive { dest: "x".into(), options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3 } },
+            Msg::Receive { dest: "x".into(), options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3, tcp_buffer: 65536 } },
             Msg::Send {
                 sources: vec!["a".into(), "b/*.h5".into()],
                 options: TransferOptions::default(),
@@ -799,6 +821,8 @@ mod tests {
             Msg::Finish { files: 1, bytes: 2, set_digest: u128::MAX },
             Msg::Finished { files: 1, bytes: 2, set_digest: 5 },
             Msg::Ping,
+            Msg::Echo { stamp: 1 << 40, received: 3, staged: 99 },
+            Msg::StreamEnd,
             Msg::List { path: "e/*.h5".into() },
             Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },
         ]
