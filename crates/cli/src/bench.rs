@@ -5,6 +5,7 @@
 use crate::location::Location;
 use crate::report::Report;
 use crate::sizes::parse_size;
+use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::fsroot::Root;
@@ -22,9 +23,8 @@ use std::time::{Duration, Instant};
 pub struct BenchArgs {
     /// The server: dmover://HOST[:PORT]/EXPORT[/dir]
     pub url: String,
-    /// Data connections.
-    #[arg(short = 'p', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub streams: u32,
+    #[command(flatten)]
+    pub net: StreamArgs,
     /// Bytes to send.
     #[arg(long, default_value = "4G")]
     pub size: String,
@@ -66,12 +66,19 @@ pub fn run(a: BenchArgs) -> Result<i32> {
         flags |= TransferOptions::GENERATE | TransferOptions::DISCARD;
         Files::Generate { name: "dmover-bench.dat".into(), size }
     };
-    let options = TransferOptions { transfer_id: dmover_engine::handshake::random(), block_size: block_size as u32, flags };
+    let socket = a.net.socket()?;
+    let options = TransferOptions {
+        transfer_id: dmover_engine::handshake::random(),
+        block_size: block_size as u32,
+        flags,
+        tcp_buffer: socket.buffer,
+    };
     let progress = Arc::new(Progress::default());
     let started = Instant::now();
     let creds: Vec<_> = hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
-    let links = session::receive_links(&creds, &path, options, a.streams as usize)?;
-    let cfg = SendConfig { options, concurrency: 4, staging, idle_timeout: Duration::from_secs(120), progress, bwlimit: 0 };
+    let links = session::receive_links(&creds, &path, options, a.net.initial(), &socket)?;
+    let tuner = a.net.tuner_factory();
+    let cfg = SendConfig { options, concurrency: 4, staging, idle_timeout: Duration::from_secs(120), progress, bwlimit: 0, tuner };
     let stats = send::send(files, links, cfg);
     if let Some(d) = scratch {
         let _ = std::fs::remove_dir_all(d);
@@ -83,7 +90,11 @@ pub fn run(a: BenchArgs) -> Result<i32> {
         println!("{}", r.to_json());
     } else {
         let mode = if a.disk { "disk to disk" } else { "memory to memory" };
-        println!("{mode}, {} streams: {:.1} MB/s ({:.2} Gbit/s), {:.2} s", a.streams, r.mb_per_s, r.mb_per_s * 8.0 / 1000.0, r.seconds);
+        let streams = match (a.net.tuner(), stats.timeline.last()) {
+            (Some(m), Some(p)) => format!("{} streams at the end ({} tuner)", p.streams, m.build().name()),
+            _ => format!("{} streams", a.net.initial()),
+        };
+        println!("{mode}, {streams}: {:.1} MB/s ({:.2} Gbit/s), {:.2} s", r.mb_per_s, r.mb_per_s * 8.0 / 1000.0, r.seconds);
     }
     Ok(r.exit_code())
 }

@@ -5,6 +5,7 @@
 use crate::location::Location;
 use crate::report::{self, ProgressDisplay};
 use crate::sizes::parse_size;
+use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::fsroot::Root;
@@ -32,9 +33,8 @@ pub struct CpArgs {
     /// Sources (files, directories, globs) then the destination.
     #[arg(required = true, num_args = 2.., value_name = "SRC... DEST")]
     pub paths: Vec<String>,
-    /// Data connections per host pair.
-    #[arg(short = 'p', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub streams: u32,
+    #[command(flatten)]
+    pub net: StreamArgs,
     /// Files (or chunks of large files) read and sent at once.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub concurrency: u32,
@@ -150,8 +150,19 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         flags |= TransferOptions::CHECKSUM;
     }
     let mut plan = Plan {
-        options: TransferOptions { transfer_id: transfer_id(&a.paths, a.block_size), block_size: a.block_size as u32, flags },
-        params: EngineParams { streams: a.streams, concurrency: a.concurrency, staging: a.staging, retries: a.retries, bwlimit: a.bwlimit },
+        options: TransferOptions {
+            transfer_id: transfer_id(&a.paths, a.block_size),
+            block_size: a.block_size as u32,
+            flags,
+            tcp_buffer: a.net.socket()?.buffer,
+        },
+        params: EngineParams {
+            streams: a.net.fixed(),
+            concurrency: a.concurrency,
+            staging: a.staging,
+            retries: a.retries,
+            bwlimit: a.bwlimit,
+        },
         dest_path: dest.path().trim_end_matches('/').to_string(),
         sources,
         dest,
@@ -194,7 +205,7 @@ fn specs(p: &Plan) -> Vec<String> {
     p.sources.iter().map(|s| s.path().to_string()).collect()
 }
 
-fn send_config(p: &Plan, progress: &Arc<Progress>) -> SendConfig {
+fn send_config(p: &Plan, progress: &Arc<Progress>, tuner: Option<send::TunerFactory>) -> SendConfig {
     SendConfig {
         options: p.options,
         concurrency: p.params.concurrency as usize,
@@ -202,6 +213,7 @@ fn send_config(p: &Plan, progress: &Arc<Progress>) -> SendConfig {
         idle_timeout: IDLE_TIMEOUT,
         progress: progress.clone(),
         bwlimit: p.params.bwlimit,
+        tuner,
     }
 }
 
@@ -222,10 +234,11 @@ fn pair() -> Result<(UnixStream, UnixStream)> {
 
 /// Both ends in this process, joined by socket pairs.
 fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
+    a.net.untunable("local copies")?;
     let (ctl_a, ctl_b) = pair()?;
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     let mut data = Vec::new();
-    for _ in 0..a.streams {
+    for _ in 0..a.net.fixed() {
         let (x, y) = pair()?;
         data.push(Box::new(x) as Box<dyn Transport>);
         let _ = tx.send(Box::new(y));
@@ -233,8 +246,8 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
     drop(tx);
     let prepared = recv::prepare(recv_config(p))?;
     let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
-    let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data };
-    let sent = send::send(Files::Walk { root: Root::local(), specs: specs(p) }, vec![link], send_config(p, progress));
+    let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data, connect: None };
+    let sent = send::send(Files::Walk { root: Root::local(), specs: specs(p) }, vec![link], send_config(p, progress, None));
     let received = receiver.join().unwrap_or_else(|_| Err(Error::internal("receiver panicked")));
     match (sent, received) {
         (Ok(stats), Ok(_)) => Ok(stats),
@@ -255,9 +268,10 @@ fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (hosts, _) = remote_parts(&p.dest);
     let cred = p.cred.clone().expect("remote needs a token");
     let creds: Vec<(String, Credential)> = hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
+    let socket = a.net.socket()?;
     let stats = with_retries(a.retries, |_| {
-        let links = session::receive_links(&creds, &p.dest_path, p.options, a.streams as usize)?;
-        send::send(Files::Walk { root: Root::local(), specs: specs(p) }, links, send_config(p, progress))
+        let links = session::receive_links(&creds, &p.dest_path, p.options, a.net.initial(), &socket)?;
+        send::send(Files::Walk { root: Root::local(), specs: specs(p) }, links, send_config(p, progress, a.net.tuner_factory()))
     })?;
     Ok(Stats { sent_bytes: progress.snapshot().sent_bytes, ..stats })
 }
@@ -266,9 +280,11 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (hosts, _) = remote_parts(&p.sources[0]);
     let host = &hosts[0];
     let cred = p.cred.clone().expect("remote needs a token");
+    a.net.untunable("downloads")?;
+    let socket = a.net.socket()?;
     with_retries(a.retries, |_| {
         let prepared = recv::prepare(recv_config(p))?;
-        let started = session::start_streams(host, &cred, a.streams as usize);
+        let started = session::start_streams(host, &cred, a.net.fixed() as usize, &socket);
         let mut c = Conn::control(host, &cred)?;
         let m = c.request(&Msg::Send { sources: specs(p), options: p.options, params: p.params })?;
         let Msg::SessionOpened { session } = m else {
@@ -311,6 +327,7 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
     let (dest_hosts, _) = remote_parts(&p.dest);
     let src = &src_hosts[0];
     let cred = p.cred.clone().expect("remote needs a token");
+    a.net.untunable("third-party copies")?;
     // The source server retries its own connections; these retries cover ours.
     with_retries(a.retries, |_| {
         let mut tickets = Vec::new();

@@ -12,6 +12,7 @@ mod ls;
 mod report;
 mod serve;
 mod sizes;
+mod streams;
 
 use clap::{Args, Parser, Subcommand};
 use dmover_engine::Error;

@@ -18,6 +18,17 @@ pub struct HostReport {
     pub bytes: u64,
 }
 
+/// A point of a tuned transfer's timeline.
+#[derive(Serialize)]
+pub struct TunePointReport {
+    pub t: f64,
+    pub host: String,
+    pub streams: u32,
+    pub concurrency: u32,
+    pub goodput_mbit: f64,
+    pub rtt_ms: f64,
+}
+
 #[derive(Serialize)]
 pub struct ErrorReport {
     pub path: String,
@@ -55,6 +66,8 @@ pub struct Report {
     pub hosts: Vec<HostReport>,
     pub errors: Vec<ErrorReport>,
     pub check: Check,
+    /// Streams, goodput and round-trip time over time, when a tuner ran.
+    pub timeline: Vec<TunePointReport>,
 }
 
 impl Report {
@@ -87,6 +100,18 @@ impl Report {
                 .map(|e| ErrorReport { path: e.path.clone(), kind: e.kind.name(), message: e.message.clone(), code: e.kind })
                 .collect(),
             check,
+            timeline: s
+                .timeline
+                .iter()
+                .map(|p| TunePointReport {
+                    t: p.t_ms as f64 / 1e3,
+                    host: s.hosts.get(p.host as usize).map(|h| h.host.clone()).unwrap_or_default(),
+                    streams: p.streams,
+                    concurrency: p.concurrency,
+                    goodput_mbit: p.goodput as f64 * 8.0 / 1e6,
+                    rtt_ms: p.rtt_us as f64 / 1e3,
+                })
+                .collect(),
         }
     }
 

@@ -14,6 +14,7 @@
 //! * [`journal`] — resume state of partial files
 //! * [`transport`], [`wire`], [`handshake`] — byte streams, frames, authentication
 //! * [`fsroot`] — confinement of paths to an export
+//! * [`tuning`] — runs a stream tuner (`dmover-tune`) against a live transfer
 //! * [`progress`] — live counters
 
 pub mod error;
@@ -28,6 +29,7 @@ pub mod send;
 pub mod session;
 pub mod source;
 pub mod transport;
+pub mod tuning;
 pub mod wire;
 
 pub use error::{Error, Result};

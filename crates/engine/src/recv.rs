@@ -21,7 +21,7 @@ use crate::fsroot::Root;
 use crate::journal::{self, Journal};
 use crate::pool::{Block, Pool};
 use crate::source::{PART_SUFFIX, STATE_DIR};
-use crate::transport::Transport;
+use crate::transport::{SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, Sender};
 use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
@@ -32,7 +32,7 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -182,6 +182,8 @@ struct Shared {
     stop: AtomicBool,
     /// Every data connection, to close them when the session ends.
     conns: Mutex<Vec<Box<dyn Transport>>>,
+    /// Payload bytes taken off the data connections (for the sender's tuner).
+    received: AtomicU64,
 }
 
 impl Shared {
@@ -338,6 +340,7 @@ impl Prepared {
             fatal: Mutex::new(None),
             stop: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
+            received: AtomicU64::new(0),
         });
         let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
         // One queue per writer, and a file's blocks always go to the same
@@ -360,6 +363,10 @@ impl Prepared {
                     Err(_) => return,
                 };
                 {
+                    let socket = SocketOptions { buffer: opts.tcp_buffer, ..SocketOptions::default() };
+                    if let Err(e) = conn.set_options(&socket) {
+                        log::warn!("{}: socket options: {e}", conn.peer());
+                    }
                     match conn.split() {
                         Ok(c) => sh.conns.lock().expect("conns lock").push(c),
                         Err(e) => sh.fail(Error::network(conn.peer(), &e)),
@@ -435,6 +442,11 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                 return Ok(t);
             }
             Msg::Ping => {}
+            Msg::Echo { stamp, .. } => {
+                let received = sh.received.load(Ordering::Relaxed);
+                let staged = (sh.pool.in_use() * 100.0).round() as u8;
+                sh.queue(&Msg::Echo { stamp, received, staged });
+            }
             Msg::Error { kind, message } => return Err(Error::new(kind, r.peer(), message)),
             m => return Err(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
         }
@@ -611,6 +623,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
         let h = match r.read() {
             Ok(Incoming::Data(h)) => h,
             Ok(Incoming::Msg(Msg::Ping)) => continue,
+            Ok(Incoming::Msg(Msg::StreamEnd)) => return,
             Ok(Incoming::Msg(m)) => return sh.fail(Error::protocol(r.peer(), format!("unexpected {m:?} on a data stream"))),
             Err(e) => {
                 if !sh.stop.load(Ordering::SeqCst) {
@@ -623,7 +636,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
             return sh.fail(Error::protocol(r.peer(), format!("bad block: offset {} length {}", h.offset, h.len)));
         }
         let Some(mut data) = sh.pool.take(h.len as usize) else { return };
-        if let Err(e) = r.read_block(&mut data) {
+        if let Err(e) = r.read_block(&mut data, &sh.received) {
             if !sh.stop.load(Ordering::SeqCst) {
                 sh.fail(e);
             }

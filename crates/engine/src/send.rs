@@ -20,6 +20,10 @@
 //! After a file's last block the sender announces its digest; the receiver
 //! confirms it (or asks for damaged blocks again). A source that changes
 //! while it is read is abandoned and reported, never committed.
+//!
+//! With a tuner ([`crate::tuning`]) and a way to open connections, the set
+//! of data streams changes during the transfer: a new stream joins the
+//! host's queue, a dropped one finishes its block and says `StreamEnd`.
 
 use crate::error::{Error, Result};
 use crate::fsroot::Root;
@@ -28,6 +32,7 @@ use crate::progress::Progress;
 use crate::recv::{digest_of, ping_interval, read_full_at, Pinger};
 use crate::source::{self, Entry, Event};
 use crate::transport::Transport;
+use crate::tuning::{self, Meter};
 use crate::wire::{FrameReader, FrameWriter};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
@@ -59,12 +64,20 @@ const SENDFILE_MIN: u32 = 256 * 1024;
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 
+/// Makes one stream tuner (one per destination host).
+pub type TunerFactory = Arc<dyn Fn() -> Box<dyn dmover_tune::Tuner> + Send + Sync>;
+
+/// Opens one more data connection, authenticated and attached to the same session.
+pub type Connector = Arc<dyn Fn() -> Result<Box<dyn Transport>> + Send + Sync>;
+
 /// One destination: its control connection and data connections, already
 /// authenticated and attached to a receiving session.
 pub struct HostLink {
     pub name: String,
     pub control: Box<dyn Transport>,
     pub data: Vec<Box<dyn Transport>>,
+    /// How to open more data connections while sending (None: the set is fixed).
+    pub connect: Option<Connector>,
 }
 
 /// What to send.
@@ -85,6 +98,8 @@ pub struct SendConfig {
     pub progress: Arc<Progress>,
     /// Bytes per second for all streams together (0: no limit).
     pub bwlimit: u64,
+    /// Makes a tuner for the streams of each host that has a connector.
+    pub tuner: Option<TunerFactory>,
 }
 
 struct SendFile {
@@ -140,8 +155,8 @@ struct Tally {
     sets: Vec<SetDigest>,
 }
 
-struct Shared {
-    options: TransferOptions,
+pub(crate) struct Shared {
+    pub(crate) options: TransferOptions,
     block_size: u64,
     generate: bool,
     progress: Arc<Progress>,
@@ -155,17 +170,42 @@ struct Shared {
     ctl: Vec<Arc<Mutex<FrameWriter>>>,
     /// Blocks queued for each host's data streams.
     data_tx: Vec<Sender<Outgoing>>,
+    data_rx: Vec<Receiver<Outgoing>>,
     jobs_tx: Sender<Job>,
     fatal: Mutex<Option<Error>>,
     stop: AtomicBool,
-    /// Every connection, to close them all on a fatal error; the first
-    /// `hosts` are the control connections, which outlive a successful send.
-    conns: Vec<Box<dyn Transport>>,
+    /// `Finish` is going out: no more probes.
+    finishing: AtomicBool,
+    /// The control connections, to close them on a fatal error (they
+    /// outlive a successful send).
+    controls: Vec<Box<dyn Transport>>,
+    /// Each host's data streams.
+    pub(crate) streams: Vec<HostStreams>,
+    /// Every open data connection by stream id, to close them all at the end or on a fatal error.
+    data_conns: Mutex<HashMap<u64, DataConn>>,
+    next_stream: AtomicU64,
+    stream_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    ping_every: Duration,
+    /// Control-channel measurements per host.
+    pub(crate) meters: Vec<Meter>,
+    pub(crate) concurrency: usize,
     sent: AtomicU64,
     /// Bytes that have been given a time slot under the bandwidth limit.
     paced: AtomicU64,
     bwlimit: u64,
-    started: Instant,
+    pub(crate) started: Instant,
+}
+
+/// A data connection and the host it goes to.
+type DataConn = (usize, Box<dyn Transport>);
+
+/// The data streams to one host.
+pub(crate) struct HostStreams {
+    connect: Option<Connector>,
+    /// Streams wanted, newest last: each one's flag tells it to stop.
+    retire: Mutex<Vec<Arc<AtomicBool>>>,
+    /// Streams connected and running.
+    pub(crate) open: AtomicU64,
 }
 
 impl Shared {
@@ -179,24 +219,23 @@ impl Shared {
         }
         drop(f);
         self.stop.store(true, Ordering::SeqCst);
-        let hosts = self.ctl.len();
-        self.conns[hosts..].iter().for_each(|c| c.close());
+        self.data_conns.lock().expect("conns lock").values().for_each(|c| c.1.close());
         if e_kind_lost {
             // A receiver that fails closes the data connections first and
             // says why on the control connection: read on there a little
             // longer rather than cut the reason off.
-            self.conns[..hosts].iter().for_each(|c| {
+            self.controls.iter().for_each(|c| {
                 let _ = c.set_read_timeout(Some(REASON_WAIT));
             });
         } else {
-            self.conns[..hosts].iter().for_each(|c| c.close());
+            self.controls.iter().for_each(|c| c.close());
         }
         self.pool.close();
         let _g = self.tally.lock().expect("tally lock");
         self.changed.notify_all();
     }
 
-    fn stopped(&self) -> bool {
+    pub(crate) fn stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
     }
 
@@ -206,10 +245,95 @@ impl Shared {
         }
     }
 
-    fn tell(&self, host: usize, m: &Msg) {
+    /// Sends an `Echo` probe to `host`, unless the transfer is ending:
+    /// nothing may follow `Finish` on a control connection.
+    pub(crate) fn probe(&self, host: usize, stamp: u64) {
+        let mut w = self.ctl[host].lock().expect("control lock");
+        if self.finishing.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Err(e) = w.send(&Msg::Echo { stamp, received: 0, staged: 0 }) {
+            drop(w);
+            self.fail(e);
+        }
+    }
+
+    pub(crate) fn tell(&self, host: usize, m: &Msg) {
         if let Err(e) = self.ctl[host].lock().expect("control lock").send(m) {
             self.fail(e);
         }
+    }
+
+    /// Whether no block waits for `host`'s streams.
+    pub(crate) fn starved(&self, host: usize) -> bool {
+        self.data_tx[host].is_empty()
+    }
+
+    /// What one data connection to `host` can have in flight (W).
+    pub(crate) fn window(&self, host: usize) -> u64 {
+        let w = self.data_conns.lock().expect("conns lock").values().find(|c| c.0 == host).map_or(0, |c| c.1.send_window());
+        match self.options.tcp_buffer {
+            0 => w,
+            b if w == 0 => b as u64,
+            b => w.min(b as u64),
+        }
+    }
+
+    pub(crate) fn can_add_streams(&self, host: usize) -> bool {
+        self.streams[host].connect.is_some()
+    }
+
+    /// Opens or drops streams to `host` until `n` are wanted.
+    pub(crate) fn set_streams(self: &Arc<Self>, host: usize, n: usize) {
+        let hs = &self.streams[host];
+        if hs.connect.is_none() {
+            return;
+        }
+        let mut flags = hs.retire.lock().expect("streams lock");
+        while flags.len() > n.max(1) {
+            flags.pop().expect("a stream").store(true, Ordering::SeqCst);
+        }
+        while flags.len() < n {
+            let flag = Arc::new(AtomicBool::new(false));
+            flags.push(flag.clone());
+            self.start_stream(host, None, flag);
+        }
+    }
+
+    /// Runs a data stream to `host` in its own thread, on `conn` or on a new connection.
+    fn start_stream(self: &Arc<Self>, host: usize, conn: Option<Box<dyn Transport>>, retire: Arc<AtomicBool>) {
+        let sh = self.clone();
+        let t = std::thread::spawn(move || {
+            let conn = match conn {
+                Some(c) => c,
+                None => match sh.streams[host].connect.as_ref().map(|c| c()) {
+                    Some(Ok(c)) => c,
+                    failed => {
+                        if let Some(Err(e)) = failed {
+                            log::warn!("could not open another stream: {e}");
+                        }
+                        sh.streams[host].retire.lock().expect("streams lock").retain(|f| !Arc::ptr_eq(f, &retire));
+                        return;
+                    }
+                },
+            };
+            let id = sh.next_stream.fetch_add(1, Ordering::Relaxed);
+            match conn.split() {
+                Ok(c) => {
+                    sh.data_conns.lock().expect("conns lock").insert(id, (host, c));
+                }
+                Err(e) => return sh.fail(Error::network(conn.peer(), &e)),
+            }
+            if sh.stopped() && sh.data_rx[host].is_empty() {
+                conn.close();
+            } else {
+                sh.streams[host].open.fetch_add(1, Ordering::SeqCst);
+                data_stream(&sh, conn, sh.data_rx[host].clone(), &retire);
+                sh.streams[host].open.fetch_sub(1, Ordering::SeqCst);
+            }
+            sh.data_conns.lock().expect("conns lock").remove(&id);
+        });
+        self.stream_threads.lock().expect("threads lock").push(t);
     }
 
     /// A file is settled (done, skipped, failed or abandoned).
@@ -251,21 +375,20 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     let mut ctl = Vec::new();
     let mut data_tx = Vec::new();
     let mut data_rx = Vec::new();
-    let mut conns = Vec::new();
-    let mut readers_of_ctl = Vec::new();
+    let mut controls = Vec::new();
     let mut names = Vec::new();
+    let mut host_streams = Vec::new();
     for l in &links {
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&l.name, &e));
         l.control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(&l.name, &e))?;
         ctl.push(Arc::new(Mutex::new(FrameWriter::new(split(l.control.as_ref())?))));
-        conns.insert(ctl.len() - 1, split(l.control.as_ref())?);
-        for d in &l.data {
-            conns.push(split(d.as_ref())?);
-        }
+        controls.push(split(l.control.as_ref())?);
         let (tx, rx) = crossbeam_channel::unbounded::<Outgoing>();
         data_tx.push(tx);
         data_rx.push(rx);
         names.push(l.name.clone());
+        let connect = if cfg.tuner.is_some() { l.connect.clone() } else { None };
+        host_streams.push(HostStreams { connect, retire: Mutex::default(), open: AtomicU64::new(0) });
     }
     let tally = Tally {
         outstanding: vec![0; n],
@@ -283,12 +406,21 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         files: Mutex::new(HashMap::new()),
         tally: Mutex::new(tally),
         changed: Condvar::new(),
+        meters: (0..n).map(|_| Meter::default()).collect(),
         ctl,
         data_tx,
+        data_rx,
         jobs_tx,
         fatal: Mutex::new(None),
         stop: AtomicBool::new(false),
-        conns,
+        finishing: AtomicBool::new(false),
+        controls,
+        streams: host_streams,
+        data_conns: Mutex::new(HashMap::new()),
+        next_stream: AtomicU64::new(0),
+        stream_threads: Mutex::new(Vec::new()),
+        ping_every: ping_interval(cfg.idle_timeout),
+        concurrency: cfg.concurrency.max(1),
         sent: AtomicU64::new(0),
         paced: AtomicU64::new(0),
         bwlimit: cfg.bwlimit,
@@ -296,36 +428,44 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     });
 
     let mut threads = Vec::new();
-    let _pingers: Vec<Pinger> = sh.ctl.iter().map(|c| Pinger::start(c.clone(), ping_interval(cfg.idle_timeout))).collect();
+    let mut readers_of_ctl = Vec::new();
+    let _pingers: Vec<Pinger> = sh.ctl.iter().map(|c| Pinger::start(c.clone(), sh.ping_every)).collect();
     for (host, l) in links.into_iter().enumerate() {
-        let rx = data_rx[host].clone();
         for d in l.data {
-            let (sh, rx) = (sh.clone(), rx.clone());
-            let every = ping_interval(cfg.idle_timeout);
-            threads.push(std::thread::spawn(move || data_stream(&sh, d, rx, every)));
+            let flag = Arc::new(AtomicBool::new(false));
+            sh.streams[host].retire.lock().expect("streams lock").push(flag.clone());
+            sh.start_stream(host, Some(d), flag);
         }
         let sh2 = sh.clone();
         let control = l.control;
         readers_of_ctl.push(std::thread::spawn(move || control_reader(&sh2, host, FrameReader::new(control))));
     }
-    drop(data_rx);
-    for _ in 0..cfg.concurrency.max(1) {
+    for _ in 0..sh.concurrency {
         let (sh, rx) = (sh.clone(), jobs_rx.clone());
         threads.push(std::thread::spawn(move || reader(&sh, rx)));
     }
     drop(jobs_rx);
+    let tuner = cfg.tuner.filter(|_| sh.streams.iter().any(|s| s.connect.is_some())).map(|make| {
+        let sh = sh.clone();
+        std::thread::spawn(move || tuning::run(&sh, &*make))
+    });
 
     let result = announce_all(&sh, files);
     let finish = result.and_then(|()| finish(&sh));
     // Stop everything: streams drain their queues first when all went well.
     sh.stop.store(true, Ordering::SeqCst);
     sh.pool.close();
+    let timeline = tuner.and_then(|t| t.join().ok()).unwrap_or_default();
     for t in threads {
+        let _ = t.join();
+    }
+    let streams = std::mem::take(&mut *sh.stream_threads.lock().expect("threads lock"));
+    for t in streams {
         let _ = t.join();
     }
     // The data connections are done; the control connections stay open for
     // whoever owns them (a server reports on its client's control connection).
-    sh.conns[n..].iter().for_each(|c| c.close());
+    sh.data_conns.lock().expect("conns lock").values().for_each(|c| c.1.close());
     for t in readers_of_ctl {
         let _ = t.join();
     }
@@ -350,6 +490,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         dest_files,
         dest_bytes,
         digests_match,
+        timeline,
     })
 }
 
@@ -468,6 +609,10 @@ fn flush_queued(sh: &Shared, queued: &mut [bool]) {
 
 /// Tells every host the transfer is over and waits for their totals.
 fn finish(sh: &Arc<Shared>) -> Result<()> {
+    for c in &sh.ctl {
+        let _g = c.lock().expect("control lock");
+        sh.finishing.store(true, Ordering::SeqCst);
+    }
     for host in 0..sh.ctl.len() {
         let (files, bytes, set) = {
             let t = sh.tally.lock().expect("tally lock");
@@ -568,6 +713,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 return;
             }
             Msg::Ping => {}
+            Msg::Echo { stamp, received, staged } => sh.meters[host].echo(sh.started.elapsed(), stamp, received, staged),
             m => return sh.fail(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
         }
     }
@@ -671,10 +817,17 @@ fn pace(sh: &Shared, n: u64) {
     }
 }
 
-fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing>, ping_every: Duration) {
+fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing>, retire: &AtomicBool) {
     let mut w = FrameWriter::new(conn);
     let mut last = Instant::now();
     loop {
+        if retire.load(Ordering::SeqCst) {
+            // Dropped by the tuner: nothing more comes on this connection.
+            if w.send(&Msg::StreamEnd).is_ok() {
+                w.close_write();
+            }
+            return;
+        }
         match rx.recv_timeout(POLL) {
             Ok(o) => {
                 pace(sh, o.header.len as u64);
@@ -695,7 +848,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing
             }
             Err(RecvTimeoutError::Timeout) if sh.stopped() => return,
             Err(RecvTimeoutError::Timeout) => {
-                if last.elapsed() >= ping_every {
+                if last.elapsed() >= sh.ping_every {
                     if w.send(&Msg::Ping).is_err() {
                         return;
                     }

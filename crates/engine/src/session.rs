@@ -3,12 +3,13 @@
 
 use crate::error::{Error, Result};
 use crate::handshake;
-use crate::send::HostLink;
-use crate::transport::{connect_tcp, Transport};
+use crate::send::{Connector, HostLink};
+use crate::transport::{connect_tcp, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
 use dmover_proto::frame::TransferOptions;
-use dmover_proto::Msg;
+use dmover_proto::{ErrorKind, Msg};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a server may take to answer during setup.
@@ -41,7 +42,13 @@ pub struct Conn {
 impl Conn {
     /// Connects to `host` (`name:port`) and authenticates.
     pub fn open(host: &str, cred: &Credential) -> Result<Conn> {
+        Conn::open_with(host, cred, &SocketOptions::default())
+    }
+
+    /// Connects with the socket options of a data connection and authenticates.
+    pub fn open_with(host: &str, cred: &Credential, socket: &SocketOptions) -> Result<Conn> {
         let t = connect_tcp(host).map_err(|e| Error::network(host, &e))?;
+        t.set_options(socket).map_err(|e| Error::new(ErrorKind::Usage, host, e.to_string()))?;
         let t: Box<dyn Transport> = Box::new(t);
         t.set_read_timeout(Some(SETUP_TIMEOUT)).map_err(|e| Error::network(host, &e))?;
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(host, &e));
@@ -98,13 +105,13 @@ fn expect_session(host: &str, m: Msg) -> Result<[u8; 16]> {
 /// Starts `n` connections to `host` in parallel: connected and
 /// authenticated, but not yet attached to a session. Run it while the
 /// control connection sets the session up, so the round trips overlap.
-pub fn start_streams(host: &str, cred: &Credential, n: usize) -> std::thread::JoinHandle<Result<Vec<Conn>>> {
-    let (host, cred) = (host.to_string(), cred.clone());
+pub fn start_streams(host: &str, cred: &Credential, n: usize, socket: &SocketOptions) -> std::thread::JoinHandle<Result<Vec<Conn>>> {
+    let (host, cred, socket) = (host.to_string(), cred.clone(), socket.clone());
     std::thread::spawn(move || {
         let handles: Vec<_> = (0..n)
             .map(|_| {
-                let (host, cred) = (host.clone(), cred.clone());
-                std::thread::spawn(move || Conn::open(&host, &cred))
+                let (host, cred, socket) = (host.clone(), cred.clone(), socket.clone());
+                std::thread::spawn(move || Conn::open_with(&host, &cred, &socket))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))).collect()
@@ -129,23 +136,44 @@ pub fn attach_streams(started: std::thread::JoinHandle<Result<Vec<Conn>>>, sessi
 }
 
 /// Opens a receiving session for `dest` on `host` with `streams` data
-/// connections: a link the sending engine can use.
-pub fn receive_link(host: &str, cred: &Credential, dest: &str, options: TransferOptions, streams: usize) -> Result<HostLink> {
-    let started = start_streams(host, cred, streams);
+/// connections: a link the sending engine can use, and can add streams to.
+pub fn receive_link(
+    host: &str,
+    cred: &Credential,
+    dest: &str,
+    options: TransferOptions,
+    streams: usize,
+    socket: &SocketOptions,
+) -> Result<HostLink> {
+    let started = start_streams(host, cred, streams, socket);
     let mut c = Conn::control(host, cred)?;
     let m = c.request(&Msg::Receive { dest: dest.to_string(), options })?;
     let session = expect_session(host, m)?;
     let data = attach_streams(started, session)?;
-    Ok(HostLink { name: host.to_string(), control: c.into_transport(), data })
+    let (name, cred, socket) = (host.to_string(), cred.clone(), socket.clone());
+    let connect: Connector = Arc::new(move || {
+        let mut c = Conn::open_with(&name, &cred, &socket)?;
+        c.send(&Msg::OpenData { session, index: 0 })?;
+        let m = c.read_msg()?;
+        expect_session(&name, m)?;
+        Ok(c.into_transport())
+    });
+    Ok(HostLink { name: host.to_string(), control: c.into_transport(), data, connect: Some(connect) })
 }
 
 /// Opens receiving sessions on every host at once.
-pub fn receive_links(hosts: &[(String, Credential)], dest: &str, options: TransferOptions, streams: usize) -> Result<Vec<HostLink>> {
+pub fn receive_links(
+    hosts: &[(String, Credential)],
+    dest: &str,
+    options: TransferOptions,
+    streams: usize,
+    socket: &SocketOptions,
+) -> Result<Vec<HostLink>> {
     let handles: Vec<_> = hosts
         .iter()
         .map(|(h, c)| {
-            let (h, c, dest) = (h.clone(), c.clone(), dest.to_string());
-            std::thread::spawn(move || receive_link(&h, &c, &dest, options, streams))
+            let (h, c, dest, socket) = (h.clone(), c.clone(), dest.to_string(), socket.clone());
+            std::thread::spawn(move || receive_link(&h, &c, &dest, options, streams, &socket))
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))).collect()

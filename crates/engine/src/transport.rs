@@ -34,6 +34,67 @@ pub trait Transport: Read + Write + Send + Sync + 'static {
     fn send_file(&mut self, _head: &[u8], _file: &File, _offset: u64, _len: usize) -> Option<io::Result<usize>> {
         None
     }
+    /// Applies the socket options of data connections.
+    fn set_options(&self, _o: &SocketOptions) -> io::Result<()> {
+        Ok(())
+    }
+    /// The bytes one connection can have unacknowledged in flight as the
+    /// kernel sizes its send buffer now (0 where unknown).
+    fn send_window(&self) -> u64 {
+        0
+    }
+}
+
+/// Options for the sockets of data connections.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SocketOptions {
+    /// SO_SNDBUF and SO_RCVBUF, bytes; 0 keeps the kernel's autotuning.
+    pub buffer: u32,
+    /// TCP congestion control algorithm (TCP_CONGESTION), e.g. `cubic`;
+    /// empty keeps the system's default.
+    pub congestion: String,
+}
+
+fn setsockopt(fd: RawFd, level: libc::c_int, name: libc::c_int, value: &[u8]) -> io::Result<()> {
+    // SAFETY: `value` is valid for reads of its length during the call.
+    let r = unsafe { libc::setsockopt(fd, level, name, value.as_ptr().cast(), value.len() as libc::socklen_t) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn set_socket_options(fd: RawFd, o: &SocketOptions) -> io::Result<()> {
+    if o.buffer > 0 {
+        let v = (o.buffer as libc::c_int).to_ne_bytes();
+        setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, &v)?;
+        setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &v)?;
+    }
+    if !o.congestion.is_empty() {
+        setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_CONGESTION, o.congestion.as_bytes()).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "congestion control '{}' is not available here ({e}); see /proc/sys/net/ipv4/tcp_available_congestion_control",
+                    o.congestion
+                ),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Half of SO_SNDBUF: Linux doubles the size asked for and counts its own
+/// bookkeeping in it, so about half carries data.
+fn socket_send_window(fd: RawFd) -> u64 {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are valid for writes and describe an int.
+    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut v as *mut libc::c_int).cast(), &mut len) };
+    if r < 0 {
+        return 0;
+    }
+    v.max(0) as u64 / 2
 }
 
 /// `send_file` for sockets: the head with MSG_MORE (so it shares a packet
@@ -99,6 +160,12 @@ impl Transport for TcpStream {
     }
     fn send_file(&mut self, head: &[u8], file: &File, offset: u64, len: usize) -> Option<io::Result<usize>> {
         Some(socket_send_file(self.as_raw_fd(), head, file, offset, len))
+    }
+    fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
+        set_socket_options(self.as_raw_fd(), o)
+    }
+    fn send_window(&self) -> u64 {
+        socket_send_window(self.as_raw_fd())
     }
 }
 

@@ -6,6 +6,7 @@ use crate::transport::Transport;
 use dmover_proto::frame::{DataHeader, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA};
 use dmover_proto::Msg;
 use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Read buffer of a frame reader: large enough to take a data header and
 /// the start of its block in one read.
@@ -66,9 +67,22 @@ impl FrameReader {
         }
     }
 
-    /// Reads the block that follows a data header into `buf` (exactly its length).
-    pub fn read_block(&mut self, buf: &mut [u8]) -> Result<()> {
-        self.inner.read_exact(buf).map_err(|e| self.net(&e))
+    /// Reads the block that follows a data header into `buf` (exactly its
+    /// length), adding the bytes to `received` as they arrive.
+    pub fn read_block(&mut self, buf: &mut [u8], received: &AtomicU64) -> Result<()> {
+        let mut at = 0;
+        while at < buf.len() {
+            match self.inner.read(&mut buf[at..]) {
+                Ok(0) => return Err(self.net(&io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => {
+                    at += n;
+                    received.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.net(&e)),
+            }
+        }
+        Ok(())
     }
 
     fn net(&self, e: &io::Error) -> Error {

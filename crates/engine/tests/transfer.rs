@@ -6,7 +6,7 @@ use dmover_engine::fsroot::Root;
 use dmover_engine::journal::{self, Journal};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
-use dmover_engine::send::{self, Files, HostLink, SendConfig};
+use dmover_engine::send::{self, Connector, Files, HostLink, SendConfig};
 use dmover_engine::source::STATE_DIR;
 use dmover_engine::transport::Transport;
 use dmover_proto::digest::block_sum;
@@ -70,17 +70,41 @@ impl Transport for Flipping {
 }
 
 fn options() -> TransferOptions {
-    TransferOptions { transfer_id: [7; 16], block_size: BLOCK, flags: 0 }
+    TransferOptions { transfer_id: [7; 16], block_size: BLOCK, flags: 0, tcp_buffer: 0 }
 }
 
 /// Runs one transfer of `src` (a directory's contents) into `dest`; the
 /// sending end's data stream is `data`.
 fn transfer(src: &Path, dest: &Path, data: Box<dyn Transport>, rx_data: UnixStream) -> Stats {
-    let (ctl_a, ctl_b) = UnixStream::pair().unwrap();
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     tx.send(Box::new(rx_data)).unwrap();
     drop(tx);
-    let cfg = RecvConfig {
+    run_transfer(src, dest, data, rx, None, send_config())
+}
+
+fn send_config() -> SendConfig {
+    SendConfig {
+        options: options(),
+        concurrency: 2,
+        staging: 1 << 20,
+        idle_timeout: Duration::from_secs(30),
+        progress: Arc::new(Progress::default()),
+        bwlimit: 0,
+        tuner: None,
+    }
+}
+
+/// Runs a transfer whose receiver takes data connections from `rx`.
+fn run_transfer(
+    src: &Path,
+    dest: &Path,
+    data: Box<dyn Transport>,
+    rx: crossbeam_channel::Receiver<Box<dyn Transport>>,
+    connect: Option<Connector>,
+    cfg: SendConfig,
+) -> Stats {
+    let (ctl_a, ctl_b) = UnixStream::pair().unwrap();
+    let rcfg = RecvConfig {
         root: Root::local(),
         dest: dest.display().to_string(),
         options: options(),
@@ -88,16 +112,8 @@ fn transfer(src: &Path, dest: &Path, data: Box<dyn Transport>, rx_data: UnixStre
         writers: 2,
         idle_timeout: Duration::from_secs(30),
     };
-    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, cfg));
-    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data] };
-    let cfg = SendConfig {
-        options: options(),
-        concurrency: 2,
-        staging: 1 << 20,
-        idle_timeout: Duration::from_secs(30),
-        progress: Arc::new(Progress::default()),
-        bwlimit: 0,
-    };
+    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
+    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], connect };
     let files = Files::Walk { root: Root::local(), specs: vec![format!("{}/", src.display())] };
     let stats = send::send(files, vec![link], cfg).expect("send");
     receiver.join().unwrap().expect("receive");
@@ -195,4 +211,57 @@ fn a_resumed_transfer_sends_only_missing_blocks() {
     assert_eq!(stats.sent_bytes, (content.len() - half) as u64, "only the missing half is sent");
     assert_eq!(stats.skipped_files, 1);
     assert!(stats.digests_match && stats.errors.is_empty());
+}
+
+/// A tuner that asks for the next count of a script at every measurement.
+struct Scripted(Vec<usize>);
+
+impl dmover_tune::Tuner for Scripted {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    fn initial(&self) -> usize {
+        1
+    }
+    fn observe(&mut self, _: &dmover_tune::Observation) -> Option<usize> {
+        if self.0.is_empty() {
+            None
+        } else {
+            Some(self.0.remove(0))
+        }
+    }
+}
+
+#[test]
+fn streams_opened_and_dropped_mid_transfer_lose_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dest) = (t.path().join("src"), t.path().join("dest"));
+    std::fs::create_dir(&src).unwrap();
+    let contents: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(40 * BLOCK as usize + i * 777, i as u64 + 3)).collect();
+    for (i, c) in contents.iter().enumerate() {
+        std::fs::write(src.join(format!("f{i}.bin")), c).unwrap();
+    }
+    let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
+    let (a, b) = UnixStream::pair().unwrap();
+    tx.send(Box::new(b)).unwrap();
+    // New streams are socket pairs whose far end goes to the receiver.
+    let connect: Connector = Arc::new(move || {
+        let (a, b) = UnixStream::pair().map_err(|e| dmover_engine::Error::io("pair", &e))?;
+        tx.send(Box::new(b)).map_err(|_| dmover_engine::Error::internal("receiver gone"))?;
+        Ok(Box::new(a) as Box<dyn Transport>)
+    });
+    let script = vec![3, 1, 5, 2, 4, 1, 3];
+    let cfg = SendConfig {
+        // About two seconds of sending: the script plays out mid-transfer.
+        bwlimit: 8 << 20,
+        tuner: Some(Arc::new(move || Box::new(Scripted(script.clone())) as Box<dyn dmover_tune::Tuner>)),
+        ..send_config()
+    };
+    let stats = run_transfer(&src, &dest, Box::new(a), rx, Some(connect), cfg);
+    for (i, c) in contents.iter().enumerate() {
+        assert_eq!(&std::fs::read(dest.join(format!("f{i}.bin"))).unwrap(), c, "f{i}.bin");
+    }
+    assert!(stats.digests_match && stats.errors.is_empty());
+    let counts: Vec<u32> = stats.timeline.iter().map(|p| p.streams).collect();
+    assert!(counts.starts_with(&[3, 1, 5, 2, 4, 1, 3]), "{counts:?}");
 }

@@ -165,6 +165,23 @@ pub struct HostShare {
     pub bytes: u64,
 }
 
+/// One point of a tuned transfer's timeline: what the sender to one host
+/// measured and ran at time `t_ms` after the start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TunePoint {
+    pub t_ms: u64,
+    /// Index of the destination host.
+    pub host: u32,
+    /// Data connections open.
+    pub streams: u32,
+    /// Reader threads (files or chunks read at once).
+    pub concurrency: u32,
+    /// Goodput since the previous point, bytes per second.
+    pub goodput: u64,
+    /// Mean control-channel round trip, microseconds.
+    pub rtt_us: u64,
+}
+
 /// One file that failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileError {
@@ -191,6 +208,8 @@ pub struct Stats {
     pub dest_files: u64,
     pub dest_bytes: u64,
     pub digests_match: bool,
+    /// What a stream tuner measured and decided (empty without one).
+    pub timeline: Vec<TunePoint>,
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -532,6 +551,15 @@ impl Msg {
                     w.u8(e.kind as u8);
                     w.str(&e.message);
                 }
+                w.u32(s.timeline.len() as u32);
+                for p in &s.timeline {
+                    w.u64(p.t_ms);
+                    w.u32(p.host);
+                    w.u32(p.streams);
+                    w.u32(p.concurrency);
+                    w.u64(p.goodput);
+                    w.u64(p.rtt_us);
+                }
             }
             Announce { id, meta, digest } => {
                 w.u64(*id);
@@ -632,6 +660,17 @@ impl Msg {
                 let n = r.count(4 + 1 + 4)?;
                 for _ in 0..n {
                     s.errors.push(FileError { path: r.str()?, kind: r.kind()?, message: r.str()? });
+                }
+                let n = r.count(8 + 4 + 4 + 4 + 8 + 8)?;
+                for _ in 0..n {
+                    s.timeline.push(TunePoint {
+                        t_ms: r.u64()?,
+                        host: r.u32()?,
+                        streams: r.u32()?,
+                        concurrency: r.u32()?,
+                        goodput: r.u64()?,
+                        rtt_us: r.u64()?,
+                    });
                 }
                 Report(s)
             }
@@ -785,7 +824,10 @@ mod tests {
             Msg::Error { kind: ErrorKind::Refused, message: "no".into() },
             Msg::OpenControl,
             Msg::OpenData { session: [6; 16], index: 3 },
-            Msg::Receive { dest: "x".into(), options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3, tcp_buffer: 65536 } },
+            Msg::Receive {
+                dest: "x".into(),
+                options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3, tcp_buffer: 65536 },
+            },
             Msg::Send {
                 sources: vec!["a".into(), "b/*.h5".into()],
                 options: TransferOptions::default(),
@@ -808,6 +850,7 @@ mod tests {
                 hosts: vec![HostShare { host: "h".into(), files: 1, bytes: 2 }],
                 errors: vec![FileError { path: "p".into(), kind: ErrorKind::NoSpace, message: "m".into() }],
                 digests_match: true,
+                timeline: vec![TunePoint { t_ms: 1, host: 0, streams: 4, concurrency: 8, goodput: 1 << 30, rtt_us: 20_000 }],
                 ..Stats::default()
             }),
             Msg::Announce { id: 11, meta: meta.clone(), digest: None },

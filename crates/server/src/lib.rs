@@ -18,7 +18,7 @@ use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
 use dmover_engine::session::{self, Credential};
-use dmover_engine::transport::Transport;
+use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::TOKEN_KEY_ID;
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
@@ -347,7 +347,11 @@ fn control(
                 if data.is_empty() || data.len() != params.streams as usize {
                     return Err(Error::protocol(t.peer(), "the client attached a different number of streams than it asked for"));
                 }
-                let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data };
+                let socket = SocketOptions { buffer: options.tcp_buffer, ..SocketOptions::default() };
+                for d in &data {
+                    d.set_options(&socket).map_err(|e| Error::network(t.peer(), &e))?;
+                }
+                let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data, connect: None };
                 let stats = send::send(Files::Walk { root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
                 return finish_report(&mut w, t.as_ref(), stats);
             }
@@ -413,6 +417,7 @@ fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, progress
         idle_timeout: srv.cfg.idle_timeout,
         progress,
         bwlimit: p.bwlimit,
+        tuner: None,
     }
 }
 
@@ -453,7 +458,8 @@ fn push(
     let progress = Arc::new(Progress::default());
     let streams = (params.streams as usize).clamp(1, 64);
     let attempt = |progress: &Arc<Progress>| -> Result<Stats> {
-        let links: Vec<HostLink> = session::receive_links(&creds, dest, options, streams)?;
+        let socket = SocketOptions { buffer: options.tcp_buffer, ..SocketOptions::default() };
+        let links: Vec<HostLink> = session::receive_links(&creds, dest, options, streams, &socket)?;
         send::send(Files::Walk { root: root.clone(), specs: specs.clone() }, links, send_config(srv, options, params, progress.clone()))
     };
     // Progress goes to the client from this thread while the transfer runs.

@@ -1,0 +1,120 @@
+//! The options that shape data connections, shared by `cp` and `bench`:
+//! how many streams (a number, or `auto`), which tuner chooses them, and
+//! the TCP socket buffer and congestion control of each connection.
+
+use crate::sizes::parse_size;
+use clap::Args;
+use dmover_engine::send::TunerFactory;
+use dmover_engine::transport::SocketOptions;
+use dmover_engine::{Error, Result};
+use dmover_proto::ErrorKind;
+use dmover_tune::{paper, Mode};
+use std::sync::Arc;
+
+/// Streams used when `auto` cannot be tuned (downloads, local and third-party copies).
+pub const DEFAULT_STREAMS: u32 = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streams {
+    Auto,
+    Fixed(u32),
+}
+
+fn parse_streams(s: &str) -> std::result::Result<Streams, String> {
+    if s == "auto" {
+        return Ok(Streams::Auto);
+    }
+    match s.parse::<u32>() {
+        Ok(n) if (1..=64).contains(&n) => Ok(Streams::Fixed(n)),
+        _ => Err("give a number of streams from 1 to 64, or 'auto'".into()),
+    }
+}
+
+fn parse_mode(s: &str) -> std::result::Result<Mode, String> {
+    Mode::parse(s).ok_or_else(|| "the tuners are auto, mi, mi+ and aimd".into())
+}
+
+#[derive(Args, Clone)]
+pub struct StreamArgs {
+    /// Data connections per host: a number (1-64), or 'auto' to let the
+    /// tuner choose and change them while sending (uploads; elsewhere auto is 4).
+    #[arg(short = 'p', long, default_value = "auto", value_parser = parse_streams)]
+    pub streams: Streams,
+    /// The tuner behind auto: 'auto' (dmover's own), or the paper modes
+    /// 'mi', 'mi+' and 'aimd'; with --streams N, N is where it starts.
+    #[arg(long, value_name = "MODE", value_parser = parse_mode)]
+    pub tune: Option<Mode>,
+    /// Chunk of the mi, mi+ and aimd tuners: one decision per chunk sent.
+    #[arg(long, value_name = "SIZE", default_value = "100M", value_parser = parse_size)]
+    pub tune_chunk: u64,
+    /// TCP socket buffer of each data connection, at both ends (SO_SNDBUF and
+    /// SO_RCVBUF); by default the kernel sizes it.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub tcp_bs: Option<u64>,
+    /// TCP congestion control of the data connections this side sends on
+    /// (e.g. cubic, reno, bbr; see /proc/sys/net/ipv4/tcp_available_congestion_control).
+    #[arg(long, value_name = "ALG")]
+    pub congestion: Option<String>,
+}
+
+impl StreamArgs {
+    /// Makes the tuners of an upload (None: a fixed count).
+    pub fn tuner_factory(&self) -> Option<TunerFactory> {
+        let mode = self.tuner()?;
+        Some(Arc::new(move || mode.build()))
+    }
+
+    /// The tuner to run where the sender can open connections, or None for a fixed count.
+    pub fn tuner(&self) -> Option<Mode> {
+        let mode = match (self.streams, self.tune) {
+            (Streams::Fixed(_), None) => return None,
+            (Streams::Auto, None) => Mode::parse("auto").expect("a known mode"),
+            (_, Some(m)) => m,
+        };
+        let n0 = |d: usize| match self.streams {
+            Streams::Fixed(n) => n as usize,
+            Streams::Auto => d,
+        };
+        Some(match mode {
+            Mode::Auto(p) => Mode::Auto(dmover_tune::auto::Params { n0: n0(p.n0), ..p }),
+            Mode::Paper(m, p) => Mode::Paper(m, paper::Params { n0: n0(p.n0), chunk: self.tune_chunk, ..p }),
+        })
+    }
+
+    /// Streams to open first.
+    pub fn initial(&self) -> usize {
+        match self.tuner() {
+            Some(m) => m.build().initial(),
+            None => self.fixed() as usize,
+        }
+    }
+
+    /// The count where no tuner can run.
+    pub fn fixed(&self) -> u32 {
+        match self.streams {
+            Streams::Fixed(n) => n,
+            Streams::Auto => DEFAULT_STREAMS,
+        }
+    }
+
+    /// Refuses a tuner where this side cannot open connections.
+    pub fn untunable(&self, what: &str) -> Result<()> {
+        if self.tune.is_some() {
+            return Err(Error::new(
+                ErrorKind::Usage,
+                "",
+                format!("--tune works where this command sends to a server; for {what} give --streams N"),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn socket(&self) -> Result<SocketOptions> {
+        let buffer = match self.tcp_bs {
+            None => 0,
+            Some(b) if (4096..=(256 << 20)).contains(&b) => b as u32,
+            Some(_) => return Err(Error::new(ErrorKind::Usage, "", "--tcp-bs must be between 4K and 256M")),
+        };
+        Ok(SocketOptions { buffer, congestion: self.congestion.clone().unwrap_or_default() })
+    }
+}

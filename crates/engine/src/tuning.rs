@@ -1,0 +1,118 @@
+//! Runs a stream tuner against a live transfer.
+//!
+//! Every [`TICK`] the tuning thread sends an `Echo` on each host's control
+//! connection; the receiver answers at once with the bytes it has taken off
+//! the network and how full its staging is. The answers give the round-trip
+//! time `R` (mean of the last ten) and the delivered bytes; the sender adds
+//! whether any block is waiting for a stream and the socket buffer `W`.
+//! Each host's tuner (a pure policy from `dmover-tune`) sees that and may
+//! ask for another stream count, which the sender applies at once. Every
+//! decision, and a point every second, goes into the timeline of the report.
+
+use crate::send::Shared;
+use dmover_proto::frame::TunePoint;
+use dmover_tune::{Observation, RttWindow, Tuner};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How often the tuner measures.
+pub const TICK: Duration = Duration::from_millis(50);
+/// A timeline point at least this often.
+const POINT_EVERY: Duration = Duration::from_secs(1);
+/// Ticks over which the share of starved moments is taken.
+const STARVED_TICKS: usize = 20;
+
+/// One host's control-channel measurements, fed by `Echo` answers.
+#[derive(Default)]
+pub struct Meter {
+    state: Mutex<MeterState>,
+}
+
+#[derive(Default)]
+struct MeterState {
+    rtt: RttWindow,
+    /// When the last answer came, and what it said.
+    at: Duration,
+    delivered: u64,
+    staged: u8,
+    /// An answer came since the tuner last looked.
+    fresh: bool,
+}
+
+impl Meter {
+    /// Records an `Echo` answer that arrived at `now` (time since the start).
+    pub fn echo(&self, now: Duration, stamp_us: u64, delivered: u64, staged: u8) {
+        let mut m = self.state.lock().expect("meter lock");
+        m.rtt.push(now.saturating_sub(Duration::from_micros(stamp_us)));
+        m.at = now;
+        m.delivered = m.delivered.max(delivered);
+        m.staged = staged;
+        m.fresh = true;
+    }
+}
+
+struct Host {
+    index: usize,
+    tuner: Box<dyn Tuner>,
+    starved: [bool; STARVED_TICKS],
+    tick: usize,
+    /// The last timeline point: (time, delivered).
+    last_point: (Duration, u64),
+}
+
+/// Tunes every host that can open streams until the transfer stops; returns the timeline.
+pub(crate) fn run(sh: &Arc<Shared>, make: &(dyn Fn() -> Box<dyn Tuner> + Send + Sync)) -> Vec<TunePoint> {
+    let mut hosts: Vec<Host> = (0..sh.streams.len())
+        .filter(|&h| sh.can_add_streams(h))
+        .map(|index| Host { index, tuner: make(), starved: [false; STARVED_TICKS], tick: 0, last_point: (Duration::ZERO, 0) })
+        .collect();
+    let mut timeline = Vec::new();
+    for h in &hosts {
+        sh.set_streams(h.index, h.tuner.initial());
+    }
+    while !sh.stopped() {
+        std::thread::sleep(TICK);
+        let now = sh.started.elapsed();
+        for h in &mut hosts {
+            sh.probe(h.index, now.as_micros() as u64);
+            h.starved[h.tick % STARVED_TICKS] = sh.starved(h.index);
+            h.tick += 1;
+            let (o, fresh) = {
+                let mut m = sh.meters[h.index].state.lock().expect("meter lock");
+                let o = Observation {
+                    now: m.at,
+                    delivered: m.delivered,
+                    rtt: m.rtt.mean(),
+                    window: sh.window(h.index),
+                    streams: sh.streams[h.index].open.load(Ordering::SeqCst) as usize,
+                    starved: h.starved.iter().filter(|s| **s).count() as f64 / STARVED_TICKS as f64,
+                    staged: m.staged as f64 / 100.0,
+                };
+                (o, std::mem::take(&mut m.fresh))
+            };
+            if !fresh {
+                continue;
+            }
+            let decision = h.tuner.observe(&o);
+            if let Some(n) = decision {
+                log::info!("{}: {} streams (R {:?}, W {} bytes)", h.tuner.name(), n, o.rtt, o.window);
+                sh.set_streams(h.index, n);
+            }
+            if decision.is_some() || o.now >= h.last_point.0 + POINT_EVERY {
+                let dt = (o.now - h.last_point.0).as_secs_f64();
+                let goodput = if dt > 0.0 { (o.delivered - h.last_point.1) as f64 / dt } else { 0.0 };
+                timeline.push(TunePoint {
+                    t_ms: o.now.as_millis() as u64,
+                    host: h.index as u32,
+                    streams: decision.unwrap_or(o.streams) as u32,
+                    concurrency: sh.concurrency as u32,
+                    goodput: goodput as u64,
+                    rtt_us: o.rtt.as_micros() as u64,
+                });
+                h.last_point = (o.now, o.delivered);
+            }
+        }
+    }
+    timeline
+}
