@@ -172,6 +172,9 @@ pub(crate) struct Shared {
     data_tx: Vec<Sender<Outgoing>>,
     data_rx: Vec<Receiver<Outgoing>>,
     jobs_tx: Sender<Job>,
+    jobs_rx: Receiver<Job>,
+    /// Reader threads wanted, newest last: each one's flag tells it to stop.
+    readers: Mutex<Vec<Arc<AtomicBool>>>,
     fatal: Mutex<Option<Error>>,
     stop: AtomicBool,
     /// `Finish` is going out: no more probes.
@@ -184,11 +187,11 @@ pub(crate) struct Shared {
     /// Every open data connection by stream id, to close them all at the end or on a fatal error.
     data_conns: Mutex<HashMap<u64, DataConn>>,
     next_stream: AtomicU64,
-    stream_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Stream and reader threads, joined at the end.
+    workers: Mutex<Vec<std::thread::JoinHandle<()>>>,
     ping_every: Duration,
     /// Control-channel measurements per host.
     pub(crate) meters: Vec<Meter>,
-    pub(crate) concurrency: usize,
     sent: AtomicU64,
     /// Bytes that have been given a time slot under the bandwidth limit.
     paced: AtomicU64,
@@ -333,7 +336,27 @@ impl Shared {
             }
             sh.data_conns.lock().expect("conns lock").remove(&id);
         });
-        self.stream_threads.lock().expect("threads lock").push(t);
+        self.workers.lock().expect("workers lock").push(t);
+    }
+
+    /// Reader threads running or wanted.
+    pub(crate) fn readers(&self) -> usize {
+        self.readers.lock().expect("readers lock").len()
+    }
+
+    /// Starts or stops reader threads until `n` are wanted.
+    pub(crate) fn set_readers(self: &Arc<Self>, n: usize) {
+        let mut flags = self.readers.lock().expect("readers lock");
+        while flags.len() > n.max(1) {
+            flags.pop().expect("a reader").store(true, Ordering::SeqCst);
+        }
+        while flags.len() < n {
+            let flag = Arc::new(AtomicBool::new(false));
+            flags.push(flag.clone());
+            let sh = self.clone();
+            let t = std::thread::spawn(move || reader(&sh, &flag));
+            self.workers.lock().expect("workers lock").push(t);
+        }
     }
 
     /// A file is settled (done, skipped, failed or abandoned).
@@ -411,6 +434,8 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         data_tx,
         data_rx,
         jobs_tx,
+        jobs_rx,
+        readers: Mutex::default(),
         fatal: Mutex::new(None),
         stop: AtomicBool::new(false),
         finishing: AtomicBool::new(false),
@@ -418,16 +443,14 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         streams: host_streams,
         data_conns: Mutex::new(HashMap::new()),
         next_stream: AtomicU64::new(0),
-        stream_threads: Mutex::new(Vec::new()),
+        workers: Mutex::new(Vec::new()),
         ping_every: ping_interval(cfg.idle_timeout),
-        concurrency: cfg.concurrency.max(1),
         sent: AtomicU64::new(0),
         paced: AtomicU64::new(0),
         bwlimit: cfg.bwlimit,
         started,
     });
 
-    let mut threads = Vec::new();
     let mut readers_of_ctl = Vec::new();
     let _pingers: Vec<Pinger> = sh.ctl.iter().map(|c| Pinger::start(c.clone(), sh.ping_every)).collect();
     for (host, l) in links.into_iter().enumerate() {
@@ -440,11 +463,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         let control = l.control;
         readers_of_ctl.push(std::thread::spawn(move || control_reader(&sh2, host, FrameReader::new(control))));
     }
-    for _ in 0..sh.concurrency {
-        let (sh, rx) = (sh.clone(), jobs_rx.clone());
-        threads.push(std::thread::spawn(move || reader(&sh, rx)));
-    }
-    drop(jobs_rx);
+    sh.set_readers(cfg.concurrency);
     let tuner = cfg.tuner.filter(|_| sh.streams.iter().any(|s| s.connect.is_some())).map(|make| {
         let sh = sh.clone();
         std::thread::spawn(move || tuning::run(&sh, &*make))
@@ -456,11 +475,8 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     sh.stop.store(true, Ordering::SeqCst);
     sh.pool.close();
     let timeline = tuner.and_then(|t| t.join().ok()).unwrap_or_default();
-    for t in threads {
-        let _ = t.join();
-    }
-    let streams = std::mem::take(&mut *sh.stream_threads.lock().expect("threads lock"));
-    for t in streams {
+    let workers = std::mem::take(&mut *sh.workers.lock().expect("workers lock"));
+    for t in workers {
         let _ = t.join();
     }
     // The data connections are done; the control connections stay open for
@@ -719,9 +735,9 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
     }
 }
 
-fn reader(sh: &Arc<Shared>, jobs: Receiver<Job>) {
-    loop {
-        let job = match jobs.recv_timeout(POLL) {
+fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
+    while !retire.load(Ordering::SeqCst) {
+        let job = match sh.jobs_rx.recv_timeout(POLL) {
             Ok(j) => j,
             Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
             Err(_) => return,

@@ -6,11 +6,14 @@
 //! time `R` (mean of the last ten) and the delivered bytes; the sender adds
 //! whether any block is waiting for a stream and the socket buffer `W`.
 //! Each host's tuner (a pure policy from `dmover-tune`) sees that and may
-//! ask for another stream count, which the sender applies at once. Every
-//! decision, and a point every second, goes into the timeline of the report.
+//! ask for another stream count, which the sender applies at once; the
+//! reader policy sees the whole transfer and may ask for more readers when
+//! the source holds it back. Every decision, and a point every second, goes
+//! into the timeline of the report.
 
 use crate::send::Shared;
 use dmover_proto::frame::TunePoint;
+use dmover_tune::readers::{self, Readers};
 use dmover_tune::{Observation, RttWindow, Tuner};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -71,9 +74,11 @@ pub(crate) fn run(sh: &Arc<Shared>, make: &(dyn Fn() -> Box<dyn Tuner> + Send + 
     for h in &hosts {
         sh.set_streams(h.index, h.tuner.initial());
     }
+    let mut readers = Readers::new(sh.readers(), readers::Params::default());
     while !sh.stopped() {
         std::thread::sleep(TICK);
         let now = sh.started.elapsed();
+        let mut whole: Option<Observation> = None;
         for h in &mut hosts {
             sh.probe(h.index, now.as_micros() as u64);
             h.starved[h.tick % STARVED_TICKS] = sh.starved(h.index);
@@ -91,6 +96,12 @@ pub(crate) fn run(sh: &Arc<Shared>, make: &(dyn Fn() -> Box<dyn Tuner> + Send + 
                 };
                 (o, std::mem::take(&mut m.fresh))
             };
+            whole = Some(whole.map_or(o, |w| Observation {
+                delivered: w.delivered + o.delivered,
+                starved: w.starved.min(o.starved),
+                staged: w.staged.max(o.staged),
+                ..w
+            }));
             if !fresh {
                 continue;
             }
@@ -106,12 +117,16 @@ pub(crate) fn run(sh: &Arc<Shared>, make: &(dyn Fn() -> Box<dyn Tuner> + Send + 
                     t_ms: o.now.as_millis() as u64,
                     host: h.index as u32,
                     streams: decision.unwrap_or(o.streams) as u32,
-                    concurrency: sh.concurrency as u32,
+                    concurrency: sh.readers() as u32,
                     goodput: goodput as u64,
                     rtt_us: o.rtt.as_micros() as u64,
                 });
                 h.last_point = (o.now, o.delivered);
             }
+        }
+        if let Some(n) = whole.and_then(|o| readers.observe(&Observation { now, ..o })) {
+            log::info!("{n} readers");
+            sh.set_readers(n);
         }
     }
     timeline

@@ -14,18 +14,23 @@
 //!    starts the probing again at once.
 //!
 //! What "pays" depends on the path. With no standing queue (the round trip
-//! is near its minimum) the link has room and any clear gain counts. With a
-//! standing queue the link is full, and more streams can only take a larger
-//! share from other traffic: a step of ε more streams must then bring at
-//! least `fair_share·ε` more goodput. A transfer holding a share s of a full
-//! link gains about ε·(1−s), so two dmover transfers stop growing at the
-//! same share — fairness — and one alone stops once the link is full.
+//! is near its minimum) the link has room: more streams are kept for any
+//! clear gain, fewer only if they cost next to nothing. With a standing
+//! queue the link is full, and streams only move shares between this
+//! transfer and other traffic. A transfer holding a share s of a full link
+//! gains or loses about ε·(1−s) of its goodput when it changes its streams
+//! by a fraction ε, so the tuner keeps ε more streams only if they bring at
+//! least `grow_share·ε`, and keeps ε fewer if they cost at most
+//! `shrink_share·ε`. A transfer with less than about half of a shared link
+//! grows and one with more shrinks, so two dmover transfers meet near equal
+//! shares — fairness — and one alone gives back streams the full link does
+//! not need.
 //!
 //! Streams cannot help when the source disk is the bottleneck (no block is
 //! waiting for a stream) or the destination is (its staging is full): then
 //! the tuner adds none.
 
-use crate::{Observation, Tuner};
+use crate::{Observation, Tuner, Windows};
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,9 +47,11 @@ pub struct Params {
     pub max_probe_interval: Duration,
     /// Relative goodput gain that counts as a gain.
     pub gain: f64,
-    /// On a full link, the least gain per relative step in streams.
-    pub fair_share: f64,
-    /// Relative goodput loss that a step down may cost and still be kept.
+    /// On a full link, the least relative gain per relative step up in streams.
+    pub grow_share: f64,
+    /// On a full link, the most relative loss per relative step down in streams.
+    pub shrink_share: f64,
+    /// Relative goodput loss that a step down may always cost and still be kept.
     pub tolerance: f64,
     /// A round trip this much (relative) above the least seen, plus 1 ms, means a standing queue.
     pub queue_slack: f64,
@@ -58,11 +65,12 @@ impl Default for Params {
             n0: 4,
             max_streams: 32,
             settle: Duration::from_millis(150),
-            window: Duration::from_millis(300),
+            window: Duration::from_millis(500),
             probe_interval: Duration::from_secs(2),
             max_probe_interval: Duration::from_secs(16),
             gain: 0.05,
-            fair_share: 0.5,
+            grow_share: 0.55,
+            shrink_share: 0.45,
             tolerance: 0.03,
             queue_slack: 0.15,
             change: 0.3,
@@ -95,8 +103,7 @@ pub struct Auto {
     base: Base,
     backoff: Duration,
     changed_at: Duration,
-    /// Start of the window being measured: (time, delivered).
-    window_start: Option<(Duration, u64)>,
+    windows: Windows,
     rtt_min: Duration,
 }
 
@@ -110,16 +117,22 @@ impl Auto {
             base: Base { n, goodput: 0.0, queued: false },
             backoff: p.probe_interval,
             changed_at: Duration::ZERO,
-            window_start: None,
+            windows: Windows::default(),
             rtt_min: Duration::MAX,
         }
     }
 
-    /// Whether `g` at `n` streams pays compared with `base`.
+    /// Whether `g` at `n` streams pays compared with `base`: enough more
+    /// goodput for more streams, or little enough less for fewer.
     fn pays(&self, base: Base, n: usize, g: f64) -> bool {
-        let step = n as f64 / base.n as f64 - 1.0;
-        let needed = if base.queued { self.p.gain.max(self.p.fair_share * step) } else { self.p.gain };
-        g >= base.goodput * (1.0 + needed)
+        let step = (n as f64 - base.n as f64).abs() / base.n as f64;
+        if n > base.n {
+            let needed = if base.queued { self.p.gain.max(self.p.grow_share * step) } else { self.p.gain };
+            g >= base.goodput * (1.0 + needed)
+        } else {
+            let allowed = if base.queued { self.p.tolerance.max(self.p.shrink_share * step) } else { self.p.tolerance };
+            g >= base.goodput * (1.0 - allowed)
+        }
     }
 
     fn go(&mut self, now: Duration, n: usize, phase: Phase) -> Option<usize> {
@@ -129,7 +142,7 @@ impl Auto {
         }
         self.n = n;
         self.changed_at = now;
-        self.window_start = None;
+        self.windows.restart();
         Some(n)
     }
 
@@ -165,7 +178,7 @@ impl Auto {
             }
             Phase::Probe { up } => {
                 let base = self.base;
-                let kept = if up { self.pays(base, self.n, g) } else { g >= base.goodput * (1.0 - self.p.tolerance) };
+                let kept = self.pays(base, self.n, g);
                 if kept {
                     // Keep going the same way soon.
                     self.backoff = self.p.probe_interval;
@@ -230,17 +243,11 @@ impl Tuner for Auto {
             self.rtt_min = self.rtt_min.min(o.rtt);
         }
         // Measure only once the streams asked for are open (or have had ample time to open).
-        let opening = o.streams < self.n && o.now < self.changed_at + Duration::from_secs(5);
-        if opening || o.now < self.changed_at + self.p.settle.max(o.rtt * 6) {
-            self.window_start = None;
+        if o.streams < self.n && o.now < self.changed_at + Duration::from_secs(5) {
+            self.windows.restart();
             return None;
         }
-        let (t0, d0) = *self.window_start.get_or_insert((o.now, o.delivered));
-        if o.now < t0 + self.p.window.max(o.rtt * 10) {
-            return None;
-        }
-        self.window_start = Some((o.now, o.delivered));
-        let g = o.delivered.saturating_sub(d0) as f64 / (o.now - t0).as_secs_f64();
+        let g = self.windows.measure(o, self.changed_at, self.p.settle, self.p.window)?;
         let queued = o.rtt > self.rtt_min.mul_f64(1.0 + self.p.queue_slack) + Duration::from_millis(1);
         let can_grow = o.starved < 0.5 && o.staged < 0.8;
         self.decide(o.now, g, queued, can_grow)

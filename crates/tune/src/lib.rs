@@ -14,12 +14,16 @@
 //!   delay, holds back when the disks rather than the network are the
 //!   bottleneck, and re-probes when the link changes.
 //!
-//! [`model`] has the steady-state goodput model both the MI+ mode and the
-//! simulated link of the tests use; [`sim`] is that simulated link.
+//! [`readers::Readers`] tunes the other dimension, the files (or chunks of
+//! large files) read at once, when the source rather than the network holds
+//! a transfer back. [`model`] has the steady-state goodput model both the
+//! MI+ mode and the simulated link of the tests use; [`sim`] is that
+//! simulated link.
 
 pub mod auto;
 pub mod model;
 pub mod paper;
+pub mod readers;
 pub mod sim;
 
 use std::time::Duration;
@@ -80,6 +84,36 @@ impl RttWindow {
             return Duration::ZERO;
         }
         self.samples[..self.len].iter().sum::<Duration>() / self.len as u32
+    }
+}
+
+/// Goodput over measuring windows, each starting once the last change has settled.
+#[derive(Debug, Default, Clone)]
+pub struct Windows {
+    /// Start of the window being measured: (time, delivered).
+    start: Option<(Duration, u64)>,
+}
+
+impl Windows {
+    /// Starts over (after a change, or while one is not yet in effect).
+    pub fn restart(&mut self) {
+        self.start = None;
+    }
+
+    /// The goodput (bytes/s) of a window that closes at `o.now`, if one
+    /// does: windows start `settle` (and at least 6 round trips) after
+    /// `changed_at` and last `window` (and at least 10 round trips).
+    pub fn measure(&mut self, o: &Observation, changed_at: Duration, settle: Duration, window: Duration) -> Option<f64> {
+        if o.now < changed_at + settle.max(o.rtt * 6) {
+            self.start = None;
+            return None;
+        }
+        let (t0, d0) = *self.start.get_or_insert((o.now, o.delivered));
+        if o.now < t0 + window.max(o.rtt * 10) {
+            return None;
+        }
+        self.start = Some((o.now, o.delivered));
+        Some(o.delivered.saturating_sub(d0) as f64 / (o.now - t0).as_secs_f64())
     }
 }
 
