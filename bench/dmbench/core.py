@@ -1,10 +1,13 @@
 """The measurement model: context, tools, workloads, rows of the result tables.
 
-A *workload* names the data it needs, the *tools* it runs on that data and
-the *rows* of its result table. The engine (`run_workload`) starts every
-tool's session (a server, say), then runs each tool once per run, tools
-interleaved within a run so that slow drifts of the machine's load hit all
-of them alike, and collects one dict of figures per tool and run.
+A *workload* names the data it needs, the *tools* it runs on that data, the
+tool that stands for the limit (iperf3, fio) and the *rows* of its verdict
+table. The engine (`run_workload`) starts every tool's session (a server,
+say), tries each candidate setting of a tunable peer once and keeps the
+fastest, then runs each tool once per run, tools interleaved within a run so
+that slow drifts of the machine's load hit all of them alike, and collects
+one dict of figures per tool and run. Where a peer is faster than dmover it
+finally takes a profile of dmover (module profile).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager
 
+from . import profile
 from .datasets import Dataset
 from .system import BenchError, CommandLog, remove_tree, run
 
@@ -33,6 +37,8 @@ class Context:
     wanem_dir: Path | None
     cold_cache: bool = True
     timeout: float = 900    # per command
+    profile: bool = True    # profile dmover where a peer is faster
+    perf_dir: Path | None = None   # set while a profile is being taken
     log: CommandLog = field(default_factory=CommandLog)
     notes: list[str] = field(default_factory=list)
     _token: Path | None = None
@@ -59,9 +65,13 @@ class Context:
 
 class Tool:
     """One program measured by a workload. Subclasses set `name` and
-    implement `measure`; `session` holds what lives across runs."""
+    implement `measure`; `session` holds what lives across runs. `options`
+    are the settings shown in the report; a tool with several `candidates`
+    is tuned: the engine sets `options` to the fastest of them."""
 
     name = "tool"
+    options: tuple[str, ...] = ()
+    candidates: tuple[tuple[str, ...], ...] = ()
 
     def session(self, ctx: Context) -> ContextManager:
         return contextlib.nullcontext()
@@ -122,6 +132,8 @@ class Workload:
 
     key = "workload"
     title = "workload"
+    limit: str | None = None     # the tool whose figures are the limit
+    score = "mb_per_s"           # higher is better; decides whether to profile dmover
 
     def describe(self, ctx: Context) -> str:
         return ""
@@ -142,6 +154,11 @@ class Workload:
         """Set-up around all tool sessions (e.g. an emulated WAN link)."""
         return contextlib.nullcontext()
 
+    def worth_retrying(self, res: "WorkloadResult") -> str | None:
+        """Why the whole workload should run once more (its environment
+        failed under it, not a tool), or None."""
+        return None
+
 
 @dataclass
 class WorkloadResult:
@@ -155,6 +172,10 @@ class WorkloadResult:
     commands: CommandLog = field(default_factory=CommandLog)
     skipped: str | None = None
     seconds: float = 0.0
+    limit: str | None = None
+    settings: dict[str, str] = field(default_factory=dict)
+    trials: dict[str, list] = field(default_factory=dict)
+    profile: dict | None = None
 
     def stat(self, tool: str | None, key: str) -> Stat | None:
         if tool is None:
@@ -173,9 +194,29 @@ class WorkloadResult:
         verdict = row.target.judge(value, ratio) if row.target else None
         return {"own": own, "peer": peer, "ratio": ratio, "verdict": verdict}
 
+    def faster_peers(self, key: str) -> list[str]:
+        """Peers (not the limit) whose median `key` beats dmover's."""
+        own = self.stat("dmover", key)
+        if own is None:
+            return []
+        return [name for name in self.figures
+                if name not in ("dmover", self.limit)
+                and (peer := self.stat(name, key)) and peer.median > own.median]
+
 
 def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
-    res = WorkloadResult(wl.key, wl.title, wl.describe(ctx), wl.rows(ctx))
+    """Run a workload; once more if it says its environment failed."""
+    res = _run_workload(ctx, wl)
+    why = wl.worth_retrying(res)
+    if why:
+        print(f"   {why}; running this workload once more", flush=True)
+        res = _run_workload(ctx, wl)
+        res.notes.insert(0, f"A first attempt of this workload was abandoned: {why}.")
+    return res
+
+
+def _run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
+    res = WorkloadResult(wl.key, wl.title, wl.describe(ctx), wl.rows(ctx), limit=wl.limit)
     ctx.log, ctx.notes = res.commands, res.notes
     t0 = time.monotonic()
     reason = wl.skip_reason(ctx)
@@ -196,13 +237,26 @@ def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
             for tool in tools:
                 try:
                     stack.enter_context(tool.session(ctx))
+                    if len(tool.candidates) > 1:
+                        tune(ctx, tool, res)
                     active.append(tool)
                 except Exception as exc:  # noqa: BLE001 - reported, other tools go on
                     res.errors.append(f"{tool.name}: set-up failed: {_explain(exc)}")
+                res.settings[tool.name] = " ".join(tool.options)
             for run_no in range(1, ctx.runs + 1):
                 res.commands.phase = f"run {run_no}"
                 for tool in rotated(active, run_no - 1):
                     _measure_once(ctx, tool, run_no, res)
+            slower_than = res.faster_peers(wl.score)
+            dmover = [t for t in active if t.name == "dmover"]
+            if ctx.profile and slower_than and dmover:
+                res.commands.phase = "profile"
+                print(f"   profiling dmover (slower than {', '.join(slower_than)})", flush=True)
+                try:
+                    res.profile = dict(profile.take(ctx, dmover[0], wl.key),
+                                       faster=slower_than)
+                except Exception as exc:  # noqa: BLE001
+                    res.errors.append(f"dmover profile: {_explain(exc)}")
             res.commands.phase = "teardown"
     except Exception as exc:  # noqa: BLE001
         res.errors.append(_explain(exc))
@@ -226,6 +280,28 @@ def warm_up(ctx: Context, ds: Dataset) -> None:
         raise BenchError(f"warm-up copy failed: {res.describe()}")
 
 
+def tune(ctx: Context, tool: Tool, res: WorkloadResult) -> None:
+    """One untimed trial run (run number 0) per candidate setting; the tool
+    keeps the fastest. Trials that fail are reported and skipped."""
+    ctx.log.add(f"# {tool.name}: one trial run per candidate setting, the fastest is kept")
+    trials = []
+    for options in tool.candidates:
+        tool.options = options
+        print(f"   trial {tool.name} {' '.join(options)}", end=" ", flush=True)
+        try:
+            seconds = tool.measure(ctx, 0)["seconds"]
+        except Exception as exc:  # noqa: BLE001
+            print("FAILED", flush=True)
+            res.errors.append(f"{tool.name} {' '.join(options)}: trial: {_explain(exc)}")
+            continue
+        print(f"seconds={seconds:.4g}", flush=True)
+        trials.append((seconds, options))
+    if not trials:
+        raise BenchError("every candidate setting failed")
+    tool.options = min(trials)[1]
+    res.trials[tool.name] = [[" ".join(o), s] for s, o in trials]
+
+
 def rotated(items: list, k: int) -> list:
     """items rotated left by k: each tool takes its turn at going first."""
     k %= max(len(items), 1)
@@ -246,8 +322,8 @@ def _measure_once(ctx: Context, tool: Tool, run_no: int, res: WorkloadResult) ->
     print("  ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
 
 
-_PROGRESS_KEYS = ("seconds", "gbit_per_s", "files_per_s", "mb_per_s", "goodput_pct",
-                  "client_rss_mib", "server_rss_mib", "write_mb_per_s", "read_mb_per_s")
+_PROGRESS_KEYS = ("seconds", "mb_per_s", "files_per_s", "goodput_pct",
+                  "client_cpu_s", "server_cpu_s", "client_rss_mib", "server_rss_mib")
 
 
 def _explain(exc: Exception) -> str:

@@ -1,5 +1,8 @@
 """Data sets: trees of files with incompressible (random) content.
 
+Files have one size, or (sigma > 0) deterministic lognormal sizes around a
+mean, scaled so that the total is exactly files × mean.
+
 A data set lives in SCRATCH/data/NAME/src and is generated once. A marker
 file next to it records the spec; the set is reused when the marker matches
 and every file has the right size, and regenerated otherwise.
@@ -7,7 +10,9 @@ and every file has the right size, and regenerated otherwise.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -26,26 +31,48 @@ def human_size(n: int) -> str:
     return str(n)
 
 
+def _unit(n: int) -> str:
+    size = human_size(n)
+    return f"{size[:-1]} {size[-1]}iB" if size[-1] in "KMG" else f"{size} B"
+
+
 @dataclass(frozen=True)
 class Dataset:
     files: int
-    file_size: int
+    file_size: int         # the size of every file, or the mean with sigma > 0
     dirs: int = 0          # 0: all files directly in src/
+    sigma: float = 0.0     # > 0: lognormal sizes with this shape parameter
 
     @property
     def name(self) -> str:
         layout = f"-{self.dirs}d" if self.dirs else ""
-        return f"{self.files}x{human_size(self.file_size)}{layout}"
+        spread = f"-ln{self.sigma:g}" if self.sigma else ""
+        return f"{self.files}x{human_size(self.file_size)}{layout}{spread}"
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        if not self.sigma:
+            return [self.file_size] * self.files
+        rng = random.Random(self.name)
+        mu = math.log(self.file_size) - self.sigma ** 2 / 2
+        raw = [rng.lognormvariate(mu, self.sigma) for _ in range(self.files)]
+        scale = self.file_size * self.files / sum(raw)
+        sizes = [max(1, round(x * scale)) for x in raw]
+        sizes[0] += self.file_size * self.files - sum(sizes)
+        return sizes
 
     @property
     def total_bytes(self) -> int:
-        return self.files * self.file_size
+        return sum(self.sizes)
 
     def describe(self) -> str:
         where = f" in {self.dirs} directories" if self.dirs else ""
-        size = human_size(self.file_size)
-        size = f"{size[:-1]} {size[-1]}iB" if size[-1] in "KMG" else f"{size} B"
-        return f"{self.files:,} × {size}{where}, random content"
+        if self.sigma:
+            size = (f"lognormal sizes (σ = {self.sigma:g}) with a mean of "
+                    f"{_unit(self.file_size)}, {min(self.sizes):,} B to "
+                    f"{max(self.sizes) / 2**20:.1f} MiB")
+            return f"{self.files:,} files{where}, {size}, random content"
+        return f"{self.files:,} × {_unit(self.file_size)}{where}, random content"
 
     def relpaths(self) -> list[str]:
         if not self.dirs:
@@ -63,17 +90,23 @@ class Dataset:
     def _marker(self, scratch: Path) -> Path:
         return self.root(scratch) / "spec.json"
 
+    def _spec(self) -> dict:
+        spec = asdict(self)
+        if not self.sigma:
+            del spec["sigma"]     # as written before sizes could vary
+        return spec
+
     # -- generation ----------------------------------------------------------
 
     def is_present(self, scratch: Path) -> bool:
         try:
-            if json.loads(self._marker(scratch).read_text()) != asdict(self):
+            if json.loads(self._marker(scratch).read_text()) != self._spec():
                 return False
         except (OSError, ValueError):
             return False
         src = self.src(scratch)
         try:
-            return all((src / p).stat().st_size == self.file_size for p in self.relpaths())
+            return all((src / p).stat().st_size == n for p, n in zip(self.relpaths(), self.sizes))
         except OSError:
             return False
 
@@ -87,11 +120,11 @@ class Dataset:
         shutil.rmtree(root, ignore_errors=True)
         tmp = root / "src.tmp"
         tmp.mkdir(parents=True)
-        for rel in self.relpaths():
-            _write_random(tmp / rel, self.file_size)
+        for rel, size in zip(self.relpaths(), self.sizes):
+            _write_random(tmp / rel, size)
         tmp.rename(self.src(scratch))
         os.sync()
-        self._marker(scratch).write_text(json.dumps(asdict(self)))
+        self._marker(scratch).write_text(json.dumps(self._spec()))
         return self.src(scratch)
 
 
@@ -117,7 +150,8 @@ def verify_copy(ds: Dataset, src: Path, dst: Path) -> None:
     """Check that dst holds exactly ds's files with the right sizes, and
     compare the content of a sample (whole small files; the first, middle and
     last MiB of large ones). Raises BenchError on any difference."""
-    expected = set(ds.relpaths())
+    sizes = dict(zip(ds.relpaths(), ds.sizes))
+    expected = set(sizes)
     expected_dirs = {str(Path(p).parent) for p in expected} - {"."}
     found: dict[str, int] = {}
     for dirpath, dirnames, filenames in os.walk(dst):
@@ -130,7 +164,7 @@ def verify_copy(ds: Dataset, src: Path, dst: Path) -> None:
                 found[rel + "/"] = -1
     extra = sorted(set(found) - expected)
     missing = sorted(expected - set(found))
-    wrong = sorted(p for p in expected & set(found) if found[p] != ds.file_size)
+    wrong = sorted(p for p in expected & set(found) if found[p] != sizes[p])
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing (e.g. {missing[0]})")
@@ -141,7 +175,7 @@ def verify_copy(ds: Dataset, src: Path, dst: Path) -> None:
     if not problems:
         rng = random.Random(len(found))
         for rel in rng.sample(sorted(expected), min(SAMPLE_FILES, len(expected))):
-            if not _same_sample(src / rel, dst / rel, ds.file_size):
+            if not _same_sample(src / rel, dst / rel, sizes[rel]):
                 problems.append(f"content differs: {rel}")
                 break
     if problems:

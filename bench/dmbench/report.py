@@ -1,4 +1,5 @@
-"""RESULTS.md (tables, verdicts, command lines) and results.json (raw figures)."""
+"""RESULTS.md (figures per tool, ratios, verdicts, profiles, plots, command
+lines) and results.json (raw figures)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,19 @@ def verdict_text(row: Row, ev: dict) -> str:
 # markdown
 # --------------------------------------------------------------------------
 
-def render_markdown(meta: dict, results: list[WorkloadResult]) -> str:
+# The figures shown for every tool: (key, column heading).
+METRICS = (("seconds", "wall s"), ("mb_per_s", "MB/s"), ("files_per_s", "files/s"),
+           ("client_cpu_s_per_gb", "client CPU s/GB"), ("server_cpu_s_per_gb", "server CPU s/GB"),
+           ("client_rss_mib", "client peak RSS MiB"), ("server_rss_mib", "server peak RSS MiB"))
+
+
+def render_markdown(meta: dict, results: list[WorkloadResult],
+                    plots: list[tuple[str, str]]) -> str:
     out = [_header(meta), _summary(results)]
-    numbered = [r for r in results if r.rows]
-    for i, res in enumerate(numbered, 1):
+    for i, res in enumerate(results, 1):
         out.append(_section(i, res, meta["runs"]))
+    if plots or meta.get("plot_error"):
+        out.append(_plots(plots, meta.get("plot_error")))
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -68,11 +77,14 @@ def _header(meta: dict) -> str:
         "with other jobs, so absolute figures are noisy",
         f"- **TCP congestion control**: {meta['tcp_congestion_control']}",
         f"- **page cache**: {meta['page_cache']}",
-        f"- **peers**: {v['iperf3']}; {v['rsync']}; {v['rclone']}; {v['cp']}; {v['fio']}",
+        "- **peers**: " + "; ".join(v[k] for k in v if k != "dmover"),
         f"- **scratch directory** (data sets, destinations): `{meta['scratch']}`",
         "",
         "Each figure is the median of the runs, with the min – max spread. A ratio is "
-        "dmover's median / the peer's median. Raw per-run figures: `bench/"
+        "a median divided by dmover's median, or by the limit's (the tool named as the "
+        "limit of the workload: iperf3 for a network, fio for a disk). Peers with several "
+        "candidate settings ran each once first and the fastest was kept (listed per "
+        "section). Raw per-run figures: `bench/"
         f"{meta['json_name']}`.",
     ]
     if meta.get("setup_commands"):
@@ -85,8 +97,7 @@ def _summary(results: list[WorkloadResult]) -> str:
     lines = ["## Summary", "",
              "| # | measurement | dmover | peer | dmover / peer | target | result |",
              "|---|---|---|---|---|---|---|"]
-    numbered = [r for r in results if r.rows]
-    for i, res in enumerate(numbered, 1):
+    for i, res in enumerate(results, 1):
         if res.skipped:
             lines.append(f"| {i} | {res.title} | – | – | – | – | skipped: {res.skipped} |")
             continue
@@ -98,6 +109,11 @@ def _summary(results: list[WorkloadResult]) -> str:
             peer = f"{row.peer}: {fmt(ev['peer'].median)}" if ev["peer"] else "–"
             lines.append(f"| {i} | {res.title}: {row.measure} | {own} | {peer} | "
                          f"{fmt_ratio(ev['ratio'])} | {row.target.text} | {verdict_text(row, ev)} |")
+    slower = [(i, r) for i, r in enumerate(results, 1) if r.profile]
+    if slower:
+        lines += ["", "Where a peer moved more MB/s than dmover (a profile of dmover is in the "
+                  "section): " + "; ".join(f"{i}. {r.title} ({', '.join(r.profile['faster'])})"
+                                         for i, r in slower) + "."]
     failed = [r for r in results if r.errors]
     if failed:
         lines += ["", "Steps that failed: " + ", ".join(f"{r.title} ({len(r.errors)})"
@@ -113,24 +129,15 @@ def _section(i: int, res: WorkloadResult, runs: int) -> str:
     if res.skipped:
         lines += [f"Skipped: {res.skipped}.", ""]
         return "\n".join(lines)
-    lines += ["| measure | tool | median | min – max | peer | peer median | peer min – max "
-              "| dmover / peer | target | result |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in res.rows:
-        ev = res.evaluate(row)
-        own, peer = ev["own"], ev["peer"]
-        n = len(own.values) if own else 0
-        ratio = fmt_ratio(ev["ratio"])
-        lines.append(
-            f"| {row.measure} | {row.tool} ({n} runs) | {fmt(own.median if own else None)} "
-            f"| {fmt_spread(own)} | {row.peer or '–'} | {fmt(peer.median if peer else None)} "
-            f"| {fmt_spread(peer)} | {ratio} | {row.target.text if row.target else '–'} "
-            f"| {verdict_text(row, ev)} |")
+    lines += _figures_table(res) + _ratio_table(res) + _verdict_table(res) + _trials(res)
+    lines += _profile(res) if res.profile else []
     per_run = "; the other runs repeat run 1 with the tools in rotated order"
     if any("dst-1" in c for c in res.commands.lines("run 1")):
         per_run += " and their own run number in `dst-N`"
-    lines += ["", f"Commands (set-up, run 1 of {runs}, teardown{per_run}):", "", "```sh"]
-    for phase, title in (("setup", "set-up"), ("run 1", "each run"), ("teardown", "teardown")):
+    lines += [f"Commands (set-up with the trial runs, run 1 of {runs}, profile, teardown"
+              f"{per_run}):", "", "```sh"]
+    for phase, title in (("setup", "set-up"), ("run 1", "each run"), ("profile", "profile"),
+                         ("teardown", "teardown")):
         cmds = res.commands.lines(phase)
         if cmds:
             lines.append(f"# {title}")
@@ -154,6 +161,111 @@ def _section(i: int, res: WorkloadResult, runs: int) -> str:
     return "\n".join(lines)
 
 
+def _metrics(res: WorkloadResult) -> list[tuple[str, str]]:
+    return [(k, h) for k, h in METRICS if any(res.stat(t, k) for t in res.figures)]
+
+
+def _tool_label(res: WorkloadResult, tool: str) -> str:
+    label = f"{tool} (limit)" if tool == res.limit else tool
+    settings = res.settings.get(tool)
+    return f"{label} `{settings}`" if settings and settings not in tool else label
+
+
+def _figures_table(res: WorkloadResult) -> list[str]:
+    metrics = _metrics(res)
+    if not metrics:
+        return []
+    lines = ["| tool | runs | " + " | ".join(h for _, h in metrics) + " |",
+             "|---|---|" + "---|" * len(metrics)]
+    for tool, figs in res.figures.items():
+        cells = []
+        for key, _ in metrics:
+            st = res.stat(tool, key)
+            cells.append(f"{fmt(st.median)} ({fmt_spread(st)})" if st else "–")
+        lines.append(f"| {_tool_label(res, tool)} | {len(figs)} | " + " | ".join(cells) + " |")
+    return lines + ["", "Median (min – max) of the runs.", ""]
+
+
+def _ratio_table(res: WorkloadResult) -> list[str]:
+    metrics = _metrics(res)
+    refs = [r for r in ("dmover", res.limit) if r and res.stat(r, "seconds")]
+    if not metrics or not refs or len(res.figures) < 2:
+        return []
+    lines = ["| tool | ÷ | " + " | ".join(h for _, h in metrics) + " |",
+             "|---|---|" + "---|" * len(metrics)]
+    for tool in res.figures:
+        for ref in refs:
+            if tool == ref:
+                continue
+            cells = []
+            for key, _ in metrics:
+                own, base = res.stat(tool, key), res.stat(ref, key)
+                cells.append(f"{own.median / base.median:.2f}" if own and base and base.median
+                             else "–")
+            lines.append(f"| {tool} | {ref} | " + " | ".join(cells) + " |")
+    return lines + ["", "Ratios of medians: the tool's figure divided by dmover's, and by the "
+                    "limit's.", ""]
+
+
+def _verdict_table(res: WorkloadResult) -> list[str]:
+    if not res.rows:
+        return []
+    lines = ["| measure | tool | median | min – max | peer | peer median | peer min – max "
+             "| dmover / peer | target | result |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in res.rows:
+        ev = res.evaluate(row)
+        own, peer = ev["own"], ev["peer"]
+        n = len(own.values) if own else 0
+        lines.append(
+            f"| {row.measure} | {row.tool} ({n} runs) | {fmt(own.median if own else None)} "
+            f"| {fmt_spread(own)} | {row.peer or '–'} | {fmt(peer.median if peer else None)} "
+            f"| {fmt_spread(peer)} | {fmt_ratio(ev['ratio'])} "
+            f"| {row.target.text if row.target else '–'} | {verdict_text(row, ev)} |")
+    return lines + [""]
+
+
+def _trials(res: WorkloadResult) -> list[str]:
+    lines = []
+    for tool, trials in res.trials.items():
+        tried = "; ".join(f"`{opts}` {fmt(secs)} s" for opts, secs in trials)
+        lines.append(f"- {tool}: kept `{res.settings.get(tool)}`; tried (wall seconds of "
+                     f"one run each): {tried}")
+    return (["Settings of the tuned peers:", "", *lines, ""]) if lines else []
+
+
+def _profile(res: WorkloadResult) -> list[str]:
+    prof = res.profile
+    lines = [f"Profile of dmover (slower than {', '.join(prof['faster'])} on MB/s): one more "
+             "run of the dmover command below under `perf record -F 999 -g`, with a second "
+             "`perf record -g -p` attached to `dmover serve` (commands under *profile*)."]
+    wall = res.stat("dmover", "seconds")
+    use = [f"the {side} used {fmt(cpu.median)} s of CPU ({100 * cpu.median / wall.median:.0f} % "
+           "of one core)" for side in ("client", "server")
+           if wall and (cpu := res.stat("dmover", f"{side}_cpu_s"))]
+    if use:
+        lines[-1] += (f" In the measured runs (medians), over {fmt(wall.median)} s wall, "
+                      + " and ".join(use) + ".")
+    lines[-1] += (" A side well below 100 % of a core spent most of its time waiting (on the "
+                  "disk, the network or the other side) rather than computing.")
+    lines.append("")
+    for side, part in prof["parts"].items():
+        threads = part["threads"] if len(part["threads"]) > 1 else []
+        lines += [f"{side}: share of samples " + ("per thread, then " if threads else "") +
+                  "per function (`perf report --no-children`, ≥ 1 %):", "", "```",
+                  *threads, *([""] if threads else []), *part["functions"], "```", ""]
+    return lines
+
+
+def _plots(plots: list[tuple[str, str]], error: str | None) -> str:
+    lines = ["## Plots", ""]
+    if error:
+        lines += ["Plotting failed:", "", "```", error.strip(), "```", ""]
+    for title, path in plots:
+        lines += [f"### {title}", "", f"![{title}]({path})", ""]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------
 # json
 # --------------------------------------------------------------------------
@@ -174,7 +286,8 @@ def to_json(meta: dict, results: list[WorkloadResult]) -> str:
                 "ratio": ev["ratio"], "pass": ev["verdict"]})
         doc["workloads"].append({
             "key": res.key, "title": res.title, "description": res.description,
-            "skipped": res.skipped, "seconds": round(res.seconds, 1),
+            "skipped": res.skipped, "seconds": round(res.seconds, 1), "limit": res.limit,
+            "settings": res.settings, "trials": res.trials, "profile": res.profile,
             "rows": rows, "runs": res.figures, "errors": res.errors, "notes": res.notes,
             "commands": [{"phase": p, "command": c} for p, c in res.commands.entries]})
     return json.dumps(doc, indent=2, default=str) + "\n"

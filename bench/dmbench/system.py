@@ -8,6 +8,7 @@ report can print it.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import platform
 import shlex
@@ -15,9 +16,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 # Binaries the harness needs, and the Debian package that provides each.
 REQUIRED_BINARIES = {
@@ -29,6 +32,9 @@ REQUIRED_BINARIES = {
     "fincore": "util-linux",
     "ss": "iproute2",
     "ip": "iproute2",
+    "globus-gridftp-server": "globus-gridftp-server-progs",
+    "globus-url-copy": "globus-gass-copy-progs",
+    "perf": "linux-perf",
 }
 
 
@@ -52,13 +58,6 @@ class CommandLog:
 
     def lines(self, phase: str) -> list[str]:
         return [line for p, line in self.entries if p == phase]
-
-    def phases(self) -> list[str]:
-        seen: list[str] = []
-        for p, _ in self.entries:
-            if p not in seen:
-                seen.append(p)
-        return seen
 
 
 def _shell_line(argv: list[str], env: dict[str, str] | None) -> str:
@@ -93,11 +92,13 @@ def in_netns(netns: str | None, argv: list[str]) -> list[str]:
 
 
 def run(log: CommandLog | None, argv: list[str], *, timeout: float = 600,
-        env: dict[str, str] | None = None, cwd: str | None = None) -> Result:
+        env: dict[str, str] | None = None, cwd: str | None = None,
+        abort_if: Callable[[], bool] | None = None) -> Result:
     """Run argv to completion, timing it from spawn to exit.
 
     The child gets its own session so that, on timeout, its whole process
-    group (and nothing else) can be killed.
+    group (and nothing else) can be killed. `abort_if` is polled every
+    second; when it returns True the child is killed as on a timeout.
     """
     if log is not None:
         log.add(_shell_line(argv, env))
@@ -111,20 +112,26 @@ def run(log: CommandLog | None, argv: list[str], *, timeout: float = 600,
         return Result(argv, 127, "", f"cannot execute: {exc}", 0.0)
     timed_out = False
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc.pid)
-        out, err = proc.communicate()
+        while True:
+            try:
+                out, err = proc.communicate(timeout=1 if abort_if else timeout)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - t0 >= timeout or (abort_if and abort_if()):
+                    timed_out = True
+                    kill_group(proc.pid)
+                    out, err = proc.communicate()
+                    break
     except BaseException:          # e.g. SIGTERM to the harness: take the child along
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         proc.wait()
         raise
     seconds = time.monotonic() - t0
     return Result(argv, proc.returncode, out, err, seconds, timed_out)
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group `pid` leads (what is left of it)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -162,7 +169,7 @@ def stop(log: CommandLog | None, proc: subprocess.Popen, name: str,
     try:
         return proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         proc.wait()
         return None
 
@@ -285,13 +292,38 @@ def ensure_binaries(extra: dict[str, str] | None = None) -> None:
         apt_install(missing)
 
 
-def first_line(argv: list[str]) -> str:
+def ensure_matplotlib() -> str | None:
+    """Make matplotlib importable: python3-matplotlib, else pip for this
+    interpreter. Returns None, or why it is not importable."""
+    for install in (lambda: apt_install(["python3-matplotlib"]),
+                    lambda: run(None, [sys.executable, "-m", "pip", "install", "-q",
+                                       "matplotlib"], timeout=1200)):
+        try:
+            importlib.import_module("matplotlib")
+            return None
+        except ImportError:
+            pass
+        try:
+            install()
+        except BenchError:
+            pass
+        importlib.invalidate_caches()
+    try:
+        importlib.import_module("matplotlib")
+        return None
+    except ImportError as exc:
+        return f"{sys.executable} cannot import matplotlib ({exc}) after installing it"
+
+
+def first_line(argv: list[str], ok_codes: tuple[int, ...] = (0,)) -> str:
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return "unavailable"
     text = (res.stdout or res.stderr).strip()
-    return " ".join(text.splitlines()[0].split()) if text and res.returncode == 0 else "unavailable"
+    if not text or res.returncode not in ok_codes:
+        return "unavailable"
+    return " ".join(text.splitlines()[0].split())
 
 
 def _meminfo_kib(key: str) -> int:
@@ -340,6 +372,9 @@ def machine_info(repo: Path, dmover: Path) -> dict:
             "rclone": first_line(["rclone", "version"]),
             "cp": first_line(["cp", "--version"]),
             "fio": first_line(["fio", "--version"]),
+            "globus-url-copy": first_line(["globus-url-copy", "-version"], ok_codes=(0, 1)),
+            "globus-gridftp-server": first_line(["globus-gridftp-server", "-version"]),
+            "perf": first_line(["perf", "--version"]),
         },
     }
 

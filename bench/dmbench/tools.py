@@ -1,20 +1,23 @@
-"""The programs under test: dmover (server, cp, bench) and its peers
-(iperf3, rsync, rclone, cp, fio). Each tool returns a dict of figures per run.
+"""The programs under test: dmover (`cp`, `bench`) and its peers
+(globus-url-copy, rsync, rclone, cp, iperf3, fio). Each tool returns a dict
+of figures per run: wall seconds, MB/s, files/s, CPU seconds per GB of
+client and server, peak RSS of both, and (on an emulated link) the
+throughput over time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import time
 from pathlib import Path
 
+from . import profile
 from .core import Context, Tool
 from .datasets import Dataset, verify_copy
-from .system import (BenchError, Result, drop_caches, free_port, in_netns, log_tail,
-                     remove_tree, run, start, stop, wait_listening)
+from .servers import DmoverServer, GridftpServer, Iperf3Server, RsyncDaemon, Server
+from .system import BenchError, Result, drop_caches, in_netns, remove_tree, run
+from .usage import Sampler, ServerUsage, read_timed, timed
 
 MB = 1e6
 MIB = 1 << 20
@@ -43,77 +46,66 @@ def parse_json_report(res: Result) -> dict:
                      f"stdout was:\n{text[-2000:] or '(empty)'}\nstderr:\n{res.tail()}")
 
 
-# --------------------------------------------------------------------------
-# dmover server
-# --------------------------------------------------------------------------
+def rates(fig: dict, nbytes: int, seconds: float, files: int | None = None) -> dict:
+    """Add the derived figures: MB/s, files/s and CPU seconds per GB."""
+    gb = nbytes / 1e9
+    fig.update(bytes=nbytes, seconds=seconds, mb_per_s=nbytes / MB / seconds)
+    if files:
+        fig.update(files=files, files_per_s=files / seconds)
+    for side in ("client", "server"):
+        if fig.get(f"{side}_cpu_s") is not None and gb:
+            fig[f"{side}_cpu_s_per_gb"] = fig[f"{side}_cpu_s"] / gb
+    return fig
 
-class DmoverServer:
-    """`dmover serve` with one export, started and stopped by the harness."""
 
-    EXPORT = "bench"
+class MeasuredTool(Tool):
+    """A tool whose client command runs under /usr/bin/time, with the CPU
+    and memory of its server (if any) and the link's receive counter (if
+    any) read around it."""
 
-    def __init__(self, ctx: Context, export_dir: Path, host: str = "127.0.0.1",
-                 netns: str | None = None, label: str = "dmover serve"):
-        self.ctx, self.export_dir, self.host, self.netns = ctx, export_dir, host, netns
-        self.label = label
-        self.port = free_port()
-        self.log_path = ctx.work / "logs" / f"serve-{self.port}.log"
-        self.proc = None
+    server: Server | None = None
+    netns: str | None = None     # the client's network namespace
+    link = None                  # wanem.WanLink: sample its receive counter
 
-    def url(self, path: str = "") -> str:
-        return f"dmover://{self.host}:{self.port}/{self.EXPORT}" + (f"/{path}" if path else "")
-
-    def __enter__(self) -> "DmoverServer":
-        token = self.ctx.token()
-        remove_tree(None, self.export_dir)
-        self.export_dir.mkdir(parents=True)
-        argv = in_netns(self.netns, [
-            str(self.ctx.dmover), "serve", "--listen", f"{self.host}:{self.port}",
-            "--export", f"{self.EXPORT}={self.export_dir}", "--token-file", str(token)])
-        self.proc = start(self.ctx.log, argv, self.log_path)
-        try:
-            wait_listening(self.port, self.proc, self.label, self.log_path, self.netns)
-        except BaseException:
-            stop(None, self.proc, self.label, grace=5)
-            raise
-        return self
-
-    def peak_rss_mib(self) -> float:
-        """VmHWM of the server process (the peak of its resident set)."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        match = re.search(r"^VmHWM:\s+(\d+)\s+kB", status, re.M)
-        if not match:
-            raise BenchError(f"no VmHWM in /proc/{self.proc.pid}/status")
-        return int(match.group(1)) / 1024
-
-    def __exit__(self, *exc) -> None:
-        rc = stop(self.ctx.log, self.proc, self.label)
-        if rc != 0:
-            what = "did not exit within 40 s of SIGTERM" if rc is None else \
-                f"exited with code {rc} after SIGTERM (expected 0)"
-            self.ctx.note(f"`dmover serve` {what}; last log lines:\n{log_tail(self.log_path)}")
-        remove_tree(None, self.export_dir)
+    def execute(self, ctx: Context, argv: list[str]) -> tuple[Result, dict]:
+        time_file = ctx.work / "logs" / "time.txt"
+        argv = timed(profile.wrap_client(ctx, in_netns(self.netns, argv)), time_file)
+        spid = self.server.pid if self.server else None
+        usage = ServerUsage(spid) if spid else None
+        anchor, iface = (self.link.anchor_pid, self.link.iface) if self.link else (None, None)
+        with profile.attach_server(ctx, spid), Sampler(spid, anchor, iface) as sampler:
+            res = run(ctx.log, argv, timeout=ctx.timeout,
+                      abort_if=self.link.down if self.link else None)
+        if self.link:
+            self.link.check()
+        _check(res)
+        fig = read_timed(time_file)
+        if usage:
+            fig.update(usage.finish(sampler.peak_rss_kib))
+        if self.link:
+            fig["timeline"] = sampler.timeline()
+        return res, fig
 
 
 # --------------------------------------------------------------------------
-# memory to memory
+# memory to memory and the network limit
 # --------------------------------------------------------------------------
 
-class DmoverBench(Tool):
+class DmoverBench(MeasuredTool):
     """`dmover bench`: memory to memory through a dmover server."""
 
     def __init__(self, size: str, streams: int, name: str = "dmover"):
         self.size, self.streams, self.name = size, streams, name
-        self.server: DmoverServer | None = None
+        self.options = ("--streams", str(streams))
 
     def session(self, ctx: Context) -> DmoverServer:
         self.server = DmoverServer(ctx, ctx.work / "export-bench")
         return self.server
 
     def measure(self, ctx: Context, run_no: int) -> dict:
-        argv = [str(ctx.dmover), "bench", "--streams", str(self.streams), "--size", self.size,
+        argv = [str(ctx.dmover), "bench", *self.options, "--size", self.size,
                 "--json", "--token-file", str(ctx.token()), self.server.url()]
-        res = _check(run(ctx.log, argv, timeout=ctx.timeout))
+        res, fig = self.execute(ctx, argv)
         rep = parse_json_report(res)
         try:
             nbytes, seconds = int(rep["bytes"]), float(rep["seconds"])
@@ -122,8 +114,9 @@ class DmoverBench(Tool):
         if nbytes <= 0 or seconds <= 0:
             raise BenchError(f"dmover bench reported no transfer: {res.stdout.strip()}")
         _check_reported_rate(ctx, rep.get("mb_per_s"), nbytes, seconds)
-        return {"gbit_per_s": nbytes * 8 / seconds / 1e9, "bytes": nbytes, "seconds": seconds,
-                "reported_mb_per_s": rep.get("mb_per_s"), "wall_seconds": res.seconds}
+        rates(fig, nbytes, res.seconds)
+        fig.update(gbit_per_s=nbytes * 8 / res.seconds / 1e9, reported_seconds=seconds)
+        return fig
 
 
 def _check_reported_rate(ctx: Context, reported, nbytes: int, seconds: float) -> None:
@@ -141,81 +134,84 @@ def _check_reported_rate(ctx: Context, reported, nbytes: int, seconds: float) ->
              f"i.e. in {unit}, not 10^6 bytes/s ({mb:.1f}); the tables use bytes / seconds")
 
 
-class Iperf3(Tool):
+class GridftpMemory(MeasuredTool):
+    """globus-url-copy from /dev/zero (client) to /dev/null on a GridFTP
+    server: memory to memory, `-len` bytes."""
+
+    name = "globus-url-copy"
+    candidates = (("-fast", "-p", "1"), ("-fast", "-p", "4"), ("-fast", "-p", "8"))
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.options = self.candidates[1]
+
+    def session(self, ctx: Context) -> GridftpServer:
+        self.server = GridftpServer(ctx)
+        return self.server
+
+    def measure(self, ctx: Context, run_no: int) -> dict:
+        argv = ["globus-url-copy", *self.options, "-len", str(self.nbytes),
+                "file:///dev/zero", self.server.url("/dev/null")]
+        res, fig = self.execute(ctx, argv)
+        rates(fig, self.nbytes, res.seconds)
+        fig["gbit_per_s"] = self.nbytes * 8 / res.seconds / 1e9
+        return fig
+
+
+class Iperf3(MeasuredTool):
     """iperf3 client against an iperf3 server it starts (optionally in netns)."""
 
     def __init__(self, streams: int, seconds: int, host: str = "127.0.0.1",
                  server_netns: str | None = None, client_netns: str | None = None,
-                 link_mbit: float | None = None, name: str = "iperf3"):
-        self.streams, self.seconds, self.host = streams, seconds, host
-        self.server_netns, self.client_netns = server_netns, client_netns
-        self.link_mbit, self.name = link_mbit, name
-        self.port = free_port()
-        self.proc = None
+                 link=None, name: str = "iperf3"):
+        self.seconds, self.host, self.name = seconds, host, name
+        self.server_netns, self.netns, self.link = server_netns, client_netns, link
+        self.options = ("-P", str(streams))
 
-    def session(self, ctx: Context):
-        log_path = ctx.work / "logs" / f"iperf3-{self.port}.log"
-        argv = in_netns(self.server_netns, ["iperf3", "-s", "-p", str(self.port)])
-        self.proc = start(ctx.log, argv, log_path)
-        try:
-            wait_listening(self.port, self.proc, "iperf3 -s", log_path, self.server_netns)
-        except BaseException:
-            stop(None, self.proc, "iperf3 -s", grace=5)
-            raise
-        return _Closer(lambda: stop(ctx.log, self.proc, "iperf3 -s", grace=10))
+    def session(self, ctx: Context) -> Iperf3Server:
+        self.server = Iperf3Server(ctx, host=self.host, netns=self.server_netns)
+        return self.server
 
     def measure(self, ctx: Context, run_no: int) -> dict:
-        argv = in_netns(self.client_netns, [
-            "iperf3", "-c", self.host, "-p", str(self.port), "-P", str(self.streams),
-            "-t", str(self.seconds), "-J"])
-        res = _check(run(ctx.log, argv, timeout=self.seconds + 60))
+        argv = ["iperf3", "-c", self.host, "-p", str(self.server.port), *self.options,
+                "-t", str(self.seconds), "-J"]
+        res, fig = self.execute(ctx, argv)
         rep = parse_json_report(res)
         try:
-            bps = float(rep["end"]["sum_received"]["bits_per_second"])
+            end = rep["end"]["sum_received"]
+            nbytes, seconds = int(end["bytes"]), float(end["seconds"])
         except (KeyError, TypeError, ValueError):
             raise BenchError(f"iperf3 JSON has no end.sum_received: {rep.get('error', '')}")
-        fig = {"gbit_per_s": bps / 1e9, "mbit_per_s": bps / 1e6,
-               "retransmits": rep["end"].get("sum_sent", {}).get("retransmits")}
-        if self.link_mbit:
-            fig["goodput_pct"] = 100 * bps / 1e6 / self.link_mbit
+        rates(fig, nbytes, seconds)
+        fig.update(gbit_per_s=nbytes * 8 / seconds / 1e9,
+                   retransmits=rep["end"].get("sum_sent", {}).get("retransmits"))
         return fig
-
-
-class _Closer:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.fn()
 
 
 # --------------------------------------------------------------------------
 # copies
 # --------------------------------------------------------------------------
 
-class CopyTool(Tool):
+class CopyTool(MeasuredTool):
     """Copies a data set's src/ into a fresh destination and times it.
 
     Before each run the destination is removed and the page cache dropped;
     afterwards the copy is checked against the source and removed again.
-    Figures: wall seconds from spawn to exit, files/s, MB/s (10^6 B), and the
-    same rate including a `sync` after the command (write-back not counted
-    in `seconds`)."""
+    `seconds` is the wall time from spawn to exit; `mb_per_s_with_sync`
+    adds a `sync` after the command (write-back not counted in `seconds`)."""
 
-    def __init__(self, dataset: Dataset, link_mbit: float | None = None):
-        self.dataset, self.link_mbit = dataset, link_mbit
+    def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), name: str = ""):
+        self.dataset, self.options = dataset, options or self.options
+        self.name = name or self.name
+
+    def slug(self) -> str:
+        return self.name.replace(" ", "_").replace("/", "_")
 
     def dest(self, ctx: Context, run_no: int) -> Path:
-        return ctx.work / "out" / self.name.replace(" ", "_") / f"dst-{run_no}"
+        return ctx.work / "out" / self.slug() / f"dst-{run_no}"
 
     def command(self, ctx: Context, src: Path, dest: Path, run_no: int) -> list[str]:
         raise NotImplementedError
-
-    def wrap(self, ctx: Context, argv: list[str], run_no: int) -> list[str]:
-        return argv
 
     def parse(self, ctx: Context, res: Result) -> dict:
         return {}
@@ -227,37 +223,19 @@ class CopyTool(Tool):
         dest.parent.mkdir(parents=True, exist_ok=True)
         if ctx.cold_cache:
             drop_caches(ctx.log)
-        argv = self.wrap(ctx, self.command(ctx, src, dest, run_no), run_no)
-        res = _check(run(ctx.log, argv, timeout=ctx.timeout))
+        res, fig = self.execute(ctx, self.command(ctx, src, dest, run_no))
         t0 = time.monotonic()
         os.sync()
         sync_s = time.monotonic() - t0
-        fig = {"seconds": res.seconds, "files": ds.files, "bytes": ds.total_bytes,
-               "files_per_s": ds.files / res.seconds,
-               "mb_per_s": ds.total_bytes / MB / res.seconds,
-               "sync_seconds": sync_s,
-               "mb_per_s_with_sync": ds.total_bytes / MB / (res.seconds + sync_s)}
-        if self.link_mbit:
-            fig["goodput_mbit"] = ds.total_bytes * 8 / 1e6 / res.seconds
-            fig["goodput_pct"] = 100 * fig["goodput_mbit"] / self.link_mbit
+        rates(fig, ds.total_bytes, res.seconds, ds.files)
+        fig.update(sync_seconds=sync_s,
+                   mb_per_s_with_sync=ds.total_bytes / MB / (res.seconds + sync_s))
+        if self.link:
+            fig["goodput_pct"] = 100 * ds.total_bytes * 8 / 1e6 / res.seconds / self.link.rate_mbit
         fig.update(self.parse(ctx, res))
         verify_copy(ds, src, dest)
         remove_tree(None, dest)
         return fig
-
-
-class Rsync(CopyTool):
-    name = "rsync"
-
-    def command(self, ctx, src, dest, run_no):
-        return ["rsync", "-a", f"{src}/", f"{dest}/"]
-
-
-class Rclone(CopyTool):
-    name = "rclone"
-
-    def command(self, ctx, src, dest, run_no):
-        return ["rclone", "copy", "--transfers", "8", str(src), str(dest)]
 
 
 class Cp(CopyTool):
@@ -267,33 +245,90 @@ class Cp(CopyTool):
         return ["cp", "-r", str(src), str(dest)]
 
 
-class DmoverCopy(CopyTool):
-    """`dmover cp` into a dmover server (loopback, or across a netns link)."""
+class Rclone(CopyTool):
+    name = "rclone"
+    candidates = (("--transfers", "4"), ("--transfers", "8"), ("--transfers", "16"))
+    options = candidates[1]
+
+    def command(self, ctx, src, dest, run_no):
+        return ["rclone", "copy", *self.options, str(src), str(dest)]
+
+
+class Rsync(CopyTool):
+    """`rsync -a` locally, or into an rsync daemon (in a namespace)."""
+
+    name = "rsync"
+
+    def __init__(self, dataset: Dataset, *, daemon_host: str | None = None,
+                 server_netns: str | None = None, client_netns: str | None = None, link=None):
+        super().__init__(dataset)
+        self.host, self.server_netns, self.netns, self.link = \
+            daemon_host, server_netns, client_netns, link
+
+    def session(self, ctx):
+        if not self.host:
+            return super().session(ctx)
+        self.server = RsyncDaemon(ctx, self.dest(ctx, 0).parent, host=self.host,
+                                  netns=self.server_netns)
+        return self.server
+
+    def command(self, ctx, src, dest, run_no):
+        target = self.server.url(dest.name) if self.server else str(dest)
+        return ["rsync", "-a", f"{src}/", f"{target}/"]
+
+
+class GlobusUrlCopy(CopyTool):
+    """globus-url-copy of the tree (`-r -cd`) to a GridFTP server."""
+
+    name = "globus-url-copy"
+    candidates = (("-fast", "-p", "4"), ("-fast", "-cc", "4", "-pp"),
+                  ("-fast", "-cc", "8", "-pp"), ("-fast", "-p", "4", "-cc", "4", "-pp"))
+    options = candidates[2]
 
     def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), *,
                  host: str = "127.0.0.1", server_netns: str | None = None,
-                 client_netns: str | None = None, link_mbit: float | None = None,
-                 name: str = "dmover"):
-        super().__init__(dataset, link_mbit)
-        self.options, self.host, self.name = options, host, name
-        self.server_netns, self.client_netns = server_netns, client_netns
-        self.server: DmoverServer | None = None
+                 client_netns: str | None = None, link=None, name: str = ""):
+        super().__init__(dataset, options, name)
+        self.host, self.server_netns, self.netns, self.link = \
+            host, server_netns, client_netns, link
+        if options:
+            self.candidates = ()
 
-    def new_server(self, ctx: Context) -> DmoverServer:
-        export = ctx.work / f"export-{self.name.replace(' ', '_')}"
-        return DmoverServer(ctx, export, host=self.host, netns=self.server_netns)
+    def session(self, ctx):
+        out = self.dest(ctx, 0).parent
+        out.mkdir(parents=True, exist_ok=True)
+        out.chmod(0o777)      # the server's per-connection process runs as nobody
+        self.server = GridftpServer(ctx, host=self.host, netns=self.server_netns)
+        return self.server
 
-    def session(self, ctx: Context):
-        self.server = self.new_server(ctx)
+    def command(self, ctx, src, dest, run_no):
+        return ["globus-url-copy", "-r", "-cd", *self.options, f"file://{src}/",
+                self.server.url(f"{dest}/")]
+
+
+class DmoverCopy(CopyTool):
+    """`dmover cp` into a dmover server (loopback, or across a netns link)."""
+
+    name = "dmover"
+
+    def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), *,
+                 host: str = "127.0.0.1", server_netns: str | None = None,
+                 client_netns: str | None = None, link=None, name: str = ""):
+        super().__init__(dataset, options, name)
+        self.host, self.server_netns, self.netns, self.link = \
+            host, server_netns, client_netns, link
+
+    def session(self, ctx: Context) -> DmoverServer:
+        self.server = DmoverServer(ctx, ctx.work / f"export-{self.slug()}", host=self.host,
+                                   netns=self.server_netns)
         return self.server
 
     def dest(self, ctx, run_no):
         return self.server.export_dir / f"dst-{run_no}"
 
     def command(self, ctx, src, dest, run_no):
-        return in_netns(self.client_netns, [
-            str(ctx.dmover), "cp", "--json", *self.options, "--token-file", str(ctx.token()),
-            f"{src}/", self.server.url(f"dst-{run_no}/")])
+        return [str(ctx.dmover), "cp", "--json", *self.options, "--token-file",
+                str(ctx.token()), f"{src}/", self.server.url(f"dst-{run_no}/")]
 
     def parse(self, ctx, res):
         rep = parse_json_report(res)
@@ -325,51 +360,37 @@ def check_cp_report(rep: dict, ds: Dataset, res: Result) -> None:
                          f"{'; '.join(problems)}\nreport: {res.stdout.strip()[:1500]}")
 
 
-class DmoverPeakRss(DmoverCopy):
-    """`dmover cp` under /usr/bin/time -v into a fresh server per run; adds
-    the client's maximum RSS and the server's VmHWM (read before SIGTERM)."""
-
-    def session(self, ctx):
-        return contextlib.nullcontext()
-
-    def wrap(self, ctx, argv, run_no):
-        self.time_file = ctx.work / "logs" / f"time-v-{run_no}.txt"
-        return ["/usr/bin/time", "-v", "-o", str(self.time_file), *argv]
-
-    def measure(self, ctx, run_no):
-        with self.new_server(ctx) as self.server:
-            fig = super().measure(ctx, run_no)
-            fig["server_rss_mib"] = self.server.peak_rss_mib()
-        text = self.time_file.read_text()
-        match = re.search(r"Maximum resident set size \(kbytes\):\s*(\d+)", text)
-        if not match:
-            raise BenchError(f"no maximum RSS in the output of /usr/bin/time -v:\n{text}")
-        fig["client_rss_mib"] = int(match.group(1)) / 1024
-        return fig
-
-
 # --------------------------------------------------------------------------
-# disk baseline
+# disk limit
 # --------------------------------------------------------------------------
 
-class Fio(Tool):
-    """fio sequential write then read with direct I/O: what the disk can do."""
+class Fio(MeasuredTool):
+    """fio sequential write then read with direct I/O: what the disk can do.
+    Its MB/s is the lower of the two rates (a copy both reads and writes)."""
 
     name = "fio"
 
     def __init__(self, size: str):
         self.size = size
+        self.options = ("--bs=1M", f"--size={size}", "--direct=1", "--ioengine=psync")
 
-    def _job(self, ctx: Context, rw: str) -> float:
+    def _job(self, ctx: Context, rw: str) -> tuple[dict, dict]:
         argv = ["fio", "--name=seq" + rw, f"--filename={ctx.work / 'fio.dat'}", f"--rw={rw}",
-                "--bs=1M", f"--size={self.size}", "--direct=1", "--ioengine=psync",
-                "--output-format=json"]
-        rep = parse_json_report(_check(run(ctx.log, argv, timeout=ctx.timeout)))
-        return rep["jobs"][0][rw]["bw_bytes"] / MB
+                *self.options, "--output-format=json"]
+        res, fig = self.execute(ctx, argv)
+        job = parse_json_report(res)["jobs"][0][rw]
+        return job, fig
 
     def measure(self, ctx: Context, run_no: int) -> dict:
         try:
-            return {"write_mb_per_s": self._job(ctx, "write"),
-                    "read_mb_per_s": self._job(ctx, "read")}
+            wjob, wfig = self._job(ctx, "write")
+            rjob, rfig = self._job(ctx, "read")
         finally:
             (ctx.work / "fio.dat").unlink(missing_ok=True)
+        fig = {"write_mb_per_s": wjob["bw_bytes"] / MB, "read_mb_per_s": rjob["bw_bytes"] / MB,
+               "client_cpu_s": wfig["client_cpu_s"] + rfig["client_cpu_s"],
+               "client_rss_mib": max(wfig["client_rss_mib"], rfig["client_rss_mib"])}
+        nbytes = wjob["io_bytes"] + rjob["io_bytes"]
+        # seconds: of the slower direction at its own rate, so MB/s = min(read, write)
+        slower = min(fig["write_mb_per_s"], fig["read_mb_per_s"])
+        return rates(fig, nbytes // 2, nbytes // 2 / MB / slower)

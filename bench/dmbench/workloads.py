@@ -1,163 +1,247 @@
 """The workloads of the suite, in report order. Add new ones to WORKLOADS.
 
 Each workload has a full size and a --quick size (a smoke test of the
-harness: same steps, much less data, verdicts only indicative).
+harness: same steps, much less data, verdicts only indicative). The data
+sets are the DMOVER paper's scaled to a 2-core machine: many small files,
+medium files, a few large files, and an HSM-like session of 378 files with
+spread sizes.
 """
 
 from __future__ import annotations
 
 from .core import Context, Row, Target, Workload
 from .datasets import Dataset
-from .tools import Cp, DmoverBench, DmoverCopy, DmoverPeakRss, Fio, Iperf3, Rclone, Rsync
-from .wanem import WanLink
+from .tools import (Cp, DmoverBench, DmoverCopy, Fio, GlobusUrlCopy, GridftpMemory, Iperf3,
+                    Rclone, Rsync)
+from .wanem import LINK_DOWN, WanLink
+
+STREAMS = (1, 2, 4, 8, 16)
 
 
 def pick(ctx: Context, full, quick):
     return quick if ctx.quick else full
 
 
-class DiskBaseline(Workload):
-    key = "disk"
-    title = "Disk baseline (fio, reference only)"
+def small(ctx):
+    return pick(ctx, Dataset(5000, 64 << 10, 20), Dataset(500, 64 << 10, 20))
 
-    def size(self, ctx):
-        return pick(ctx, "1G", "64M")
 
-    def describe(self, ctx):
-        return (f"Sequential write then read of a file of `--size={self.size(ctx)}` in the scratch "
-                "directory, 1 MiB blocks, direct I/O. No target: it shows what the disk "
-                "under the disk-to-disk workloads can do.")
+def medium(ctx):
+    return pick(ctx, Dataset(300, 4 << 20), Dataset(16, 4 << 20))
 
-    def tools(self, ctx):
-        return [Fio(self.size(ctx))]
 
-    def rows(self, ctx):
-        return [Row("sequential write (MB/s)", "fio", "write_mb_per_s"),
-                Row("sequential read (MB/s)", "fio", "read_mb_per_s")]
+def large(ctx):
+    return pick(ctx, Dataset(4, 512 << 20), Dataset(4, 32 << 20))
+
+
+def hsm(ctx):
+    return pick(ctx, Dataset(378, 2 << 20, sigma=1.0), Dataset(40, 1 << 20, sigma=1.0))
+
+
+MEASURES = ("Wall seconds from spawn to exit; MB/s = 10^6 bytes / wall seconds; CPU = user + "
+            "sys seconds of the client (/usr/bin/time) and of the server process with its "
+            "reaped children (/proc/PID/stat), per 10^9 bytes moved; peak RSS of the client "
+            "(/usr/bin/time) and of the server (VmHWM reset before each run, and the "
+            "summed RSS of its process tree sampled every 100 ms).")
 
 
 class MemToMem(Workload):
     key = "mem2mem"
     title = "Memory to memory over loopback"
+    limit = "iperf3"
     STREAMS = 4
 
     def params(self, ctx):
-        return pick(ctx, ("4G", 10), ("512M", 2))
+        return pick(ctx, (4 << 30, 10), (512 << 20, 2))
 
     def describe(self, ctx):
-        size, secs = self.params(ctx)
-        return (f"`dmover bench --size {size}` sends data generated in memory over "
-                f"{self.STREAMS} streams "
-                f"to a `dmover serve` on 127.0.0.1 (rate from its JSON report: bytes / "
-                f"seconds); iperf3 runs {self.STREAMS} streams for {secs} s "
-                "(end.sum_received). Gbit/s = 10^9 bit/s.")
+        nbytes, secs = self.params(ctx)
+        return (f"`dmover bench --size {nbytes}` sends data generated in memory over "
+                f"{self.STREAMS} streams to a `dmover serve` on 127.0.0.1, which checks and "
+                f"discards it; globus-url-copy sends `-len {nbytes}` bytes of /dev/zero to "
+                "/dev/null on a GridFTP server on 127.0.0.1; iperf3 (the limit) runs "
+                f"{self.STREAMS} streams for {secs} s (its own end.sum_received). "
+                "Gbit/s = 10^9 bit/s over the wall seconds of the command. " + MEASURES)
 
     def tools(self, ctx):
-        size, secs = self.params(ctx)
-        return [DmoverBench(size, self.STREAMS),
-                Iperf3(self.STREAMS, secs, name=f"iperf3 -P {self.STREAMS}")]
+        nbytes, secs = self.params(ctx)
+        return [DmoverBench(str(nbytes), self.STREAMS), GridftpMemory(nbytes),
+                Iperf3(self.STREAMS, secs)]
 
     def rows(self, ctx):
-        return [Row("throughput (Gbit/s)", "dmover", "gbit_per_s", f"iperf3 -P {self.STREAMS}",
-                    Target(">=", 0.90, "≥ 90 % of iperf3"))]
+        return [Row("throughput (Gbit/s)", "dmover", "gbit_per_s", "iperf3",
+                    Target(">=", 0.90, "≥ 90 % of iperf3")),
+                Row("throughput (Gbit/s)", "dmover", "gbit_per_s", "globus-url-copy")]
 
 
-class SmallFiles(Workload):
-    key = "small-files"
+class DiskCopy(Workload):
+    """Disk to disk over loopback: dmover and every peer on one data set,
+    fio's sequential rate as the limit."""
+
+    limit = "fio"
+    targets: dict[str, tuple[str, Target]] = {}
+
+    def dataset(self, ctx) -> Dataset:
+        raise NotImplementedError
+
+    def describe(self, ctx):
+        return (f"{self.dataset(ctx).describe()}. dmover copies to a `dmover serve` and "
+                "globus-url-copy to a GridFTP server, both on 127.0.0.1; rsync, rclone and "
+                "cp copy locally. The limit is fio's sequential rate with direct I/O (the "
+                "lower of write and read, 1 MiB blocks). Destination removed and page cache "
+                "dropped before every run; every copy is checked afterwards. " + MEASURES)
+
+    def datasets(self, ctx):
+        return [self.dataset(ctx)]
+
+    def tools(self, ctx):
+        ds = self.dataset(ctx)
+        return [DmoverCopy(ds), GlobusUrlCopy(ds), Rsync(ds), Rclone(ds), Cp(ds),
+                Fio(pick(ctx, "1G", "64M"))]
+
+    def rows(self, ctx):
+        rows = []
+        for peer in ("globus-url-copy", "rsync", "rclone", "cp -r"):
+            key, target = self.targets.get(peer, ("mb_per_s", None))
+            measure = "files/s" if key == "files_per_s" else "MB/s"
+            rows.append(Row(measure, "dmover", key, peer, target))
+        return rows
+
+
+class SmallFiles(DiskCopy):
+    key = "small"
     title = "Small files, disk to disk over loopback"
+    beat = Target(">", 1.0, "more files/s than the peer")
+    targets = {"rsync": ("files_per_s", beat), "rclone": ("files_per_s", beat),
+               "globus-url-copy": ("files_per_s", None)}
 
     def dataset(self, ctx):
-        return pick(ctx, Dataset(5000, 64 << 10, 20), Dataset(500, 64 << 10, 20))
-
-    def describe(self, ctx):
-        return (f"{self.dataset(ctx).describe()}. dmover copies to a `dmover serve` on "
-                "127.0.0.1; rsync and rclone copy locally. files/s = files / wall seconds "
-                "of the command (spawn to exit). Destination removed and page cache dropped "
-                "before every run; every copy is checked afterwards.")
-
-    def datasets(self, ctx):
-        return [self.dataset(ctx)]
-
-    def tools(self, ctx):
-        ds = self.dataset(ctx)
-        return [DmoverCopy(ds), Rsync(ds), Rclone(ds)]
-
-    def rows(self, ctx):
-        beat = Target(">", 1.0, "more files/s than the peer")
-        return [Row("files/s", "dmover", "files_per_s", "rsync", beat),
-                Row("files/s", "dmover", "files_per_s", "rclone", beat)]
+        return small(ctx)
 
 
-class LargeFiles(Workload):
-    key = "large-files"
+class MediumFiles(DiskCopy):
+    key = "medium"
+    title = "Medium files, disk to disk over loopback"
+
+    def dataset(self, ctx):
+        return medium(ctx)
+
+
+class LargeFiles(DiskCopy):
+    key = "large"
     title = "Large files, disk to disk over loopback"
+    targets = {"cp -r": ("mb_per_s", Target(">=", 0.75, "≥ 75 % of cp"))}
 
     def dataset(self, ctx):
-        return pick(ctx, Dataset(4, 512 << 20), Dataset(4, 32 << 20))
-
-    def describe(self, ctx):
-        return (f"{self.dataset(ctx).describe()}. dmover copies to a `dmover serve` on "
-                "127.0.0.1; `cp -r` copies locally. MB/s = 10^6 bytes / wall seconds of the "
-                "command; page cache dropped before every run. The second row adds the time "
-                "of a `sync` after the command (write-back of dirty pages).")
-
-    def datasets(self, ctx):
-        return [self.dataset(ctx)]
-
-    def tools(self, ctx):
-        ds = self.dataset(ctx)
-        return [DmoverCopy(ds), Cp(ds)]
+        return large(ctx)
 
     def rows(self, ctx):
-        return [Row("MB/s", "dmover", "mb_per_s", "cp -r", Target(">=", 0.75, "≥ 75 % of cp")),
-                Row("MB/s including final sync", "dmover", "mb_per_s_with_sync", "cp -r")]
+        # write-back of dirty pages after the command exits is not in `seconds`
+        return super().rows(ctx) + [Row("MB/s including a final sync", "dmover",
+                                        "mb_per_s_with_sync", "cp -r")]
+
+
+class HsmFiles(DiskCopy):
+    key = "hsm"
+    title = "HSM session (spread sizes), disk to disk over loopback"
+
+    def dataset(self, ctx):
+        return hsm(ctx)
 
 
 class Wan(Workload):
-    key = "wan"
-    title = "WAN: 25 ms one-way delay, 100 Mbit/s (wanem)"
-    NS_A, NS_B, SUBNET = "dmbA", "dmbB", 7
-    DELAY_MS, RATE_MBIT = 25, 100
+    """An emulated link between namespaces dmbA (clients) and dmbB (servers)."""
 
-    def dataset(self, ctx):
-        return pick(ctx, Dataset(2000, 64 << 10, 20), Dataset(200, 64 << 10, 20))
+    limit = "iperf3"
+    NS_A, NS_B, SUBNET = "dmbA", "dmbB", 7
+    delay_ms = rate_mbit = queue_pkts = 0
+    loss = 0.0
+    target: Target | None = None
+
+    def dataset(self, ctx) -> Dataset:
+        raise NotImplementedError
 
     def iperf_seconds(self, ctx):
         return pick(ctx, 10, 3)
 
     def describe(self, ctx):
-        return (f"Emulated link between namespaces {self.NS_A} (client) and {self.NS_B} "
-                f"(server): {self.DELAY_MS} ms each way (RTT {2 * self.DELAY_MS} ms), "
-                f"{self.RATE_MBIT} Mbit/s each way, 100-packet queue. "
-                f"`dmover cp` with default settings copies {self.dataset(ctx).describe()}. "
-                "Goodput = payload bytes / wall seconds from the start of `dmover cp` to its "
-                "exit (after verification), as % of the link rate. iperf3 "
-                f"(1 stream, {self.iperf_seconds(ctx)} s) through the same link for reference; "
-                "TCP payload can reach at most 1448/1500 = 96.5 % of the IP rate.")
+        loss = f", {self.loss * 100:g} % random loss each way" if self.loss else ""
+        return (f"Emulated link (wanem) between namespaces {self.NS_A} (clients) and "
+                f"{self.NS_B} (servers): {self.delay_ms} ms each way (RTT "
+                f"{2 * self.delay_ms} ms), {self.rate_mbit} Mbit/s each way, "
+                f"{self.queue_pkts}-packet queue{loss}. Each tool copies "
+                f"{self.dataset(ctx).describe()} from {self.NS_A} to {self.NS_B}: dmover to a "
+                "`dmover serve`, globus-url-copy to a GridFTP server, rsync to an `rsync "
+                "--daemon`, all in " + self.NS_B + "; the page cache is dropped and the "
+                "destination removed before each run. The limit is iperf3 with 4 streams "
+                f"for {self.iperf_seconds(ctx)} s. Goodput = payload bytes / wall seconds, as % "
+                "of the link rate; TCP payload reaches at most 1448/1500 = 96.5 % of it. The "
+                "throughput plot samples the receive counter of the TUN device in " +
+                self.NS_B + " every 100 ms. " + MEASURES)
 
     def skip_reason(self, ctx):
-        if ctx.wanem_dir is None:
-            return "shared/tools/wanem not found"
-        return None
+        return None if ctx.wanem_dir else "shared/tools/wanem not found"
 
     def environment(self, ctx):
-        return WanLink(ctx, ctx.wanem_dir, ns_a=self.NS_A, ns_b=self.NS_B, subnet=self.SUBNET,
-                       delay_ms=self.DELAY_MS, rate_mbit=self.RATE_MBIT,
-                       timeout_s=pick(ctx, 3600, 900))
+        return self.link(ctx)
+
+    def worth_retrying(self, res):
+        down = [e[e.index(LINK_DOWN):] for e in res.errors if LINK_DOWN in e]
+        return down[0] if down else None
+
+    def link(self, ctx) -> WanLink:
+        """The link (brought up by `environment`); the tools sample it."""
+        if getattr(self, "_link", None) is None:
+            self._link = WanLink(ctx, ctx.wanem_dir, ns_a=self.NS_A, ns_b=self.NS_B,
+                                 subnet=self.SUBNET, delay_ms=self.delay_ms,
+                                 rate_mbit=self.rate_mbit, queue_pkts=self.queue_pkts,
+                                 loss=self.loss, timeout_s=pick(ctx, 7200, 900))
+        return self._link
 
     def datasets(self, ctx):
         return [self.dataset(ctx)]
 
     def tools(self, ctx):
-        b_ip = f"10.250.{self.SUBNET}.2"
-        return [Iperf3(1, self.iperf_seconds(ctx), host=b_ip, server_netns=self.NS_B,
-                       client_netns=self.NS_A, link_mbit=self.RATE_MBIT, name="iperf3"),
-                DmoverCopy(self.dataset(ctx), host=b_ip, server_netns=self.NS_B,
-                           client_netns=self.NS_A, link_mbit=self.RATE_MBIT)]
+        ds, b_ip = self.dataset(ctx), f"10.250.{self.SUBNET}.2"
+        ends = dict(server_netns=self.NS_B, client_netns=self.NS_A, link=self.link(ctx))
+        return [Iperf3(4, self.iperf_seconds(ctx), host=b_ip, **ends),
+                DmoverCopy(ds, host=b_ip, **ends),
+                GlobusUrlCopy(ds, host=b_ip, **ends),
+                Rsync(ds, daemon_host=b_ip, **ends)]
 
     def rows(self, ctx):
-        return [Row(f"goodput (% of {self.RATE_MBIT} Mbit/s)", "dmover", "goodput_pct",
-                    "iperf3", Target(">=", 85, "≥ 85 % of the link", on="value"))]
+        rows = [Row(f"goodput (% of {self.rate_mbit} Mbit/s)", "dmover", "goodput_pct", peer)
+                for peer in ("iperf3", "globus-url-copy", "rsync")]
+        rows[0] = Row(rows[0].measure, "dmover", "goodput_pct", "iperf3", self.target)
+        return rows
+
+
+
+class WanSlow(Wan):
+    key = "wan-a"
+    title = "WAN (a): 100 Mbit/s, 10 ms one way, 100-packet queue"
+    delay_ms, rate_mbit, queue_pkts = 10, 100, 100
+    target = Target(">=", 85, "≥ 85 % of the link", on="value")
+
+    def dataset(self, ctx):
+        return pick(ctx, Dataset(2000, 64 << 10, 20), Dataset(200, 64 << 10, 20))
+
+
+class WanFast(Wan):
+    key = "wan-b"
+    title = "WAN (b): 500 Mbit/s, 25 ms one way"
+    # 500 Mbit/s is what wanem sustains here next to the tools on 2 cores (at
+    # 1 Gbit/s it drops packets in the kernel); the queue is about one BDP.
+    delay_ms, rate_mbit, queue_pkts = 25, 500, 2000
+
+    def dataset(self, ctx):
+        return hsm(ctx)
+
+
+class WanLossy(WanFast):
+    key = "wan-c"
+    title = "WAN (c): 500 Mbit/s, 25 ms one way, 0.01 % loss"
+    loss = 0.0001
 
 
 class PeakRss(Workload):
@@ -169,16 +253,16 @@ class PeakRss(Workload):
 
     def describe(self, ctx):
         return (f"`dmover cp --streams 8` (other settings default) of "
-                f"{self.dataset(ctx).describe()} to a fresh `dmover serve` on 127.0.0.1 "
-                "per run. Client: maximum resident set size from `/usr/bin/time -v`; "
-                "server: VmHWM from /proc/PID/status just before SIGTERM. "
-                "MiB = 2^20 bytes; judged on the worst run.")
+                f"{self.dataset(ctx).describe()} to a `dmover serve` on 127.0.0.1. Client: "
+                "maximum resident set size from /usr/bin/time; server: VmHWM from "
+                "/proc/PID/status, reset before each run. MiB = 2^20 bytes; judged on the "
+                "worst run.")
 
     def datasets(self, ctx):
         return [self.dataset(ctx)]
 
     def tools(self, ctx):
-        return [DmoverPeakRss(self.dataset(ctx), ("--streams", "8"))]
+        return [DmoverCopy(self.dataset(ctx), ("--streams", "8"))]
 
     def rows(self, ctx):
         return [Row("client peak RSS (MiB)", "dmover", "client_rss_mib",
@@ -187,5 +271,60 @@ class PeakRss(Workload):
                     target=Target("<=", 128, "≤ 128 MiB", on="value", stat="max"))]
 
 
-WORKLOADS: list[type[Workload]] = [MemToMem, SmallFiles, LargeFiles, Wan, PeakRss, DiskBaseline]
+class Streams(Workload):
+    """The DMOVER paper's figure of aggregate and per-stream bandwidth
+    against the number of streams, for dmover and globus-url-copy."""
 
+    def dataset(self, ctx) -> Dataset:
+        raise NotImplementedError
+
+    def describe(self, ctx):
+        return (f"{self.dataset(ctx).describe()}, disk to disk over loopback, for N in "
+                f"{', '.join(map(str, STREAMS))}: `dmover cp --streams N` (TCP connections; "
+                "other settings default) and `globus-url-copy -fast -pp -cc N` (N files "
+                "moving at once, each over its own connection, as the paper's N concurrent "
+                "transfers). Per-stream MB/s = MB/s / N. " + MEASURES)
+
+    def datasets(self, ctx):
+        return [self.dataset(ctx)]
+
+    def tools(self, ctx):
+        ds = self.dataset(ctx)
+        tools = []
+        for n in STREAMS:
+            tools += [DmoverCopy(ds, ("--streams", str(n)), name=f"dmover --streams {n}"),
+                      GlobusUrlCopy(ds, ("-fast", "-pp", "-cc", str(n)),
+                                    name=f"globus-url-copy -cc {n}")]
+        return tools
+
+    def rows(self, ctx):
+        return []
+
+
+class StreamsSmall(Streams):
+    key = "streams-small"
+    title = "Streams: small files"
+
+    def dataset(self, ctx):
+        return small(ctx)
+
+
+class StreamsMedium(Streams):
+    key = "streams-medium"
+    title = "Streams: medium files"
+
+    def dataset(self, ctx):
+        return medium(ctx)
+
+
+class StreamsLarge(Streams):
+    key = "streams-large"
+    title = "Streams: large files"
+
+    def dataset(self, ctx):
+        return large(ctx)
+
+
+WORKLOADS: list[type[Workload]] = [MemToMem, SmallFiles, MediumFiles, LargeFiles, HsmFiles,
+                                   WanSlow, WanFast, WanLossy, PeakRss,
+                                   StreamsSmall, StreamsMedium, StreamsLarge]

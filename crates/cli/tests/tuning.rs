@@ -1,5 +1,5 @@
 //! Tuned uploads through an emulated WAN link (shared/tools/wanem between
-//! two network namespaces): real TCP over 100 Mbit/s and 20 ms, socket
+//! two network namespaces): real TCP over 100 Mbit/s and 50 ms, socket
 //! buffers of 64 KiB, so one stream cannot fill the link and the tuners
 //! must open more while sending.
 
@@ -29,7 +29,7 @@ impl Link {
             .expect("shared/tools/wanem beside the repository");
         let _ = Command::new(wanem.join("wanem-down")).args([NS_A, NS_B]).output();
         let out = Command::new(wanem.join("wanem-up"))
-            .args(["--subnet", SUBNET, "--delay-ms", "10", "--rate-mbit", "100", "--timeout-s", "300", NS_A, NS_B])
+            .args(["--subnet", SUBNET, "--delay-ms", "25", "--rate-mbit", "100", "--timeout-s", "300", NS_A, NS_B])
             .output()
             .unwrap();
         assert!(out.status.success(), "wanem-up: {}", String::from_utf8_lossy(&out.stderr));
