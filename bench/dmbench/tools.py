@@ -277,13 +277,9 @@ class Rsync(CopyTool):
         return ["rsync", "-a", f"{src}/", f"{target}/"]
 
 
-class GlobusUrlCopy(CopyTool):
-    """globus-url-copy of the tree (`-r -cd`) to a GridFTP server."""
-
-    name = "globus-url-copy"
-    candidates = (("-fast", "-p", "4"), ("-fast", "-cc", "4", "-pp"),
-                  ("-fast", "-cc", "8", "-pp"), ("-fast", "-p", "4", "-cc", "4", "-pp"))
-    options = candidates[2]
+class ServerCopyTool(CopyTool):
+    """A copy into a server: on loopback, or from namespace `client_netns`
+    to `host` in `server_netns` across an emulated `link`."""
 
     def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), *,
                  host: str = "127.0.0.1", server_netns: str | None = None,
@@ -291,6 +287,18 @@ class GlobusUrlCopy(CopyTool):
         super().__init__(dataset, options, name)
         self.host, self.server_netns, self.netns, self.link = \
             host, server_netns, client_netns, link
+
+
+class GlobusUrlCopy(ServerCopyTool):
+    """globus-url-copy of the tree (`-r -cd`) to a GridFTP server."""
+
+    name = "globus-url-copy"
+    candidates = (("-fast", "-p", "4"), ("-fast", "-cc", "4", "-pp"),
+                  ("-fast", "-cc", "8", "-pp"), ("-fast", "-p", "4", "-cc", "4", "-pp"))
+    options = candidates[2]
+
+    def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), **where):
+        super().__init__(dataset, options, **where)
         if options:
             self.candidates = ()
 
@@ -306,17 +314,10 @@ class GlobusUrlCopy(CopyTool):
                 self.server.url(f"{dest}/")]
 
 
-class DmoverCopy(CopyTool):
+class DmoverCopy(ServerCopyTool):
     """`dmover cp` into a dmover server (loopback, or across a netns link)."""
 
     name = "dmover"
-
-    def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), *,
-                 host: str = "127.0.0.1", server_netns: str | None = None,
-                 client_netns: str | None = None, link=None, name: str = ""):
-        super().__init__(dataset, options, name)
-        self.host, self.server_netns, self.netns, self.link = \
-            host, server_netns, client_netns, link
 
     def session(self, ctx: Context) -> DmoverServer:
         self.server = DmoverServer(ctx, ctx.work / f"export-{self.slug()}", host=self.host,

@@ -199,6 +199,20 @@ pub(crate) struct Shared {
     pub(crate) started: Instant,
 }
 
+/// Grows or shrinks a set of threads, given by their stop flags (newest
+/// last), to `n` (at least one): the newest are told to stop; `start` runs
+/// a new one with its flag.
+fn resize(flags: &mut Vec<Arc<AtomicBool>>, n: usize, mut start: impl FnMut(Arc<AtomicBool>)) {
+    while flags.len() > n.max(1) {
+        flags.pop().expect("a thread").store(true, Ordering::SeqCst);
+    }
+    while flags.len() < n {
+        let flag = Arc::new(AtomicBool::new(false));
+        flags.push(flag.clone());
+        start(flag);
+    }
+}
+
 /// A data connection and the host it goes to.
 type DataConn = (usize, Box<dyn Transport>);
 
@@ -292,15 +306,7 @@ impl Shared {
         if hs.connect.is_none() {
             return;
         }
-        let mut flags = hs.retire.lock().expect("streams lock");
-        while flags.len() > n.max(1) {
-            flags.pop().expect("a stream").store(true, Ordering::SeqCst);
-        }
-        while flags.len() < n {
-            let flag = Arc::new(AtomicBool::new(false));
-            flags.push(flag.clone());
-            self.start_stream(host, None, flag);
-        }
+        resize(&mut hs.retire.lock().expect("streams lock"), n, |flag| self.start_stream(host, None, flag));
     }
 
     /// Runs a data stream to `host` in its own thread, on `conn` or on a new connection.
@@ -346,17 +352,11 @@ impl Shared {
 
     /// Starts or stops reader threads until `n` are wanted.
     pub(crate) fn set_readers(self: &Arc<Self>, n: usize) {
-        let mut flags = self.readers.lock().expect("readers lock");
-        while flags.len() > n.max(1) {
-            flags.pop().expect("a reader").store(true, Ordering::SeqCst);
-        }
-        while flags.len() < n {
-            let flag = Arc::new(AtomicBool::new(false));
-            flags.push(flag.clone());
+        resize(&mut self.readers.lock().expect("readers lock"), n, |flag| {
             let sh = self.clone();
             let t = std::thread::spawn(move || reader(&sh, &flag));
             self.workers.lock().expect("workers lock").push(t);
-        }
+        });
     }
 
     /// A file is settled (done, skipped, failed or abandoned).
