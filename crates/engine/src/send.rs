@@ -464,7 +464,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         readers_of_ctl.push(std::thread::spawn(move || control_reader(&sh2, host, FrameReader::new(control))));
     }
     sh.set_readers(cfg.concurrency);
-    let tuner = cfg.tuner.filter(|_| sh.streams.iter().any(|s| s.connect.is_some())).map(|make| {
+    let tuner = cfg.tuner.filter(|_| (0..n).any(|h| sh.can_add_streams(h))).map(|make| {
         let sh = sh.clone();
         std::thread::spawn(move || tuning::run(&sh, &*make))
     });
