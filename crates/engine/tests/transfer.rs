@@ -111,6 +111,7 @@ fn run_transfer(
         staging: 1 << 20,
         writers: 2,
         idle_timeout: Duration::from_secs(30),
+        intake: Default::default(),
     };
     let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
     let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], connect };
