@@ -29,17 +29,19 @@
 //! Those probes judge shares by small differences in a goodput that
 //! wanders by tens of percent while transfers compete, so on their own
 //! they balance slowly. When the receiving server reports that it is
-//! taking in several transfers at once, the tuner balances directly: over
-//! a few seconds it compares its own intake with the server's, and with a
-//! standing queue, while its share is more than [`Params::fair_band`] off
-//! an even split, it moves half of the way (in ratio) to the count that
-//! would even it out (on a full link streams get about equal rates, so
+//! taking in several transfers at once, the tuner balances instead of
+//! probing: over a few seconds it compares its own intake with the
+//! server's, and while its share is more than [`Params::fair_band`] off an
+//! even split, it moves half of the way (in ratio) to the count that would
+//! even it out (on a full link streams get about equal rates, so
 //! `n · fair / share`); the others move the other half.
 //! Fewer streams are kept only if the others took up at least half of what
 //! this transfer gave back (the bottleneck is shared), more only if this
 //! transfer gained; a move that fails backs off like a failed probe. A
-//! transfer that starts on a link already full of another's streams stops
-//! doubling and balances instead.
+//! transfer that starts beside others stops doubling once it sees a queue
+//! or holds more than an even share, and balances from there. (A transfer
+//! sharing the server but not the bottleneck with the others is therefore
+//! not grown past an even share by probes.)
 //!
 //! Streams cannot help when the source disk is the bottleneck (no block is
 //! waiting for a stream) or the destination is (its staging is full): then
@@ -203,18 +205,14 @@ impl Auto {
 
     /// Moves streams toward an even split of a server shared by `transfers`
     /// transfers, when the shares measured over [`Params::share_window`]
-    /// call for it; `Some(None)` when balancing holds the count, `None`
-    /// when it leaves the decision to the probes (while it backs off).
+    /// call for it (not while a failed move backs off).
     ///
     /// On a full link each stream gets about the same rate, so the count
     /// that gives an even split is about `n · fair / share`. The others
     /// move too, toward the same split, so each goes half of the way (in
     /// ratio: `n · √(fair / share)`), at most halving or doubling.
-    fn balance(&mut self, now: Duration, transfers: usize, can_grow: bool) -> Option<Option<usize>> {
-        if self.intake.length < self.p.share_window {
-            return Some(None);
-        }
-        if self.intake.server == 0 || now < self.next_balance {
+    fn balance(&mut self, now: Duration, transfers: usize, can_grow: bool) -> Option<usize> {
+        if self.intake.length < self.p.share_window || self.intake.server == 0 || now < self.next_balance {
             return None;
         }
         let before = std::mem::take(&mut self.intake);
@@ -227,10 +225,16 @@ impl Auto {
         } else if share < fair * (1.0 - self.p.fair_band) && can_grow && even > self.n {
             true
         } else {
-            return Some(None);
+            return None;
         };
         self.base = Base { n: self.n, goodput: before.rate(), queued: true };
-        Some(self.go(now, even, Phase::Balance { up, before }))
+        self.go(now, even, Phase::Balance { up, before })
+    }
+
+    /// The share of the server's intake above which this transfer takes
+    /// more than its part.
+    fn fair_share(&self, transfers: usize) -> f64 {
+        (1.0 + self.p.fair_band) / transfers as f64
     }
 
     /// Judges a balancing move once its intake has been measured long
@@ -282,9 +286,10 @@ impl Auto {
                 let here = Base { goodput: self.intake.rate(), ..here };
                 self.judge_balance(now, up, before, here)
             }
-            Phase::Ramp { .. } if queued && transfers >= 2 => {
-                // A full link shared with other transfers of the same server:
-                // balancing, not doubling, finds this transfer's count.
+            Phase::Ramp { .. } if transfers >= 2 && (queued || w.share() > self.fair_share(transfers)) => {
+                // A full link, or more than an even share, with other
+                // transfers into the same server: balancing, not doubling,
+                // finds this transfer's count.
                 self.hold(now, here, false)
             }
             Phase::Ramp { prev } => {
@@ -330,13 +335,14 @@ impl Auto {
                     self.base.queued = queued;
                 }
                 let odd_windows = if off { odd_windows + 1 } else { 0 };
-                if queued && transfers >= 2 {
-                    if let Some(decision) = self.balance(now, transfers, can_grow) {
-                        if matches!(self.phase, Phase::Hold { .. }) {
-                            self.phase = Phase::Hold { next_probe, up, odd_windows };
-                        }
-                        return decision;
+                if transfers >= 2 {
+                    // Shares, not probes, decide while others take in too:
+                    // a probe's gain would mostly be what it took from them.
+                    let decision = self.balance(now, transfers, can_grow);
+                    if matches!(self.phase, Phase::Hold { .. }) {
+                        self.phase = Phase::Hold { next_probe, up, odd_windows };
                     }
+                    return decision;
                 }
                 if now < next_probe {
                     self.phase = Phase::Hold { next_probe, up, odd_windows };

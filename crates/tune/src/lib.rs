@@ -117,6 +117,18 @@ pub struct Window {
     pub server_delivered: u64,
 }
 
+impl Window {
+    /// This transfer's part of what the server took in (1 when the server
+    /// reports nothing).
+    pub fn share(&self) -> f64 {
+        if self.server_delivered == 0 {
+            1.0
+        } else {
+            self.delivered as f64 / self.server_delivered as f64
+        }
+    }
+}
+
 impl Windows {
     /// Starts over (after a change, or while one is not yet in effect).
     pub fn restart(&mut self) {
