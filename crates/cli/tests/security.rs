@@ -1,5 +1,6 @@
 //! The server under hostile or careless clients: wrong tokens, symlinks that
-//! lead out of an export, garbage on the port, and signals.
+//! lead out of an export, garbage on the port, late data connections, and
+//! signals.
 
 mod util;
 
@@ -38,6 +39,41 @@ fn wrong_token_is_refused_and_logged() {
     assert!(!log.contains(&env.token_str()), "the server logged its token");
 
     // The right token still works.
+    env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+}
+
+#[test]
+fn a_data_connection_for_an_ended_session_is_refused_at_once() {
+    // A tuner may add a stream just as its transfer ends; the server must not
+    // keep that connection (and so the client) waiting for the session.
+    use dmover_engine::session::{Conn, Credential};
+    use dmover_proto::frame::{Msg, TransferOptions};
+    use std::time::Instant;
+
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let cred = Credential::token(env.token_str().as_bytes());
+    let mut control = Conn::control(&srv.addr(), &cred).unwrap();
+    let options = TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let session = match control.request(&Msg::Receive { dest: "e/in".into(), options }).unwrap() {
+        Msg::SessionOpened { session } => session,
+        m => panic!("expected a session, got {m:?}"),
+    };
+    drop(control);
+    std::thread::sleep(Duration::from_millis(500));
+
+    let started = Instant::now();
+    let mut late = Conn::open(&srv.addr(), &cred).unwrap();
+    late.send(&Msg::OpenData { session, index: 0 }).unwrap();
+    let reply = late.read_msg();
+    assert!(started.elapsed() < Duration::from_secs(5), "the refusal took {:?}", started.elapsed());
+    let refusal = format!("{reply:?}");
+    assert!(refusal.contains("ended"), "expected a refusal naming the ended session, got {refusal}");
+
+    // The server goes on serving.
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 3);
     env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
 }
 

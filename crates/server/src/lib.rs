@@ -80,10 +80,19 @@ impl Shutdown {
 /// A session's attachment point: data connections for it are sent here.
 type Attach = crossbeam_channel::Sender<Box<dyn Transport>>;
 
+/// A transfer session as data connections find it: open, or ended (kept
+/// for [`ATTACH_TIMEOUT`], so that a connection that comes too late, such as
+/// a stream the client's tuner added as the transfer finished, is refused
+/// at once instead of waiting for a session that will not appear).
+enum Slot {
+    Open(Attach),
+    Ended(Instant),
+}
+
 struct Server {
     cfg: Config,
     /// Open transfer sessions by id; control threads insert and remove, data connections look up.
-    sessions: Mutex<HashMap<[u8; 16], Attach>>,
+    sessions: Mutex<HashMap<[u8; 16], Slot>>,
     tickets: Tickets,
     /// Connections being served.
     active: AtomicUsize,
@@ -187,7 +196,11 @@ fn refuse(w: &mut FrameWriter, e: &Error) -> Result<()> {
 fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8; 16]) -> Result<()> {
     let deadline = Instant::now() + ATTACH_TIMEOUT;
     loop {
-        let tx = srv.sessions.lock().expect("sessions lock").get(&session).cloned();
+        let tx = match srv.sessions.lock().expect("sessions lock").get(&session) {
+            Some(Slot::Open(tx)) => Some(tx.clone()),
+            Some(Slot::Ended(_)) => return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "the session has ended")),
+            None => None,
+        };
         if let Some(tx) = tx {
             // Hand the connection over first, then confirm: once the client
             // has every confirmation, the session has every connection. (The
@@ -219,14 +232,17 @@ struct SessionGuard<'a> {
 
 impl Drop for SessionGuard<'_> {
     fn drop(&mut self) {
-        self.srv.sessions.lock().expect("sessions lock").remove(&self.id);
+        self.srv.sessions.lock().expect("sessions lock").insert(self.id, Slot::Ended(Instant::now()));
     }
 }
 
 fn open_session(srv: &Server) -> (SessionGuard<'_>, crossbeam_channel::Receiver<Box<dyn Transport>>) {
     let id: [u8; 16] = random();
     let (tx, rx) = crossbeam_channel::unbounded();
-    srv.sessions.lock().expect("sessions lock").insert(id, tx);
+    let mut sessions = srv.sessions.lock().expect("sessions lock");
+    sessions.retain(|_, slot| !matches!(slot, Slot::Ended(at) if at.elapsed() > ATTACH_TIMEOUT));
+    sessions.insert(id, Slot::Open(tx));
+    drop(sessions);
     (SessionGuard { srv, id }, rx)
 }
 
