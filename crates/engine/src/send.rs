@@ -3,7 +3,8 @@
 //! Files flow through four stages, each in its own threads, joined by
 //! channels and bounded by the staging pool and an announcement window:
 //!
-//! 1. the walker lists the sources and streams entries as it finds them;
+//! 1. the walker lists the sources and streams entries as it finds them
+//!    (or the caller feeds files while the transfer runs, [`Files::Feed`]);
 //! 2. the announcer (the caller's thread) gives each file an id and a host
 //!    (round-robin over the destination hosts, skipping a host whose window
 //!    is full) and announces it on that host's control connection, up to
@@ -80,10 +81,30 @@ pub struct HostLink {
     pub connect: Option<Connector>,
 }
 
+/// How a file was settled.
+#[derive(Debug, Clone, Copy)]
+pub enum Settled<'a> {
+    /// Sent and verified at the destination.
+    Sent,
+    /// Already complete at the destination (sync, or a resumed transfer).
+    Skipped,
+    Failed(&'a FileError),
+}
+
+/// Hears of each file once it is settled: its attributes (the name is its
+/// destination name), the index of the host it went to, and the outcome.
+/// Called from the engine's threads; keep it short.
+pub type SettleHook = Arc<dyn Fn(&FileMeta, usize, Settled<'_>) + Send + Sync>;
+
 /// What to send.
 pub enum Files {
     /// Files found by walking `specs` under `root`.
     Walk { root: Root, specs: Vec<String> },
+    /// Files the caller hands over while the transfer runs; the transfer
+    /// ends once the channel is closed and every file is settled. `settled`
+    /// hears of each file's outcome, so the caller can hand out more work
+    /// or give a failed file to someone else.
+    Feed { entries: Receiver<Entry>, settled: SettleHook },
     /// One file of `size` bytes made up in memory (benchmarks).
     Generate { name: String, size: u64 },
 }
@@ -192,6 +213,8 @@ pub(crate) struct Shared {
     ping_every: Duration,
     /// Control-channel measurements per host.
     pub(crate) meters: Vec<Meter>,
+    /// Told of each settled file (fed transfers).
+    settled: Option<SettleHook>,
     sent: AtomicU64,
     /// Bytes that have been given a time slot under the bandwidth limit.
     paced: AtomicU64,
@@ -360,9 +383,12 @@ impl Shared {
     }
 
     /// A file is settled (done, skipped, failed or abandoned).
-    fn settle(&self, f: &SendFile, update: impl FnOnce(&mut Tally)) {
+    fn settle(&self, f: &SendFile, how: Settled<'_>, update: impl FnOnce(&mut Tally)) {
         if self.files.lock().expect("files lock").remove(&f.id).is_none() {
             return; // settled already (a failure reported by both ends)
+        }
+        if let Some(hook) = &self.settled {
+            hook(&f.meta, f.host, how);
         }
         let mut t = self.tally.lock().expect("tally lock");
         t.outstanding[f.host] -= 1;
@@ -375,7 +401,8 @@ impl Shared {
     fn file_error(&self, f: &SendFile, path: String, kind: ErrorKind, message: String) {
         let path = if path.is_empty() { f.meta.path.clone() } else { path };
         log::info!("{path}: {message}");
-        self.settle(f, |t| t.errors.push(FileError { path, kind, message }));
+        let e = FileError { path, kind, message };
+        self.settle(f, Settled::Failed(&e), |t| t.errors.push(e.clone()));
     }
 }
 
@@ -388,6 +415,10 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     let block_size = cfg.options.block_size as u64;
     let streams: usize = links.iter().map(|l| l.data.len()).sum();
     let generate = matches!(files, Files::Generate { .. });
+    let settled = match &files {
+        Files::Feed { settled, .. } => Some(settled.clone()),
+        _ => None,
+    };
     let min_blocks = streams + cfg.concurrency;
     let pool = if generate {
         Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_block)
@@ -430,6 +461,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         tally: Mutex::new(tally),
         changed: Condvar::new(),
         meters: (0..n).map(|_| Meter::default()).collect(),
+        settled,
         ctl,
         data_tx,
         data_rx,
@@ -531,10 +563,17 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     let (tx, rx) = crossbeam_channel::bounded::<Event>(WALK_AHEAD);
     let root = match &files {
         Files::Walk { root, .. } => root.clone(),
-        Files::Generate { .. } => Root::local(),
+        Files::Feed { .. } | Files::Generate { .. } => Root::local(),
     };
     let walker = std::thread::spawn(move || match files {
         Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send(ev).is_ok()),
+        Files::Feed { entries, .. } => {
+            for e in entries {
+                if tx.send(Event::File(e)).is_err() {
+                    return;
+                }
+            }
+        }
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644 };
@@ -546,7 +585,13 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     let mut queued = vec![false; hosts];
     let mut next_id = 0u64;
     let mut rr = 0usize;
-    for ev in rx.iter() {
+    loop {
+        // Polled, so that a fatal error ends the wait for a slow walk or feed.
+        let ev = match rx.recv_timeout(POLL) {
+            Ok(ev) => ev,
+            Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
+            Err(_) => break,
+        };
         if sh.stopped() {
             break;
         }
@@ -602,7 +647,11 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     }
     flush_queued(sh, &mut queued);
     drop(rx);
-    let _ = walker.join();
+    // After a stop the walker ends by itself at its next entry (a feed's
+    // walker when its owner closes the feed): do not wait for it.
+    if !sh.stopped() {
+        let _ = walker.join();
+    }
     sh.progress.walk_done.store(true, Ordering::Relaxed);
     // Wait until every file is settled.
     let mut t = sh.tally.lock().expect("tally lock");
@@ -663,7 +712,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 if skip {
                     Progress::add(&sh.progress.done_files, 1);
                     Progress::add(&sh.progress.done_bytes, f.meta.size);
-                    sh.settle(&f, |t| {
+                    sh.settle(&f, Settled::Skipped, |t| {
                         t.skipped_files += 1;
                         t.skipped_bytes += f.meta.size;
                         t.shares[f.host].files += 1;
@@ -710,7 +759,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 }
                 Progress::add(&sh.progress.done_files, 1);
                 Progress::add(&sh.progress.done_bytes, f.meta.size);
-                sh.settle(&f, |t| {
+                sh.settle(&f, Settled::Sent, |t| {
                     t.shares[f.host].files += 1;
                     t.shares[f.host].bytes += f.meta.size;
                     t.sets[f.host].add(&f.meta.path, f.meta.size, &digest);
