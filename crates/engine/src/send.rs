@@ -96,6 +96,15 @@ pub enum Settled<'a> {
 /// Called from the engine's threads; keep it short.
 pub type SettleHook = Arc<dyn Fn(&FileMeta, usize, Settled<'_>) + Send + Sync>;
 
+/// A file fed to a transfer, and the host it must go to (an index into
+/// the links; None: the next host with room, round-robin). A caller that
+/// may send a file again pins it, so that every attempt lands in the same
+/// place (and resumes there).
+pub struct FedFile {
+    pub entry: Entry,
+    pub host: Option<usize>,
+}
+
 /// What to send.
 pub enum Files {
     /// Files found by walking `specs` under `root`.
@@ -104,7 +113,7 @@ pub enum Files {
     /// ends once the channel is closed and every file is settled. `settled`
     /// hears of each file's outcome, so the caller can hand out more work
     /// or give a failed file to someone else.
-    Feed { entries: Receiver<Entry>, settled: SettleHook },
+    Feed { entries: Receiver<FedFile>, settled: SettleHook },
     /// One file of `size` bytes made up in memory (benchmarks).
     Generate { name: String, size: u64 },
 }
@@ -560,16 +569,17 @@ fn fill_block(b: &mut [u8]) {
 
 /// Walks the sources (in a thread) and announces every file.
 fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
-    let (tx, rx) = crossbeam_channel::bounded::<Event>(WALK_AHEAD);
+    // Each event with the host it is pinned to, if any.
+    let (tx, rx) = crossbeam_channel::bounded::<(Event, Option<usize>)>(WALK_AHEAD);
     let root = match &files {
         Files::Walk { root, .. } => root.clone(),
         Files::Feed { .. } | Files::Generate { .. } => Root::local(),
     };
     let walker = std::thread::spawn(move || match files {
-        Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send(ev).is_ok()),
+        Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send((ev, None)).is_ok()),
         Files::Feed { entries, .. } => {
-            for e in entries {
-                if tx.send(Event::File(e)).is_err() {
+            for f in entries {
+                if tx.send((Event::File(f.entry), f.host)).is_err() {
                     return;
                 }
             }
@@ -577,7 +587,7 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644 };
-            let _ = tx.send(Event::File(Entry { path: PathBuf::new(), meta }));
+            let _ = tx.send((Event::File(Entry { path: PathBuf::new(), meta }), None));
         }
     });
     let hosts = sh.ctl.len();
@@ -587,8 +597,8 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     let mut rr = 0usize;
     loop {
         // Polled, so that a fatal error ends the wait for a slow walk or feed.
-        let ev = match rx.recv_timeout(POLL) {
-            Ok(ev) => ev,
+        let (ev, pinned) = match rx.recv_timeout(POLL) {
+            Ok(x) => x,
             Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
             Err(_) => break,
         };
@@ -597,13 +607,16 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
         }
         match ev {
             Event::File(e) => {
+                // The hosts this file may go to, in order of preference.
+                let pinned = pinned.filter(|h| *h < hosts);
+                let order = |rr: usize| (0..hosts).map(move |i| (rr + i) % hosts).filter(move |h| pinned.is_none_or(|p| p == *h));
                 let host = {
                     let mut t = sh.tally.lock().expect("tally lock");
                     loop {
                         if sh.stopped() {
                             break None;
                         }
-                        if let Some(h) = (0..hosts).map(|i| (rr + i) % hosts).find(|h| t.outstanding[*h] < WINDOW) {
+                        if let Some(h) = order(rr).find(|h| t.outstanding[*h] < WINDOW) {
                             t.outstanding[h] += 1;
                             t.files += 1;
                             t.bytes += e.meta.size;
@@ -613,14 +626,16 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                         drop(t);
                         flush_queued(sh, &mut queued);
                         t = sh.tally.lock().expect("tally lock");
-                        if (0..hosts).any(|h| t.outstanding[h] < WINDOW) {
+                        if order(rr).any(|h| t.outstanding[h] < WINDOW) {
                             continue;
                         }
                         t = sh.changed.wait(t).expect("tally lock");
                     }
                 };
                 let Some(host) = host else { break };
-                rr = (host + 1) % hosts;
+                if pinned.is_none() {
+                    rr = (host + 1) % hosts;
+                }
                 Progress::add(&sh.progress.total_files, 1);
                 Progress::add(&sh.progress.total_bytes, e.meta.size);
                 next_id += 1;

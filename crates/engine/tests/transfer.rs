@@ -308,7 +308,7 @@ fn a_fed_transfer_reports_each_file_as_it_settles() {
         if n == "gone.dat" {
             std::fs::remove_file(&path).unwrap();
         }
-        feed.send(Entry { path, meta }).unwrap();
+        feed.send(send::FedFile { entry: Entry { path, meta }, host: Some(0) }).unwrap();
         let want = names.iter().position(|x| *x == n).unwrap() + 1;
         let end = std::time::Instant::now() + Duration::from_secs(10);
         while outcomes.lock().unwrap().len() < want {

@@ -1,16 +1,18 @@
 //! A transfer agent (`dmover agent`, one per Slurm task).
 //!
 //! An agent is long-lived: it connects to the manager once, then runs an
-//! engine session (or, with a command template, [`crate::command`]'s workers) to the destination hosts (one control connection and
-//! `streams` data connections to each, files spread over the hosts
-//! round-robin by the engine) and feeds it the files it pulls from the
-//! manager, a batch at a time, keeping up to a window of files in flight. The
+//! engine session to the destination hosts (one control connection and
+//! `streams` data connections to each) — or, with a command template,
+//! [`crate::command`]'s workers — and feeds it the files it pulls from the
+//! manager, a batch at a time, keeping up to a window of files in flight;
+//! each file goes to the host the manager chose for it. The
 //! engine tells it each file's outcome as the file settles
 //! ([`dmover_engine::send::Files::Feed`]); the agent passes the outcomes on
 //! with its next request. If the session fails (a destination restarted, a
 //! network error), the files it held are reported failed, so the manager
 //! gives them to other agents, and the agent opens a new session after a
-//! backoff; after `retries` failed openings in a row it gives up and exits.
+//! backoff; after [`OPEN_RETRIES`] failed openings in a row it gives up
+//! and exits.
 
 use crate::channel::{Channel, Failure, FileResult, ToAgent, ToManager, WorkItem};
 use crate::command::Runner;
@@ -18,7 +20,7 @@ use crate::Plan;
 use crossbeam_channel::Sender;
 use dmover_engine::progress::Progress;
 use dmover_engine::retry::backoff;
-use dmover_engine::send::{self, Files, SendConfig, SettleHook, Settled};
+use dmover_engine::send::{self, FedFile, Files, SendConfig, SettleHook, Settled};
 use dmover_engine::session::{self, Credential};
 use dmover_engine::source::Entry;
 use dmover_engine::transport::SocketOptions;
@@ -84,7 +86,7 @@ impl Book {
 /// What the agent feeds its files to.
 enum Session {
     /// An engine session to the destination hosts.
-    Native { feed: Sender<Entry>, engine: JoinHandle<Result<Stats>> },
+    Native { feed: Sender<FedFile>, engine: JoinHandle<Result<Stats>> },
     /// Workers running the agent command.
     Command(Runner),
 }
@@ -101,7 +103,7 @@ impl Session {
     /// Hands it a file; false if it can take no more.
     fn give(&self, plan: &Plan, w: &WorkItem) -> bool {
         match self {
-            Session::Native { feed, .. } => feed.send(entry(plan, w)).is_ok(),
+            Session::Native { feed, .. } => feed.send(FedFile { entry: entry(plan, w), host: Some(w.host as usize) }).is_ok(),
             Session::Command(r) => r.feed.send(w.clone()).is_ok(),
         }
     }

@@ -18,7 +18,6 @@ use dmover_engine::recv::{MODE_DIR, MODE_TYPE};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -35,17 +34,12 @@ impl Runner {
     /// Starts `plan.concurrency` workers; `report` hears of each file's outcome.
     pub fn start(plan: &Plan, cmd: &AgentCommand, report: Arc<dyn Fn(FileResult) + Send + Sync>) -> Runner {
         let (feed, files) = crossbeam_channel::unbounded::<WorkItem>();
-        // The next host for `{host}`, shared by the workers.
-        let next_host = Arc::new(AtomicUsize::new(0));
         let workers = (0..plan.concurrency.max(1))
             .map(|_| {
-                let (files, plan, cmd, report, next_host) = (files.clone(), plan.clone(), cmd.clone(), report.clone(), next_host.clone());
+                let (files, plan, cmd, report) = (files.clone(), plan.clone(), cmd.clone(), report.clone());
                 std::thread::spawn(move || {
                     for item in files {
-                        let host = match plan.hosts.len() {
-                            0 => String::new(),
-                            n => plan.hosts[next_host.fetch_add(1, Ordering::Relaxed) % n].clone(),
-                        };
+                        let host = plan.hosts.get(item.host as usize).cloned().unwrap_or_default();
                         let outcome = copy_one(&plan, &cmd, &item, &host);
                         let host = (!host.is_empty()).then_some(host);
                         let error = outcome.err().map(|e| Failure::of(&e));

@@ -26,8 +26,8 @@ pub struct JobFile {
     /// Files, directories or globs below `source_root` (SrcRelPath); each
     /// file keeps its path below `source_root` at the destination.
     pub sources: Vec<String>,
-    /// `host[:port]` of each destination server (`dmover serve`); files go
-    /// to them round-robin.
+    /// `host[:port]` of each destination server (`dmover serve`); files are
+    /// spread over them by a hash of their path.
     pub dest_hosts: Vec<String>,
     /// `EXPORT/path` on every destination host (DestDirRoot).
     pub dest_root: String,
@@ -208,8 +208,8 @@ impl JobFile {
 /// DMOVER's transfer agent wrapped `globus-url-copy`. The template is split
 /// at white space (no shell runs it); in each word `{src}` becomes the
 /// source file's absolute path, `{dst}` its path below `dest_root`, `{rel}`
-/// its path below the roots and `{host}` a destination host (round-robin
-/// over `dest_hosts`).
+/// its path below the roots and `{host}` the file's destination host (one
+/// of `dest_hosts`, chosen by the manager).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentCommand {
     pub words: Vec<String>,

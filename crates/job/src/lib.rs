@@ -13,7 +13,7 @@
 //!   file or a lost agent's files to other agents, and keeps the state
 //!   directory up to date;
 //! * [`agent`] — a transfer agent: pulls files from the manager and sends
-//!   them with the engine to the destination hosts, round-robin, reporting
+//!   them with the engine to the destination hosts the manager chose, reporting
 //!   each file's outcome;
 //! * [`command`] — the external transfer agent: a command such as `cp`,
 //!   `rsync` or `globus-url-copy` run per file;

@@ -1,7 +1,11 @@
 //! The process manager (`dmover run`).
 //!
 //! It lists the sources with the engine's walker in a thread, streaming the
-//! files into a bounded queue (the list is never held whole), and hands them
+//! files into a bounded queue (the list is never held whole) and giving each
+//! its destination host by a hash of its path — as even as round-robin over
+//! many files, and the same in every retry and every run, so that a file
+//! sent again resumes its partial copy and never leaves a second one on
+//! another host — and hands them
 //! out in batches to transfer agents that connect back over the
 //! authenticated [`channel`](crate::channel). Each agent asks for as many
 //! files as it has room for and reports each file's outcome; the manager
@@ -26,6 +30,7 @@ use crossbeam_channel::{Receiver, TryRecvError};
 use dmover_engine::fsroot::Root;
 use dmover_engine::source::{self, Event};
 use dmover_engine::{Error, Result};
+use dmover_proto::digest::block_sum;
 use dmover_proto::ErrorKind;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::TcpListener;
@@ -338,13 +343,16 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
     let root = &mgr.plan.source_root;
     let specs: Vec<String> = mgr.plan.sources.iter().map(|s| spec_path(root, s)).collect();
     let mut seen = HashSet::new();
+    let hosts = mgr.plan.hosts.len().max(1) as u128;
     source::walk(&Root::local(), &specs, &mut |ev| match ev {
         Event::File(e) => {
             let rel = e.path.strip_prefix(root).map(|p| p.to_string_lossy().into_owned()).unwrap_or(e.meta.path.clone());
             if !seen.insert(rel.clone()) {
                 return true;
             }
-            let item = WorkItem { path: rel, size: e.meta.size, mtime_s: e.meta.mtime_s, mtime_ns: e.meta.mtime_ns, mode: e.meta.mode };
+            let host = (u128::from_be_bytes(block_sum(rel.as_bytes())) % hosts) as u32;
+            let item =
+                WorkItem { path: rel, size: e.meta.size, mtime_s: e.meta.mtime_s, mtime_ns: e.meta.mtime_ns, mode: e.meta.mode, host };
             let mut b = mgr.lock();
             b.report.total_files += 1;
             b.report.total_bytes += item.size;
@@ -573,7 +581,7 @@ mod tests {
     use crate::channel::Failure;
 
     fn item(p: &str) -> WorkItem {
-        WorkItem { path: p.into(), size: 10, mtime_s: 0, mtime_ns: 0, mode: 0o644 }
+        WorkItem { path: p.into(), size: 10, mtime_s: 0, mtime_ns: 0, mode: 0o644, host: 0 }
     }
 
     fn book(dir: &std::path::Path, files: &[&str]) -> Book {
@@ -643,7 +651,8 @@ mod tests {
         b.lose(x);
         assert_eq!((b.report.requeued_files, b.running_agents()), (2, 1));
         assert!(!b.finished());
-        let again = b.take_work(y, 5);
+        let mut again = b.take_work(y, 5);
+        again.sort_by(|p, q| p.path.cmp(&q.path));
         assert_eq!(again, [item("a"), item("b")]);
         b.apply(y, vec![ok("a"), ok("b"), ok("unknown")], 3);
         assert!(b.finished());
