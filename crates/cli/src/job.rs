@@ -125,6 +125,9 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
         attempts: t.attempts,
         local_agents: job.slurm.tasks_per_node,
         command,
+        // Checked when the job file was parsed.
+        checkpoint_before: job.slurm.checkpoint_before.as_deref().and_then(|t| jobfile::parse_time(t).ok()),
+        resubmit: job.slurm.resubmit,
     };
     Ok((job, plan))
 }
@@ -166,6 +169,8 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
         return Ok(0);
     }
     StateDir::new(&plan.state_dir).create()?;
+    let kept = plan.state_dir.join(sbatch::SCRIPT);
+    std::fs::write(&kept, &script).map_err(|e| Error::io(kept.display().to_string(), &e))?;
     let id = sbatch::submit(&script)?;
     println!("{id}");
     eprintln!("dmover: submitted batch job {id}; follow it with `dmover status {}`", a.job.display());

@@ -369,3 +369,54 @@ fn slurm_job_with_rsync_agents_on_three_nodes() {
     assert_eq!(nodes.len(), 3, "agents on all three nodes did work: {nodes:?}");
     assert_same_tree(&src, &dest);
 }
+
+#[test]
+fn slurm_job_checkpoints_before_its_time_limit_and_resubmits_itself() {
+    let _cluster = cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(7);
+    for i in 0..180 {
+        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 5)), 64 << 10, &mut rng);
+    }
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    // About 8 s of sending at 6 x 256 KB/s; a checkpoint 55 s before the
+    // one-minute limit stops each run after about 5 s.
+    let extra = "[transfer]\nconcurrency = 1\nbwlimit = \"256K\"\n\
+                 [slurm]\nnodes = 3\ntasks_per_node = 2\ntime = \"1\"\ncheckpoint_before = \"0:55\"\nresubmit = true\n";
+    let job = write_job(&env, "walltime", &src, &[&sa, &sb], extra);
+    let first = submit(&job);
+    let end = Instant::now() + Duration::from_secs(180);
+    let report = loop {
+        if let Some(r) = read_report(&job.state.join("report.json")) {
+            if r["state"] != "checkpointed" {
+                break r;
+            }
+        }
+        if Instant::now() > end {
+            let _ = std::process::Command::new("scancel").args(["-n", "dmover-walltime"]).status();
+            panic!("the job did not finish in 180 s; runs: {:?}", std::fs::read_to_string(job.state.join("runs.jsonl")));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(report["state"], "finished", "{report:#}");
+    assert_eq!(report["check"]["passed"], true, "{report:#}");
+    assert!(report["earlier_files"].as_u64().unwrap() > 0, "the last run found files done by the first: {report:#}");
+    let runs: Vec<Value> =
+        std::fs::read_to_string(job.state.join("runs.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(runs.len() >= 2, "{runs:?}");
+    assert_eq!(runs[0]["slurm_job_id"], first.as_str());
+    for w in runs.windows(2) {
+        assert_eq!(w[0]["state"], "checkpointed", "{runs:?}");
+        assert_eq!(w[0]["resubmitted_as"], w[1]["slurm_job_id"], "{runs:?}");
+    }
+    assert_eq!(runs.last().unwrap()["state"], "finished");
+    // Nothing was sent twice: the runs' files add up to the job's, and the
+    // done list names each file once.
+    assert_eq!(runs.iter().map(|r| r["files"].as_u64().unwrap()).sum::<u64>(), 180, "{runs:?}");
+    let done: Vec<String> = std::fs::read_to_string(job.state.join("done.list")).unwrap().lines().map(str::to_string).collect();
+    let unique: std::collections::BTreeSet<&String> = done.iter().collect();
+    assert_eq!((done.len(), unique.len()), (180, 180));
+    assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
+}

@@ -101,11 +101,17 @@ pub struct Slurm {
     pub time: Option<String>,
     /// Account to charge, if the site wants one.
     pub account: Option<String>,
+    /// How long before the allocation's end the manager stops handing out
+    /// files and lets the agents finish theirs (a Slurm time; default a
+    /// tenth of the time limit, between 30 s and 10 minutes).
+    pub checkpoint_before: Option<String>,
+    /// Submit the job again when it stopped at a checkpoint, to finish.
+    pub resubmit: bool,
 }
 
 impl Default for Slurm {
     fn default() -> Slurm {
-        Slurm { nodes: 1, tasks_per_node: 1, partition: None, time: None, account: None }
+        Slurm { nodes: 1, tasks_per_node: 1, partition: None, time: None, account: None, checkpoint_before: None, resubmit: false }
     }
 }
 
@@ -189,8 +195,15 @@ impl JobFile {
         if s.nodes == 0 || s.tasks_per_node == 0 {
             return Err("slurm.nodes and slurm.tasks_per_node must be at least 1".into());
         }
-        if let Some(time) = &s.time {
-            parse_time(time).map_err(|m| format!("slurm.time = {time:?}: {m}"))?;
+        let limit = match &s.time {
+            Some(time) => Some(parse_time(time).map_err(|m| format!("slurm.time = {time:?}: {m}"))?),
+            None => None,
+        };
+        if let Some(c) = &s.checkpoint_before {
+            let before = parse_time(c).map_err(|m| format!("slurm.checkpoint_before = {c:?}: {m}"))?;
+            if limit.is_some_and(|l| before >= l) {
+                return Err(format!("slurm.checkpoint_before = {c:?} is not shorter than slurm.time"));
+            }
         }
         Ok(())
     }
@@ -422,6 +435,9 @@ dest_root = "scratch/in"
         assert!(e.contains("between 1 and 64"), "{e}");
         let e = JobFile::parse(&format!("{MINIMAL}[transfer]\nchecksum = true\n")).unwrap_err();
         assert!(e.contains("sync"), "{e}");
+        let e = JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"10:00\"\n")).unwrap_err();
+        assert!(e.contains("not shorter than slurm.time"), "{e}");
+        JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"2:00\"\nresubmit = true\n")).unwrap();
     }
 
     #[test]

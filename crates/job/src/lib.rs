@@ -10,8 +10,9 @@
 //! * [`sbatch`] — the batch script `dmover submit` renders and submits;
 //! * [`manager`] — `dmover run`: streams the file list from the engine's
 //!   walker, hands files to long-lived agents in batches, re-queues a failed
-//!   file or a lost agent's files to other agents, and keeps the state
-//!   directory up to date;
+//!   file or a lost agent's files to other agents, stops at a checkpoint
+//!   before the allocation's time runs out (and may resubmit the job), and
+//!   keeps the state directory up to date;
 //! * [`agent`] — a transfer agent: pulls files from the manager and sends
 //!   them with the engine to the destination hosts the manager chose, reporting
 //!   each file's outcome;
@@ -69,6 +70,11 @@ pub struct Plan {
     pub local_agents: u32,
     /// The external agent's command; None for the native agent.
     pub command: Option<jobfile::AgentCommand>,
+    /// Seconds before the allocation's end to stop at a checkpoint (None:
+    /// a tenth of the time left at the start, between 30 s and 10 minutes).
+    pub checkpoint_before: Option<u64>,
+    /// Submit the job again after a checkpoint.
+    pub resubmit: bool,
 }
 
 impl Plan {

@@ -17,14 +17,21 @@
 //!
 //! Inside a Slurm allocation the agents are one `srun` step of
 //! `dmover agent`, one per task on every node; without one they are threads
-//! of this process ([`Launch`]). Every confirmed file is appended to the
+//! of this process ([`Launch`]).
+//!
+//! Walltime: inside an allocation the manager asks Slurm how much time is
+//! left. `checkpoint_before` that end it stops handing out files, lets the
+//! agents finish the ones they hold (each confirmed file is on the done
+//! list at once), and ends the run as `checkpointed`; if the job file asks
+//! for it, it submits the job's batch script again, and the next run sends
+//! only what is not on the done list. Every confirmed file is appended to the
 //! done list, so a re-run sends only the rest; progress and the final
 //! report go to the [state directory](crate::state).
 
 use crate::agent::{self, AgentSpec};
 use crate::channel::{Channel, FileResult, ToAgent, ToManager, WorkItem};
 use crate::jobfile::spec_path;
-use crate::state::{AgentReport, Check, DoneList, FailureReport, JobReport, Share, StateDir};
+use crate::state::{AgentReport, Check, DoneList, FailureReport, JobReport, RunRecord, Share, StateDir};
 use crate::Plan;
 use crossbeam_channel::{Receiver, TryRecvError};
 use dmover_engine::fsroot::Root;
@@ -88,6 +95,8 @@ struct Book {
     /// Files the walk listed and no agent took yet.
     listed: Receiver<WorkItem>,
     walk_done: bool,
+    /// Past the checkpoint: no more files are handed out.
+    draining: bool,
     /// Files to give out again, before new ones.
     retry: VecDeque<Pending>,
     agents: Vec<AgentBook>,
@@ -107,6 +116,11 @@ impl Book {
         self.walk_done && self.listed.is_empty() && self.retry.is_empty() && self.agents.iter().all(|a| a.held.is_empty())
     }
 
+    /// Agents may stop: the job is finished, or drained at a checkpoint.
+    fn stop_agents(&self) -> bool {
+        self.finished() || (self.draining && self.agents.iter().all(|a| a.held.is_empty()))
+    }
+
     fn running_agents(&self) -> usize {
         self.agents.iter().filter(|a| a.state == AgentState::Running).count()
     }
@@ -114,6 +128,9 @@ impl Book {
     /// Up to `want` files for agent `id`: files to retry first (not ones it
     /// failed, while another agent runs), then newly listed ones.
     fn take_work(&mut self, id: u32, want: usize) -> Vec<WorkItem> {
+        if self.draining {
+            return Vec::new();
+        }
         let others = self.agents.iter().any(|a| a.report.id != id && a.state == AgentState::Running);
         let mut out = Vec::new();
         let mut i = 0;
@@ -170,7 +187,7 @@ impl Book {
                         host.files += 1;
                         host.bytes += size;
                     }
-                    if let Err(e) = self.done.add(&p.item.path) {
+                    if let Err(e) = self.done.add(&p.item.path).and_then(|()| self.done.flush()) {
                         log::warn!("{e}: a re-run may send this file again");
                     }
                 }
@@ -286,6 +303,7 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
         book: Mutex::new(Book {
             listed,
             walk_done: false,
+            draining: false,
             retry: VecDeque::new(),
             agents: Vec::new(),
             done: state.done_writer()?,
@@ -314,10 +332,15 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
         let mgr = mgr.clone();
         std::thread::spawn(move || accept(&mgr, listener));
     }
+    let checkpoint = match &launch {
+        Launch::Srun { .. } => checkpoint_at(mgr.plan.checkpoint_before),
+        Launch::Threads(_) => None,
+    };
     let mut agents = start_agents(&mgr, &launch, &addr)?;
-    let outcome = supervise(&mgr, &state, &mut agents);
+    let outcome = supervise(&mgr, &state, &mut agents, checkpoint);
     let final_state = match &outcome {
-        Ok(()) => "finished",
+        Ok(Ended::Finished) => "finished",
+        Ok(Ended::Checkpointed) => "checkpointed",
         Err(_) => "failed",
     };
     let mut b = mgr.lock();
@@ -325,6 +348,7 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
         log::warn!("{e}");
     }
     let mut r = mgr.snapshot(&b, final_state);
+    let sent = (b.moved_files, b.moved_bytes);
     drop(b);
     if let Err(e) = &outcome {
         r.error = Some(e.to_string());
@@ -333,8 +357,53 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
         r.state = "failed".into();
     }
     agents.end();
+    if r.state == "checkpointed" && mgr.plan.resubmit {
+        match state.script() {
+            Some(script) => match crate::sbatch::submit(&script) {
+                Ok(id) => {
+                    log::warn!("checkpointed; submitted the job again as {id}");
+                    r.resubmitted_as = Some(id);
+                }
+                Err(e) => r.error = Some(format!("could not submit the job again: {e}")),
+            },
+            None => {
+                r.error = Some(format!("no {} in the state directory to submit again (submit with `dmover submit`)", crate::sbatch::SCRIPT))
+            }
+        }
+    }
+    state.add_run(&RunRecord {
+        slurm_job_id: r.slurm_job_id.clone(),
+        state: r.state.clone(),
+        seconds: r.seconds,
+        files: sent.0,
+        bytes: sent.1,
+        resubmitted_as: r.resubmitted_as.clone(),
+    })?;
     state.write_report(&r)?;
     Ok(r)
+}
+
+/// How a run ended, when it did not fail.
+enum Ended {
+    Finished,
+    Checkpointed,
+}
+
+/// When to stop handing out work: `before` seconds (by default a tenth of
+/// the time left, between 30 s and 10 minutes) before the allocation ends,
+/// as Slurm tells it; None when the time is unlimited or unknown.
+fn checkpoint_at(before: Option<u64>) -> Option<Instant> {
+    let id = std::env::var("SLURM_JOB_ID").ok()?;
+    let out = Command::new("squeue").args(["-h", "-j", &id, "-o", "%L"]).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Ok(left) = crate::jobfile::parse_time(text.trim()) else {
+        log::info!("time left in job {id}: {:?}; no checkpoint", text.trim());
+        return None;
+    };
+    let before = before.unwrap_or((left / 10).clamp(30, 600));
+    let after = Duration::from_secs(left.saturating_sub(before));
+    log::info!("{left} s left in job {id}: checkpoint in {} s", after.as_secs());
+    Some(Instant::now() + after)
 }
 
 /// The walker's thread: lists the files, skipping those an earlier run
@@ -434,7 +503,7 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
                 let mut b = mgr.lock();
                 b.apply(id, results, mgr.plan.attempts);
                 let files = b.take_work(id, want as usize);
-                let finished = files.is_empty() && b.finished();
+                let finished = files.is_empty() && b.stop_agents();
                 drop(b);
                 mgr.changed.notify_all();
                 answer = ToAgent::Work { files, finished };
@@ -529,9 +598,10 @@ fn start_agents(mgr: &Arc<Manager>, launch: &Launch, addr: &str) -> Result<Agent
     }
 }
 
-/// Waits until the job is finished (and the agents have said goodbye), or
-/// cannot go on; rewrites the progress file as it goes.
-fn supervise(mgr: &Manager, state: &StateDir, agents: &mut Agents) -> Result<()> {
+/// Waits until the job is finished or drained at the checkpoint (and the
+/// agents have said goodbye), or cannot go on; rewrites the progress file as
+/// it goes.
+fn supervise(mgr: &Manager, state: &StateDir, agents: &mut Agents, checkpoint: Option<Instant>) -> Result<Ended> {
     let started = Instant::now();
     let mut finished_at: Option<Instant> = None;
     let mut last_progress = Instant::now() - PROGRESS_EVERY;
@@ -549,15 +619,20 @@ fn supervise(mgr: &Manager, state: &StateDir, agents: &mut Agents) -> Result<()>
             }
             last_progress = Instant::now();
         }
+        if checkpoint.is_some_and(|c| Instant::now() >= c) && !b.draining && !b.finished() {
+            log::warn!("the time limit is near: checkpointing (the agents finish the files they hold)");
+            b.draining = true;
+        }
         let finished = b.finished();
+        let stopping = b.stop_agents();
         let running = b.running_agents();
         let connected = b.agents.len();
         let left = b.report.total_files.saturating_sub(b.report.done_files + b.report.failed_files);
         drop(b);
-        if finished {
+        if stopping {
             let at = *finished_at.get_or_insert_with(Instant::now);
             if running == 0 || at.elapsed() > END_WAIT {
-                return Ok(());
+                return Ok(if finished { Ended::Finished } else { Ended::Checkpointed });
             }
             continue;
         }
@@ -592,6 +667,7 @@ mod tests {
         Book {
             listed,
             walk_done: true,
+            draining: false,
             retry: VecDeque::new(),
             agents: Vec::new(),
             done: StateDir::new(dir).done_writer().unwrap(),
@@ -659,6 +735,19 @@ mod tests {
         assert_eq!(b.report.done_files, 3);
         b.done.flush().unwrap();
         assert_eq!(StateDir::new(t.path()).load_done().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn at_a_checkpoint_no_more_work_goes_out_and_agents_stop_once_drained() {
+        let t = tempfile::tempdir().unwrap();
+        let mut b = book(t.path(), &["a", "b", "c"]);
+        let x = add_agent(&mut b, "n1");
+        assert_eq!(b.take_work(x, 1), [item("a")]);
+        b.draining = true;
+        assert!(b.take_work(x, 5).is_empty());
+        assert!(!b.stop_agents(), "agent x still holds a file");
+        b.apply(x, vec![ok("a")], 3);
+        assert!(b.stop_agents() && !b.finished(), "drained, not finished: b and c are left");
     }
 
     #[test]

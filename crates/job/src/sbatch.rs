@@ -54,6 +54,10 @@ pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm) -> String {
     s
 }
 
+/// The batch script as submitted, kept in the state directory so that a
+/// job can submit itself again.
+pub const SCRIPT: &str = "job.sbatch";
+
 /// Submits `script` with `sbatch` and returns the job id.
 pub fn submit(script: &str) -> Result<String> {
     let mut child =
@@ -91,7 +95,8 @@ mod tests {
 
     #[test]
     fn script_has_the_resources_and_runs_the_manager() {
-        let slurm = Slurm { nodes: 3, tasks_per_node: 2, partition: Some("debug".into()), time: Some("00:10:00".into()), account: None };
+        let slurm =
+            Slurm { nodes: 3, tasks_per_node: 2, partition: Some("debug".into()), time: Some("00:10:00".into()), ..Slurm::default() };
         let s = render(Path::new("/w/my job.toml"), Path::new("/bin/dmover"), Path::new("/w/my job.dmover"), &slurm);
         assert!(s.starts_with("#!/bin/bash\n#SBATCH --job-name=\"dmover-my job\"\n"), "{s}");
         for line in ["#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=debug", "#SBATCH --time=00:10:00"] {

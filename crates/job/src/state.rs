@@ -7,6 +7,10 @@
 //!   confirmed at the destination, appended as they are confirmed; a re-run
 //!   of the job never sends these again;
 //! * `report.json` and `report.txt` — the final report and its human summary;
+//! * `runs.jsonl` — one line per run of the job (a job that stops at a
+//!   checkpoint and is resubmitted has several): its Slurm job id, how it
+//!   ended, the files it sent and the job it resubmitted;
+//! * `job.sbatch` — the batch script as submitted (to submit it again);
 //! * `slurm-JOBID.out` — the batch job's output, when submitted.
 //!
 //! `dmover status` reads these files and nothing else.
@@ -23,6 +27,20 @@ pub const PROGRESS: &str = "progress.json";
 pub const DONE: &str = "done.list";
 pub const REPORT: &str = "report.json";
 pub const SUMMARY: &str = "report.txt";
+pub const RUNS: &str = "runs.jsonl";
+
+/// One run of a job, as `runs.jsonl` records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RunRecord {
+    pub slurm_job_id: Option<String>,
+    /// `finished`, `checkpointed` or `failed`.
+    pub state: String,
+    pub seconds: f64,
+    /// Files this run confirmed at the destination.
+    pub files: u64,
+    pub bytes: u64,
+    pub resubmitted_as: Option<String>,
+}
 
 /// A share of the work: a node's or a destination host's.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -109,13 +127,15 @@ pub struct JobReport {
     pub check: Check,
     /// Why the job stopped, if it did not finish.
     pub error: Option<String>,
+    /// The Slurm job submitted to go on after a checkpoint.
+    pub resubmitted_as: Option<String>,
 }
 
 impl JobReport {
     /// The exit code: 0 when the check passed, else the first failure's
     /// class, else 10 (verification failed).
     pub fn exit_code(&self) -> i32 {
-        if self.check.passed {
+        if self.check.passed || (self.state == "checkpointed" && self.resubmitted_as.is_some()) {
             return 0;
         }
         if let Some(f) = self.failures.first() {
@@ -178,6 +198,14 @@ impl JobReport {
         }
         if let Some(e) = &self.error {
             s += &format!("\nstopped: {e}");
+        }
+        if self.state == "checkpointed" {
+            let left = self.total_files.saturating_sub(self.done_files + self.failed_files);
+            s += &format!("\ncheckpointed before the time limit with {left} files left");
+            s += &match &self.resubmitted_as {
+                Some(id) => format!("; resubmitted as Slurm job {id}"),
+                None => "; run the job again to send them".into(),
+            };
         }
         if self.state != "running" {
             s += if self.check.passed {
@@ -272,6 +300,19 @@ impl StateDir {
         self.write_progress(r)?;
         self.write_atomic(REPORT, &serde_json::to_vec_pretty(r).expect("a report serializes"))?;
         self.write_atomic(SUMMARY, format!("{}\n", r.summary()).as_bytes())
+    }
+
+    /// Appends a run's record to `runs.jsonl`.
+    pub fn add_run(&self, r: &RunRecord) -> Result<()> {
+        let p = self.path(RUNS);
+        let mut f = OpenOptions::new().create(true).append(true).open(&p).map_err(|e| Error::io(p.display().to_string(), &e))?;
+        let line = serde_json::to_string(r).expect("a record serializes");
+        writeln!(f, "{line}").map_err(|e| Error::io(p.display().to_string(), &e))
+    }
+
+    /// The batch script kept at submission, if any.
+    pub fn script(&self) -> Option<String> {
+        fs::read_to_string(self.path(crate::sbatch::SCRIPT)).ok()
     }
 
     /// A report from an earlier run is stale once a new run starts.
