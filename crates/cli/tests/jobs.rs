@@ -351,23 +351,25 @@ fn command_agents_copy_with_cp_and_rsync() {
 }
 
 #[test]
-fn slurm_job_with_rsync_agents_on_three_nodes() {
+fn slurm_jobs_with_cp_and_rsync_agents_on_three_nodes() {
     let _cluster = cluster();
     let env = Env::new();
     let src = env.mkdir("src");
     make_tree(&src, 31, 292);
-    let dest = env.path("out");
-    let job = command_job(&env, "rsync", &src, &dest, "rsync -a {src} {dst}");
-    let text = std::fs::read_to_string(&job.path).unwrap().replace("tasks_per_node = 2", "nodes = 3\ntasks_per_node = 2");
-    std::fs::write(&job.path, text).unwrap();
-    let id = submit(&job);
-    let r = wait_report(&job, &id, Duration::from_secs(120));
-    assert_eq!(r["state"], "finished", "{r:#}");
-    assert_eq!(r["check"]["passed"], true, "{r:#}");
-    assert_eq!(r["done_files"], 300);
-    let nodes = node_files(&r);
-    assert_eq!(nodes.len(), 3, "agents on all three nodes did work: {nodes:?}");
-    assert_same_tree(&src, &dest);
+    for (name, template) in [("cp", "cp -p {src} {dst}"), ("rsync", "rsync -a {src} {dst}")] {
+        let dest = env.path(&format!("out-{name}"));
+        let job = command_job(&env, name, &src, &dest, template);
+        let text = std::fs::read_to_string(&job.path).unwrap().replace("tasks_per_node = 2", "nodes = 3\ntasks_per_node = 2");
+        std::fs::write(&job.path, text).unwrap();
+        let id = submit(&job);
+        let r = wait_report(&job, &id, Duration::from_secs(120));
+        assert_eq!(r["state"], "finished", "{name}: {r:#}");
+        assert_eq!(r["check"]["passed"], true, "{name}: {r:#}");
+        assert_eq!(r["done_files"], 300);
+        let nodes = node_files(&r);
+        assert_eq!(nodes.len(), 3, "{name}: agents on all three nodes did work: {nodes:?}");
+        assert_same_tree(&src, &dest);
+    }
 }
 
 #[test]

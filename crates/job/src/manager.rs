@@ -48,6 +48,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Files the walker may list ahead of the agents.
 const LIST_AHEAD: usize = 4096;
+/// Most files handed to an agent at once, whatever it asks for.
+const MAX_BATCH: u32 = 1024;
 /// How often the progress file is rewritten.
 const PROGRESS_EVERY: Duration = Duration::from_millis(500);
 /// An agent silent this long is taken for lost (agents ask at least every
@@ -502,7 +504,7 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
             Ok(ToManager::Sync { results, want }) => {
                 let mut b = mgr.lock();
                 b.apply(id, results, mgr.plan.attempts);
-                let files = b.take_work(id, want as usize);
+                let files = b.take_work(id, want.min(MAX_BATCH) as usize);
                 let finished = files.is_empty() && b.stop_agents();
                 drop(b);
                 mgr.changed.notify_all();
