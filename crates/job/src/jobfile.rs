@@ -103,7 +103,8 @@ pub struct Slurm {
     pub account: Option<String>,
     /// How long before the allocation's end the manager stops handing out
     /// files and lets the agents finish theirs (a Slurm time; default a
-    /// tenth of the time limit, between 30 s and 10 minutes).
+    /// tenth of the time left when the run starts, between 30 s and 10
+    /// minutes).
     pub checkpoint_before: Option<String>,
     /// Submit the job again when it stopped at a checkpoint, to finish.
     pub resubmit: bool,

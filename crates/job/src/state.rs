@@ -207,7 +207,7 @@ impl JobReport {
                 None => "; run the job again to send them".into(),
             };
         }
-        if self.state != "running" {
+        if self.state != "running" && self.state != "checkpointed" {
             s += if self.check.passed {
                 "\ncheck: passed (every file verified at the destination)"
             } else {
