@@ -104,20 +104,24 @@ fn run_transfer(
     cfg: SendConfig,
 ) -> Stats {
     let (ctl_a, ctl_b) = UnixStream::pair().unwrap();
-    let rcfg = RecvConfig {
-        root: Root::local(),
-        dest: dest.display().to_string(),
-        options: options(),
-        staging: 1 << 20,
-        writers: 2,
-        idle_timeout: Duration::from_secs(30),
-    };
+    let rcfg = recv_config(dest);
     let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
     let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], connect };
     let files = Files::Walk { root: Root::local(), specs: vec![format!("{}/", src.display())] };
     let stats = send::send(files, vec![link], cfg).expect("send");
     receiver.join().unwrap().expect("receive");
     stats
+}
+
+fn recv_config(dest: &Path) -> RecvConfig {
+    RecvConfig {
+        root: Root::local(),
+        dest: dest.display().to_string(),
+        options: options(),
+        staging: 1 << 20,
+        writers: 2,
+        idle_timeout: Duration::from_secs(30),
+    }
 }
 
 fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
@@ -283,14 +287,7 @@ fn a_fed_transfer_reports_each_file_as_it_settles() {
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     tx.send(Box::new(d_b)).unwrap();
     drop(tx);
-    let rcfg = RecvConfig {
-        root: Root::local(),
-        dest: dest.display().to_string(),
-        options: options(),
-        staging: 1 << 20,
-        writers: 2,
-        idle_timeout: Duration::from_secs(30),
-    };
+    let rcfg = recv_config(&dest);
     let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
     let outcomes = Arc::new(Mutex::new(Vec::new()));
     let o = outcomes.clone();

@@ -264,18 +264,10 @@ impl Manager {
         r.nodes = b.nodes.values().cloned().collect();
         r.hosts = b.hosts.values().cloned().collect();
         r.agents = b.agents.iter().map(|a| a.report.clone()).collect();
-        r.check = Check {
-            passed: b.walk_done
-                && r.failures.is_empty()
-                && r.done_files == r.total_files
-                && r.done_bytes == r.total_bytes
-                && b.digests_match,
-            source_files: r.total_files,
-            source_bytes: r.total_bytes,
-            dest_files: r.done_files,
-            dest_bytes: r.done_bytes,
-            digests_match: b.digests_match,
-        };
+        // digests_match: every agent session that ended normally found the
+        // destination's set digest equal to the source's.
+        let failed_or_unlisted = !b.walk_done || !r.failures.is_empty();
+        r.check = Check::new(failed_or_unlisted, (r.total_files, r.total_bytes), (r.done_files, r.done_bytes), b.digests_match);
         r
     }
 }

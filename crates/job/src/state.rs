@@ -15,6 +15,7 @@
 //!
 //! `dmover status` reads these files and nothing else.
 
+pub use dmover_engine::progress::Check;
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use serde::{Deserialize, Serialize};
@@ -72,20 +73,6 @@ pub struct FailureReport {
     pub message: String,
     /// Agents that tried it.
     pub attempts: u32,
-}
-
-/// The completion check: the source list reconciled against what the
-/// destination confirmed.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct Check {
-    pub passed: bool,
-    pub source_files: u64,
-    pub source_bytes: u64,
-    pub dest_files: u64,
-    pub dest_bytes: u64,
-    /// Every agent session that ended normally found the destination's set
-    /// digest equal to the source's.
-    pub digests_match: bool,
 }
 
 /// Progress while the job runs, and its report at the end.
@@ -146,7 +133,7 @@ impl JobReport {
 
     /// The human summary.
     pub fn summary(&self) -> String {
-        let h = crate::state::human;
+        let h = dmover_engine::progress::human;
         let mut s = format!("job {}: {} after {:.1} s", self.job, self.state, self.seconds);
         if let Some(id) = &self.slurm_job_id {
             s += &format!(" (Slurm job {id})");
@@ -221,21 +208,6 @@ impl JobReport {
 /// The exit code of an error class by its report name.
 pub fn kind_code(name: &str) -> i32 {
     (1..=10u8).map(ErrorKind::from_u8).find(|k| k.name() == name).unwrap_or(ErrorKind::Internal) as i32
-}
-
-pub fn human(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < units.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", units[i])
-    }
 }
 
 /// The state directory of a job.
