@@ -422,3 +422,19 @@ fn slurm_job_checkpoints_before_its_time_limit_and_resubmits_itself() {
     assert_eq!((done.len(), unique.len()), (180, 180));
     assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
 }
+
+#[test]
+fn overlapping_sources_list_each_file_once() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 41, 30);
+    let dest = env.path("out");
+    let job = command_job(&env, "overlap", &src, &dest, "cp -p {src} {dst}");
+    let text = std::fs::read_to_string(&job.path).unwrap().replace("sources = [\"**\"]", "sources = [\"**\", \"a\", \"a/b/*.dat\"]");
+    std::fs::write(&job.path, text).unwrap();
+    let r = dmover(["run", "--json"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let j = r.json();
+    assert_eq!((j["total_files"].as_u64(), j["done_files"].as_u64()), (Some(38), Some(38)), "{j:#}");
+    assert_same_tree(&src, &dest);
+}

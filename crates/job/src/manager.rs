@@ -405,12 +405,15 @@ fn checkpoint_at(before: Option<u64>) -> Option<Instant> {
 fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet<String>) {
     let root = &mgr.plan.source_root;
     let specs: Vec<String> = mgr.plan.sources.iter().map(|s| spec_path(root, s)).collect();
+    // Only overlapping sources can list a file twice; one walk never does,
+    // and then no set of names is kept.
+    let overlap = mgr.plan.sources.len() > 1;
     let mut seen = HashSet::new();
     let hosts = mgr.plan.hosts.len().max(1) as u128;
     source::walk(&Root::local(), &specs, &mut |ev| match ev {
         Event::File(e) => {
             let rel = e.path.strip_prefix(root).map(|p| p.to_string_lossy().into_owned()).unwrap_or(e.meta.path.clone());
-            if !seen.insert(rel.clone()) {
+            if overlap && !seen.insert(rel.clone()) {
                 return true;
             }
             let host = (u128::from_be_bytes(block_sum(rel.as_bytes())) % hosts) as u32;
