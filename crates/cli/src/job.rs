@@ -194,12 +194,22 @@ pub fn run(a: RunArgs) -> Result<i32> {
 
 pub fn status(a: StatusArgs) -> Result<i32> {
     let dir = if a.job.is_dir() { a.job.clone() } else { jobfile::state_dir(&a.job) };
-    let r = StateDir::new(&dir).read()?;
+    let state = StateDir::new(&dir);
+    let r = state.read()?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r).expect("a report serializes"));
         return Ok(0);
     }
     println!("{}", r.summary());
+    let runs = state.runs();
+    if runs.len() > 1 {
+        println!("runs:");
+        for (i, run) in runs.iter().enumerate() {
+            let id = run.slurm_job_id.as_deref().map(|id| format!(" (Slurm job {id})")).unwrap_or_default();
+            let next = run.resubmitted_as.as_deref().map(|id| format!("; resubmitted as {id}")).unwrap_or_default();
+            println!("  {}{id}: {} after {:.1} s, {} files sent{next}", i + 1, run.state, run.seconds, run.files);
+        }
+    }
     if r.state == "running" {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let age = now.saturating_sub(r.updated_unix);

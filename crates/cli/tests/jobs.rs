@@ -421,6 +421,8 @@ fn slurm_job_checkpoints_before_its_time_limit_and_resubmits_itself() {
     let unique: std::collections::BTreeSet<&String> = done.iter().collect();
     assert_eq!((done.len(), unique.len()), (180, 180));
     assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
+    let s = dmover(["status"]).arg(&job.path).run();
+    assert!(s.stdout.contains(&format!("1 (Slurm job {first}): checkpointed")), "{}", s.stdout);
 }
 
 #[test]

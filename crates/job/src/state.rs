@@ -282,6 +282,12 @@ impl StateDir {
         writeln!(f, "{line}").map_err(|e| Error::io(p.display().to_string(), &e))
     }
 
+    /// The runs recorded so far (a torn or unreadable line is skipped).
+    pub fn runs(&self) -> Vec<RunRecord> {
+        let Ok(text) = fs::read_to_string(self.path(RUNS)) else { return Vec::new() };
+        text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    }
+
     /// The batch script kept at submission, if any.
     pub fn script(&self) -> Option<String> {
         fs::read_to_string(self.path(crate::sbatch::SCRIPT)).ok()
