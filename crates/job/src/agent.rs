@@ -187,7 +187,19 @@ fn entry(plan: &Plan, w: &WorkItem) -> Entry {
 
 /// Runs an agent until the manager says the job is finished.
 pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
-    let mut chan = Channel::connect(&spec.manager, &spec.token)?;
+    // A manager busy with many agents at once may turn one away: try again.
+    let mut tries = 0;
+    let mut chan = loop {
+        match Channel::connect(&spec.manager, &spec.token) {
+            Ok(c) => break c,
+            Err(e) if e.is_transient() && tries < OPEN_RETRIES => {
+                log::info!("{e}; connecting again");
+                std::thread::sleep(backoff(tries));
+                tries += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     chan.set_timeout(Some(MANAGER_TIMEOUT))?;
     let hello = ToManager::Hello { node: spec.node.clone(), task: spec.task, pid: std::process::id() };
     let id = match chan.request(&hello)? {

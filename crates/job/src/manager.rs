@@ -43,6 +43,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -50,6 +51,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const LIST_AHEAD: usize = 4096;
 /// Most files handed to an agent at once, whatever it asks for.
 const MAX_BATCH: u32 = 1024;
+/// Connections that may be in the handshake at once (agents connect once each).
+/// An agent turned away tries again.
+const MAX_UNAUTHENTICATED: usize = 256;
 /// How often the progress file is rewritten.
 const PROGRESS_EVERY: Duration = Duration::from_millis(500);
 /// An agent silent this long is taken for lost (agents ask at least every
@@ -451,13 +455,23 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
 }
 
 fn accept(mgr: &Arc<Manager>, listener: TcpListener) {
+    // Connections not yet authenticated; beyond MAX_UNAUTHENTICATED new
+    // ones are closed at once, so a flood cannot pile up threads.
+    let pending = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
+        let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        if pending.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
+            log::warn!("refused {peer}: too many connections waiting to authenticate");
+            continue;
+        }
         let _ = conn.set_nodelay(true);
-        let mgr = mgr.clone();
+        pending.fetch_add(1, Ordering::SeqCst);
+        let (mgr, pending) = (mgr.clone(), pending.clone());
         std::thread::spawn(move || {
-            let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-            match Channel::accept(Box::new(conn), &mgr.token) {
+            let c = Channel::accept(Box::new(conn), &mgr.token);
+            pending.fetch_sub(1, Ordering::SeqCst);
+            match c {
                 Ok(c) => serve_agent(&mgr, c),
                 Err(e) => log::warn!("refused {peer}: {e}"),
             }
