@@ -154,9 +154,9 @@ class Workload:
         """Set-up around all tool sessions (e.g. an emulated WAN link)."""
         return contextlib.nullcontext()
 
-    def worth_retrying(self, res: "WorkloadResult") -> str | None:
-        """Why the whole workload should run once more (its environment
-        failed under it, not a tool), or None."""
+    def environment_lost(self) -> str | None:
+        """Why the environment stopped working (e.g. an emulated link whose
+        emulator died), or None while it works."""
         return None
 
 
@@ -205,17 +205,9 @@ class WorkloadResult:
 
 
 def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
-    """Run a workload; once more if it says its environment failed."""
-    res = _run_workload(ctx, wl)
-    why = wl.worth_retrying(res)
-    if why:
-        print(f"   {why}; running this workload once more", flush=True)
-        res = _run_workload(ctx, wl)
-        res.notes.insert(0, f"A first attempt of this workload was abandoned: {why}.")
-    return res
-
-
-def _run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
+    """Run a workload: set-up, trials, timed runs, profile. When its
+    environment fails under it (not a tool), everything is set up afresh
+    and the step that failed runs again, up to MAX_RENEWALS times."""
     res = WorkloadResult(wl.key, wl.title, wl.describe(ctx), wl.rows(ctx), limit=wl.limit)
     ctx.log, ctx.notes = res.commands, res.notes
     t0 = time.monotonic()
@@ -232,21 +224,40 @@ def _run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
         tools = wl.tools(ctx)
         for tool in tools:
             res.figures[tool.name] = []
-        with wl.environment(ctx), contextlib.ExitStack() as stack:
-            active = []
-            for tool in tools:
-                try:
-                    stack.enter_context(tool.session(ctx))
-                    if len(tool.candidates) > 1:
-                        tune(ctx, tool, res)
-                    active.append(tool)
-                except Exception as exc:  # noqa: BLE001 - reported, other tools go on
-                    res.errors.append(f"{tool.name}: set-up failed: {_explain(exc)}")
-                res.settings[tool.name] = " ".join(tool.options)
+        with contextlib.ExitStack() as stack:
+            renewals = 0
+
+            def renew(why: str, what: str) -> bool:
+                """After the environment was lost under `what`: tear down
+                and ask for a fresh set-up, unless renewals ran out."""
+                nonlocal renewals
+                if renewals >= MAX_RENEWALS:
+                    return False
+                renewals += 1
+                res.notes.append(f"{what}: {why}; set everything up again and ran it once more")
+                print(f"   {why}; setting up again", flush=True)
+                stack.close()
+                return True
+
+            while True:
+                mark = len(res.errors)
+                active = _bring_up(ctx, wl, tools, res, stack, first=True)
+                why = wl.environment_lost()
+                if not (why and renew(why, "set-up and trials")):
+                    break
+                del res.errors[mark:]
             for run_no in range(1, ctx.runs + 1):
                 res.commands.phase = f"run {run_no}"
                 for tool in rotated(active, run_no - 1):
-                    _measure_once(ctx, tool, run_no, res)
+                    while True:
+                        error = _measure_once(ctx, tool, run_no, res)
+                        why = error and wl.environment_lost()
+                        if not (why and renew(why, f"{tool.name}, run {run_no}")):
+                            break
+                        res.errors.remove(error)
+                        active = _bring_up(ctx, wl, tools, res, stack, first=False)
+                        if tool not in active:
+                            break
             slower_than = res.faster_peers(wl.score)
             dmover = [t for t in active if t.name == "dmover"]
             if ctx.profile and slower_than and dmover:
@@ -265,6 +276,30 @@ def _run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
             res.errors.append(f"{name}: produced no figures")
     res.seconds = time.monotonic() - t0
     return res
+
+
+# How often a workload's environment is set up afresh after it failed.
+MAX_RENEWALS = 5
+
+
+def _bring_up(ctx: Context, wl: Workload, tools: list[Tool], res: WorkloadResult,
+              stack: contextlib.ExitStack, first: bool) -> list[Tool]:
+    """Enters the workload's environment and each tool's session on
+    `stack`; the first time, tools with several candidate settings pick
+    theirs. Returns the tools that are ready."""
+    stack.enter_context(wl.environment(ctx))
+    active = []
+    for tool in tools:
+        try:
+            stack.enter_context(tool.session(ctx))
+            if first and len(tool.candidates) > 1:
+                tune(ctx, tool, res)
+            active.append(tool)
+        except Exception as exc:  # noqa: BLE001 - reported, other tools go on
+            res.errors.append(f"{tool.name}: set-up failed: {_explain(exc)}")
+        if first:
+            res.settings[tool.name] = " ".join(tool.options)
+    return active
 
 
 def warm_up(ctx: Context, ds: Dataset) -> None:
@@ -308,14 +343,17 @@ def rotated(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
-def _measure_once(ctx: Context, tool: Tool, run_no: int, res: WorkloadResult) -> None:
+def _measure_once(ctx: Context, tool: Tool, run_no: int, res: WorkloadResult) -> str | None:
+    """One timed run of `tool`; its figures go to `res`. Returns the error
+    it added to `res`, if it failed."""
     print(f"   run {run_no}/{ctx.runs} {tool.name:<14}", end=" ", flush=True)
     try:
         fig = tool.measure(ctx, run_no)
     except Exception as exc:  # noqa: BLE001
         print("FAILED", flush=True)
-        res.errors.append(f"{tool.name}: run {run_no}: {_explain(exc)}")
-        return
+        error = f"{tool.name}: run {run_no}: {_explain(exc)}"
+        res.errors.append(error)
+        return error
     fig["run"] = run_no
     res.figures[tool.name].append(fig)
     shown = {k: v for k, v in fig.items() if k in _PROGRESS_KEYS}

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from .core import Context, Row, Target, Workload
 from .datasets import Dataset
+from .system import BenchError
 from .tools import (Cp, DmoverBench, DmoverCopy, Fio, GlobusUrlCopy, GridftpMemory, Iperf3,
                     Rclone, Rsync)
-from .wanem import LINK_DOWN, WanLink
+from .wanem import WanLink
 
 STREAMS = (1, 2, 4, 8, 16)
 
@@ -185,9 +186,14 @@ class Wan(Workload):
     def environment(self, ctx):
         return self.link(ctx)
 
-    def worth_retrying(self, res):
-        down = [e[e.index(LINK_DOWN):] for e in res.errors if LINK_DOWN in e]
-        return down[0] if down else None
+    def environment_lost(self):
+        link = getattr(self, "_link", None)
+        try:
+            if link:
+                link.check()
+        except BenchError as exc:
+            return str(exc)
+        return None
 
     def link(self, ctx) -> WanLink:
         """The link (brought up by `environment`); the tools sample it."""

@@ -225,6 +225,7 @@ fn recv_config(p: &Plan) -> RecvConfig {
         staging: p.params.staging,
         writers: WRITERS,
         idle_timeout: IDLE_TIMEOUT,
+        intake: Default::default(),
     }
 }
 

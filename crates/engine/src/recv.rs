@@ -32,9 +32,35 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// What one server takes in across all of its receiving sessions, reported
+/// to each sender's tuner so that transfers sharing the server can balance.
+#[derive(Debug, Default)]
+pub struct Intake {
+    /// Payload bytes taken off data connections, all sessions.
+    received: AtomicU64,
+    /// Sessions receiving now.
+    transfers: AtomicU32,
+}
+
+/// Counts a session among those receiving while it lives.
+struct Receiving(Arc<Intake>);
+
+impl Receiving {
+    fn new(intake: Arc<Intake>) -> Receiving {
+        intake.transfers.fetch_add(1, Ordering::Relaxed);
+        Receiving(intake)
+    }
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.0.transfers.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// Where and how to receive.
 pub struct RecvConfig {
@@ -49,6 +75,9 @@ pub struct RecvConfig {
     pub writers: usize,
     /// A control connection silent this long is considered dead.
     pub idle_timeout: Duration,
+    /// The intake of the server this session belongs to (a fresh one for a
+    /// receiver of its own).
+    pub intake: Arc<Intake>,
 }
 
 /// File type bits of a mode, and the type of a directory (as in st_mode).
@@ -184,6 +213,8 @@ struct Shared {
     conns: Mutex<Vec<Box<dyn Transport>>>,
     /// Payload bytes taken off the data connections (for the sender's tuner).
     received: AtomicU64,
+    /// Counts this session in its server's intake while it runs.
+    receiving: Receiving,
 }
 
 impl Shared {
@@ -341,6 +372,7 @@ impl Prepared {
             stop: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
             received: AtomicU64::new(0),
+            receiving: Receiving::new(cfg.intake),
         });
         let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
         // One queue per writer, and a file's blocks always go to the same
@@ -443,9 +475,14 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
             }
             Msg::Ping => {}
             Msg::Echo { stamp, .. } => {
-                let received = sh.received.load(Ordering::Relaxed);
-                let staged = (sh.pool.in_use() * 100.0).round() as u8;
-                sh.queue(&Msg::Echo { stamp, received, staged });
+                let intake = &sh.receiving.0;
+                sh.queue(&Msg::Echo {
+                    stamp,
+                    received: sh.received.load(Ordering::Relaxed),
+                    staged: (sh.pool.in_use() * 100.0).round() as u8,
+                    server_received: intake.received.load(Ordering::Relaxed),
+                    transfers: intake.transfers.load(Ordering::Relaxed),
+                });
             }
             Msg::Error { kind, message } => return Err(Error::new(kind, r.peer(), message)),
             m => return Err(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
@@ -636,7 +673,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
             return sh.fail(Error::protocol(r.peer(), format!("bad block: offset {} length {}", h.offset, h.len)));
         }
         let Some(mut data) = sh.pool.take(h.len as usize) else { return };
-        if let Err(e) = r.read_block(&mut data, &sh.received) {
+        if let Err(e) = r.read_block(&mut data, [&sh.received, &sh.receiving.0.received]) {
             if !sh.stop.load(Ordering::SeqCst) {
                 sh.fail(e);
             }

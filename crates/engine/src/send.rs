@@ -39,6 +39,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
 use dmover_proto::frame::{DataHeader, FileError, FileMeta, HostShare, Stats, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
+use dmover_tune::ServerLoad;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
@@ -301,7 +302,7 @@ impl Shared {
         if self.finishing.load(Ordering::SeqCst) {
             return;
         }
-        if let Err(e) = w.send(&Msg::Echo { stamp, received: 0, staged: 0 }) {
+        if let Err(e) = w.send(&Msg::Echo { stamp, received: 0, staged: 0, server_received: 0, transfers: 0 }) {
             drop(w);
             self.fail(e);
         }
@@ -793,7 +794,10 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 return;
             }
             Msg::Ping => {}
-            Msg::Echo { stamp, received, staged } => sh.meters[host].echo(sh.started.elapsed(), stamp, received, staged),
+            Msg::Echo { stamp, received, staged, server_received, transfers } => {
+                let server = ServerLoad { delivered: server_received, transfers: transfers as usize };
+                sh.meters[host].echo(sh.started.elapsed(), stamp, received, staged, server)
+            }
             m => return sh.fail(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
         }
     }

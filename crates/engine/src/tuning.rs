@@ -14,7 +14,7 @@
 use crate::send::Shared;
 use dmover_proto::frame::TunePoint;
 use dmover_tune::readers::{self, Readers};
-use dmover_tune::{Observation, RttWindow, Tuner};
+use dmover_tune::{Observation, RttWindow, ServerLoad, Tuner};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -39,18 +39,20 @@ struct MeterState {
     at: Duration,
     delivered: u64,
     staged: u8,
+    server: ServerLoad,
     /// An answer came since the tuner last looked.
     fresh: bool,
 }
 
 impl Meter {
     /// Records an `Echo` answer that arrived at `now` (time since the start).
-    pub fn echo(&self, now: Duration, stamp_us: u64, delivered: u64, staged: u8) {
+    pub fn echo(&self, now: Duration, stamp_us: u64, delivered: u64, staged: u8, server: ServerLoad) {
         let mut m = self.state.lock().expect("meter lock");
         m.rtt.push(now.saturating_sub(Duration::from_micros(stamp_us)));
         m.at = now;
         m.delivered = m.delivered.max(delivered);
         m.staged = staged;
+        m.server = server;
         m.fresh = true;
     }
 }
@@ -93,6 +95,7 @@ pub(crate) fn run(sh: &Arc<Shared>, make: &(dyn Fn() -> Box<dyn Tuner> + Send + 
                     streams: sh.streams[h.index].open.load(Ordering::SeqCst) as usize,
                     starved: h.starved.iter().filter(|s| **s).count() as f64 / STARVED_TICKS as f64,
                     staged: m.staged as f64 / 100.0,
+                    server: m.server,
                 };
                 (o, std::mem::take(&mut m.fresh))
             };

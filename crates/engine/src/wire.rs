@@ -68,15 +68,17 @@ impl FrameReader {
     }
 
     /// Reads the block that follows a data header into `buf` (exactly its
-    /// length), adding the bytes to `received` as they arrive.
-    pub fn read_block(&mut self, buf: &mut [u8], received: &AtomicU64) -> Result<()> {
+    /// length), adding the bytes to both `received` counters as they arrive.
+    pub fn read_block(&mut self, buf: &mut [u8], received: [&AtomicU64; 2]) -> Result<()> {
         let mut at = 0;
         while at < buf.len() {
             match self.inner.read(&mut buf[at..]) {
                 Ok(0) => return Err(self.net(&io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => {
                     at += n;
-                    received.fetch_add(n as u64, Ordering::Relaxed);
+                    for r in received {
+                        r.fetch_add(n as u64, Ordering::Relaxed);
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.net(&e)),

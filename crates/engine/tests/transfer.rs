@@ -121,6 +121,7 @@ fn recv_config(dest: &Path) -> RecvConfig {
         staging: 1 << 20,
         writers: 2,
         idle_timeout: Duration::from_secs(30),
+        intake: Default::default(),
     }
 }
 

@@ -271,9 +271,11 @@ pub enum Msg {
     /// Tx→Rx on the control connection: a probe the receiver answers at
     /// once with the same `stamp`, the payload bytes it has taken off its
     /// data connections so far (`received`) and how full its staging is
-    /// (`staged`, percent). The sender's tuner measures round-trip time and
-    /// goodput from the answers.
-    Echo { stamp: u64, received: u64, staged: u8 },
+    /// (`staged`, percent), and for the whole server the payload bytes taken
+    /// in for all of its transfers (`server_received`) and how many
+    /// transfers it is receiving (`transfers`). The sender's tuner measures
+    /// round-trip time, goodput and its share of the server from the answers.
+    Echo { stamp: u64, received: u64, staged: u8, server_received: u64, transfers: u32 },
     /// Tx→Rx on a data connection: nothing more comes on it (the sender
     /// dropped a stream); the receiver closes it.
     StreamEnd,
@@ -456,10 +458,12 @@ impl Msg {
             }
             Proof { proof } => w.bytes(proof),
             Welcome | OpenControl | Ready | Ping | StreamEnd => {}
-            Echo { stamp, received, staged } => {
+            Echo { stamp, received, staged, server_received, transfers } => {
                 w.u64(*stamp);
                 w.u64(*received);
                 w.u8(*staged);
+                w.u64(*server_received);
+                w.u32(*transfers);
             }
             Error { kind, message } | Abort { kind, message, .. } => {
                 if let Abort { id, .. } = self {
@@ -702,7 +706,7 @@ impl Msg {
             37 => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             38 => Finished { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
             39 => Ping,
-            40 => Echo { stamp: r.u64()?, received: r.u64()?, staged: r.u8()? },
+            40 => Echo { stamp: r.u64()?, received: r.u64()?, staged: r.u8()?, server_received: r.u64()?, transfers: r.u32()? },
             41 => StreamEnd,
             23 => List { path: r.str()? },
             24 => {
@@ -864,7 +868,7 @@ mod tests {
             Msg::Finish { files: 1, bytes: 2, set_digest: u128::MAX },
             Msg::Finished { files: 1, bytes: 2, set_digest: 5 },
             Msg::Ping,
-            Msg::Echo { stamp: 1 << 40, received: 3, staged: 99 },
+            Msg::Echo { stamp: 1 << 40, received: 3, staged: 99, server_received: 7, transfers: 2 },
             Msg::StreamEnd,
             Msg::List { path: "e/*.h5".into() },
             Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },

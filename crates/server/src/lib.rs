@@ -87,12 +87,20 @@ struct Server {
     tickets: Tickets,
     /// Connections being served.
     active: AtomicUsize,
+    /// What all receiving sessions take in, for the senders' tuners.
+    intake: Arc<recv::Intake>,
 }
 
 /// Serves connections from `listener` until `shutdown` fires, then waits up
 /// to the grace period for running connections.
 pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std::io::Result<()> {
-    let srv = Arc::new(Server { cfg, sessions: Mutex::new(HashMap::new()), tickets: Tickets::default(), active: AtomicUsize::new(0) });
+    let srv = Arc::new(Server {
+        cfg,
+        sessions: Mutex::new(HashMap::new()),
+        tickets: Tickets::default(),
+        active: AtomicUsize::new(0),
+        intake: Arc::default(),
+    });
     let mut fds = [
         libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         libc::pollfd { fd: shutdown.rx.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -320,6 +328,7 @@ fn control(
                     staging: srv.cfg.staging,
                     writers: srv.cfg.writers,
                     idle_timeout: srv.cfg.idle_timeout,
+                    intake: srv.intake.clone(),
                 };
                 let prepared = match recv::prepare(cfg) {
                     Ok(p) => p,

@@ -26,11 +26,28 @@
 //! shares — fairness — and one alone gives back streams the full link does
 //! not need.
 //!
+//! Those probes judge shares by small differences in a goodput that
+//! wanders by tens of percent while transfers compete, so on their own
+//! they balance slowly. When the receiving server reports that it is
+//! taking in several transfers at once, the tuner balances instead of
+//! probing: over a few seconds it compares its own intake with the
+//! server's, and while its share is more than [`Params::fair_band`] off an
+//! even split, it moves half of the way (in ratio) to the count that would
+//! even it out (on a full link streams get about equal rates, so
+//! `n · fair / share`); the others move the other half.
+//! Fewer streams are kept only if the others took up at least half of what
+//! this transfer gave back (the bottleneck is shared), more only if this
+//! transfer gained; a move that fails backs off like a failed probe. A
+//! transfer that starts beside others stops doubling once it sees a queue
+//! or holds more than an even share, and balances from there. (A transfer
+//! sharing the server but not the bottleneck with the others is therefore
+//! not grown past an even share by probes.)
+//!
 //! Streams cannot help when the source disk is the bottleneck (no block is
 //! waiting for a stream) or the destination is (its staging is full): then
 //! the tuner adds none.
 
-use crate::{Observation, Tuner, Windows};
+use crate::{Observation, Tuner, Window, Windows};
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,6 +74,11 @@ pub struct Params {
     pub queue_slack: f64,
     /// A goodput this far (relative) from the held one for two windows means the link changed.
     pub change: f64,
+    /// While a server takes in several transfers, how far (relative) a
+    /// share may stray from an even split before streams are moved.
+    pub fair_band: f64,
+    /// Least time over which shares are compared.
+    pub share_window: Duration,
 }
 
 impl Default for Params {
@@ -74,6 +96,8 @@ impl Default for Params {
             tolerance: 0.03,
             queue_slack: 0.15,
             change: 0.3,
+            fair_band: 0.1,
+            share_window: Duration::from_secs(3),
         }
     }
 }
@@ -94,6 +118,33 @@ enum Phase {
     Hold { next_probe: Duration, up: bool, odd_windows: u32 },
     /// Trying `n` against `base`.
     Probe { up: bool },
+    /// Took (`up`) or gave back streams to even out the shares of one
+    /// server, which took in `before` at `base`.
+    Balance { up: bool, before: Intake },
+}
+
+/// Intake measured since the last change settled.
+#[derive(Debug, Default, Clone, Copy)]
+struct Intake {
+    length: Duration,
+    own: u64,
+    server: u64,
+}
+
+impl Intake {
+    fn add(&mut self, w: &Window) {
+        self.length += w.length;
+        self.own += w.delivered;
+        self.server += w.server_delivered;
+    }
+
+    fn rate(&self) -> f64 {
+        self.own as f64 / self.length.as_secs_f64()
+    }
+
+    fn server_rate(&self) -> f64 {
+        self.server as f64 / self.length.as_secs_f64()
+    }
 }
 
 pub struct Auto {
@@ -102,8 +153,11 @@ pub struct Auto {
     phase: Phase,
     base: Base,
     backoff: Duration,
+    /// No yield or claim before this.
+    next_balance: Duration,
     changed_at: Duration,
     windows: Windows,
+    intake: Intake,
     rtt_min: Duration,
 }
 
@@ -116,8 +170,10 @@ impl Auto {
             phase: Phase::Ramp { prev: None },
             base: Base { n, goodput: 0.0, queued: false },
             backoff: p.probe_interval,
+            next_balance: Duration::ZERO,
             changed_at: Duration::ZERO,
             windows: Windows::default(),
+            intake: Intake::default(),
             rtt_min: Duration::MAX,
         }
     }
@@ -143,7 +199,65 @@ impl Auto {
         self.n = n;
         self.changed_at = now;
         self.windows.restart();
+        self.intake = Intake::default();
         Some(n)
+    }
+
+    /// Moves streams toward an even split of a server shared by `transfers`
+    /// transfers, when the shares measured over [`Params::share_window`]
+    /// call for it (not while a failed move backs off).
+    ///
+    /// On a full link each stream gets about the same rate, so the count
+    /// that gives an even split is about `n · fair / share`. The others
+    /// move too, toward the same split, so each goes half of the way (in
+    /// ratio: `n · √(fair / share)`), at most halving or doubling.
+    fn balance(&mut self, now: Duration, transfers: usize, can_grow: bool) -> Option<usize> {
+        if self.intake.length < self.p.share_window || self.intake.server == 0 || now < self.next_balance {
+            return None;
+        }
+        let before = std::mem::take(&mut self.intake);
+        let share = before.own as f64 / before.server as f64;
+        let fair = 1.0 / transfers as f64;
+        let n = self.n as f64;
+        let even = ((n * (fair / share).sqrt()).round() as usize).clamp(self.n.div_ceil(2), (self.n * 2).min(self.p.max_streams));
+        let up = if share > fair * (1.0 + self.p.fair_band) && even < self.n {
+            false
+        } else if share < fair * (1.0 - self.p.fair_band) && can_grow && even > self.n {
+            true
+        } else {
+            return None;
+        };
+        self.base = Base { n: self.n, goodput: before.rate(), queued: true };
+        self.go(now, even, Phase::Balance { up, before })
+    }
+
+    /// The share of the server's intake above which this transfer takes
+    /// more than its part.
+    fn fair_share(&self, transfers: usize) -> f64 {
+        (1.0 + self.p.fair_band) / transfers as f64
+    }
+
+    /// Judges a balancing move once its intake has been measured long
+    /// enough: more streams are kept if they brought more, fewer if what
+    /// they gave up went at least half to the other transfers (the
+    /// bottleneck is shared) or cost nothing.
+    fn judge_balance(&mut self, now: Duration, up: bool, before: Intake, here: Base) -> Option<usize> {
+        let after = self.intake;
+        let own = after.rate() - before.rate();
+        let others = (after.server_rate() - after.rate()) - (before.server_rate() - before.rate());
+        let kept = if up { own > before.rate() * self.p.tolerance } else { own >= 0.0 || others >= -0.5 * own };
+        let base = self.base;
+        if kept {
+            self.backoff = self.p.probe_interval;
+            self.next_balance = now;
+            self.base = here;
+            self.phase = Phase::Hold { next_probe: now + self.backoff, up: false, odd_windows: 0 };
+            None
+        } else {
+            self.next_balance = now + self.backoff;
+            self.backoff = (self.backoff * 2).min(self.p.max_probe_interval);
+            self.hold(now, base, false)
+        }
     }
 
     fn hold(&mut self, now: Duration, base: Base, up: bool) -> Option<usize> {
@@ -160,9 +274,24 @@ impl Auto {
         }
     }
 
-    fn decide(&mut self, now: Duration, g: f64, queued: bool, can_grow: bool) -> Option<usize> {
+    fn decide(&mut self, now: Duration, w: &Window, queued: bool, can_grow: bool, transfers: usize) -> Option<usize> {
+        let g = w.goodput;
         let here = Base { n: self.n, goodput: g, queued };
+        self.intake.add(w);
         match self.phase {
+            Phase::Balance { up, before } => {
+                if self.intake.length < self.p.share_window {
+                    return None;
+                }
+                let here = Base { goodput: self.intake.rate(), ..here };
+                self.judge_balance(now, up, before, here)
+            }
+            Phase::Ramp { .. } if transfers >= 2 && (queued || w.share() > self.fair_share(transfers)) => {
+                // A full link, or more than an even share, with other
+                // transfers into the same server: balancing, not doubling,
+                // finds this transfer's count.
+                self.hold(now, here, false)
+            }
             Phase::Ramp { prev } => {
                 let better = prev.is_none_or(|b| self.pays(b, self.n, g));
                 if !better {
@@ -206,6 +335,15 @@ impl Auto {
                     self.base.queued = queued;
                 }
                 let odd_windows = if off { odd_windows + 1 } else { 0 };
+                if transfers >= 2 {
+                    // Shares, not probes, decide while others take in too:
+                    // a probe's gain would mostly be what it took from them.
+                    let decision = self.balance(now, transfers, can_grow);
+                    if matches!(self.phase, Phase::Hold { .. }) {
+                        self.phase = Phase::Hold { next_probe, up, odd_windows };
+                    }
+                    return decision;
+                }
                 if now < next_probe {
                     self.phase = Phase::Hold { next_probe, up, odd_windows };
                     return None;
@@ -247,10 +385,10 @@ impl Tuner for Auto {
             self.windows.restart();
             return None;
         }
-        let g = self.windows.measure(o, self.changed_at, self.p.settle, self.p.window)?;
+        let w = self.windows.measure(o, self.changed_at, self.p.settle, self.p.window)?;
         let queued = o.rtt > self.rtt_min.mul_f64(1.0 + self.p.queue_slack) + Duration::from_millis(1);
         let can_grow = o.starved < 0.5 && o.staged < 0.8;
-        self.decide(o.now, g, queued, can_grow)
+        self.decide(o.now, &w, queued, can_grow, o.server.transfers)
     }
 }
 
@@ -282,6 +420,11 @@ mod tests {
 
     fn paper_link() -> Link {
         Link::new(100.0, Duration::from_millis(20), 100, 65536)
+    }
+
+    /// The paper's link with the share wobble of real TCP.
+    fn shared_link() -> Link {
+        Link { jitter: 0.2, ..paper_link() }
     }
 
     #[test]
@@ -337,7 +480,7 @@ mod tests {
     #[test]
     fn two_transfers_on_one_link_share_it_fairly() {
         let (mut a, mut b) = (auto(), auto());
-        let traces = run_shared(vec![(&mut a, Duration::ZERO), (&mut b, Duration::ZERO)], &mut paper_link(), Duration::from_secs(90), &[]);
+        let traces = run_shared(vec![(&mut a, Duration::ZERO), (&mut b, Duration::ZERO)], &mut shared_link(), Duration::from_secs(90), &[]);
         let (ga, gb) = (traces[0].goodput_mbit_after(30 * SECOND), traces[1].goodput_mbit_after(30 * SECOND));
         assert!(ga.min(gb) / ga.max(gb) > 0.8, "{ga} vs {gb}");
         assert!(ga + gb > 90.0);
@@ -347,7 +490,7 @@ mod tests {
     fn a_late_second_transfer_still_gets_its_share() {
         // a has the link to itself for 30 s, then b starts.
         let (mut a, mut b) = (auto(), auto());
-        let traces = run_shared(vec![(&mut a, Duration::ZERO), (&mut b, 30 * SECOND)], &mut paper_link(), Duration::from_secs(150), &[]);
+        let traces = run_shared(vec![(&mut a, Duration::ZERO), (&mut b, 30 * SECOND)], &mut shared_link(), Duration::from_secs(150), &[]);
         let (ga, gb) = (traces[0].goodput_mbit_after(90 * SECOND), traces[1].goodput_mbit_after(60 * SECOND));
         assert!(ga.min(gb) / ga.max(gb) > 0.8, "{ga} vs {gb}: {:?} / {:?}", traces[0].changes, traces[1].changes);
     }
@@ -380,6 +523,7 @@ mod tests {
                 streams: t.n,
                 starved: if i % 2 == 0 { 0.9 } else { 0.2 },
                 staged: if i % 2 == 0 { 0.0 } else { 0.95 },
+                ..Default::default()
             };
             if let Some(n) = t.observe(&o) {
                 assert!(n <= 4, "grew to {n}");

@@ -29,7 +29,7 @@ pub mod sim;
 use std::time::Duration;
 
 /// What the engine measured, as of `now`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
 pub struct Observation {
     /// Time since the transfer started.
     pub now: Duration,
@@ -48,6 +48,17 @@ pub struct Observation {
     /// How full the receiver's staging is (0..1): near 1, its writers (the
     /// destination disk) are the bottleneck.
     pub staged: f64,
+    /// What the receiving server takes in for all of its transfers.
+    pub server: ServerLoad,
+}
+
+/// The receiving server's intake, this transfer's included.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct ServerLoad {
+    /// Payload bytes taken off the network so far, for all transfers.
+    pub delivered: u64,
+    /// Transfers receiving now (0: not known).
+    pub transfers: usize,
 }
 
 /// A policy for the number of streams.
@@ -90,8 +101,32 @@ impl RttWindow {
 /// Goodput over measuring windows, each starting once the last change has settled.
 #[derive(Debug, Default, Clone)]
 pub struct Windows {
-    /// Start of the window being measured: (time, delivered).
-    start: Option<(Duration, u64)>,
+    /// Start of the window being measured: (time, delivered, server's delivered).
+    start: Option<(Duration, u64, u64)>,
+}
+
+/// What one measuring window saw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Window {
+    pub length: Duration,
+    /// This transfer's goodput, bytes/s.
+    pub goodput: f64,
+    /// Bytes this transfer delivered in the window.
+    pub delivered: u64,
+    /// Bytes the receiving server took in for all transfers in the window.
+    pub server_delivered: u64,
+}
+
+impl Window {
+    /// This transfer's part of what the server took in (1 when the server
+    /// reports nothing).
+    pub fn share(&self) -> f64 {
+        if self.server_delivered == 0 {
+            1.0
+        } else {
+            self.delivered as f64 / self.server_delivered as f64
+        }
+    }
 }
 
 impl Windows {
@@ -100,20 +135,27 @@ impl Windows {
         self.start = None;
     }
 
-    /// The goodput (bytes/s) of a window that closes at `o.now`, if one
-    /// does: windows start `settle` (and at least 6 round trips) after
-    /// `changed_at` and last `window` (and at least 10 round trips).
-    pub fn measure(&mut self, o: &Observation, changed_at: Duration, settle: Duration, window: Duration) -> Option<f64> {
+    /// The window that closes at `o.now`, if one does: windows start
+    /// `settle` (and at least 6 round trips) after `changed_at` and last
+    /// `window` (and at least 10 round trips).
+    pub fn measure(&mut self, o: &Observation, changed_at: Duration, settle: Duration, window: Duration) -> Option<Window> {
         if o.now < changed_at + settle.max(o.rtt * 6) {
             self.start = None;
             return None;
         }
-        let (t0, d0) = *self.start.get_or_insert((o.now, o.delivered));
+        let (t0, d0, s0) = *self.start.get_or_insert((o.now, o.delivered, o.server.delivered));
         if o.now < t0 + window.max(o.rtt * 10) {
             return None;
         }
-        self.start = Some((o.now, o.delivered));
-        Some(o.delivered.saturating_sub(d0) as f64 / (o.now - t0).as_secs_f64())
+        self.start = Some((o.now, o.delivered, o.server.delivered));
+        let delivered = o.delivered.saturating_sub(d0);
+        let length = o.now - t0;
+        Some(Window {
+            length,
+            goodput: delivered as f64 / length.as_secs_f64(),
+            delivered,
+            server_delivered: o.server.delivered.saturating_sub(s0),
+        })
     }
 }
 

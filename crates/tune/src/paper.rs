@@ -181,6 +181,7 @@ mod tests {
             streams,
             starved: 0.0,
             staged: 0.0,
+            ..Default::default()
         };
         assert_eq!(t.observe(&o(0, 0, 1)), None);
         // 1,000 bytes in 10 ms: far more than one 64 KiB window per 20 ms? no: 100 kB/s < 0.8 · 3.3 MB/s.

@@ -72,7 +72,7 @@ impl Readers {
 
     /// Takes a measurement; returns a new reader count when it decides to change it.
     pub fn observe(&mut self, o: &Observation) -> Option<usize> {
-        let g = self.windows.measure(o, self.changed_at, self.p.settle, self.p.window)?;
+        let g = self.windows.measure(o, self.changed_at, self.p.settle, self.p.window)?.goodput;
         if let Some((before, g0)) = self.trying.take() {
             if g >= g0 * (1.0 + self.p.gain) {
                 self.backoff = self.p.backoff;
@@ -111,6 +111,7 @@ mod tests {
                 streams: 4,
                 starved,
                 staged: 0.0,
+                ..Default::default()
             };
             if let Some(n) = t.observe(&o) {
                 counts.push(n);

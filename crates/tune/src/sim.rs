@@ -7,10 +7,11 @@
 //! flight fit in the bandwidth-delay product the link is idle part of the
 //! time; up to the queue's size more only lengthens the round trip; beyond
 //! it, drops hold the goodput to the loss-limited rate of [`crate::model`].
-//! Several transfers can share the link: the rate is split in proportion to
-//! their bytes in flight.
+//! Several transfers can share the link, all to one receiving server: the
+//! rate is split in proportion to their bytes in flight, each share
+//! wobbling by up to [`Link::jitter`] as real congestion control makes it.
 
-use crate::{model, Observation, Tuner};
+use crate::{model, Observation, ServerLoad, Tuner};
 use std::time::Duration;
 
 /// Simulation step.
@@ -31,11 +32,17 @@ pub struct Link {
     pub window: u64,
     /// Random loss probability per packet (0: none).
     pub loss: f64,
+    /// Standard deviation of each transfer's share of a shared link,
+    /// relative, wandering with a time constant of [`JITTER_TIME`] (0: none).
+    pub jitter: f64,
 }
+
+/// Time constant of the shares' wobble.
+pub const JITTER_TIME: Duration = Duration::from_secs(1);
 
 impl Link {
     pub fn new(rate_mbit: f64, base_rtt: Duration, queue_packets: u32, window: u64) -> Link {
-        Link { rate: rate_mbit * 1e6 / 8.0, base_rtt, queue: queue_packets as f64 * model::PACKET, window, loss: 0.0 }
+        Link { rate: rate_mbit * 1e6 / 8.0, base_rtt, queue: queue_packets as f64 * model::PACKET, window, loss: 0.0, jitter: 0.0 }
     }
 
     /// Per-stream ceiling on the window set by random loss (Mathis et al.).
@@ -61,6 +68,8 @@ struct Flow<'a> {
     target: usize,
     streams: Vec<Stream>,
     delivered: f64,
+    /// Relative deviation of its share now.
+    wobble: f64,
     trace: Trace,
 }
 
@@ -115,12 +124,14 @@ pub fn run_shared(tuners: Vec<(&mut dyn Tuner, Duration)>, link: &mut Link, leng
         .into_iter()
         .map(|(t, start)| {
             let target = t.initial();
-            Flow { tuner: t, start, target, streams: Vec::new(), delivered: 0.0, trace: Trace::default() }
+            Flow { tuner: t, start, target, streams: Vec::new(), delivered: 0.0, wobble: 0.0, trace: Trace::default() }
         })
         .collect();
     let mut now = Duration::ZERO;
     let mut rtt = link.base_rtt;
     let mut next_observation = Duration::ZERO;
+    let mut random = 0x9e37_79b9_7f4a_7c15u64;
+    let keep = (-STEP.as_secs_f64() / JITTER_TIME.as_secs_f64()).exp();
     while now < length {
         for e in events.iter().filter(|e| e.at >= now && e.at < now + STEP) {
             link.rate = e.rate_mbit * 1e6 / 8.0;
@@ -134,8 +145,18 @@ pub fn run_shared(tuners: Vec<(&mut dyn Tuner, Duration)>, link: &mut Link, leng
         }
         let cap = (link.window as f64).min(link.loss_window());
         let opening = 2 * rtt;
+        for f in &mut flows {
+            // xorshift64, mapped to a uniform deviate of unit variance.
+            random ^= random << 13;
+            random ^= random >> 7;
+            random ^= random << 17;
+            let u = (random >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+            f.wobble = keep * f.wobble + (1.0 - keep * keep).sqrt() * link.jitter * 3f64.sqrt() * u;
+        }
         let inflight: Vec<f64> =
             flows.iter().map(|f| f.streams.iter().filter(|s| s.age >= opening).map(|s| s.cwnd.min(cap)).sum()).collect();
+        let weight: Vec<f64> = flows.iter().zip(&inflight).map(|(f, b)| b * (1.0 + f.wobble).max(0.1)).collect();
+        let weights: f64 = weight.iter().sum();
         let open: Vec<usize> = flows.iter().map(|f| f.streams.iter().filter(|s| s.age >= opening).count()).collect();
         let total: f64 = inflight.iter().sum();
         let bdp = link.rate * link.base_rtt.as_secs_f64();
@@ -150,7 +171,7 @@ pub fn run_shared(tuners: Vec<(&mut dyn Tuner, Duration)>, link: &mut Link, leng
         };
         rtt = r;
         for (i, f) in flows.iter_mut().enumerate().filter(|(_, f)| f.start <= now) {
-            let share = if total > 0.0 { rate * inflight[i] / total } else { 0.0 };
+            let share = if weights > 0.0 { rate * weight[i] / weights } else { 0.0 };
             f.delivered += share * STEP.as_secs_f64();
             f.trace.steps.push((now - f.start, f.target, open[i], share));
             for s in &mut f.streams {
@@ -164,6 +185,11 @@ pub fn run_shared(tuners: Vec<(&mut dyn Tuner, Duration)>, link: &mut Link, leng
         now += STEP;
         if now >= next_observation {
             next_observation = now + OBSERVE_EVERY;
+            let started = |f: &&mut Flow| f.start <= now;
+            let server = ServerLoad {
+                delivered: flows.iter_mut().filter(started).map(|f| f.delivered as u64).sum(),
+                transfers: flows.iter_mut().filter(started).count(),
+            };
             for (i, f) in flows.iter_mut().enumerate().filter(|(_, f)| f.start <= now) {
                 let o = Observation {
                     now: now - f.start,
@@ -173,6 +199,7 @@ pub fn run_shared(tuners: Vec<(&mut dyn Tuner, Duration)>, link: &mut Link, leng
                     streams: open[i],
                     starved: 0.0,
                     staged: 0.0,
+                    server,
                 };
                 if let Some(n) = f.tuner.observe(&o) {
                     f.target = n.max(1);
