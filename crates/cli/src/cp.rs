@@ -66,7 +66,7 @@ pub struct CpArgs {
     pub token: TokenArgs,
 }
 
-fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
+pub fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
     let v = parse_size(s)?;
     if !(4096..=(64 << 20)).contains(&v) {
         return Err("block size must be between 4K and 64M".into());
@@ -74,7 +74,7 @@ fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
     Ok(v)
 }
 
-fn parse_staging(s: &str) -> std::result::Result<u64, String> {
+pub fn parse_staging(s: &str) -> std::result::Result<u64, String> {
     let v = parse_size(s)?;
     if !((1 << 20)..=(1 << 40)).contains(&v) {
         return Err("staging must be between 1M and 1T".into());

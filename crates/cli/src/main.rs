@@ -2,11 +2,14 @@
 //!
 //! Subcommands: `serve` (the daemon), `cp` (copy files between local paths
 //! and servers), `ls` (list what a server path names), `bench` (network and
-//! disk throughput between two endpoints) and `token` (make a shared secret). Errors are printed as one
-//! line and mapped to the exit codes documented in docs/CLI.md.
+//! disk throughput between two endpoints), `token` (make a shared secret),
+//! and the batch-job commands `submit`, `run` and `status` (with `agent`,
+//! which `run` starts on the nodes). Errors are printed as one line and
+//! mapped to the exit codes documented in docs/CLI.md.
 
 mod bench;
 mod cp;
+mod job;
 mod location;
 mod ls;
 mod report;
@@ -41,6 +44,15 @@ enum Cmd {
         /// Where to write the token.
         file: PathBuf,
     },
+    /// Check a job file and submit it to Slurm as a batch job (--dry-run: print the script).
+    Submit(job::SubmitArgs),
+    /// Run a job: the process manager and its transfer agents (inside an allocation, or on this machine).
+    Run(job::RunArgs),
+    /// Show the progress or the final report of a job.
+    Status(job::StatusArgs),
+    /// A transfer agent of a running job (started by `dmover run`).
+    #[command(hide = true)]
+    Agent(job::AgentArgs),
 }
 
 /// Options shared by commands that talk to servers.
@@ -111,6 +123,10 @@ fn main() {
         Cmd::Ls(a) => ls::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Token { file } => write_token(&file).map(|()| 0),
+        Cmd::Submit(a) => job::submit(a),
+        Cmd::Run(a) => job::run(a),
+        Cmd::Status(a) => job::status(a),
+        Cmd::Agent(a) => job::agent(a),
     };
     match r {
         Ok(code) => std::process::exit(code),

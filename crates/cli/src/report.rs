@@ -1,7 +1,7 @@
 //! What the user sees: the live progress line while a transfer runs, and the
 //! report at the end (a human summary, or JSON with `--json`).
 
-use dmover_engine::progress::Progress;
+use dmover_engine::progress::{human, Check, Progress};
 use dmover_proto::frame::Stats;
 use dmover_proto::ErrorKind;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -38,18 +38,6 @@ pub struct ErrorReport {
     pub code: ErrorKind,
 }
 
-/// The completion check: the source list reconciled against what the
-/// destination confirmed.
-#[derive(Serialize)]
-pub struct Check {
-    pub passed: bool,
-    pub source_files: u64,
-    pub source_bytes: u64,
-    pub dest_files: u64,
-    pub dest_bytes: u64,
-    pub digests_match: bool,
-}
-
 #[derive(Serialize)]
 pub struct Report {
     pub ok: bool,
@@ -73,14 +61,7 @@ pub struct Report {
 impl Report {
     pub fn from_stats(s: &Stats) -> Report {
         let seconds = s.nanos as f64 / 1e9;
-        let check = Check {
-            passed: s.errors.is_empty() && s.dest_files == s.files && s.dest_bytes == s.bytes && s.digests_match,
-            source_files: s.files,
-            source_bytes: s.bytes,
-            dest_files: s.dest_files,
-            dest_bytes: s.dest_bytes,
-            digests_match: s.digests_match,
-        };
+        let check = Check::new(!s.errors.is_empty(), (s.files, s.bytes), (s.dest_files, s.dest_bytes), s.digests_match);
         Report {
             ok: check.passed,
             files: s.files,
@@ -162,21 +143,6 @@ pub fn failure_json(e: &dmover_engine::Error) -> String {
         "error": { "kind": e.kind.name(), "subject": e.subject, "message": e.message, "exit_code": e.kind as i32 },
     });
     serde_json::to_string_pretty(&v).expect("a report serializes")
-}
-
-pub fn human(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < units.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", units[i])
-    }
 }
 
 /// The progress line on stderr, redrawn from the engine's counters; shown

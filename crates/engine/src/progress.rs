@@ -54,3 +54,46 @@ impl Progress {
         c.fetch_add(v, Ordering::Relaxed);
     }
 }
+
+/// The completion check of a transfer or a job: the source list
+/// reconciled against what the destination confirmed.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Check {
+    pub passed: bool,
+    pub source_files: u64,
+    pub source_bytes: u64,
+    pub dest_files: u64,
+    pub dest_bytes: u64,
+    pub digests_match: bool,
+}
+
+impl Check {
+    /// Passed when nothing failed, every file and byte listed was confirmed
+    /// and the set digests matched.
+    pub fn new(failures: bool, source: (u64, u64), dest: (u64, u64), digests_match: bool) -> Check {
+        Check {
+            passed: !failures && source == dest && digests_match,
+            source_files: source.0,
+            source_bytes: source.1,
+            dest_files: dest.0,
+            dest_bytes: dest.1,
+            digests_match,
+        }
+    }
+}
+
+/// A byte count for people: `512 B`, `1.5 MiB`.
+pub fn human(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < units.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", units[i])
+    }
+}

@@ -3,7 +3,8 @@
 //! Files flow through four stages, each in its own threads, joined by
 //! channels and bounded by the staging pool and an announcement window:
 //!
-//! 1. the walker lists the sources and streams entries as it finds them;
+//! 1. the walker lists the sources and streams entries as it finds them
+//!    (or the caller feeds files while the transfer runs, [`Files::Feed`]);
 //! 2. the announcer (the caller's thread) gives each file an id and a host
 //!    (round-robin over the destination hosts, skipping a host whose window
 //!    is full) and announces it on that host's control connection, up to
@@ -81,10 +82,39 @@ pub struct HostLink {
     pub connect: Option<Connector>,
 }
 
+/// How a file was settled.
+#[derive(Debug, Clone, Copy)]
+pub enum Settled<'a> {
+    /// Sent and verified at the destination.
+    Sent,
+    /// Already complete at the destination (sync, or a resumed transfer).
+    Skipped,
+    Failed(&'a FileError),
+}
+
+/// Hears of each file once it is settled: its attributes (the name is its
+/// destination name), the index of the host it went to, and the outcome.
+/// Called from the engine's threads; keep it short.
+pub type SettleHook = Arc<dyn Fn(&FileMeta, usize, Settled<'_>) + Send + Sync>;
+
+/// A file fed to a transfer, and the host it must go to (an index into
+/// the links; None: the next host with room, round-robin). A caller that
+/// may send a file again pins it, so that every attempt lands in the same
+/// place (and resumes there).
+pub struct FedFile {
+    pub entry: Entry,
+    pub host: Option<usize>,
+}
+
 /// What to send.
 pub enum Files {
     /// Files found by walking `specs` under `root`.
     Walk { root: Root, specs: Vec<String> },
+    /// Files the caller hands over while the transfer runs; the transfer
+    /// ends once the channel is closed and every file is settled. `settled`
+    /// hears of each file's outcome, so the caller can hand out more work
+    /// or give a failed file to someone else.
+    Feed { entries: Receiver<FedFile>, settled: SettleHook },
     /// One file of `size` bytes made up in memory (benchmarks).
     Generate { name: String, size: u64 },
 }
@@ -193,6 +223,8 @@ pub(crate) struct Shared {
     ping_every: Duration,
     /// Control-channel measurements per host.
     pub(crate) meters: Vec<Meter>,
+    /// Told of each settled file (fed transfers).
+    settled: Option<SettleHook>,
     sent: AtomicU64,
     /// Bytes that have been given a time slot under the bandwidth limit.
     paced: AtomicU64,
@@ -361,9 +393,12 @@ impl Shared {
     }
 
     /// A file is settled (done, skipped, failed or abandoned).
-    fn settle(&self, f: &SendFile, update: impl FnOnce(&mut Tally)) {
+    fn settle(&self, f: &SendFile, how: Settled<'_>, update: impl FnOnce(&mut Tally)) {
         if self.files.lock().expect("files lock").remove(&f.id).is_none() {
             return; // settled already (a failure reported by both ends)
+        }
+        if let Some(hook) = &self.settled {
+            hook(&f.meta, f.host, how);
         }
         let mut t = self.tally.lock().expect("tally lock");
         t.outstanding[f.host] -= 1;
@@ -376,7 +411,8 @@ impl Shared {
     fn file_error(&self, f: &SendFile, path: String, kind: ErrorKind, message: String) {
         let path = if path.is_empty() { f.meta.path.clone() } else { path };
         log::info!("{path}: {message}");
-        self.settle(f, |t| t.errors.push(FileError { path, kind, message }));
+        let e = FileError { path, kind, message };
+        self.settle(f, Settled::Failed(&e), |t| t.errors.push(e.clone()));
     }
 }
 
@@ -389,6 +425,10 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
     let block_size = cfg.options.block_size as u64;
     let streams: usize = links.iter().map(|l| l.data.len()).sum();
     let generate = matches!(files, Files::Generate { .. });
+    let settled = match &files {
+        Files::Feed { settled, .. } => Some(settled.clone()),
+        _ => None,
+    };
     let min_blocks = streams + cfg.concurrency;
     let pool = if generate {
         Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_block)
@@ -431,6 +471,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         tally: Mutex::new(tally),
         changed: Condvar::new(),
         meters: (0..n).map(|_| Meter::default()).collect(),
+        settled,
         ctl,
         data_tx,
         data_rx,
@@ -529,17 +570,25 @@ fn fill_block(b: &mut [u8]) {
 
 /// Walks the sources (in a thread) and announces every file.
 fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
-    let (tx, rx) = crossbeam_channel::bounded::<Event>(WALK_AHEAD);
+    // Each event with the host it is pinned to, if any.
+    let (tx, rx) = crossbeam_channel::bounded::<(Event, Option<usize>)>(WALK_AHEAD);
     let root = match &files {
         Files::Walk { root, .. } => root.clone(),
-        Files::Generate { .. } => Root::local(),
+        Files::Feed { .. } | Files::Generate { .. } => Root::local(),
     };
     let walker = std::thread::spawn(move || match files {
-        Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send(ev).is_ok()),
+        Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send((ev, None)).is_ok()),
+        Files::Feed { entries, .. } => {
+            for f in entries {
+                if tx.send((Event::File(f.entry), f.host)).is_err() {
+                    return;
+                }
+            }
+        }
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644 };
-            let _ = tx.send(Event::File(Entry { path: PathBuf::new(), meta }));
+            let _ = tx.send((Event::File(Entry { path: PathBuf::new(), meta }), None));
         }
     });
     let hosts = sh.ctl.len();
@@ -547,19 +596,28 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     let mut queued = vec![false; hosts];
     let mut next_id = 0u64;
     let mut rr = 0usize;
-    for ev in rx.iter() {
+    loop {
+        // Polled, so that a fatal error ends the wait for a slow walk or feed.
+        let (ev, pinned) = match rx.recv_timeout(POLL) {
+            Ok(x) => x,
+            Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
+            Err(_) => break,
+        };
         if sh.stopped() {
             break;
         }
         match ev {
             Event::File(e) => {
+                // The hosts this file may go to, in order of preference.
+                let pinned = pinned.filter(|h| *h < hosts);
+                let order = |rr: usize| (0..hosts).map(move |i| (rr + i) % hosts).filter(move |h| pinned.is_none_or(|p| p == *h));
                 let host = {
                     let mut t = sh.tally.lock().expect("tally lock");
                     loop {
                         if sh.stopped() {
                             break None;
                         }
-                        if let Some(h) = (0..hosts).map(|i| (rr + i) % hosts).find(|h| t.outstanding[*h] < WINDOW) {
+                        if let Some(h) = order(rr).find(|h| t.outstanding[*h] < WINDOW) {
                             t.outstanding[h] += 1;
                             t.files += 1;
                             t.bytes += e.meta.size;
@@ -569,14 +627,16 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                         drop(t);
                         flush_queued(sh, &mut queued);
                         t = sh.tally.lock().expect("tally lock");
-                        if (0..hosts).any(|h| t.outstanding[h] < WINDOW) {
+                        if order(rr).any(|h| t.outstanding[h] < WINDOW) {
                             continue;
                         }
                         t = sh.changed.wait(t).expect("tally lock");
                     }
                 };
                 let Some(host) = host else { break };
-                rr = (host + 1) % hosts;
+                if pinned.is_none() {
+                    rr = (host + 1) % hosts;
+                }
                 Progress::add(&sh.progress.total_files, 1);
                 Progress::add(&sh.progress.total_bytes, e.meta.size);
                 next_id += 1;
@@ -603,7 +663,11 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     }
     flush_queued(sh, &mut queued);
     drop(rx);
-    let _ = walker.join();
+    // After a stop the walker ends by itself at its next entry (a feed's
+    // walker when its owner closes the feed): do not wait for it.
+    if !sh.stopped() {
+        let _ = walker.join();
+    }
     sh.progress.walk_done.store(true, Ordering::Relaxed);
     // Wait until every file is settled.
     let mut t = sh.tally.lock().expect("tally lock");
@@ -664,7 +728,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 if skip {
                     Progress::add(&sh.progress.done_files, 1);
                     Progress::add(&sh.progress.done_bytes, f.meta.size);
-                    sh.settle(&f, |t| {
+                    sh.settle(&f, Settled::Skipped, |t| {
                         t.skipped_files += 1;
                         t.skipped_bytes += f.meta.size;
                         t.shares[f.host].files += 1;
@@ -711,7 +775,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 }
                 Progress::add(&sh.progress.done_files, 1);
                 Progress::add(&sh.progress.done_bytes, f.meta.size);
-                sh.settle(&f, |t| {
+                sh.settle(&f, Settled::Sent, |t| {
                     t.shares[f.host].files += 1;
                     t.shares[f.host].bytes += f.meta.size;
                     t.sets[f.host].add(&f.meta.path, f.meta.size, &digest);

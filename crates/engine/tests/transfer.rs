@@ -104,7 +104,17 @@ fn run_transfer(
     cfg: SendConfig,
 ) -> Stats {
     let (ctl_a, ctl_b) = UnixStream::pair().unwrap();
-    let rcfg = RecvConfig {
+    let rcfg = recv_config(dest);
+    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
+    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], connect };
+    let files = Files::Walk { root: Root::local(), specs: vec![format!("{}/", src.display())] };
+    let stats = send::send(files, vec![link], cfg).expect("send");
+    receiver.join().unwrap().expect("receive");
+    stats
+}
+
+fn recv_config(dest: &Path) -> RecvConfig {
+    RecvConfig {
         root: Root::local(),
         dest: dest.display().to_string(),
         options: options(),
@@ -112,13 +122,7 @@ fn run_transfer(
         writers: 2,
         idle_timeout: Duration::from_secs(30),
         intake: Default::default(),
-    };
-    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
-    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], connect };
-    let files = Files::Walk { root: Root::local(), specs: vec![format!("{}/", src.display())] };
-    let stats = send::send(files, vec![link], cfg).expect("send");
-    receiver.join().unwrap().expect("receive");
-    stats
+    }
 }
 
 fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
@@ -265,4 +269,66 @@ fn streams_opened_and_dropped_mid_transfer_lose_nothing() {
     assert!(stats.digests_match && stats.errors.is_empty());
     let counts: Vec<u32> = stats.timeline.iter().map(|p| p.streams).collect();
     assert!(counts.starts_with(&[3, 1, 5, 2, 4, 1, 3]), "{counts:?}");
+}
+
+#[test]
+fn a_fed_transfer_reports_each_file_as_it_settles() {
+    use dmover_engine::send::Settled;
+    use dmover_engine::source::{meta_of, Entry};
+    use std::sync::Mutex;
+    let t = tempfile::tempdir().unwrap();
+    let (src, dest) = (t.path().join("src"), t.path().join("dest"));
+    std::fs::create_dir(&src).unwrap();
+    let names = ["a.dat", "b.dat", "gone.dat", "c.dat"];
+    for (i, n) in names.iter().enumerate() {
+        std::fs::write(src.join(n), random_bytes(3 * BLOCK as usize + i, i as u64)).unwrap();
+    }
+    let (ctl_a, ctl_b) = UnixStream::pair().unwrap();
+    let (d_a, d_b) = UnixStream::pair().unwrap();
+    let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
+    tx.send(Box::new(d_b)).unwrap();
+    drop(tx);
+    let rcfg = recv_config(&dest);
+    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let o = outcomes.clone();
+    let settled: send::SettleHook = Arc::new(move |meta: &FileMeta, host: usize, how: Settled<'_>| {
+        let failed = matches!(how, Settled::Failed(_));
+        o.lock().unwrap().push((meta.path.clone(), host, failed));
+    });
+    let (feed, entries) = crossbeam_channel::unbounded();
+    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![Box::new(d_a)], connect: None };
+    let sender = std::thread::spawn(move || send::send(Files::Feed { entries, settled }, vec![link], send_config()));
+    // Files are fed while the transfer runs; each is heard of as it settles.
+    for n in names {
+        let path = src.join(n);
+        let meta = meta_of(format!("sub/{n}"), &std::fs::metadata(&path).unwrap());
+        if n == "gone.dat" {
+            std::fs::remove_file(&path).unwrap();
+        }
+        feed.send(send::FedFile { entry: Entry { path, meta }, host: Some(0) }).unwrap();
+        let want = names.iter().position(|x| *x == n).unwrap() + 1;
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while outcomes.lock().unwrap().len() < want {
+            assert!(std::time::Instant::now() < end, "no outcome for {n}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    drop(feed);
+    let stats = sender.join().unwrap().expect("send");
+    receiver.join().unwrap().expect("receive");
+    let got = outcomes.lock().unwrap().clone();
+    let want: Vec<(String, usize, bool)> = names.iter().map(|n| (format!("sub/{n}"), 0, *n == "gone.dat")).collect();
+    assert_eq!(got, want);
+    assert_eq!((stats.files, stats.dest_files, stats.errors.len()), (4, 3, 1));
+    assert!(stats.digests_match);
+    for n in ["a.dat", "b.dat", "c.dat"] {
+        assert_eq!(
+            std::fs::read(dest.join("sub").join(n)).unwrap(),
+            random_bytes(
+                3 * BLOCK as usize + names.iter().position(|x| *x == n).unwrap(),
+                names.iter().position(|x| *x == n).unwrap() as u64
+            )
+        );
+    }
 }

@@ -1,0 +1,231 @@
+//! `dmover submit`, `dmover run`, `dmover status` and the hidden
+//! `dmover agent`: the command-line side of batch jobs. The job file is
+//! read and resolved into a [`Plan`] here (destination URL, sizes and token
+//! parsed as `dmover cp` parses them); everything else is in `dmover-job`.
+
+use crate::cp::{parse_block_size, parse_staging};
+use crate::location::Location;
+use crate::sizes::parse_size;
+use crate::TokenArgs;
+use clap::Args;
+use dmover_engine::{Error, Result};
+use dmover_job::agent::{self, AgentSpec};
+use dmover_job::jobfile::{self, JobFile};
+use dmover_job::manager::{self, Launch};
+use dmover_job::state::StateDir;
+use dmover_job::{sbatch, Plan};
+use dmover_proto::ErrorKind;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct SubmitArgs {
+    /// The job file (TOML).
+    pub job: PathBuf,
+    /// Print the batch script instead of submitting it.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Nodes to allocate (overrides slurm.nodes).
+    #[arg(short = 'N', long)]
+    pub nodes: Option<u32>,
+    /// Transfer agents per node (overrides slurm.tasks_per_node).
+    #[arg(long)]
+    pub ntasks_per_node: Option<u32>,
+    /// Partition (overrides slurm.partition).
+    #[arg(short, long)]
+    pub partition: Option<String>,
+    /// Time limit, e.g. 01:00:00 (overrides slurm.time).
+    #[arg(short, long)]
+    pub time: Option<String>,
+    /// Account to charge (overrides slurm.account).
+    #[arg(short = 'A', long)]
+    pub account: Option<String>,
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// The job file (TOML).
+    pub job: PathBuf,
+    /// Print the final report as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct StatusArgs {
+    /// The job file, or its state directory.
+    pub job: PathBuf,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct AgentArgs {
+    /// The manager's HOST:PORT.
+    #[arg(long)]
+    pub manager: String,
+    /// The job file.
+    pub job: PathBuf,
+}
+
+fn usage(subject: impl Into<String>, message: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Usage, subject, message)
+}
+
+/// Reads the job file and resolves it into a plan; checks nothing outside
+/// the file but the token and the source root's existence.
+fn load(path: &Path) -> Result<(JobFile, Plan)> {
+    let job_path = std::path::absolute(path).map_err(|e| Error::io(path.display().to_string(), &e))?;
+    let job = JobFile::load(&job_path)?;
+    let subject = job_path.display().to_string();
+    let command = job.command().map_err(|m| usage(&subject, m))?;
+    let (hosts, dest, token) = if command.is_some() {
+        // The command's own destinations: taken as written.
+        (job.dest_hosts.clone(), job.dest_root.clone(), Vec::new())
+    } else {
+        if let Some(h) = job.dest_hosts.iter().find(|h| h.contains([',', '/'])) {
+            return Err(usage(&subject, format!("dest_hosts: {h:?} is not host or host:port (one host per list entry)")));
+        }
+        let url = format!("dmover://{}/{}", job.dest_hosts.join(","), job.dest_root);
+        let (hosts, dest) = match Location::parse(&url) {
+            Ok(Location::Remote { hosts, path }) => (hosts, path.trim_end_matches('/').to_string()),
+            Ok(Location::Local(_)) => unreachable!("a dmover:// URL"),
+            Err(e) => return Err(usage(&subject, format!("dest_hosts / dest_root: {}", e.message))),
+        };
+        let token = match &job.token_file {
+            Some(f) => crate::read_token(Path::new(f))?,
+            None => TokenArgs { token_file: None }.token().map_err(|_| {
+                usage(&subject, "no token: set token_file in the job file or export DMOVER_TOKEN (it is passed on to the batch job)")
+            })?,
+        };
+        (hosts, dest, token)
+    };
+    let t = &job.transfer;
+    let size = |key: &str, v: &str, parse: fn(&str) -> std::result::Result<u64, String>| {
+        parse(v).map_err(|m| usage(&subject, format!("transfer.{key} = {v:?}: {m}")))
+    };
+    let source_root = Path::new(&job.source_root).canonicalize().map_err(|e| {
+        Error::new(ErrorKind::NotFound, &job.source_root, format!("source_root: {e}; check the path (it must be visible from every node)"))
+    })?;
+    let plan = Plan {
+        state_dir: jobfile::state_dir(&job_path),
+        job: job_path,
+        source_root,
+        sources: job.sources.clone(),
+        hosts,
+        dest,
+        token,
+        streams: t.streams,
+        concurrency: t.concurrency,
+        block_size: size("block_size", &t.block_size, parse_block_size)?,
+        staging: size("staging", &t.staging, parse_staging)?,
+        bwlimit: size("bwlimit", &t.bwlimit, parse_size)?,
+        sync: t.sync,
+        checksum: t.checksum,
+        attempts: t.attempts,
+        local_agents: job.slurm.tasks_per_node,
+        command,
+        // Checked when the job file was parsed.
+        checkpoint_before: job.slurm.checkpoint_before.as_deref().and_then(|t| jobfile::parse_time(t).ok()),
+        resubmit: job.slurm.resubmit,
+    };
+    Ok((job, plan))
+}
+
+/// Loads the job and checks it against the world: sources that match
+/// nothing and destinations that do not answer are refused here.
+fn load_checked(path: &Path) -> Result<(JobFile, Plan)> {
+    let (job, plan) = load(path)?;
+    jobfile::check_sources(&plan.source_root, &plan.sources)?;
+    match &plan.command {
+        Some(c) => c.check_program()?,
+        None => jobfile::check_hosts(&plan.hosts, &plan.token)?,
+    }
+    Ok((job, plan))
+}
+
+pub fn submit(a: SubmitArgs) -> Result<i32> {
+    let (job, plan) = load_checked(&a.job)?;
+    let mut slurm = job.slurm.clone();
+    slurm.nodes = a.nodes.unwrap_or(slurm.nodes);
+    slurm.tasks_per_node = a.ntasks_per_node.unwrap_or(slurm.tasks_per_node);
+    if slurm.nodes == 0 || slurm.tasks_per_node == 0 {
+        return Err(usage("--nodes/--ntasks-per-node", "must be at least 1"));
+    }
+    if let Some(p) = a.partition {
+        slurm.partition = Some(p);
+    }
+    if let Some(t) = a.time {
+        jobfile::parse_time(&t).map_err(|m| usage("--time", format!("{t:?}: {m}")))?;
+        slurm.time = Some(t);
+    }
+    if let Some(acc) = a.account {
+        slurm.account = Some(acc);
+    }
+    let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;
+    let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm);
+    if a.dry_run {
+        print!("{script}");
+        return Ok(0);
+    }
+    StateDir::new(&plan.state_dir).create()?;
+    let kept = plan.state_dir.join(sbatch::SCRIPT);
+    std::fs::write(&kept, &script).map_err(|e| Error::io(kept.display().to_string(), &e))?;
+    let id = sbatch::submit(&script)?;
+    println!("{id}");
+    eprintln!("dmover: submitted batch job {id}; follow it with `dmover status {}`", a.job.display());
+    Ok(0)
+}
+
+pub fn run(a: RunArgs) -> Result<i32> {
+    let (_, plan) = load_checked(&a.job)?;
+    let launch = if std::env::var_os("SLURM_JOB_ID").is_some() {
+        Launch::Srun { exe: std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))? }
+    } else {
+        Launch::Threads(plan.local_agents)
+    };
+    let report = manager::run(plan, launch)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
+    }
+    eprintln!("{}", report.summary());
+    Ok(report.exit_code())
+}
+
+pub fn status(a: StatusArgs) -> Result<i32> {
+    let dir = if a.job.is_dir() { a.job.clone() } else { jobfile::state_dir(&a.job) };
+    let state = StateDir::new(&dir);
+    let r = state.read()?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r).expect("a report serializes"));
+        return Ok(0);
+    }
+    println!("{}", r.summary());
+    let runs = state.runs();
+    if runs.len() > 1 {
+        println!("runs:");
+        for (i, run) in runs.iter().enumerate() {
+            let id = run.slurm_job_id.as_deref().map(|id| format!(" (Slurm job {id})")).unwrap_or_default();
+            let next = run.resubmitted_as.as_deref().map(|id| format!("; resubmitted as {id}")).unwrap_or_default();
+            println!("  {}{id}: {} after {:.1} s, {} files sent{next}", i + 1, run.state, run.seconds, run.files);
+        }
+    }
+    if r.state == "running" {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let age = now.saturating_sub(r.updated_unix);
+        if age > 10 {
+            println!("(last update {age} s ago: the manager may have stopped; `squeue` or slurm-*.out in {} say more)", dir.display());
+        }
+    }
+    Ok(0)
+}
+
+pub fn agent(a: AgentArgs) -> Result<i32> {
+    let (_, plan) = load(&a.job)?;
+    let token = std::env::var(agent::TOKEN_ENV)
+        .map_err(|_| usage(agent::TOKEN_ENV, "not set: agents are started by `dmover run`, which sets it"))?;
+    let task = std::env::var("SLURM_PROCID").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let spec = AgentSpec { manager: a.manager, token: token.into_bytes(), node: dmover_job::hostname(), task };
+    agent::run(&spec, &plan)?;
+    Ok(0)
+}

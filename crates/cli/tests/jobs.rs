@@ -1,0 +1,442 @@
+//! Batch jobs end to end: job files checked before anything runs, the
+//! batch script `dmover submit --dry-run` prints, `dmover run` on this
+//! machine, and jobs submitted to a real three-node Slurm cluster
+//! (shared/tools/slurm-local, started here and stopped when the tests end)
+//! whose agents send to real `dmover serve` processes.
+
+mod util;
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, Once};
+use std::time::{Duration, Instant};
+use util::*;
+
+/// This machine's name: inside the cluster's nodes it names the host side
+/// of their bridge, where the test's servers listen.
+fn hostname() -> String {
+    let out = std::process::Command::new("hostname").output().expect("hostname");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Servers listening on every address, so that the nodes can reach them.
+fn public_server(env: &Env, export: &Path) -> Server {
+    let mut spec = ServerSpec::new(&env.token, &[("dst", export)], &env.path(&format!("server-{}.log", unique())));
+    spec.listen = "0.0.0.0:0".into();
+    Server::start(spec)
+}
+
+struct Job {
+    path: PathBuf,
+    state: PathBuf,
+}
+
+/// Writes a job file sending `src` to `dst/in` on each of `servers`.
+fn write_job(env: &Env, name: &str, src: &Path, servers: &[&Server], extra: &str) -> Job {
+    let host = hostname();
+    let hosts: Vec<String> = servers.iter().map(|s| format!("\"{host}:{}\"", s.port)).collect();
+    let text = format!(
+        "source_root = \"{}\"\nsources = [\"**\"]\ndest_hosts = [{}]\ndest_root = \"dst/in\"\ntoken_file = \"{}\"\n{extra}",
+        src.display(),
+        hosts.join(", "),
+        env.token.display()
+    );
+    let path = env.path(&format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    Job { state: env.path(&format!("{name}.dmover")), path }
+}
+
+/// Asserts that every file of `src` arrived, byte for byte with its mode
+/// and mtime, at exactly one of `dsts`, and nothing else did.
+#[track_caller]
+fn assert_spread(src: &Path, dsts: &[PathBuf]) {
+    let want = list_files(src);
+    let mut seen = std::collections::BTreeMap::new();
+    for d in dsts {
+        for (k, n) in list_files(d) {
+            if k.starts_with(".dmover-partial/") {
+                continue;
+            }
+            assert!(seen.insert(k.clone(), d.clone()).is_none(), "{k} arrived at two destinations");
+            let Node::File { size, mode, mtime } = n else { unreachable!() };
+            match want.get(&k) {
+                Some(Node::File { size: s, mode: m, mtime: t }) => {
+                    assert_eq!((size, mode, mtime), (*s, *m, *t), "{k}: size, mode or mtime differs");
+                    assert!(same_content(&src.join(&k), &d.join(&k)), "{k}: content differs");
+                }
+                _ => panic!("{k}: at the destination {} but not in the source", d.display()),
+            }
+        }
+    }
+    let missing: Vec<&String> = want.keys().filter(|k| !seen.contains_key(*k)).collect();
+    assert!(missing.is_empty(), "{} files never arrived, e.g. {:?}", missing.len(), &missing[..missing.len().min(5)]);
+}
+
+fn read_report(path: &Path) -> Option<Value> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+fn node_files(report: &Value) -> std::collections::BTreeMap<String, u64> {
+    report["nodes"].as_array().unwrap().iter().map(|n| (n["name"].as_str().unwrap().to_string(), n["files"].as_u64().unwrap())).collect()
+}
+
+// ---------------------------------------------------------------------------
+// Without Slurm
+
+#[test]
+fn job_files_are_checked_before_anything_runs() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let good = write_job(&env, "good", &src, &[&srv], "");
+    let base = std::fs::read_to_string(&good.path).unwrap();
+    let case = |name: &str, text: String| {
+        let p = env.path(&format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        dmover(["submit", "--dry-run"]).arg(&p).run()
+    };
+    let r = case("unknown", format!("{base}[slurm]\nnodes = 2\ncpus = 4\n"));
+    r.assert_fails(2, &["unknown.toml", "unknown field `cpus`", "line"]);
+    let r = case("missing", base.lines().filter(|l| !l.starts_with("dest_root")).collect::<Vec<_>>().join("\n"));
+    r.assert_fails(2, &["missing field `dest_root`"]);
+    let r = case("nomatch", base.replace("[\"**\"]", "[\"*.h5\"]"));
+    r.assert_fails(3, &["\"*.h5\"", "matches nothing", "check the pattern"]);
+    let r = case("unreachable", base.replace(&format!(":{}\"", srv.port), &format!(":{}\"", closed_port())));
+    r.assert_fails(6, &["unreachable", "dmover serve"]);
+    let r = case("command", format!("agent = \"cp {{src}}\"\n{base}"));
+    r.assert_fails(2, &["{dst}"]);
+    assert!(!good.state.exists(), "nothing may be created by a refused job");
+}
+
+#[test]
+fn dry_run_prints_the_batch_script_with_overrides() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "move", &src, &[&srv], "[slurm]\nnodes = 2\ntasks_per_node = 4\npartition = \"debug\"\ntime = \"1:00:00\"\n");
+    let r = dmover(["submit", "--dry-run", "-N", "3", "--time", "00:05:00"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines[0], "#!/bin/bash");
+    for want in [
+        "#SBATCH --job-name=dmover-move",
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --partition=debug",
+        "#SBATCH --time=00:05:00",
+        &format!("#SBATCH --output={}/slurm-%j.out", job.state.display()),
+        &format!("exec {} run {}", BIN, job.path.display()),
+    ] {
+        assert!(lines.contains(&want), "missing {want:?} in:\n{}", r.stdout);
+    }
+    assert!(!r.stdout.contains("--nodes=2") && !r.stdout.contains("1:00:00"), "flags must override the job file:\n{}", r.stdout);
+    let r = dmover(["submit", "--dry-run", "--time", "soon"]).arg(&job.path).run();
+    r.assert_fails(2, &["--time", "HH:MM:SS"]);
+}
+
+#[test]
+fn run_without_slurm_uses_local_agents_and_a_rerun_sends_nothing() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 5, 300);
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    let job = write_job(&env, "local", &src, &[&sa, &sb], "[slurm]\ntasks_per_node = 3\n");
+    let r = dmover(["run", "--json"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "stderr:\n{}", r.stderr);
+    let j = r.json();
+    assert_eq!(j["state"], "finished", "{j:#}");
+    assert_eq!(j["check"]["passed"], true, "{j:#}");
+    assert_eq!(j["total_files"], 308);
+    assert_eq!(j["agents"].as_array().unwrap().len(), 3, "{j:#}");
+    let hosts = j["hosts"].as_array().unwrap();
+    assert_eq!(hosts.len(), 2, "{j:#}");
+    assert!(hosts.iter().all(|h| h["files"].as_u64().unwrap() > 50), "round-robin over both hosts: {j:#}");
+    assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
+    assert!(r.stderr.contains("check: passed"), "{}", r.stderr);
+    assert_eq!(read_report(&job.state.join("report.json")).unwrap(), j);
+    let done = std::fs::read_to_string(job.state.join("done.list")).unwrap();
+    assert_eq!(done.lines().count(), 308);
+
+    // A re-run sends nothing: every file is on the done list.
+    std::fs::remove_dir_all(out_a.join("in")).unwrap();
+    let r = dmover(["run", "--json"]).arg(&job.path).run();
+    let j = r.json();
+    assert_eq!(r.code, 0, "stderr:\n{}", r.stderr);
+    assert_eq!((j["earlier_files"].as_u64(), j["done_files"].as_u64()), (Some(308), Some(308)), "{j:#}");
+    assert!(!out_a.join("in").exists(), "a re-run sent files again");
+
+    let s = dmover(["status"]).arg(&job.path).run();
+    assert_eq!(s.code, 0, "{}", s.stderr);
+    assert!(s.stdout.contains("finished") && s.stdout.contains("308/308"), "{}", s.stdout);
+}
+
+// ---------------------------------------------------------------------------
+// On a three-node Slurm cluster
+
+/// The slurm-local tools (beside the project, in shared/tools).
+fn slurm_tools() -> PathBuf {
+    std::env::var_os("DMOVER_SLURM_LOCAL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tools/slurm-local"))
+}
+
+extern "C" fn slurm_down() {
+    let _ = std::process::Command::new(slurm_tools().join("slurm-down")).arg("-q").stdin(std::process::Stdio::null()).status();
+}
+
+/// Starts the cluster once for this test process (stopped at its exit) and
+/// serializes the tests that use it.
+fn cluster() -> MutexGuard<'static, ()> {
+    static UP: Once = Once::new();
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    UP.call_once(|| {
+        let tools = slurm_tools();
+        assert!(tools.join("slurm-up").exists(), "slurm-local not found at {} (set DMOVER_SLURM_LOCAL)", tools.display());
+        let out = std::process::Command::new(tools.join("slurm-up"))
+            .args(["--nodes", "3", "-q"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run slurm-up");
+        // SAFETY: registers a plain function to run at process exit.
+        unsafe { libc::atexit(slurm_down) };
+        assert!(out.status.success(), "slurm-up failed:\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    });
+    guard
+}
+
+/// Submits `job` and returns its Slurm job id.
+fn submit(job: &Job) -> String {
+    let r = dmover(["submit"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "submit: {}", r.stderr);
+    let id = r.stdout.trim().to_string();
+    assert!(!id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()), "job id: {:?}", r.stdout);
+    id
+}
+
+/// Waits for the job's final report.
+fn wait_report(job: &Job, id: &str, timeout: Duration) -> Value {
+    let end = Instant::now() + timeout;
+    loop {
+        if let Some(r) = read_report(&job.state.join("report.json")) {
+            return r;
+        }
+        if Instant::now() > end {
+            let out = std::fs::read_to_string(job.state.join(format!("slurm-{id}.out"))).unwrap_or_default();
+            let _ = std::process::Command::new("scancel").arg(id).status();
+            panic!("job {id} did not finish in {timeout:?}; its output:\n{out}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn slurm_job_moves_a_tree_with_agents_on_all_three_nodes() {
+    let _cluster = cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 11, 1992);
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    let job = write_job(&env, "tree", &src, &[&sa, &sb], "[slurm]\nnodes = 3\ntasks_per_node = 2\ntime = \"5\"\n");
+    let id = submit(&job);
+    let r = wait_report(&job, &id, Duration::from_secs(120));
+    let out = std::fs::read_to_string(job.state.join(format!("slurm-{id}.out"))).unwrap_or_default();
+    assert_eq!(r["state"], "finished", "report: {r:#}\noutput:\n{out}");
+    assert_eq!(r["check"]["passed"], true, "{r:#}");
+    assert_eq!(r["slurm_job_id"], id.as_str());
+    assert_eq!(r["total_files"], 2000);
+    assert_eq!(r["done_files"], 2000);
+    let agents = r["agents"].as_array().unwrap();
+    assert_eq!(agents.len(), 6, "one agent per task: {r:#}");
+    assert!(agents.iter().all(|a| a["state"] == "finished"), "{r:#}");
+    let nodes = node_files(&r);
+    assert_eq!(nodes.keys().collect::<Vec<_>>(), ["node1", "node2", "node3"], "{r:#}");
+    assert!(nodes.values().all(|f| *f > 0), "every node did work: {nodes:?}");
+    assert_eq!(nodes.values().sum::<u64>(), 2000);
+    let hosts = r["hosts"].as_array().unwrap();
+    assert_eq!(hosts.len(), 2, "{r:#}");
+    assert!(hosts.iter().all(|h| h["files"].as_u64().unwrap() > 0), "{r:#}");
+    assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
+    let s = dmover(["status"]).arg(&job.path).run();
+    assert!(s.stdout.contains("2000/2000") && s.stdout.contains("check: passed") && s.stdout.contains("node3"), "{}", s.stdout);
+}
+
+#[test]
+fn slurm_job_survives_an_agent_killed_mid_job() {
+    let _cluster = cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(3);
+    for i in 0..600 {
+        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 7)), 64 << 10, &mut rng);
+    }
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    // 1 MB/s per agent: the job takes several seconds, time enough to kill one.
+    let extra = "[transfer]\nbwlimit = \"1M\"\n[slurm]\nnodes = 3\ntasks_per_node = 2\n";
+    let job = write_job(&env, "kill", &src, &[&sa, &sb], extra);
+    let id = submit(&job);
+    let mut victim = None;
+    let found = wait_until(Duration::from_secs(60), || {
+        let Some(p) = read_report(&job.state.join("progress.json")) else { return false };
+        let a = p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned();
+        victim = a;
+        victim.is_some()
+    });
+    assert!(found, "no agent on node2 got going; progress: {:?}", std::fs::read_to_string(job.state.join("progress.json")));
+    let victim = victim.unwrap();
+    let pid = victim["pid"].as_i64().unwrap() as i32;
+    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0, "kill agent {victim}");
+    let r = wait_report(&job, &id, Duration::from_secs(120));
+    assert_eq!(r["state"], "finished", "{r:#}");
+    assert_eq!(r["check"]["passed"], true, "{r:#}");
+    assert_eq!(r["done_files"], 600);
+    let lost: Vec<&Value> = r["agents"].as_array().unwrap().iter().filter(|a| a["state"] == "lost").collect();
+    assert_eq!(lost.len(), 1, "{r:#}");
+    assert_eq!(lost[0]["pid"], victim["pid"]);
+    assert!(r["requeued_files"].as_u64().unwrap() > 0, "the lost agent held files: {r:#}");
+    let nodes = node_files(&r);
+    assert!(nodes["node1"] > 0 && nodes["node3"] > 0, "{nodes:?}");
+    assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
+}
+
+// ---------------------------------------------------------------------------
+// Command agents (no Slurm needed: the same agents, as threads)
+
+fn command_job(env: &Env, name: &str, src: &Path, dest: &Path, template: &str) -> Job {
+    let text = format!(
+        "source_root = \"{}\"\nsources = [\"**\"]\ndest_hosts = []\ndest_root = \"{}\"\nagent = \"{template}\"\n[slurm]\ntasks_per_node = 2\n",
+        src.display(),
+        dest.display()
+    );
+    let path = env.path(&format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    Job { state: env.path(&format!("{name}.dmover")), path }
+}
+
+#[test]
+fn command_agents_copy_with_cp_and_rsync() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 21, 120);
+    std::fs::create_dir_all(src.join("d3/empty")).unwrap();
+    for (name, template) in [("cp", "cp -p {src} {dst}"), ("rsync", "rsync -a {src} {dst}")] {
+        let dest = env.path(&format!("out-{name}"));
+        let job = command_job(&env, name, &src, &dest, template);
+        let r = dmover(["run", "--json"]).arg(&job.path).run();
+        assert_eq!(r.code, 0, "{name}: stderr:\n{}", r.stderr);
+        let j = r.json();
+        assert_eq!(j["check"]["passed"], true, "{name}: {j:#}");
+        assert_eq!(j["done_files"], 129, "{name}: {j:#}");
+        assert_eq!(j["agents"].as_array().unwrap().len(), 2, "{name}: {j:#}");
+        assert_same_tree(&src, &dest);
+    }
+    // A command that fails is retried on the other agent, then reported.
+    let dest = env.path("out-false");
+    let job = command_job(&env, "false", &src, &dest, "false {src} {dst}");
+    let r = dmover(["run", "--json"]).arg(&job.path).run();
+    let j = r.json();
+    assert_eq!(r.code, 1, "{j:#}");
+    assert_eq!(j["state"], "failed", "{j:#}");
+    assert_eq!(j["failed_files"], 128, "every file but the empty directory: {j:#}");
+    assert!(j["failures"][0]["message"].as_str().unwrap().contains("`false` failed"), "{j:#}");
+    assert_eq!(j["failures"][0]["attempts"], 3, "{j:#}");
+}
+
+#[test]
+fn slurm_jobs_with_cp_and_rsync_agents_on_three_nodes() {
+    let _cluster = cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 31, 292);
+    for (name, template) in [("cp", "cp -p {src} {dst}"), ("rsync", "rsync -a {src} {dst}")] {
+        let dest = env.path(&format!("out-{name}"));
+        let job = command_job(&env, name, &src, &dest, template);
+        let text = std::fs::read_to_string(&job.path).unwrap().replace("tasks_per_node = 2", "nodes = 3\ntasks_per_node = 2");
+        std::fs::write(&job.path, text).unwrap();
+        let id = submit(&job);
+        let r = wait_report(&job, &id, Duration::from_secs(120));
+        assert_eq!(r["state"], "finished", "{name}: {r:#}");
+        assert_eq!(r["check"]["passed"], true, "{name}: {r:#}");
+        assert_eq!(r["done_files"], 300);
+        let nodes = node_files(&r);
+        assert_eq!(nodes.len(), 3, "{name}: agents on all three nodes did work: {nodes:?}");
+        assert_same_tree(&src, &dest);
+    }
+}
+
+#[test]
+fn slurm_job_checkpoints_before_its_time_limit_and_resubmits_itself() {
+    let _cluster = cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(7);
+    for i in 0..180 {
+        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 5)), 64 << 10, &mut rng);
+    }
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    // About 8 s of sending at 6 x 256 KB/s; a checkpoint 55 s before the
+    // one-minute limit stops each run after about 5 s.
+    let extra = "[transfer]\nconcurrency = 1\nbwlimit = \"256K\"\n\
+                 [slurm]\nnodes = 3\ntasks_per_node = 2\ntime = \"1\"\ncheckpoint_before = \"0:55\"\nresubmit = true\n";
+    let job = write_job(&env, "walltime", &src, &[&sa, &sb], extra);
+    let first = submit(&job);
+    let end = Instant::now() + Duration::from_secs(180);
+    let report = loop {
+        if let Some(r) = read_report(&job.state.join("report.json")) {
+            if r["state"] != "checkpointed" {
+                break r;
+            }
+        }
+        if Instant::now() > end {
+            let _ = std::process::Command::new("scancel").args(["-n", "dmover-walltime"]).status();
+            panic!("the job did not finish in 180 s; runs: {:?}", std::fs::read_to_string(job.state.join("runs.jsonl")));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(report["state"], "finished", "{report:#}");
+    assert_eq!(report["check"]["passed"], true, "{report:#}");
+    assert!(report["earlier_files"].as_u64().unwrap() > 0, "the last run found files done by the first: {report:#}");
+    let runs: Vec<Value> =
+        std::fs::read_to_string(job.state.join("runs.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(runs.len() >= 2, "{runs:?}");
+    assert_eq!(runs[0]["slurm_job_id"], first.as_str());
+    for w in runs.windows(2) {
+        assert_eq!(w[0]["state"], "checkpointed", "{runs:?}");
+        assert_eq!(w[0]["resubmitted_as"], w[1]["slurm_job_id"], "{runs:?}");
+    }
+    assert_eq!(runs.last().unwrap()["state"], "finished");
+    // Nothing was sent twice: the runs' files add up to the job's, and the
+    // done list names each file once.
+    assert_eq!(runs.iter().map(|r| r["files"].as_u64().unwrap()).sum::<u64>(), 180, "{runs:?}");
+    let done: Vec<String> = std::fs::read_to_string(job.state.join("done.list")).unwrap().lines().map(str::to_string).collect();
+    let unique: std::collections::BTreeSet<&String> = done.iter().collect();
+    assert_eq!((done.len(), unique.len()), (180, 180));
+    assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
+    let s = dmover(["status"]).arg(&job.path).run();
+    assert!(s.stdout.contains(&format!("1 (Slurm job {first}): checkpointed")), "{}", s.stdout);
+}
+
+#[test]
+fn overlapping_sources_list_each_file_once() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 41, 30);
+    let dest = env.path("out");
+    let job = command_job(&env, "overlap", &src, &dest, "cp -p {src} {dst}");
+    let text = std::fs::read_to_string(&job.path).unwrap().replace("sources = [\"**\"]", "sources = [\"**\", \"a\", \"a/b/*.dat\"]");
+    std::fs::write(&job.path, text).unwrap();
+    let r = dmover(["run", "--json"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let j = r.json();
+    assert_eq!((j["total_files"].as_u64(), j["done_files"].as_u64()), (Some(38), Some(38)), "{j:#}");
+    assert_same_tree(&src, &dest);
+}

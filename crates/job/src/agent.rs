@@ -1,0 +1,288 @@
+//! A transfer agent (`dmover agent`, one per Slurm task).
+//!
+//! An agent is long-lived: it connects to the manager once, then runs an
+//! engine session to the destination hosts (one control connection and
+//! `streams` data connections to each) — or, with a command template,
+//! [`crate::command`]'s workers — and feeds it the files it pulls from the
+//! manager, a batch at a time, keeping up to a window of files in flight;
+//! each file goes to the host the manager chose for it. The
+//! engine tells it each file's outcome as the file settles
+//! ([`dmover_engine::send::Files::Feed`]); the agent passes the outcomes on
+//! with its next request. If the session fails (a destination restarted, a
+//! network error), the files it held are reported failed, so the manager
+//! gives them to other agents, and the agent opens a new session after a
+//! backoff; after [`OPEN_RETRIES`] failed openings in a row it gives up
+//! and exits.
+
+use crate::channel::{Channel, Failure, FileResult, ToAgent, ToManager, WorkItem};
+use crate::command::Runner;
+use crate::Plan;
+use crossbeam_channel::Sender;
+use dmover_engine::progress::Progress;
+use dmover_engine::retry::backoff;
+use dmover_engine::send::{self, FedFile, Files, SendConfig, SettleHook, Settled};
+use dmover_engine::session::{self, Credential};
+use dmover_engine::source::Entry;
+use dmover_engine::transport::SocketOptions;
+use dmover_engine::{Error, Result};
+use dmover_proto::frame::{FileMeta, Stats};
+use dmover_proto::ErrorKind;
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The environment variable that carries the run's token to the agents.
+pub const TOKEN_ENV: &str = "DMOVER_AGENT_TOKEN";
+/// Longest wait between two requests to the manager.
+const POLL: Duration = Duration::from_millis(200);
+/// How long the manager may take to answer.
+const MANAGER_TIMEOUT: Duration = Duration::from_secs(60);
+/// Idle timeout of the agent's connections to the destinations.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Failed session openings in a row after which the agent gives up.
+const OPEN_RETRIES: u32 = 5;
+
+/// Where an agent reports and who it is.
+pub struct AgentSpec {
+    /// The manager's `host:port`.
+    pub manager: String,
+    /// The run's token.
+    pub token: Vec<u8>,
+    /// The node it runs on, and its task number there.
+    pub node: String,
+    pub task: u32,
+}
+
+/// Files in flight and outcomes not yet reported; the engine's threads
+/// (through the settle hook) and the agent's loop share it.
+#[derive(Default)]
+struct Held {
+    files: HashMap<String, WorkItem>,
+    results: Vec<FileResult>,
+}
+
+struct Book {
+    held: Mutex<Held>,
+    /// Signalled when an outcome arrives.
+    settled: Condvar,
+}
+
+impl Book {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().expect("held lock")
+    }
+
+    /// Every file held fails with `e` (its session ended).
+    fn fail_all(&self, e: &Error) {
+        let mut h = self.lock();
+        let failed: Vec<String> = h.files.drain().map(|(p, _)| p).collect();
+        for path in failed {
+            h.results.push(FileResult { path, host: None, skipped: false, error: Some(Failure::of(e)) });
+        }
+    }
+}
+
+/// What the agent feeds its files to.
+enum Session {
+    /// An engine session to the destination hosts.
+    Native { feed: Sender<FedFile>, engine: JoinHandle<Result<Stats>> },
+    /// Workers running the agent command.
+    Command(Runner),
+}
+
+impl Session {
+    /// Whether it ended by itself (an engine session that failed).
+    fn ended(&self) -> bool {
+        match self {
+            Session::Native { engine, .. } => engine.is_finished(),
+            Session::Command(_) => false,
+        }
+    }
+
+    /// Hands it a file; false if it can take no more.
+    fn give(&self, plan: &Plan, w: &WorkItem) -> bool {
+        match self {
+            Session::Native { feed, .. } => feed.send(FedFile { entry: entry(plan, w), host: Some(w.host as usize) }).is_ok(),
+            Session::Command(r) => r.feed.send(w.clone()).is_ok(),
+        }
+    }
+
+    /// Closes the feed and waits for the outcome: whether the destination's
+    /// set digests matched the source's (command agents have none to compare).
+    fn end(self) -> Result<bool> {
+        match self {
+            Session::Native { feed, engine } => {
+                drop(feed);
+                let stats = engine.join().unwrap_or_else(|_| Err(Error::internal("the engine panicked")))?;
+                Ok(stats.digests_match)
+            }
+            Session::Command(r) => {
+                r.end();
+                Ok(true)
+            }
+        }
+    }
+}
+
+/// Files an agent keeps in flight: enough for every reader and stream to
+/// have work while the next batch is on its way, few enough that a lost
+/// agent leaves little to redo.
+fn window(plan: &Plan) -> usize {
+    (2 * plan.concurrency as usize * plan.hosts.len().max(1)).clamp(8, 256)
+}
+
+fn open_session(plan: &Plan, book: &Arc<Book>) -> Result<Session> {
+    if let Some(cmd) = &plan.command {
+        let b = book.clone();
+        let report = Arc::new(move |r: FileResult| {
+            let mut h = b.lock();
+            if h.files.remove(&r.path).is_some() {
+                h.results.push(r);
+            }
+            drop(h);
+            b.settled.notify_all();
+        });
+        return Ok(Session::Command(Runner::start(plan, cmd, report)));
+    }
+    let cred = Credential::token(&plan.token);
+    let creds: Vec<(String, Credential)> = plan.hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
+    let options = plan.options(dmover_engine::handshake::random());
+    let links = session::receive_links(&creds, &plan.dest, options, plan.streams as usize, &SocketOptions::default())?;
+    let (feed, entries) = crossbeam_channel::unbounded();
+    let (b, hosts) = (book.clone(), plan.hosts.clone());
+    let settled: SettleHook = Arc::new(move |meta: &FileMeta, host: usize, how: Settled<'_>| {
+        let mut h = b.lock();
+        if h.files.remove(&meta.path).is_none() {
+            return;
+        }
+        let (skipped, error) = match how {
+            Settled::Sent => (false, None),
+            Settled::Skipped => (true, None),
+            Settled::Failed(e) => (false, Some(Failure { code: e.kind as u8, message: format!("{}: {}", e.path, e.message) })),
+        };
+        h.results.push(FileResult { path: meta.path.clone(), host: hosts.get(host).cloned(), skipped, error });
+        drop(h);
+        b.settled.notify_all();
+    });
+    let cfg = SendConfig {
+        options,
+        concurrency: plan.concurrency as usize,
+        staging: plan.staging,
+        idle_timeout: IDLE_TIMEOUT,
+        progress: Arc::new(Progress::default()),
+        bwlimit: plan.bwlimit,
+        tuner: None,
+    };
+    let engine = std::thread::spawn(move || send::send(Files::Feed { entries, settled }, links, cfg));
+    Ok(Session::Native { feed, engine })
+}
+
+fn entry(plan: &Plan, w: &WorkItem) -> Entry {
+    Entry {
+        path: plan.source_root.join(&w.path),
+        meta: FileMeta { path: w.path.clone(), size: w.size, mtime_s: w.mtime_s, mtime_ns: w.mtime_ns, mode: w.mode },
+    }
+}
+
+/// Runs an agent until the manager says the job is finished.
+pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
+    // A manager busy with many agents at once may turn one away: try again.
+    let mut tries = 0;
+    let mut chan = loop {
+        match Channel::connect(&spec.manager, &spec.token) {
+            Ok(c) => break c,
+            Err(e) if e.is_transient() && tries < OPEN_RETRIES => {
+                log::info!("{e}; connecting again");
+                std::thread::sleep(backoff(tries));
+                tries += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    chan.set_timeout(Some(MANAGER_TIMEOUT))?;
+    let hello = ToManager::Hello { node: spec.node.clone(), task: spec.task, pid: std::process::id() };
+    let id = match chan.request(&hello)? {
+        ToAgent::Welcome { agent } => agent,
+        m => return Err(Error::protocol(chan.peer(), format!("expected welcome, got {m:?}"))),
+    };
+    log::info!("agent {id} (task {} on {}) connected to {}", spec.task, spec.node, spec.manager);
+    let book = Arc::new(Book { held: Mutex::default(), settled: Condvar::new() });
+    let window = window(plan);
+    let mut session: Option<Session> = None;
+    let mut failed_opens = 0u32;
+    let mut next_open = Instant::now();
+    let mut digests_match = true;
+    loop {
+        // A session that ended by itself failed: its files go back.
+        if session.as_ref().is_some_and(Session::ended) {
+            let e = match session.take().expect("checked").end() {
+                Ok(_) => Error::internal("the engine session ended early"),
+                Err(e) => e,
+            };
+            log::warn!("agent {id}: session ended: {e}");
+            book.fail_all(&e);
+            next_open = Instant::now() + backoff(0);
+        }
+        let (results, held) = {
+            let mut h = book.lock();
+            (std::mem::take(&mut h.results), h.files.len())
+        };
+        // No work is asked for while a failed session is backing off.
+        let want = if session.is_some() || Instant::now() >= next_open { window.saturating_sub(held) } else { 0 };
+        let (files, finished) = match chan.request(&ToManager::Sync { results, want: want as u32 })? {
+            ToAgent::Work { files, finished } => (files, finished),
+            m => return Err(Error::protocol(chan.peer(), format!("expected work, got {m:?}"))),
+        };
+        // Sessions open when there is work: an agent with nothing to do
+        // (a re-run, a small job) touches no destination.
+        if !files.is_empty() && session.is_none() {
+            match open_session(plan, &book) {
+                Ok(s) => {
+                    session = Some(s);
+                    failed_opens = 0;
+                }
+                Err(e) => {
+                    failed_opens += 1;
+                    log::warn!("agent {id}: {e} ({failed_opens} of {OPEN_RETRIES} tries)");
+                    if failed_opens >= OPEN_RETRIES || !e.is_transient() {
+                        // The manager gives what this agent holds to the others.
+                        return Err(e);
+                    }
+                    next_open = Instant::now() + backoff(failed_opens - 1);
+                }
+            }
+        }
+        for w in files {
+            book.lock().files.insert(w.path.clone(), w.clone());
+            let given = session.as_ref().is_some_and(|s| s.give(plan, &w));
+            if !given {
+                // No session to take it: hand the file back at once.
+                let e = Error::new(ErrorKind::Unreachable, &w.path, "the agent could not reach the destination");
+                let mut h = book.lock();
+                h.files.remove(&w.path);
+                h.results.push(FileResult { path: w.path, host: None, skipped: false, error: Some(Failure::of(&e)) });
+            }
+        }
+        if finished {
+            if let Some(s) = session.take() {
+                match s.end() {
+                    Ok(matched) => digests_match &= matched,
+                    Err(e) => {
+                        log::warn!("agent {id}: the last session did not end cleanly: {e}");
+                        digests_match = false;
+                    }
+                }
+            }
+            chan.send(&ToManager::Bye { digests_match })?;
+            log::info!("agent {id} done");
+            return Ok(());
+        }
+        // Ask again when outcomes are waiting and room is low, or after a while.
+        let h = book.lock();
+        let ready = |h: &Held| !h.results.is_empty() && h.files.len() <= window / 2;
+        if !ready(&h) {
+            let _ = book.settled.wait_timeout_while(h, POLL, |h| !ready(h)).expect("held lock");
+        }
+    }
+}

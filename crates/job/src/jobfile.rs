@@ -1,0 +1,493 @@
+//! The job file: what a user writes to describe a batch transfer, and the
+//! checks made before anything runs or is submitted.
+//!
+//! A job file is TOML (see the README for a full example). It names, as
+//! DMOVER's batch script did, a source root and relative globs, destination
+//! hosts and a destination root, and the parallelism; then the Slurm
+//! resources and which transfer agent to run. Parsing is strict: an unknown
+//! key, a missing field or a value of the wrong type is an error that names
+//! the line. [`JobFile`] is what the user typed; the resolved, checked
+//! form is [`crate::Plan`].
+
+use dmover_engine::fsroot::Root;
+use dmover_engine::session::{Conn, Credential};
+use dmover_engine::source::{self, Event};
+use dmover_engine::Error;
+use dmover_proto::ErrorKind;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// A job file as written.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    /// Absolute directory the sources are relative to (DMOVER's SrcDirRoot).
+    pub source_root: String,
+    /// Files, directories or globs below `source_root` (SrcRelPath); each
+    /// file keeps its path below `source_root` at the destination.
+    pub sources: Vec<String>,
+    /// `host[:port]` of each destination server (`dmover serve`); files are
+    /// spread over them by a hash of their path.
+    pub dest_hosts: Vec<String>,
+    /// `EXPORT/path` on every destination host (DestDirRoot).
+    pub dest_root: String,
+    /// File with the servers' token (else the DMOVER_TOKEN environment variable).
+    pub token_file: Option<String>,
+    /// `native` (dmover's engine) or a command template such as
+    /// `rsync -a {src} {dst}`.
+    #[serde(default = "native")]
+    pub agent: String,
+    #[serde(default)]
+    pub transfer: Transfer,
+    #[serde(default)]
+    pub slurm: Slurm,
+}
+
+fn native() -> String {
+    NATIVE.to_string()
+}
+
+/// The agent kind that sends with dmover's own engine.
+pub const NATIVE: &str = "native";
+
+/// How each transfer agent moves its files.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Transfer {
+    /// Data connections from each agent to each destination host.
+    pub streams: u32,
+    /// Files each agent reads and sends at once.
+    pub concurrency: u32,
+    /// Skip files whose size and mtime already match at the destination.
+    pub sync: bool,
+    /// With `sync`: compare content checksums instead of mtimes.
+    pub checksum: bool,
+    /// Block size (the unit of sending and checksumming), e.g. `1M`.
+    pub block_size: String,
+    /// Staging memory of each agent, e.g. `64M`.
+    pub staging: String,
+    /// Sending rate limit of each agent in bytes per second (`0`: none).
+    pub bwlimit: String,
+    /// Agents that may try a file before it is reported failed.
+    pub attempts: u32,
+}
+
+impl Default for Transfer {
+    fn default() -> Transfer {
+        Transfer {
+            streams: 4,
+            concurrency: 8,
+            sync: false,
+            checksum: false,
+            block_size: "1M".into(),
+            staging: "64M".into(),
+            bwlimit: "0".into(),
+            attempts: 3,
+        }
+    }
+}
+
+/// The Slurm allocation the job asks for.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Slurm {
+    /// Nodes, each running `tasks_per_node` transfer agents.
+    pub nodes: u32,
+    pub tasks_per_node: u32,
+    /// Partition (the site's default if absent).
+    pub partition: Option<String>,
+    /// Time limit in a Slurm format: `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`,
+    /// `D-HH:MM` or `D-HH:MM:SS` (the partition's default if absent).
+    pub time: Option<String>,
+    /// Account to charge, if the site wants one.
+    pub account: Option<String>,
+    /// How long before the allocation's end the manager stops handing out
+    /// files and lets the agents finish theirs (a Slurm time; default a
+    /// tenth of the time left when the run starts, between 30 s and 10
+    /// minutes).
+    pub checkpoint_before: Option<String>,
+    /// Submit the job again when it stopped at a checkpoint, to finish.
+    pub resubmit: bool,
+}
+
+impl Default for Slurm {
+    fn default() -> Slurm {
+        Slurm { nodes: 1, tasks_per_node: 1, partition: None, time: None, account: None, checkpoint_before: None, resubmit: false }
+    }
+}
+
+fn usage(subject: impl Into<String>, message: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Usage, subject, message)
+}
+
+impl JobFile {
+    /// Reads and parses a job file; every syntax error, unknown key and
+    /// missing field is reported with its line.
+    pub fn load(path: &Path) -> Result<JobFile, Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display().to_string(), &e))?;
+        JobFile::parse(&text).map_err(|m| usage(path.display().to_string(), m))
+    }
+
+    /// Parses and checks the fields that need nothing outside the text.
+    pub fn parse(text: &str) -> Result<JobFile, String> {
+        let job: JobFile = toml::from_str(text).map_err(|e| match e.span() {
+            // One line: where, then what (toml's own message is a multi-line picture).
+            Some(span) if !e.message().starts_with("missing field") => {
+                let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                format!("line {line}: {}", e.message())
+            }
+            _ => e.message().to_string(),
+        })?;
+        job.check()?;
+        Ok(job)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if !self.source_root.starts_with('/') {
+            return Err(format!("source_root = {:?}: give an absolute path (the agents run on other nodes)", self.source_root));
+        }
+        if self.source_root.contains(['*', '?', '[', '{']) {
+            return Err(format!(
+                "source_root = {:?}: the root may not contain glob characters; put the pattern in sources",
+                self.source_root
+            ));
+        }
+        if self.sources.is_empty() {
+            return Err("sources is empty: name at least one file, directory or glob below source_root".into());
+        }
+        for s in &self.sources {
+            if s.starts_with('/') || s.split('/').any(|c| c == "..") || s.contains('\0') {
+                return Err(format!("sources: {s:?} must be relative to source_root, without '..'"));
+            }
+        }
+        let command = self.command().map_err(|m| format!("agent = {:?}: {m}", self.agent))?;
+        match &command {
+            None => {
+                if self.dest_hosts.is_empty() {
+                    return Err("dest_hosts is empty: name at least one destination server (host or host:port)".into());
+                }
+                if self.dest_root.is_empty() || self.dest_root.starts_with('/') {
+                    return Err(format!("dest_root = {:?}: give EXPORT/path as the destination servers export it", self.dest_root));
+                }
+            }
+            Some(c) => {
+                if c.uses_host() && self.dest_hosts.is_empty() {
+                    return Err("dest_hosts is empty, but the agent command uses {host}".into());
+                }
+                if self.dest_root.is_empty() {
+                    return Err("dest_root is empty: give the directory {dst} paths are made in".into());
+                }
+            }
+        }
+        let t = &self.transfer;
+        if !(1..=64).contains(&t.streams) {
+            return Err(format!("transfer.streams = {}: must be between 1 and 64", t.streams));
+        }
+        if !(1..=64).contains(&t.concurrency) {
+            return Err(format!("transfer.concurrency = {}: must be between 1 and 64", t.concurrency));
+        }
+        if t.checksum && !t.sync {
+            return Err("transfer.checksum needs transfer.sync = true (it chooses how sync compares files)".into());
+        }
+        if t.attempts == 0 {
+            return Err("transfer.attempts must be at least 1".into());
+        }
+        let s = &self.slurm;
+        if s.nodes == 0 || s.tasks_per_node == 0 {
+            return Err("slurm.nodes and slurm.tasks_per_node must be at least 1".into());
+        }
+        let limit = match &s.time {
+            Some(time) => Some(parse_time(time).map_err(|m| format!("slurm.time = {time:?}: {m}"))?),
+            None => None,
+        };
+        if let Some(c) = &s.checkpoint_before {
+            let before = parse_time(c).map_err(|m| format!("slurm.checkpoint_before = {c:?}: {m}"))?;
+            if limit.is_some_and(|l| before >= l) {
+                return Err(format!("slurm.checkpoint_before = {c:?} is not shorter than slurm.time"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The external agent's command, or None for the native agent.
+    pub fn command(&self) -> Result<Option<AgentCommand>, String> {
+        if self.agent == NATIVE {
+            return Ok(None);
+        }
+        AgentCommand::parse(&self.agent).map(Some)
+    }
+}
+
+/// An external transfer agent: a command template run once per file, as
+/// DMOVER's transfer agent wrapped `globus-url-copy`. The template is split
+/// at white space (no shell runs it); in each word `{src}` becomes the
+/// source file's absolute path, `{dst}` its path below `dest_root`, `{rel}`
+/// its path below the roots and `{host}` the file's destination host (one
+/// of `dest_hosts`, chosen by the manager).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentCommand {
+    pub words: Vec<String>,
+}
+
+impl AgentCommand {
+    pub fn parse(template: &str) -> Result<AgentCommand, String> {
+        let words: Vec<String> = template.split_whitespace().map(str::to_string).collect();
+        if words.is_empty() {
+            return Err("empty command; use \"native\" or a template such as \"rsync -a {src} {dst}\"".into());
+        }
+        if !template.contains("{src}") || !template.contains("{dst}") {
+            return Err("a command template needs both {src} and {dst}, e.g. \"cp {src} {dst}\"".into());
+        }
+        if words[0].contains('{') {
+            return Err("the first word must be the program to run".into());
+        }
+        Ok(AgentCommand { words })
+    }
+
+    /// Whether the destination is on another host (`{host}`); otherwise
+    /// `{dst}` is a path on this machine's (shared) file system.
+    pub fn uses_host(&self) -> bool {
+        self.words.iter().any(|w| w.contains("{host}"))
+    }
+
+    /// The command line for one file.
+    pub fn argv(&self, src: &str, dst: &str, rel: &str, host: &str) -> Vec<String> {
+        self.words.iter().map(|w| w.replace("{src}", src).replace("{dst}", dst).replace("{rel}", rel).replace("{host}", host)).collect()
+    }
+
+    /// Checks that the program can be found.
+    pub fn check_program(&self) -> Result<(), Error> {
+        let prog = &self.words[0];
+        let found = if prog.contains('/') {
+            Path::new(prog).is_file()
+        } else {
+            std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
+        };
+        if found {
+            Ok(())
+        } else {
+            Err(Error::new(
+                ErrorKind::NotFound,
+                prog.clone(),
+                "the agent command's program is not on PATH; install it or give its full path",
+            ))
+        }
+    }
+}
+
+/// Seconds in a Slurm time limit (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`,
+/// `D-HH:MM`, `D-HH:MM:SS`).
+pub fn parse_time(s: &str) -> Result<u64, String> {
+    let bad = || "expected MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS".to_string();
+    let num = |x: &str| x.parse::<u64>().map_err(|_| bad());
+    let (days, rest) = match s.split_once('-') {
+        Some((d, r)) => (Some(num(d)?), r),
+        None => (None, s),
+    };
+    let parts: Vec<u64> = rest.split(':').map(num).collect::<Result<_, _>>()?;
+    let secs = match (days, parts.as_slice()) {
+        (None, [m]) => m * 60,
+        (None, [m, s]) => m * 60 + s,
+        (None, [h, m, s]) => h * 3600 + m * 60 + s,
+        (Some(d), [h]) => d * 86400 + h * 3600,
+        (Some(d), [h, m]) => d * 86400 + h * 3600 + m * 60,
+        (Some(d), [h, m, s]) => d * 86400 + h * 3600 + m * 60 + s,
+        _ => return Err(bad()),
+    };
+    if secs == 0 {
+        return Err("a time limit must be more than zero".into());
+    }
+    Ok(secs)
+}
+
+/// The path of `spec` below `root`, as the walker takes it.
+pub fn spec_path(root: &Path, spec: &str) -> String {
+    let root = root.display().to_string();
+    let root = root.trim_end_matches('/');
+    if spec.is_empty() || spec == "." {
+        format!("{root}/")
+    } else {
+        format!("{root}/{spec}")
+    }
+}
+
+/// Checks that the source root exists and that every source names at least
+/// one file, looking no further than each source's first file.
+pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
+    if !root.is_dir() {
+        return Err(Error::new(
+            ErrorKind::NotFound,
+            root.display().to_string(),
+            "source_root is not a directory: check the path (it must be visible from every node)",
+        ));
+    }
+    for s in sources {
+        let mut found = false;
+        let mut err = None;
+        source::walk(&Root::local(), &[spec_path(root, s)], &mut |ev| match ev {
+            Event::File(_) => {
+                found = true;
+                false
+            }
+            Event::Error(e) => {
+                err = Some(e);
+                false
+            }
+            Event::SkippedLink(_) => true,
+        });
+        if let Some(e) = err {
+            let msg = if e.kind == ErrorKind::NotFound {
+                format!("sources: {s:?} matches nothing below {}; check the pattern ({})", root.display(), e.message)
+            } else {
+                format!("sources: {s:?}: {}", e.message)
+            };
+            return Err(Error::new(e.kind, e.subject, msg));
+        }
+        if !found {
+            return Err(Error::new(ErrorKind::NotFound, s.clone(), format!("matches no file below {}; check the pattern", root.display())));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every destination host answers and accepts the token.
+pub fn check_hosts(hosts: &[String], token: &[u8]) -> Result<(), Error> {
+    let cred = Credential::token(token);
+    let checks: Vec<_> = hosts
+        .iter()
+        .map(|h| {
+            let (h, cred) = (h.clone(), cred.clone());
+            std::thread::spawn(move || Conn::open(&h, &cred).map(drop))
+        })
+        .collect();
+    for (h, c) in hosts.iter().zip(checks) {
+        if let Err(e) = c.join().unwrap_or_else(|_| Err(Error::internal("host check panicked"))) {
+            let what = match e.kind {
+                ErrorKind::Auth => "does not accept the token; use the token file its `dmover serve --token-file` reads".to_string(),
+                _ => format!(
+                    "is unreachable ({}); check that `dmover serve` runs there and listens on an address the nodes can reach (--listen 0.0.0.0:PORT)",
+                    e.message
+                ),
+            };
+            return Err(Error::new(e.kind, h.clone(), format!("destination host {what}")));
+        }
+    }
+    Ok(())
+}
+
+/// Where a job keeps its state: `NAME.dmover/` beside `NAME.toml`.
+pub fn state_dir(job: &Path) -> PathBuf {
+    let stem = job.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "job".into());
+    job.with_file_name(format!("{stem}.dmover"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+source_root = "/data"
+sources = ["*.h5"]
+dest_hosts = ["dtn1"]
+dest_root = "scratch/in"
+"#;
+
+    #[test]
+    fn minimal_job_gets_defaults() {
+        let j = JobFile::parse(MINIMAL).unwrap();
+        assert_eq!(j.agent, "native");
+        assert_eq!(j.transfer, Transfer::default());
+        assert_eq!(j.slurm.nodes, 1);
+        assert_eq!(j.slurm.tasks_per_node, 1);
+    }
+
+    #[test]
+    fn unknown_keys_and_missing_fields_name_the_key() {
+        let e = JobFile::parse(&format!("{MINIMAL}sorce = 1\n")).unwrap_err();
+        assert!(e.contains("unknown field `sorce`"), "{e}");
+        let e = JobFile::parse(&format!("{MINIMAL}[slurm]\nnode = 3\n")).unwrap_err();
+        assert!(e.contains("unknown field `node`") && e.contains("line"), "{e}");
+        let e = JobFile::parse("source_root = \"/d\"\nsources = [\"x\"]\ndest_hosts = [\"h\"]\n").unwrap_err();
+        assert!(e.contains("missing field `dest_root`"), "{e}");
+        let e = JobFile::parse(&MINIMAL.replace("[\"dtn1\"]", "\"dtn1\"")).unwrap_err();
+        assert!(e.contains("dest_hosts") || e.contains("sequence"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_say_what_to_write() {
+        for (from, to, says) in [
+            ("\"/data\"", "\"data\"", "absolute"),
+            ("[\"*.h5\"]", "[\"../x\"]", "relative"),
+            ("[\"*.h5\"]", "[]", "at least one"),
+            ("[\"dtn1\"]", "[]", "at least one destination"),
+            ("\"scratch/in\"", "\"/scratch\"", "EXPORT/path"),
+        ] {
+            let e = JobFile::parse(&MINIMAL.replace(from, to)).unwrap_err();
+            assert!(e.contains(says), "{to}: {e}");
+        }
+        let e = JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"1:2:3:4\"\n")).unwrap_err();
+        assert!(e.contains("HH:MM:SS"), "{e}");
+        let e = JobFile::parse(&format!("agent = \"cp {{src}}\"\n{MINIMAL}")).unwrap_err();
+        assert!(e.contains("{dst}"), "{e}");
+        let e =
+            JobFile::parse(&format!("agent = \"rsync {{src}} {{host}}:{{dst}}\"\n{}", MINIMAL.replace("[\"dtn1\"]", "[]"))).unwrap_err();
+        assert!(e.contains("{host}"), "{e}");
+        let e = JobFile::parse(&format!("{MINIMAL}[transfer]\nstreams = 0\n")).unwrap_err();
+        assert!(e.contains("between 1 and 64"), "{e}");
+        let e = JobFile::parse(&format!("{MINIMAL}[transfer]\nchecksum = true\n")).unwrap_err();
+        assert!(e.contains("sync"), "{e}");
+        let e = JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"10:00\"\n")).unwrap_err();
+        assert!(e.contains("not shorter than slurm.time"), "{e}");
+        JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"2:00\"\nresubmit = true\n")).unwrap();
+    }
+
+    #[test]
+    fn command_agents_take_local_roots_and_fill_their_templates() {
+        let j = JobFile::parse(&format!("agent = \"cp -p {{src}} {{dst}}\"\n{}", MINIMAL.replace("\"scratch/in\"", "\"/archive/in\"")))
+            .unwrap();
+        let c = j.command().unwrap().unwrap();
+        assert!(!c.uses_host());
+        assert_eq!(c.argv("/data/a b", "/archive/in/a b", "a b", ""), ["cp", "-p", "/data/a b", "/archive/in/a b"]);
+        let c = AgentCommand::parse("globus-url-copy file://{src} gsiftp://{host}{dst}").unwrap();
+        assert!(c.uses_host());
+        assert_eq!(c.argv("/d/x", "/in/x", "x", "dtn1")[2], "gsiftp://dtn1/in/x");
+        assert!(AgentCommand::parse("{src} {dst}").is_err());
+        AgentCommand::parse("sh -c {src}{dst}").unwrap().check_program().unwrap();
+        let e = AgentCommand::parse("no-such-program-here {src} {dst}").unwrap().check_program().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn slurm_times() {
+        assert_eq!(parse_time("30"), Ok(1800));
+        assert_eq!(parse_time("5:30"), Ok(330));
+        assert_eq!(parse_time("01:00:00"), Ok(3600));
+        assert_eq!(parse_time("2-3"), Ok(2 * 86400 + 3 * 3600));
+        assert_eq!(parse_time("1-00:01"), Ok(86400 + 60));
+        assert_eq!(parse_time("1-0:0:5"), Ok(86405));
+        assert!(parse_time("").is_err());
+        assert!(parse_time("0").is_err());
+        assert!(parse_time("1:x").is_err());
+        assert!(parse_time("1:2:3:4").is_err());
+    }
+
+    #[test]
+    fn sources_are_checked_against_the_tree() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(t.path().join("run/sub")).unwrap();
+        std::fs::write(t.path().join("run/sub/a.h5"), b"x").unwrap();
+        check_sources(t.path(), &["run/**/*.h5".into(), "run".into(), "".into()]).unwrap();
+        let e = check_sources(t.path(), &["run/*.h5".into()]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NotFound);
+        assert!(e.message.contains("matches nothing"), "{e}");
+        let e = check_sources(t.path(), &["nope".into()]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NotFound);
+        let e = check_sources(&t.path().join("missing"), &["x".into()]).unwrap_err();
+        assert!(e.message.contains("source_root"), "{e}");
+    }
+
+    #[test]
+    fn state_dir_is_beside_the_job() {
+        assert_eq!(state_dir(Path::new("/a/b/move.toml")), PathBuf::from("/a/b/move.dmover"));
+    }
+}

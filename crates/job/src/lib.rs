@@ -1,0 +1,109 @@
+//! Queue-oriented transfers: a transfer described in a job file, run as a
+//! batch job by a process manager that keeps transfer agents busy on every
+//! node of the allocation.
+//!
+//! The design follows DMOVER's trio — batch script, process manager,
+//! transfer agent — on Slurm:
+//!
+//! * [`jobfile`] — the job file (TOML) and the checks made before anything
+//!   runs or is submitted;
+//! * [`sbatch`] — the batch script `dmover submit` renders and submits;
+//! * [`manager`] — `dmover run`: streams the file list from the engine's
+//!   walker, hands files to long-lived agents in batches, re-queues a failed
+//!   file or a lost agent's files to other agents, stops at a checkpoint
+//!   before the allocation's time runs out (and may resubmit the job), and
+//!   keeps the state directory up to date;
+//! * [`agent`] — a transfer agent: pulls files from the manager and sends
+//!   them with the engine to the destination hosts the manager chose, reporting
+//!   each file's outcome;
+//! * [`command`] — the external transfer agent: a command such as `cp`,
+//!   `rsync` or `globus-url-copy` run per file;
+//! * [`channel`] — the authenticated manager–agent connection;
+//! * [`state`] — the state directory: progress, done list, final report.
+//!
+//! Inside a Slurm allocation the agents are one `srun` step (one agent per
+//! task); without one they run as threads of `dmover run` itself. Nothing
+//! here talks to the scheduler except through its commands (`sbatch`,
+//! `srun`); nothing here moves bytes except through the engine.
+
+pub mod agent;
+pub mod channel;
+pub mod command;
+pub mod jobfile;
+pub mod manager;
+pub mod sbatch;
+pub mod state;
+
+pub use jobfile::JobFile;
+
+use dmover_proto::frame::TransferOptions;
+use std::path::PathBuf;
+
+/// A job resolved and checked: what the manager and agents act on.
+#[derive(Clone)]
+pub struct Plan {
+    /// The job file (absolute), for messages and for the agents' command line.
+    pub job: PathBuf,
+    /// Where progress, the done list and the report go.
+    pub state_dir: PathBuf,
+    /// The source root, canonical.
+    pub source_root: PathBuf,
+    pub sources: Vec<String>,
+    /// `host:port` of each destination server (for a command agent: the
+    /// hosts as written).
+    pub hosts: Vec<String>,
+    /// `EXPORT/path` on the destination servers (for a command agent: the
+    /// root of `{dst}`).
+    pub dest: String,
+    /// The destination servers' token (empty for a command agent).
+    pub token: Vec<u8>,
+    pub streams: u32,
+    pub concurrency: u32,
+    pub block_size: u64,
+    pub staging: u64,
+    pub bwlimit: u64,
+    pub sync: bool,
+    pub checksum: bool,
+    /// Agents that may try a file before it is reported failed.
+    pub attempts: u32,
+    /// Agents to run without Slurm (the job file's tasks per node).
+    pub local_agents: u32,
+    /// The external agent's command; None for the native agent.
+    pub command: Option<jobfile::AgentCommand>,
+    /// Seconds before the allocation's end to stop at a checkpoint (None:
+    /// a tenth of the time left at the start, between 30 s and 10 minutes).
+    pub checkpoint_before: Option<u64>,
+    /// Submit the job again after a checkpoint.
+    pub resubmit: bool,
+}
+
+impl Plan {
+    /// The engine's transfer options for one agent session.
+    pub fn options(&self, transfer_id: [u8; 16]) -> TransferOptions {
+        let mut flags = 0;
+        if self.sync {
+            flags |= TransferOptions::SYNC;
+        }
+        if self.checksum {
+            flags |= TransferOptions::CHECKSUM;
+        }
+        TransferOptions { transfer_id, block_size: self.block_size as u32, flags, tcp_buffer: 0 }
+    }
+}
+
+/// This machine's name (the node's, inside an allocation).
+pub fn hostname() -> String {
+    if let Ok(n) = std::env::var("SLURMD_NODENAME") {
+        if !n.is_empty() {
+            return n;
+        }
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is valid for writes of its length; the name is NUL-terminated or truncated.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}

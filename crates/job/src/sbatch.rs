@@ -1,0 +1,109 @@
+//! The batch script `dmover submit` gives to `sbatch`, and the submission.
+//!
+//! The script is short on purpose: `#SBATCH` lines for the resources the
+//! job file asks for (flags on the command line override them), the output
+//! file in the job's state directory, and one line that runs the process
+//! manager, `dmover run JOB`, which starts the agents with `srun` itself.
+
+use crate::jobfile::Slurm;
+use dmover_engine::{Error, Result};
+use dmover_proto::ErrorKind;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// Quotes `s` for a POSIX shell.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"/._-+=:,@".contains(&b)) {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Quotes `s` for an `#SBATCH` line: sbatch splits those at white space
+/// and understands double quotes and backslashes (not single quotes).
+pub fn sbatch_quote(s: &str) -> String {
+    if !s.is_empty() && !s.contains(|c: char| c.is_whitespace() || c == '"' || c == '\\') {
+        return s.to_string();
+    }
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+/// Renders the batch script for the job file at `job` (absolute), run by
+/// the `dmover` binary at `exe`, with the state directory `state`.
+pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm) -> String {
+    let name = job.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "job".into());
+    let mut s = String::from("#!/bin/bash\n");
+    s += &format!("#SBATCH --job-name={}\n", sbatch_quote(&format!("dmover-{name}")));
+    s += &format!("#SBATCH --nodes={}\n", slurm.nodes);
+    s += &format!("#SBATCH --ntasks-per-node={}\n", slurm.tasks_per_node);
+    if let Some(p) = &slurm.partition {
+        s += &format!("#SBATCH --partition={}\n", sbatch_quote(p));
+    }
+    if let Some(t) = &slurm.time {
+        s += &format!("#SBATCH --time={}\n", sbatch_quote(t));
+    }
+    if let Some(a) = &slurm.account {
+        s += &format!("#SBATCH --account={}\n", sbatch_quote(a));
+    }
+    s += &format!("#SBATCH --output={}\n", sbatch_quote(&state.join("slurm-%j.out").display().to_string()));
+    s += &format!("# Made by `dmover submit` from {}.\n", job.display());
+    s += "# The process manager runs here and starts one transfer agent per task\n";
+    s += "# on every node with srun; `dmover status` shows its progress.\n";
+    s += &format!("exec {} run {}\n", shell_quote(&exe.display().to_string()), shell_quote(&job.display().to_string()));
+    s
+}
+
+/// The batch script as submitted, kept in the state directory so that a
+/// job can submit itself again.
+pub const SCRIPT: &str = "job.sbatch";
+
+/// Submits `script` with `sbatch` and returns the job id.
+pub fn submit(script: &str) -> Result<String> {
+    let mut child =
+        Command::new("sbatch").arg("--parsable").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(
+            |e| Error::new(ErrorKind::NotFound, "sbatch", format!("cannot run sbatch: {e}; is Slurm installed here and sbatch on PATH?")),
+        )?;
+    child.stdin.take().expect("piped").write_all(script.as_bytes()).map_err(|e| Error::io("sbatch", &e))?;
+    let out = child.wait_with_output().map_err(|e| Error::io("sbatch", &e))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(Error::new(ErrorKind::Usage, "sbatch", format!("submission refused: {}", err.trim())));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    // --parsable prints "ID" or "ID;CLUSTER".
+    let id = text.trim().split(';').next().unwrap_or("").to_string();
+    if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(Error::new(ErrorKind::Internal, "sbatch", format!("unexpected answer: {:?}", text.trim())));
+    }
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quotes_only_what_needs_it() {
+        assert_eq!(shell_quote("/a/b-c_d.toml"), "/a/b-c_d.toml");
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(sbatch_quote("/a/slurm-%j.out"), "/a/slurm-%j.out");
+        assert_eq!(sbatch_quote("a \"b\""), r#""a \"b\"""#);
+    }
+
+    #[test]
+    fn script_has_the_resources_and_runs_the_manager() {
+        let slurm =
+            Slurm { nodes: 3, tasks_per_node: 2, partition: Some("debug".into()), time: Some("00:10:00".into()), ..Slurm::default() };
+        let s = render(Path::new("/w/my job.toml"), Path::new("/bin/dmover"), Path::new("/w/my job.dmover"), &slurm);
+        assert!(s.starts_with("#!/bin/bash\n#SBATCH --job-name=\"dmover-my job\"\n"), "{s}");
+        for line in ["#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=debug", "#SBATCH --time=00:10:00"] {
+            assert!(s.lines().any(|l| l == line), "{line} missing in\n{s}");
+        }
+        assert!(s.lines().any(|l| l == "#SBATCH --output=\"/w/my job.dmover/slurm-%j.out\""), "{s}");
+        assert!(s.ends_with("exec /bin/dmover run '/w/my job.toml'\n"), "{s}");
+        assert!(!s.contains("--account"));
+    }
+}

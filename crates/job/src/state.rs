@@ -1,0 +1,377 @@
+//! The state directory of a job (`NAME.dmover/` beside `NAME.toml`).
+//!
+//! * `progress.json` — rewritten (atomically) about twice a second while
+//!   the job runs, and once more at the end: a [`JobReport`] with
+//!   `state = "running"`;
+//! * `done.list` — one JSON string per line, the path of every file
+//!   confirmed at the destination, appended as they are confirmed; a re-run
+//!   of the job never sends these again;
+//! * `report.json` and `report.txt` — the final report and its human summary;
+//! * `runs.jsonl` — one line per run of the job (a job that stops at a
+//!   checkpoint and is resubmitted has several): its Slurm job id, how it
+//!   ended, the files it sent and the job it resubmitted;
+//! * `job.sbatch` — the batch script as submitted (to submit it again);
+//! * `slurm-JOBID.out` — the batch job's output, when submitted.
+//!
+//! `dmover status` reads these files and nothing else.
+
+pub use dmover_engine::progress::Check;
+use dmover_engine::{Error, Result};
+use dmover_proto::ErrorKind;
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+pub const PROGRESS: &str = "progress.json";
+pub const DONE: &str = "done.list";
+pub const REPORT: &str = "report.json";
+pub const SUMMARY: &str = "report.txt";
+pub const RUNS: &str = "runs.jsonl";
+
+/// One run of a job, as `runs.jsonl` records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RunRecord {
+    pub slurm_job_id: Option<String>,
+    /// `finished`, `checkpointed` or `failed`.
+    pub state: String,
+    pub seconds: f64,
+    /// Files this run confirmed at the destination.
+    pub files: u64,
+    pub bytes: u64,
+    pub resubmitted_as: Option<String>,
+}
+
+/// A share of the work: a node's or a destination host's.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Share {
+    pub name: String,
+    pub files: u64,
+    pub bytes: u64,
+}
+
+/// One transfer agent.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AgentReport {
+    pub id: u32,
+    pub node: String,
+    /// Its Slurm task number (SLURM_PROCID), or its thread number.
+    pub task: u32,
+    pub pid: u32,
+    /// `running`, `finished` or `lost` (its connection ended before the job did).
+    pub state: String,
+    pub files: u64,
+    pub bytes: u64,
+}
+
+/// A file that could not be moved.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FailureReport {
+    pub path: String,
+    pub kind: String,
+    pub message: String,
+    /// Agents that tried it.
+    pub attempts: u32,
+}
+
+/// Progress while the job runs, and its report at the end.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct JobReport {
+    /// `running`, `finished` (every file confirmed) or `failed`.
+    pub state: String,
+    pub job: String,
+    pub slurm_job_id: Option<String>,
+    /// Unix time the run started and the report was written.
+    pub started_unix: u64,
+    pub updated_unix: u64,
+    pub seconds: f64,
+    /// The file list is complete (so the totals are final).
+    pub walk_done: bool,
+    pub total_files: u64,
+    pub total_bytes: u64,
+    /// Confirmed at the destination, in this run or an earlier one.
+    pub done_files: u64,
+    pub done_bytes: u64,
+    /// Of those, already there (sync) in this run.
+    pub skipped_files: u64,
+    pub skipped_bytes: u64,
+    /// Of those, confirmed by an earlier run of the job (not sent again).
+    pub earlier_files: u64,
+    pub earlier_bytes: u64,
+    pub failed_files: u64,
+    /// Files given to another agent after a failure.
+    pub retried_files: u64,
+    /// Files given to another agent because theirs was lost.
+    pub requeued_files: u64,
+    /// Rate of what this run moved.
+    pub mb_per_s: f64,
+    pub files_per_s: f64,
+    pub nodes: Vec<Share>,
+    pub hosts: Vec<Share>,
+    pub agents: Vec<AgentReport>,
+    pub failures: Vec<FailureReport>,
+    pub check: Check,
+    /// Why the job stopped, if it did not finish.
+    pub error: Option<String>,
+    /// The Slurm job submitted to go on after a checkpoint.
+    pub resubmitted_as: Option<String>,
+}
+
+impl JobReport {
+    /// The exit code: 0 when the check passed, else the first failure's
+    /// class, else 10 (verification failed).
+    pub fn exit_code(&self) -> i32 {
+        if self.check.passed || (self.state == "checkpointed" && self.resubmitted_as.is_some()) {
+            return 0;
+        }
+        if let Some(f) = self.failures.first() {
+            return kind_code(&f.kind);
+        }
+        ErrorKind::Verify as i32
+    }
+
+    /// The human summary.
+    pub fn summary(&self) -> String {
+        let h = dmover_engine::progress::human;
+        let mut s = format!("job {}: {} after {:.1} s", self.job, self.state, self.seconds);
+        if let Some(id) = &self.slurm_job_id {
+            s += &format!(" (Slurm job {id})");
+        }
+        let more = if self.walk_done { "" } else { "+ (still listing)" };
+        s += &format!(
+            "\nfiles: {}/{}{more} done, {} of {}; {} failed; {:.1} MB/s, {:.1} files/s",
+            self.done_files,
+            self.total_files,
+            h(self.done_bytes),
+            h(self.total_bytes),
+            self.failed_files,
+            self.mb_per_s,
+            self.files_per_s
+        );
+        if self.earlier_files > 0 {
+            s += &format!("\n  done by an earlier run: {} files, {}", self.earlier_files, h(self.earlier_bytes));
+        }
+        if self.skipped_files > 0 {
+            s += &format!("\n  already at the destination: {} files, {}", self.skipped_files, h(self.skipped_bytes));
+        }
+        if self.retried_files + self.requeued_files > 0 {
+            s += &format!("\n  given to another agent: {} after a failure, {} from lost agents", self.retried_files, self.requeued_files);
+        }
+        let shares = |title: &str, v: &[Share]| {
+            let total: u64 = v.iter().map(|x| x.files).sum::<u64>().max(1);
+            let mut s = format!("\n{title}:");
+            for x in v {
+                s += &format!("\n  {}: {} files ({:.0}%), {}", x.name, x.files, 100.0 * x.files as f64 / total as f64, h(x.bytes));
+            }
+            s
+        };
+        if !self.nodes.is_empty() {
+            s += &shares("nodes", &self.nodes);
+        }
+        if !self.hosts.is_empty() {
+            s += &shares("destination hosts", &self.hosts);
+        }
+        let lost: Vec<&AgentReport> = self.agents.iter().filter(|a| a.state == "lost").collect();
+        s += &format!("\nagents: {} ({} lost)", self.agents.len(), lost.len());
+        for a in lost {
+            s += &format!("\n  lost: agent {} on {} (task {}, pid {}) after {} files", a.id, a.node, a.task, a.pid, a.files);
+        }
+        for f in self.failures.iter().take(20) {
+            s += &format!("\nfailed: {} ({}, {} attempts): {}", f.path, f.kind, f.attempts, f.message);
+        }
+        if self.failures.len() > 20 {
+            s += &format!("\n  ... and {} more failures (see report.json)", self.failures.len() - 20);
+        }
+        if let Some(e) = &self.error {
+            s += &format!("\nstopped: {e}");
+        }
+        if self.state == "checkpointed" {
+            let left = self.total_files.saturating_sub(self.done_files + self.failed_files);
+            s += &format!("\ncheckpointed before the time limit with {left} files left");
+            s += &match &self.resubmitted_as {
+                Some(id) => format!("; resubmitted as Slurm job {id}"),
+                None => "; run the job again to send them".into(),
+            };
+        }
+        if self.state != "running" && self.state != "checkpointed" {
+            s += if self.check.passed {
+                "\ncheck: passed (every file verified at the destination)"
+            } else {
+                "\ncheck: FAILED (re-run the job to send what is missing)"
+            };
+        }
+        s
+    }
+}
+
+/// The exit code of an error class by its report name.
+pub fn kind_code(name: &str) -> i32 {
+    (1..=10u8).map(ErrorKind::from_u8).find(|k| k.name() == name).unwrap_or(ErrorKind::Internal) as i32
+}
+
+/// The state directory of a job.
+pub struct StateDir {
+    pub dir: PathBuf,
+}
+
+impl StateDir {
+    pub fn new(dir: &Path) -> StateDir {
+        StateDir { dir: dir.to_path_buf() }
+    }
+
+    /// Creates the directory if needed.
+    pub fn create(&self) -> Result<()> {
+        fs::create_dir_all(&self.dir).map_err(|e| Error::io(self.dir.display().to_string(), &e))
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The paths an earlier run confirmed (a torn last line is ignored).
+    pub fn load_done(&self) -> Result<HashSet<String>> {
+        let p = self.path(DONE);
+        let f = match File::open(&p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashSet::new()),
+            Err(e) => return Err(Error::io(p.display().to_string(), &e)),
+        };
+        let mut done = HashSet::new();
+        for line in BufReader::new(f).lines() {
+            let line = line.map_err(|e| Error::io(p.display().to_string(), &e))?;
+            if let Ok(path) = serde_json::from_str::<String>(&line) {
+                done.insert(path);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Opens the done list for appending.
+    pub fn done_writer(&self) -> Result<DoneList> {
+        let p = self.path(DONE);
+        let f = OpenOptions::new().create(true).append(true).open(&p).map_err(|e| Error::io(p.display().to_string(), &e))?;
+        Ok(DoneList { out: BufWriter::new(f) })
+    }
+
+    /// Writes `name` atomically (a temporary file renamed into place).
+    fn write_atomic(&self, name: &str, data: &[u8]) -> Result<()> {
+        let p = self.path(name);
+        let tmp = self.path(&format!(".{name}.tmp"));
+        let io = |e: std::io::Error| Error::io(p.display().to_string(), &e);
+        fs::write(&tmp, data).map_err(io)?;
+        fs::rename(&tmp, &p).map_err(io)
+    }
+
+    pub fn write_progress(&self, r: &JobReport) -> Result<()> {
+        self.write_atomic(PROGRESS, &serde_json::to_vec_pretty(r).expect("a report serializes"))
+    }
+
+    /// Writes the final report, its summary, and the progress file once more.
+    pub fn write_report(&self, r: &JobReport) -> Result<()> {
+        self.write_progress(r)?;
+        self.write_atomic(REPORT, &serde_json::to_vec_pretty(r).expect("a report serializes"))?;
+        self.write_atomic(SUMMARY, format!("{}\n", r.summary()).as_bytes())
+    }
+
+    /// Appends a run's record to `runs.jsonl`.
+    pub fn add_run(&self, r: &RunRecord) -> Result<()> {
+        let p = self.path(RUNS);
+        let mut f = OpenOptions::new().create(true).append(true).open(&p).map_err(|e| Error::io(p.display().to_string(), &e))?;
+        let line = serde_json::to_string(r).expect("a record serializes");
+        writeln!(f, "{line}").map_err(|e| Error::io(p.display().to_string(), &e))
+    }
+
+    /// The runs recorded so far (a torn or unreadable line is skipped).
+    pub fn runs(&self) -> Vec<RunRecord> {
+        let Ok(text) = fs::read_to_string(self.path(RUNS)) else { return Vec::new() };
+        text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    }
+
+    /// The batch script kept at submission, if any.
+    pub fn script(&self) -> Option<String> {
+        fs::read_to_string(self.path(crate::sbatch::SCRIPT)).ok()
+    }
+
+    /// A report from an earlier run is stale once a new run starts.
+    pub fn clear_report(&self) {
+        let _ = fs::remove_file(self.path(REPORT));
+        let _ = fs::remove_file(self.path(SUMMARY));
+    }
+
+    /// The final report if the job ended, else its latest progress.
+    pub fn read(&self) -> Result<JobReport> {
+        for name in [REPORT, PROGRESS] {
+            let p = self.path(name);
+            match fs::read(&p) {
+                Ok(b) => {
+                    return serde_json::from_slice(&b)
+                        .map_err(|e| Error::new(ErrorKind::Internal, p.display().to_string(), format!("unreadable: {e}")))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io(p.display().to_string(), &e)),
+            }
+        }
+        Err(Error::new(
+            ErrorKind::NotFound,
+            self.dir.display().to_string(),
+            "no progress recorded: the job has not started yet (or ran from another directory)",
+        ))
+    }
+}
+
+/// The done list, open for appending.
+pub struct DoneList {
+    out: BufWriter<File>,
+}
+
+impl DoneList {
+    pub fn add(&mut self, path: &str) -> Result<()> {
+        let line = serde_json::to_string(path).expect("a string serializes");
+        writeln!(self.out, "{line}").map_err(|e| Error::io(DONE, &e))
+    }
+
+    /// Pushes what was appended to the file (not necessarily to the disk).
+    pub fn flush(&mut self) -> Result<()> {
+        self.out.flush().map_err(|e| Error::io(DONE, &e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn done_list_round_trips_odd_names_and_ignores_a_torn_line() {
+        let t = tempfile::tempdir().unwrap();
+        let s = StateDir::new(t.path());
+        let mut w = s.done_writer().unwrap();
+        for p in ["a/b", "new\nline", "quote\"d"] {
+            w.add(p).unwrap();
+        }
+        w.flush().unwrap();
+        drop(w);
+        let mut f = OpenOptions::new().append(true).open(t.path().join(DONE)).unwrap();
+        f.write_all(b"\"torn").unwrap();
+        let done = s.load_done().unwrap();
+        assert_eq!(done.len(), 3);
+        assert!(done.contains("new\nline") && done.contains("quote\"d"));
+    }
+
+    #[test]
+    fn report_prefers_the_final_one_and_exit_codes_follow_failures() {
+        let t = tempfile::tempdir().unwrap();
+        let s = StateDir::new(t.path());
+        assert_eq!(s.read().unwrap_err().kind, ErrorKind::NotFound);
+        let mut r = JobReport { state: "running".into(), ..Default::default() };
+        s.write_progress(&r).unwrap();
+        assert_eq!(s.read().unwrap().state, "running");
+        r.state = "failed".into();
+        r.failures.push(FailureReport { path: "x".into(), kind: "permission-denied".into(), message: "m".into(), attempts: 3 });
+        s.write_report(&r).unwrap();
+        let back = s.read().unwrap();
+        assert_eq!(back, r);
+        assert_eq!(back.exit_code(), 4);
+        assert!(fs::read_to_string(t.path().join(SUMMARY)).unwrap().contains("check: FAILED"));
+    }
+}
