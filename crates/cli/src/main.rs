@@ -1,6 +1,7 @@
 //! `dmover`: a parallel data mover for scientific data sets.
 //!
-//! Subcommands: `serve` (the daemon), `cp` (copy files between local paths
+//! Subcommands: `serve` (the daemon), `sink` (the daemon that receives
+//! streams from running simulations), `cp` (copy files between local paths
 //! and servers), `ls` (list what a server path names), `bench` (network and
 //! disk throughput between two endpoints) and `token` (make a shared secret). Errors are printed as one
 //! line and mapped to the exit codes documented in docs/CLI.md.
@@ -11,6 +12,7 @@ mod location;
 mod ls;
 mod report;
 mod serve;
+mod sink;
 mod sizes;
 mod streams;
 
@@ -30,6 +32,8 @@ struct Cli {
 enum Cmd {
     /// Serve directories to dmover clients.
     Serve(serve::ServeArgs),
+    /// Receive streams from running simulations (dmover-stream producers).
+    Sink(sink::SinkArgs),
     /// Copy files and directories: SRC... DEST.
     Cp(cp::CpArgs),
     /// List the files a server path, directory or glob names.
@@ -102,11 +106,12 @@ fn main() {
             std::process::exit(code);
         }
     };
-    let level = if matches!(cli.cmd, Cmd::Serve(_)) { "info" } else { "warn" };
+    let level = if matches!(cli.cmd, Cmd::Serve(_) | Cmd::Sink(_)) { "info" } else { "warn" };
     env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level)).format_target(false).init();
     raise_fd_limit();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
+        Cmd::Sink(a) => sink::run(a),
         Cmd::Cp(a) => cp::run(a),
         Cmd::Ls(a) => ls::run(a),
         Cmd::Bench(a) => bench::run(a),

@@ -62,10 +62,22 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         grace: Duration::from_secs(a.grace),
         staging: staging.max(1 << 20),
         writers: 2,
+        sink: None,
     };
-    let listener =
-        std::net::TcpListener::bind(&a.listen).map_err(|e| Error::new(ErrorKind::Usage, &a.listen, format!("cannot listen: {e}")))?;
-    let addr = listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?;
+    let names: Vec<String> = cfg.exports.keys().cloned().collect();
+    let listener = bind(&a.listen)?;
+    log::info!("serving {names:?} on {}", listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?);
+    run_server(listener, cfg)
+}
+
+/// Binds the listening socket.
+pub fn bind(listen: &str) -> Result<std::net::TcpListener> {
+    std::net::TcpListener::bind(listen).map_err(|e| Error::new(ErrorKind::Usage, listen, format!("cannot listen: {e}")))
+}
+
+/// Runs a server on `listener` until SIGTERM or SIGINT.
+pub fn run_server(listener: std::net::TcpListener, cfg: dmover_server::Config) -> Result<i32> {
+    let addr = listener.local_addr().map_err(|e| Error::io("listener", &e))?;
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| Error::io("signals", &e))?;
@@ -75,15 +87,13 @@ pub fn run(a: ServeArgs) -> Result<i32> {
             shutdown.trigger();
         }
     });
-    let names: Vec<&String> = cfg.exports.keys().collect();
-    log::info!("serving {names:?} on {addr}");
     println!("dmover: listening on {addr}");
     dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");
     Ok(0)
 }
 
-fn warn_if_readable(f: &std::path::Path) {
+pub fn warn_if_readable(f: &std::path::Path) {
     use std::os::unix::fs::PermissionsExt;
     if let Ok(m) = std::fs::metadata(f) {
         if m.permissions().mode() & 0o077 != 0 {
