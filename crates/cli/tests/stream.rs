@@ -204,6 +204,7 @@ fn killing_the_primary_sink_fails_over_to_the_alternate_and_loses_nothing() {
     written.extend((7..12).map(|step| write_step(&mut s, step)));
     let report = s.close().unwrap();
     assert!(report.failovers >= 1, "{report:?}");
+    assert!(report.resent_blocks > 0, "blocks in flight to the frozen primary were sent again: {report:?}");
     let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
     let m = check_delivery(&report, &written, &sinks);
     let at = |step: usize| -> Vec<String> {
