@@ -259,11 +259,13 @@ fn build(compiler: &str, sources: &[PathBuf], out: &Path) {
     assert!(r.status.success(), "{compiler} failed:\n{}", String::from_utf8_lossy(&r.stderr));
 }
 
-/// Runs an example producer; checks its report line and the data at the sink.
-fn run_example(env: &Env, exe: &Path, producer: &str, steps: u64, n: u64) {
+/// Runs an example producer (`exe`, then `script` if any); checks its
+/// report line and the data at the sink.
+fn run_example(env: &Env, exe: &Path, script: Option<&Path>, producer: &str, steps: u64, n: u64) {
     let (out, spill) = (env.mkdir(&format!("sink-{producer}")), env.mkdir(&format!("spill-{producer}")));
     let sink = env.sink(&out, [] as [&str; 0]);
     let r = Command::new(exe)
+        .args(script)
         .args([producer, &sink.addr(), spill.to_str().unwrap(), &steps.to_string(), &n.to_string(), "5"])
         .env("DMOVER_TOKEN_FILE", &env.token)
         .env_remove("DMOVER_TOKEN")
@@ -294,7 +296,7 @@ fn the_c_example_streams_to_a_real_sink() {
     let env = Env::new();
     let exe = env.path("gtc-c");
     build("cc", &[crate_dir().join("examples/gtc.c")], &exe);
-    run_example(&env, &exe, "gtc-c", 6, 300_000);
+    run_example(&env, &exe, None, "gtc-c", 6, 300_000);
 }
 
 #[test]
@@ -302,5 +304,29 @@ fn the_fortran_example_streams_to_a_real_sink() {
     let env = Env::new();
     let exe = env.path("gtc-f");
     build("gfortran", &[crate_dir().join("include/dmover_stream.f90"), crate_dir().join("examples/gtc.f90")], &exe);
-    run_example(&env, &exe, "gtc-f", 4, 200_000);
+    run_example(&env, &exe, None, "gtc-f", 4, 200_000);
+}
+
+/// Needs the module installed: `pip install ./crates/py` (.ci/run does it).
+#[test]
+fn the_python_example_streams_numpy_arrays_to_a_real_sink() {
+    let env = Env::new();
+    let script = crate_dir().join("../py/examples/gtc.py");
+    run_example(&env, Path::new("python3"), Some(&script), "gtc-py", 5, 250_000);
+}
+
+#[test]
+fn the_python_module_takes_any_contiguous_buffer_and_refuses_the_rest() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let r = Command::new("python3")
+        .arg(crate_dir().join("../py/tests/check_api.py"))
+        .args([&sink.addr(), spill.to_str().unwrap(), out.to_str().unwrap()])
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
 }

@@ -7,7 +7,7 @@
 //! `dms_open` gives the caller a handle that only `dms_close` frees.
 //! Panics never cross the boundary: they become `DMS_EINTERNAL`.
 
-use crate::{Config, Report, Stream};
+use crate::{token_from_env, Config, Report, Stream};
 use dmover_engine::error::Error;
 use dmover_proto::ErrorKind;
 use std::cell::RefCell;
@@ -68,20 +68,6 @@ unsafe fn string(p: *const c_char, what: &str) -> Result<String, Error> {
     // SAFETY: the caller promises a valid NUL-terminated string.
     let s = unsafe { CStr::from_ptr(p) };
     s.to_str().map(str::to_string).map_err(|_| usage(&format!("{what} is not UTF-8")))
-}
-
-/// The token: `DMOVER_TOKEN`, else the file named by `DMOVER_TOKEN_FILE`.
-fn token_from_env() -> Result<Vec<u8>, Error> {
-    if let Ok(t) = std::env::var("DMOVER_TOKEN") {
-        if !t.trim().is_empty() {
-            return Ok(t.trim().as_bytes().to_vec());
-        }
-    }
-    if let Ok(f) = std::env::var("DMOVER_TOKEN_FILE") {
-        let s = std::fs::read(&f).map_err(|e| Error::new(ErrorKind::Usage, &f, format!("cannot read token file: {e}")))?;
-        return Ok(String::from_utf8_lossy(&s).trim().as_bytes().to_vec());
-    }
-    Err(usage("no token: set DMOVER_TOKEN or DMOVER_TOKEN_FILE"))
 }
 
 /// Opens a stream. See `dms_open` in the header.

@@ -118,6 +118,21 @@ impl Config {
     }
 }
 
+/// The token from the environment: `DMOVER_TOKEN`, else the file named by
+/// `DMOVER_TOKEN_FILE` (what the C and Python bindings use).
+pub fn token_from_env() -> Result<Vec<u8>> {
+    if let Ok(t) = std::env::var("DMOVER_TOKEN") {
+        if !t.trim().is_empty() {
+            return Ok(t.trim().as_bytes().to_vec());
+        }
+    }
+    if let Ok(f) = std::env::var("DMOVER_TOKEN_FILE") {
+        let s = std::fs::read(&f).map_err(|e| Error::new(ErrorKind::Usage, &f, format!("cannot read token file: {e}")))?;
+        return Ok(String::from_utf8_lossy(&s).trim().as_bytes().to_vec());
+    }
+    Err(Error::new(ErrorKind::Usage, "", "no token: set DMOVER_TOKEN or DMOVER_TOKEN_FILE"))
+}
+
 /// One destination's share of a stream.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DestinationReport {
