@@ -330,3 +330,48 @@ fn the_python_module_takes_any_contiguous_buffer_and_refuses_the_rest() {
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
 }
+
+/// Needs h5py (.ci/run installs it).
+#[test]
+fn the_hdf5_hook_writes_each_step_as_datasets_with_its_metadata() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let hook = format!("python3 {}", crate_dir().join("../py/examples/to_hdf5.py").display());
+    let sink = env.sink(&out, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    let steps = 3u64;
+    for step in 0..steps {
+        let phi: Vec<u8> = (0..12).flat_map(|i| (step as f64 * 100.0 + i as f64).to_le_bytes()).collect();
+        let density: Vec<u8> = (0..5).flat_map(|i| (i as f32 * 0.5 - step as f32).to_le_bytes()).collect();
+        s.write_metadata("var", "phi;density").unwrap();
+        s.write_metadata("dims", "3,4;5").unwrap();
+        s.write_metadata("dtype", "<f8;<f4").unwrap();
+        s.write_metadata("time", &format!("{}", step as f64 * 0.25)).unwrap();
+        s.write(&phi).unwrap();
+        s.write(&density).unwrap();
+        s.end_step().unwrap();
+    }
+    s.close().unwrap();
+    let dir = out.join(PRODUCER);
+    for step in 0..steps {
+        let h5 = dir.join(format!("step-{step:06}.h5"));
+        assert!(wait_until(Duration::from_secs(60), || h5.is_file()), "no {}:\n{}", h5.display(), sink.log());
+    }
+    let check = r#"
+import sys, h5py, numpy as np
+d = sys.argv[1]
+for step in range(int(sys.argv[2])):
+    with h5py.File(f"{d}/step-{step:06d}.h5", "r") as h:
+        phi, den = h["phi"][()], h["density"][()]
+        assert phi.shape == (3, 4) and phi.dtype == np.float64, (phi.shape, phi.dtype)
+        assert (phi == step * 100.0 + np.arange(12).reshape(3, 4)).all(), phi
+        assert den.shape == (5,) and den.dtype == np.float32
+        assert (den == np.arange(5, dtype=np.float32) * 0.5 - step).all(), den
+        assert h.attrs["step"] == step and h.attrs["producer"] == "sim-0"
+        assert float(h.attrs["time"]) == step * 0.25, h.attrs["time"]
+print("ok")
+"#;
+    let r = Command::new("python3").args(["-c", check, dir.to_str().unwrap(), &steps.to_string()]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}
