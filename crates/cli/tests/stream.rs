@@ -272,7 +272,9 @@ fn run_example(env: &Env, exe: &Path, script: Option<&Path>, producer: &str, ste
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&r.stdout);
-    assert!(r.status.success(), "{} failed: {stdout}\n{}", exe.display(), String::from_utf8_lossy(&r.stderr));
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    let hint = if stderr.contains("No module named") { "\n(install the module: pip install ./crates/py h5py)" } else { "" };
+    assert!(r.status.success(), "{} failed: {stdout}\n{stderr}{hint}", exe.display());
     assert!(stdout.contains(&format!("steps={steps} ")), "{stdout}");
     assert!(stdout.contains("undelivered=0"), "{stdout}");
     for step in 0..steps {
