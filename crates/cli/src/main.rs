@@ -1,13 +1,15 @@
 //! `dmover`: a parallel data mover for scientific data sets.
 //!
 //! Subcommands: `serve` (the daemon), `sink` (the daemon that receives
-//! streams from running simulations), `cp` (copy files between local paths
+//! streams from running simulations), `drain` (send what such a stream
+//! left undelivered), `cp` (copy files between local paths
 //! and servers), `ls` (list what a server path names), `bench` (network and
 //! disk throughput between two endpoints) and `token` (make a shared secret). Errors are printed as one
 //! line and mapped to the exit codes documented in docs/CLI.md.
 
 mod bench;
 mod cp;
+mod drain;
 mod location;
 mod ls;
 mod report;
@@ -34,6 +36,8 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Receive streams from running simulations (dmover-stream producers).
     Sink(sink::SinkArgs),
+    /// Send what a stream from a simulation left undelivered, from its manifest.
+    Drain(drain::DrainArgs),
     /// Copy files and directories: SRC... DEST.
     Cp(cp::CpArgs),
     /// List the files a server path, directory or glob names.
@@ -112,6 +116,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Sink(a) => sink::run(a),
+        Cmd::Drain(a) => drain::run(a),
         Cmd::Cp(a) => cp::run(a),
         Cmd::Ls(a) => ls::run(a),
         Cmd::Bench(a) => bench::run(a),

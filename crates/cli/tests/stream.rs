@@ -76,7 +76,12 @@ fn check_delivery(report: &Report, written: &[Vec<u8>], sinks: &HashMap<String, 
     assert_eq!(report.unsaved_steps, 0, "{report:?}");
     assert_eq!(report.steps, written.len() as u64);
     assert_eq!(report.bytes, written.iter().map(|w| w.len() as u64).sum::<u64>());
-    let m = read_json(&report.manifest);
+    check_manifest(&report.manifest, written, sinks)
+}
+
+/// Checks the producer's manifest: every block at a sink, as written.
+fn check_manifest(manifest: &Path, written: &[Vec<u8>], sinks: &HashMap<String, PathBuf>) -> Value {
+    let m = read_json(manifest);
     let steps = m["steps"].as_array().unwrap();
     assert_eq!(steps.len(), written.len());
     for (step, want) in written.iter().enumerate() {
@@ -376,4 +381,46 @@ print("ok")
     let r = Command::new("python3").args(["-c", check, dir.to_str().unwrap(), &steps.to_string()]).output().unwrap();
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}
+
+#[test]
+fn after_every_sink_died_restarting_one_and_draining_leaves_a_complete_set() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let mut primary = env.sink(&out_a, [] as [&str; 0]);
+    let mut alternate = env.sink(&out_b, [] as [&str; 0]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.close_timeout = Duration::from_secs(2);
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..4).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    primary.kill9();
+    std::thread::sleep(Duration::from_millis(300));
+    alternate.kill9();
+    written.extend((4..9).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert!(report.undelivered_blocks > 0 && report.unsaved_steps > 0, "{report:?}");
+    let spill_file = report.spill_file.clone().expect("undelivered blocks stay in the spill file");
+    assert!(spill_file.is_file());
+    // The manifest says where every undelivered block is in the spill file.
+    let m = read_json(&report.manifest);
+    let spilled =
+        m["steps"].as_array().unwrap().iter().flat_map(|s| s["blocks"].as_array().unwrap()).filter(|b| b["spill"].is_string()).count();
+    assert_eq!(spilled as u64, report.undelivered_blocks);
+
+    // With no sink up, drain fails and keeps everything.
+    let manifest = report.manifest.to_str().unwrap().to_string();
+    let r = dmover(["drain", "--timeout", "1", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    assert!(r.stderr.contains("check that the server runs"), "{}", r.stderr);
+    assert!(spill_file.is_file());
+
+    primary.restart();
+    let r = dmover(["drain", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    assert!(!spill_file.exists(), "the spill file is removed once drained");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_manifest(&report.manifest, &written, &sinks);
+    let last = &m["steps"][written.len() - 1];
+    assert_eq!(last["manifest_at"], primary.addr(), "the last step was saved by the restarted primary");
 }

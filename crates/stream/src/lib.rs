@@ -39,7 +39,7 @@ use dmover_proto::ErrorKind;
 use manager::{Event, Manager};
 use ring::{Ring, Slot};
 use spill::Spill;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -354,6 +354,35 @@ impl Stream {
         };
         self.send(ev)
     }
+}
+
+/// Sends what an earlier stream left undelivered: the blocks its manifest
+/// (`SPILL_DIR/PRODUCER.manifest.json`) places in the spill file, and the
+/// steps whose manifest no sink saved. Connects to the first destination
+/// that takes the stream, waits up to `close_timeout`, and rewrites the
+/// manifest; the spill file is removed once everything in it is delivered.
+pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<Report> {
+    let subject = manifest.display().to_string();
+    let text = std::fs::read_to_string(manifest).map_err(|e| Error::io(&subject, &e))?;
+    let m: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest: {e}")))?;
+    let field = |k: &str| m[k].as_str().map(str::to_string).ok_or_else(|| Error::new(ErrorKind::Usage, &subject, format!("no {k}")));
+    let producer = field("producer")?;
+    let dests: Vec<String> = m["destinations"].as_array().into_iter().flatten().filter_map(|d| d.as_str().map(str::to_string)).collect();
+    let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut cfg = Config::new(&producer, &dests.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
+    cfg.block_size = m["block_size"].as_u64().unwrap_or(DEFAULT_BLOCK as u64) as u32;
+    cfg.close_timeout = close_timeout;
+    cfg.check()?;
+    let spill = match m["spill"].as_str() {
+        Some(p) => Spill::open(Path::new(p)).map_err(|e| Error::io(p, &e))?,
+        None => Spill::new(dir, &producer),
+    };
+    let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
+    let (events, rx) = crossbeam_channel::unbounded();
+    let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m)?;
+    mgr.connect_first()?;
+    mgr.run()
 }
 
 impl Drop for Stream {

@@ -215,6 +215,69 @@ impl Manager {
         Err(first_error.unwrap_or_else(|| Error::new(ErrorKind::Usage, "", "no destination given")))
     }
 
+    /// A manager for what a producer's manifest says is undelivered: its
+    /// blocks in the spill file go to the destinations, and the steps whose
+    /// manifest no sink saved get their `StepEnd` (`drain`). It runs as if
+    /// the writer had closed.
+    pub fn resume(mut self, manifest: &serde_json::Value) -> Result<Manager> {
+        let producer = self.cfg.producer.clone();
+        let bad = |what: &str| Error::new(ErrorKind::Usage, &producer, format!("the manifest is damaged: {what}"));
+        let steps = manifest["steps"].as_array().ok_or_else(|| bad("no steps"))?;
+        for s in steps {
+            let step = s["step"].as_u64().ok_or_else(|| bad("a step without a number"))?;
+            let mut st = StepState::default();
+            for b in s["blocks"].as_array().ok_or_else(|| bad("a step without blocks"))? {
+                let offset = b["offset"].as_u64().ok_or_else(|| bad("a block without an offset"))?;
+                let len = b["len"].as_u64().ok_or_else(|| bad("a block without a length"))? as u32;
+                let hex = b["xxh3"].as_str().filter(|h| h.len() == 32).ok_or_else(|| bad("a block without a checksum"))?;
+                let mut sum = [0u8; 16];
+                for (i, x) in sum.iter_mut().enumerate() {
+                    *x = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad("a checksum that is not hex"))?;
+                }
+                let place = if let Some(addr) = b["at"].as_str() {
+                    Place::At(self.dest_index(addr))
+                } else if let Some(at) = b["spill_offset"].as_u64() {
+                    self.spilled.push_back((step, offset));
+                    Place::Spilled(at)
+                } else {
+                    let msg = format!("step {step}: the block at {offset} was neither delivered nor spilled");
+                    return Err(Error::new(ErrorKind::Verify, &self.cfg.producer, msg));
+                };
+                st.blocks.insert(offset, BlockRec { len, sum, place });
+            }
+            let pairs = |v: &serde_json::Value| -> Vec<(u64, u64)> {
+                v.as_array().into_iter().flatten().filter_map(|p| Some((p[0].as_u64()?, p[1].as_u64()?))).collect()
+            };
+            let metadata = s["metadata"].as_object().into_iter().flatten();
+            st.end = Some(StepEnd {
+                bytes: s["bytes"].as_u64().unwrap_or(0),
+                blocks: st.blocks.len() as u64,
+                metadata: metadata.map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string())).collect(),
+                records: pairs(&s["records"]),
+            });
+            st.saved = s["manifest_at"].as_str().map(|a| self.dest_index(a));
+            if st.saved.is_none() {
+                self.unsent.insert(step);
+            }
+            self.report.steps += 1;
+            self.report.bytes += st.end.as_ref().map_or(0, |e| e.bytes);
+            self.report.blocks += st.blocks.len() as u64;
+            self.steps.insert(step, st);
+        }
+        self.closing = Some(Instant::now());
+        Ok(self)
+    }
+
+    /// The index of a destination, added if the manifest names one the
+    /// configuration does not.
+    fn dest_index(&mut self, addr: &str) -> usize {
+        if let Some(i) = self.dests.iter().position(|d| d.addr == addr) {
+            return i;
+        }
+        self.dests.push(Destination { addr: addr.to_string(), down_until: None, blocks: 0, bytes: 0 });
+        self.dests.len() - 1
+    }
+
     /// Runs until the writer closes and everything is delivered (or the
     /// close timeout passes); returns the report.
     pub fn run(mut self) -> Result<Report> {
@@ -588,10 +651,12 @@ impl Manager {
                     Some(e) => (e.bytes, e.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::from(v.clone()))).collect()),
                     None => (0, serde_json::Map::new()),
                 };
+                let records: Vec<(u64, u64)> = s.end.as_ref().map(|e| e.records.clone()).unwrap_or_default();
                 serde_json::json!({
                     "step": step,
                     "bytes": bytes,
                     "metadata": metadata,
+                    "records": records,
                     "manifest_at": s.saved.map(|d| self.dests[d].addr.clone()),
                     "blocks": blocks,
                 })
@@ -601,6 +666,7 @@ impl Manager {
             "producer": self.cfg.producer,
             "block_size": self.cfg.block_size,
             "destinations": self.cfg.destinations,
+            "spill": self.spill.path(),
             "steps": steps,
         })
     }

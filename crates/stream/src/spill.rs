@@ -28,6 +28,13 @@ impl Spill {
         Spill { path, file: Mutex::new(None) }
     }
 
+    /// An existing spill file, to send what it holds (`drain`).
+    pub fn open(path: &Path) -> io::Result<Spill> {
+        let f = OpenOptions::new().read(true).append(true).open(path)?;
+        let len = f.metadata()?.len();
+        Ok(Spill { path: path.to_path_buf(), file: Mutex::new(Some((f, len))) })
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
