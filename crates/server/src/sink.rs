@@ -43,7 +43,7 @@ pub struct SinkConfig {
     pub name: String,
 }
 
-/// Smallest and largest block a producer may use.
+/// Smallest block a producer may use (the largest is a data frame's `MAX_BLOCK`).
 pub const MIN_BLOCK: u32 = 4096;
 
 /// Checks a producer name: one path component of letters, digits, `.`,
