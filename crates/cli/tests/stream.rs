@@ -162,6 +162,17 @@ fn a_wrong_token_or_no_sink_fails_at_open_with_a_clear_error() {
     let mut c = config(&env, &[&sink.addr()], &spill);
     c.producer = "../escape".into();
     assert_eq!(Stream::open(c).err().unwrap().kind, dmover_proto::ErrorKind::Usage);
+    // A producer directory that is a symlink is refused at once.
+    std::os::unix::fs::symlink(env.root(), out.join("linked")).unwrap();
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.producer = "linked".into();
+    let e = Stream::open(c).err().expect("a symlinked producer directory must be refused");
+    assert_eq!(e.kind, dmover_proto::ErrorKind::Refused, "{e}");
+    // A file server is not a sink: it refuses streams and says what to run.
+    let server = env.serve(&[("x", &env.mkdir("export"))]);
+    let e = Stream::open(config(&env, &[&server.addr()], &spill)).err().expect("dmover serve must refuse streams");
+    assert_eq!(e.kind, dmover_proto::ErrorKind::Refused, "{e}");
+    assert!(e.message.contains("dmover sink"), "{e}");
 }
 
 #[test]

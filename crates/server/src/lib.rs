@@ -261,6 +261,7 @@ enum Action {
     Stream {
         sink: Arc<sink::SinkConfig>,
         producer: String,
+        dir: std::path::PathBuf,
         block_size: u32,
     },
     Nothing,
@@ -301,9 +302,9 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
             let Some(sink) = srv.cfg.sink.clone() else {
                 return Err(Error::new(ErrorKind::Refused, producer, "this server does not take streams; run `dmover sink` for that"));
             };
-            sink::check_producer(&producer)?;
             sink::check_block_size(block_size)?;
-            Action::Stream { sink, producer, block_size }
+            let dir = sink::producer_dir(&sink, &producer)?;
+            Action::Stream { sink, producer, dir, block_size }
         }
         Msg::Ping => Action::Nothing,
         m => return Err(Error::protocol("", format!("unexpected request {m:?}"))),
@@ -374,10 +375,10 @@ fn control(
                 return finish_report(&mut w, t.as_ref(), stats);
             }
             Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
-            Ok(Action::Stream { sink, producer, block_size }) => {
+            Ok(Action::Stream { sink, producer, dir, block_size }) => {
                 let (guard, rx) = open_session(srv);
                 w.send(&Msg::SessionOpened { session: guard.id })?;
-                return sink::run(&sink, &producer, block_size, t, r, w, rx);
+                return sink::run(&sink, &producer, dir, block_size, t, r, w, rx);
             }
             Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
                 let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);

@@ -60,6 +60,19 @@ pub fn check_producer(name: &str) -> Result<()> {
     }
 }
 
+/// The directory of a producer's steps, created if missing: refused if the
+/// name is not a plain component or the path is anything but a directory
+/// (a symlink included).
+pub fn producer_dir(cfg: &SinkConfig, producer: &str) -> Result<PathBuf> {
+    check_producer(producer)?;
+    let dir = cfg.dir.join(producer);
+    if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
+        return Err(Error::new(ErrorKind::Refused, dir.display().to_string(), "exists and is not a directory"));
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(dir.display().to_string(), &e))?;
+    Ok(dir)
+}
+
 /// Checks a producer's block size.
 pub fn check_block_size(b: u32) -> Result<()> {
     if (MIN_BLOCK..=MAX_BLOCK).contains(&b) {
@@ -132,21 +145,19 @@ fn open_data(path: &Path) -> Result<File> {
 }
 
 /// Serves one producer's streaming session until it closes its control
-/// connection. `data` delivers the data connections attached to the session.
+/// connection; its steps go to `dir` (from [`producer_dir`]). `data`
+/// delivers the data connections attached to the session.
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     cfg: &SinkConfig,
     producer: &str,
+    dir: PathBuf,
     block_size: u32,
     control: Box<dyn Transport>,
     mut r: FrameReader,
     w: FrameWriter,
     data: crossbeam_channel::Receiver<Box<dyn Transport>>,
 ) -> Result<()> {
-    let dir = cfg.dir.join(producer);
-    if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
-        return Err(Error::new(ErrorKind::Refused, dir.display().to_string(), "exists and is not a directory"));
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(dir.display().to_string(), &e))?;
     let shared = Arc::new(Shared { dir, block_size, steps: Mutex::default(), writer: Mutex::new(w), received: AtomicU64::new(0) });
     // Attaches data connections as they arrive, until the session ends.
     let over = Arc::new(AtomicBool::new(false));
