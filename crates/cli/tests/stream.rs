@@ -435,3 +435,25 @@ fn after_every_sink_died_restarting_one_and_draining_leaves_a_complete_set() {
     let last = &m["steps"][written.len() - 1];
     assert_eq!(last["manifest_at"], primary.addr(), "the last step was saved by the restarted primary");
 }
+
+#[test]
+fn a_sink_that_hangs_is_failed_over_after_the_ack_timeout() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let primary = env.sink(&out_a, [] as [&str; 0]);
+    let alternate = env.sink(&out_b, [] as [&str; 0]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.ack_timeout = Duration::from_secs(1);
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // Alive but silent: its connections stay open and nothing is acknowledged.
+    primary.signal(libc::SIGSTOP);
+    written.extend((2..7).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert_eq!(report.failovers, 1, "{report:?}");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_delivery(&report, &written, &sinks);
+    assert_eq!(m["steps"][6]["manifest_at"], alternate.addr());
+    primary.signal(libc::SIGCONT);
+}

@@ -50,6 +50,10 @@ pub const DEFAULT_BUFFER: u64 = 80 << 20;
 pub const DEFAULT_BLOCK: u32 = 1 << 20;
 /// Data connections a producer opens at most, by default.
 pub const DEFAULT_MAX_STREAMS: usize = 8;
+/// How long a sink may leave everything unacknowledged before it is taken
+/// for dead, by default: long enough for 8 connections each sending a 1 MiB
+/// block over a 1 Mbit/s path.
+pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(90);
 /// How long close waits for undelivered blocks before leaving them in the
 /// spill file, by default.
 pub const DEFAULT_CLOSE_TIMEOUT: Duration = Duration::from_secs(600);
@@ -77,6 +81,9 @@ pub struct Config {
     pub max_streams: usize,
     /// Longest close waits for delivery before leaving blocks in the spill file.
     pub close_timeout: Duration,
+    /// A sink that acknowledges nothing for this long while it has blocks
+    /// or step ends to confirm is taken for dead (it hangs): failover.
+    pub ack_timeout: Duration,
 }
 
 impl Config {
@@ -93,6 +100,7 @@ impl Config {
             max_wait: Duration::ZERO,
             max_streams: DEFAULT_MAX_STREAMS,
             close_timeout: DEFAULT_CLOSE_TIMEOUT,
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
         }
     }
 

@@ -137,6 +137,8 @@ struct Link {
     streams: Vec<Arc<AtomicBool>>,
     next_index: u32,
     last_control: Instant,
+    /// When the sink last acknowledged something (or the link opened).
+    last_ack: Instant,
 }
 
 impl Link {
@@ -164,6 +166,8 @@ pub struct Manager {
     steps: BTreeMap<u64, StepState>,
     /// Ended steps whose `StepEnd` has not gone on the current link.
     unsent: BTreeSet<u64>,
+    /// Steps whose `StepEnd` went on the current link and is not yet saved.
+    unconfirmed: usize,
     dests: Vec<Destination>,
     link: Option<Link>,
     links_opened: u64,
@@ -190,6 +194,7 @@ impl Manager {
             spilled: VecDeque::new(),
             steps: BTreeMap::new(),
             unsent: BTreeSet::new(),
+            unconfirmed: 0,
             dests,
             link: None,
             links_opened: 0,
@@ -335,7 +340,9 @@ impl Manager {
             }
             Event::Close => self.closing = Some(Instant::now()),
             Event::Acked { link, blocks } if Some(link) == current => {
-                let dest = self.link.as_ref().map(|l| l.dest).expect("current link");
+                let l = self.link.as_mut().expect("current link");
+                l.last_ack = Instant::now();
+                let dest = l.dest;
                 for key in blocks {
                     let Some(b) = self.inflight.remove(&key) else { continue };
                     if let Some(rec) = self.steps.get_mut(&b.step).and_then(|s| s.blocks.get_mut(&b.offset)) {
@@ -353,8 +360,13 @@ impl Manager {
                 }
             }
             Event::Saved { link, step } if Some(link) == current => {
-                let dest = self.link.as_ref().map(|l| l.dest).expect("current link");
+                let l = self.link.as_mut().expect("current link");
+                l.last_ack = Instant::now();
+                let dest = l.dest;
                 if let Some(s) = self.steps.get_mut(&step) {
+                    if s.end_sent == Some(link) && s.saved.is_none() {
+                        self.unconfirmed -= 1;
+                    }
                     s.saved = Some(dest);
                 }
             }
@@ -392,7 +404,17 @@ impl Manager {
         self.report.max_streams = self.report.max_streams.max(d.streams);
         self.set_streams(d.streams);
         self.fetch_spilled(d.fetch)?;
+        let waiting = !self.inflight.is_empty() || self.unconfirmed > 0;
         if let Some(l) = &mut self.link {
+            if waiting && l.last_ack.elapsed() >= self.cfg.ack_timeout {
+                let what = format!("acknowledged nothing for {:?}", self.cfg.ack_timeout);
+                let e = Error::new(ErrorKind::Unreachable, &self.dests[l.dest].addr, what);
+                self.link_down(e);
+                return Ok(());
+            }
+            if !waiting {
+                l.last_ack = Instant::now();
+            }
             if l.last_control.elapsed() >= PING_EVERY {
                 l.last_control = Instant::now();
                 if let Err(e) = l.control.send(&Msg::Ping) {
@@ -471,6 +493,7 @@ impl Manager {
             }
             l.last_control = Instant::now();
             s.end_sent = Some(l.id);
+            self.unconfirmed += 1;
             sent.push(step);
         }
         for step in sent {
@@ -527,6 +550,7 @@ impl Manager {
         for b in back.into_iter().rev() {
             self.queue.push_front(b);
         }
+        self.unconfirmed = 0;
         for (&step, s) in self.steps.iter_mut() {
             if s.end_sent == Some(l.id) && s.saved.is_none() {
                 s.end_sent = None;
@@ -573,8 +597,18 @@ impl Manager {
         std::thread::spawn(move || read_control(reader, id, block_size, events));
         let (work, work_rx) = crossbeam_channel::unbounded();
         log::info!("stream {}: sending to {addr}", self.cfg.producer);
-        self.link =
-            Some(Link { id, dest, session, control, work, work_rx, streams: Vec::new(), next_index: 0, last_control: Instant::now() });
+        self.link = Some(Link {
+            id,
+            dest,
+            session,
+            control,
+            work,
+            work_rx,
+            streams: Vec::new(),
+            next_index: 0,
+            last_control: Instant::now(),
+            last_ack: Instant::now(),
+        });
         self.dests[dest].down_until = None;
         self.set_streams(self.policy.streams());
         Ok(())
