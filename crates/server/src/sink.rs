@@ -159,13 +159,18 @@ pub fn run(
     data: crossbeam_channel::Receiver<Box<dyn Transport>>,
 ) -> Result<()> {
     let shared = Arc::new(Shared { dir, block_size, steps: Mutex::default(), writer: Mutex::new(w), received: AtomicU64::new(0) });
-    // Attaches data connections as they arrive, until the session ends.
+    // Attaches data connections as they arrive, until the session ends;
+    // then closes them, so that none outlives a producer that vanished.
     let over = Arc::new(AtomicBool::new(false));
     let attacher = {
         let (shared, over) = (shared.clone(), over.clone());
         std::thread::spawn(move || {
+            let mut open = Vec::new();
             while !over.load(Ordering::Relaxed) {
                 if let Ok(t) = data.recv_timeout(Duration::from_millis(100)) {
+                    if let Ok(handle) = t.split() {
+                        open.push(handle);
+                    }
                     let shared = shared.clone();
                     std::thread::spawn(move || {
                         if let Err(e) = receive_blocks(&shared, t) {
@@ -174,6 +179,7 @@ pub fn run(
                     });
                 }
             }
+            open.iter().for_each(|t| t.close());
         })
     };
     // Hooks run one at a time, in step order, off the control thread.
