@@ -1,6 +1,8 @@
 //! `dmover`: a parallel data mover for scientific data sets.
 //!
-//! Subcommands: `serve` (the daemon), `cp` (copy files between local paths
+//! Subcommands: `serve` (the daemon), `sink` (the daemon that receives
+//! streams from running simulations), `drain` (send what such a stream
+//! left undelivered), `cp` (copy files between local paths
 //! and servers), `ls` (list what a server path names), `bench` (network and
 //! disk throughput between two endpoints), `token` (make a shared secret),
 //! and the batch-job commands `submit`, `run` and `status` (with `agent`,
@@ -9,11 +11,13 @@
 
 mod bench;
 mod cp;
+mod drain;
 mod job;
 mod location;
 mod ls;
 mod report;
 mod serve;
+mod sink;
 mod sizes;
 mod streams;
 
@@ -33,6 +37,10 @@ struct Cli {
 enum Cmd {
     /// Serve directories to dmover clients.
     Serve(serve::ServeArgs),
+    /// Receive streams from running simulations (dmover-stream producers).
+    Sink(sink::SinkArgs),
+    /// Send what a stream from a simulation left undelivered, from its manifest.
+    Drain(drain::DrainArgs),
     /// Copy files and directories: SRC... DEST.
     Cp(cp::CpArgs),
     /// List the files a server path, directory or glob names.
@@ -114,11 +122,13 @@ fn main() {
             std::process::exit(code);
         }
     };
-    let level = if matches!(cli.cmd, Cmd::Serve(_)) { "info" } else { "warn" };
+    let level = if matches!(cli.cmd, Cmd::Serve(_) | Cmd::Sink(_)) { "info" } else { "warn" };
     env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level)).format_target(false).init();
     raise_fd_limit();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
+        Cmd::Sink(a) => sink::run(a),
+        Cmd::Drain(a) => drain::run(a),
         Cmd::Cp(a) => cp::run(a),
         Cmd::Ls(a) => ls::run(a),
         Cmd::Bench(a) => bench::run(a),

@@ -18,6 +18,16 @@ pub struct ServeArgs {
     /// A directory to serve: NAME=DIR (repeatable).
     #[arg(long = "export", value_name = "NAME=DIR", required = true)]
     pub exports: Vec<String>,
+    #[command(flatten)]
+    pub daemon: DaemonArgs,
+    /// Staging memory of each receiving transfer.
+    #[arg(long, default_value = "64M")]
+    pub staging: String,
+}
+
+/// The flags every daemon (`serve`, `sink`) takes.
+#[derive(Args)]
+pub struct DaemonArgs {
     /// File holding the shared token clients must prove they know.
     #[arg(long, value_name = "FILE")]
     pub token_file: PathBuf,
@@ -30,15 +40,33 @@ pub struct ServeArgs {
     /// Seconds running transfers may go on after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub grace: u64,
-    /// Staging memory of each receiving transfer.
-    #[arg(long, default_value = "64M")]
-    pub staging: String,
+}
+
+impl DaemonArgs {
+    /// The token, checked, with a warning if others can read its file.
+    pub fn token(&self) -> Result<Vec<u8>> {
+        let token = crate::read_token(&self.token_file)?;
+        warn_if_readable(&self.token_file);
+        Ok(token)
+    }
+
+    /// A server configuration with these flags and no exports.
+    pub fn config(&self) -> Result<dmover_server::Config> {
+        Ok(dmover_server::Config {
+            exports: HashMap::new(),
+            token: self.token()?,
+            max_connections: self.max_connections.max(1),
+            idle_timeout: Duration::from_secs(self.idle_timeout.max(1)),
+            grace: Duration::from_secs(self.grace),
+            staging: 1 << 20,
+            writers: 1,
+            sink: None,
+        })
+    }
 }
 
 pub fn run(a: ServeArgs) -> Result<i32> {
     let usage = |subject: &str, msg: String| Error::new(ErrorKind::Usage, subject, msg);
-    let token = crate::read_token(&a.token_file)?;
-    warn_if_readable(&a.token_file);
     let mut exports = HashMap::new();
     for e in &a.exports {
         let (name, dir) = e.split_once('=').ok_or_else(|| usage(e, "an export is NAME=DIR".into()))?;
@@ -54,18 +82,21 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         }
     }
     let staging = parse_size(&a.staging).map_err(|m| usage("--staging", m))?;
-    let cfg = dmover_server::Config {
-        exports,
-        token,
-        max_connections: a.max_connections.max(1),
-        idle_timeout: Duration::from_secs(a.idle_timeout.max(1)),
-        grace: Duration::from_secs(a.grace),
-        staging: staging.max(1 << 20),
-        writers: 2,
-    };
-    let listener =
-        std::net::TcpListener::bind(&a.listen).map_err(|e| Error::new(ErrorKind::Usage, &a.listen, format!("cannot listen: {e}")))?;
-    let addr = listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?;
+    let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ..a.daemon.config()? };
+    let names: Vec<String> = cfg.exports.keys().cloned().collect();
+    let listener = bind(&a.listen)?;
+    log::info!("serving {names:?} on {}", listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?);
+    run_server(listener, cfg)
+}
+
+/// Binds the listening socket.
+pub fn bind(listen: &str) -> Result<std::net::TcpListener> {
+    std::net::TcpListener::bind(listen).map_err(|e| Error::new(ErrorKind::Usage, listen, format!("cannot listen: {e}")))
+}
+
+/// Runs a server on `listener` until SIGTERM or SIGINT.
+pub fn run_server(listener: std::net::TcpListener, cfg: dmover_server::Config) -> Result<i32> {
+    let addr = listener.local_addr().map_err(|e| Error::io("listener", &e))?;
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| Error::io("signals", &e))?;
@@ -75,8 +106,6 @@ pub fn run(a: ServeArgs) -> Result<i32> {
             shutdown.trigger();
         }
     });
-    let names: Vec<&String> = cfg.exports.keys().collect();
-    log::info!("serving {names:?} on {addr}");
     println!("dmover: listening on {addr}");
     dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");

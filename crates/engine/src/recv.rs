@@ -673,7 +673,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
             return sh.fail(Error::protocol(r.peer(), format!("bad block: offset {} length {}", h.offset, h.len)));
         }
         let Some(mut data) = sh.pool.take(h.len as usize) else { return };
-        if let Err(e) = r.read_block(&mut data, [&sh.received, &sh.receiving.0.received]) {
+        if let Err(e) = r.read_block(&mut data, &[&sh.received, &sh.receiving.0.received]) {
             if !sh.stop.load(Ordering::SeqCst) {
                 sh.fail(e);
             }

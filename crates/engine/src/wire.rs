@@ -68,8 +68,9 @@ impl FrameReader {
     }
 
     /// Reads the block that follows a data header into `buf` (exactly its
-    /// length), adding the bytes to both `received` counters as they arrive.
-    pub fn read_block(&mut self, buf: &mut [u8], received: [&AtomicU64; 2]) -> Result<()> {
+    /// length), adding the bytes to each of the `received` counters as they
+    /// arrive.
+    pub fn read_block(&mut self, buf: &mut [u8], received: &[&AtomicU64]) -> Result<()> {
         let mut at = 0;
         while at < buf.len() {
             match self.inner.read(&mut buf[at..]) {

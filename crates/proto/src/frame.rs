@@ -182,6 +182,31 @@ pub struct TunePoint {
     pub rtt_us: u64,
 }
 
+/// One block of a streamed step and where it lives: `at` is the address
+/// of the destination that acknowledged it, as the producer names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepBlock {
+    /// Byte offset in the step (a multiple of the block size).
+    pub offset: u64,
+    pub len: u32,
+    pub sum: Sum,
+    pub at: String,
+}
+
+/// The end of a streamed step: what it holds and where each block is.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StepInfo {
+    pub step: u64,
+    pub bytes: u64,
+    /// XXH3-128 of the block checksums in offset order (as a file digest).
+    pub digest: Sum,
+    /// The producer's key/value pairs for this step, in the order given.
+    pub metadata: Vec<(String, String)>,
+    /// Each write of the step: (offset, length).
+    pub records: Vec<(u64, u64)>,
+    pub blocks: Vec<StepBlock>,
+}
+
 /// One file that failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileError {
@@ -283,6 +308,16 @@ pub enum Msg {
     List { path: String },
     /// S→C: some of the listing; `done` on the last batch.
     Listing { entries: Vec<FileMeta>, done: bool },
+    /// C→S: open a streaming session for `producer` (a running simulation);
+    /// data frames carry (step, offset in the step).
+    Stream { producer: String, block_size: u32 },
+    /// S→C in a streaming session: these (step, offset) blocks are written.
+    Acked { blocks: Vec<(u64, u64)> },
+    /// C→S in a streaming session: a step is over and every block of it is
+    /// acknowledged somewhere.
+    StepEnd(StepInfo),
+    /// S→C: the step's manifest is written; `complete` if every block is here.
+    StepSaved { step: u64, complete: bool },
 }
 
 struct W<'a>(&'a mut Vec<u8>);
@@ -437,6 +472,10 @@ impl Msg {
             StreamEnd => 41,
             List { .. } => 23,
             Listing { .. } => 24,
+            Stream { .. } => 42,
+            Acked { .. } => 43,
+            StepEnd(_) => 44,
+            StepSaved { .. } => 45,
         }
     }
 
@@ -493,6 +532,43 @@ impl Msg {
                     w.u32(m.mode);
                 }
                 w.u8(*done as u8);
+            }
+            Stream { producer, block_size } => {
+                w.str(producer);
+                w.u32(*block_size);
+            }
+            Acked { blocks } => {
+                w.u32(blocks.len() as u32);
+                for (step, offset) in blocks {
+                    w.u64(*step);
+                    w.u64(*offset);
+                }
+            }
+            StepEnd(s) => {
+                w.u64(s.step);
+                w.u64(s.bytes);
+                w.bytes(&s.digest);
+                w.u32(s.metadata.len() as u32);
+                for (k, v) in &s.metadata {
+                    w.str(k);
+                    w.str(v);
+                }
+                w.u32(s.records.len() as u32);
+                for (o, l) in &s.records {
+                    w.u64(*o);
+                    w.u64(*l);
+                }
+                w.u32(s.blocks.len() as u32);
+                for b in &s.blocks {
+                    w.u64(b.offset);
+                    w.u32(b.len);
+                    w.bytes(&b.sum);
+                    w.str(&b.at);
+                }
+            }
+            StepSaved { step, complete } => {
+                w.u64(*step);
+                w.u8(*complete as u8);
             }
             Receive { dest, options } => {
                 w.str(dest);
@@ -717,6 +793,32 @@ impl Msg {
                 }
                 Listing { entries, done: r.bool()? }
             }
+            42 => Stream { producer: r.str()?, block_size: r.u32()? },
+            43 => {
+                let n = r.count(16)?;
+                let mut blocks = Vec::with_capacity(n);
+                for _ in 0..n {
+                    blocks.push((r.u64()?, r.u64()?));
+                }
+                Acked { blocks }
+            }
+            44 => {
+                let mut s = StepInfo { step: r.u64()?, bytes: r.u64()?, digest: r.arr()?, ..StepInfo::default() };
+                let n = r.count(8)?;
+                for _ in 0..n {
+                    s.metadata.push((r.str()?, r.str()?));
+                }
+                let n = r.count(16)?;
+                for _ in 0..n {
+                    s.records.push((r.u64()?, r.u64()?));
+                }
+                let n = r.count(8 + 4 + 16 + 4)?;
+                for _ in 0..n {
+                    s.blocks.push(StepBlock { offset: r.u64()?, len: r.u32()?, sum: r.arr()?, at: r.str()? });
+                }
+                StepEnd(s)
+            }
+            45 => StepSaved { step: r.u64()?, complete: r.bool()? },
             k => return Err(DecodeError::UnknownKind(k)),
         };
         if !r.buf.is_empty() {
@@ -872,6 +974,17 @@ mod tests {
             Msg::StreamEnd,
             Msg::List { path: "e/*.h5".into() },
             Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },
+            Msg::Stream { producer: "gtc-0".into(), block_size: 1 << 20 },
+            Msg::Acked { blocks: vec![(1, 0), (1, 1 << 20)] },
+            Msg::StepEnd(StepInfo {
+                step: 3,
+                bytes: 5,
+                digest: [4; 16],
+                metadata: vec![("var".into(), "phi".into()), ("dims".into(), "2,3".into())],
+                records: vec![(0, 2), (2, 3)],
+                blocks: vec![StepBlock { offset: 0, len: 5, sum: [5; 16], at: "h:1".into() }],
+            }),
+            Msg::StepSaved { step: 3, complete: true },
         ]
     }
 
@@ -923,7 +1036,7 @@ mod tests {
                 buf.push(x as u8);
             }
             if let Some(k) = buf.first_mut() {
-                *k %= 40;
+                *k %= 48;
             }
             if buf.len() >= 8 {
                 let n = (buf.len() - 8) as u32;

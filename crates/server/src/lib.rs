@@ -1,6 +1,7 @@
 //! The dmover server: accepts connections, authenticates them, and serves
 //! the requests of each: list, receive files, send files, issue tickets and
-//! push files to other servers (third-party transfers).
+//! push files to other servers (third-party transfers); and, as a sink
+//! ([`sink`]), streams from running simulations.
 //!
 //! [`run`] owns the accept loop; each connection gets a thread. A connection
 //! is either a control connection (requests, and at most one transfer
@@ -9,6 +10,7 @@
 //! Shutdown is one [`Shutdown`] handle: the loop stops accepting, waits up to
 //! the grace period for running connections, then returns.
 
+pub mod sink;
 mod tickets;
 
 use dmover_engine::error::{Error, Result};
@@ -47,6 +49,8 @@ pub struct Config {
     pub staging: u64,
     /// Disk writer threads of each receiving session.
     pub writers: usize,
+    /// Accept streams from producers (`dmover sink`); `None` refuses them.
+    pub sink: Option<Arc<sink::SinkConfig>>,
 }
 
 /// Time a client has to complete the handshake.
@@ -277,6 +281,13 @@ enum Action {
         options: TransferOptions,
         params: EngineParams,
     },
+    /// Take a producer's stream.
+    Stream {
+        sink: Arc<sink::SinkConfig>,
+        producer: String,
+        dir: std::path::PathBuf,
+        block_size: u32,
+    },
     Nothing,
 }
 
@@ -310,6 +321,14 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
         Msg::List { path } => {
             let (root, mut specs) = resolve_sources(srv, std::slice::from_ref(&path))?;
             Action::List { root, spec: specs.remove(0) }
+        }
+        Msg::Stream { producer, block_size } => {
+            let Some(sink) = srv.cfg.sink.clone() else {
+                return Err(Error::new(ErrorKind::Refused, producer, "this server does not take streams; run `dmover sink` for that"));
+            };
+            sink::check_block_size(block_size)?;
+            let dir = sink::producer_dir(&sink, &producer)?;
+            Action::Stream { sink, producer, dir, block_size }
         }
         Msg::Ping => Action::Nothing,
         m => return Err(Error::protocol("", format!("unexpected request {m:?}"))),
@@ -381,6 +400,11 @@ fn control(
                 return finish_report(&mut w, t.as_ref(), stats);
             }
             Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
+            Ok(Action::Stream { sink, producer, dir, block_size }) => {
+                let (guard, rx) = open_session(srv);
+                w.send(&Msg::SessionOpened { session: guard.id })?;
+                return sink::run(&sink, &producer, dir, block_size, t, r, w, rx);
+            }
             Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
                 let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);
                 return finish_report(&mut w, t.as_ref(), stats);

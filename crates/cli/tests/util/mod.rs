@@ -90,6 +90,15 @@ impl Env {
         Server::start(ServerSpec::new(&self.token, exports, &self.path(&format!("server-{}.log", unique()))))
     }
 
+    /// Starts a `dmover sink` writing to `dir`, with extra flags (e.g. `--hook`).
+    pub fn sink<S: AsRef<OsStr>>(&self, dir: &Path, extra: impl IntoIterator<Item = S>) -> Server {
+        let mut spec = ServerSpec::new(&self.token, &[], &self.path(&format!("sink-{}.log", unique())));
+        spec.command = "sink";
+        spec.extra = vec!["--dir".into(), dir.as_os_str().to_owned()];
+        spec.extra.extend(extra.into_iter().map(|a| a.as_ref().to_owned()));
+        Server::start(spec)
+    }
+
     /// A `dmover cp ... --json -q --token-file TOKEN` command.
     pub fn cp<S: AsRef<OsStr>>(&self, args: impl IntoIterator<Item = S>) -> Cmd {
         let mut c = dmover(["cp", "--json", "-q", "--token-file"]);
@@ -124,6 +133,8 @@ fn die_with_parent(c: &mut Command) {
 
 #[derive(Clone)]
 pub struct ServerSpec {
+    /// The subcommand: `serve`, or `sink`.
+    pub command: &'static str,
     pub token: PathBuf,
     pub exports: Vec<(String, PathBuf)>,
     pub listen: String,
@@ -136,6 +147,7 @@ pub struct ServerSpec {
 impl ServerSpec {
     pub fn new(token: &Path, exports: &[(&str, &Path)], log: &Path) -> ServerSpec {
         ServerSpec {
+            command: "serve",
             token: token.to_path_buf(),
             exports: exports.iter().map(|(n, d)| (n.to_string(), d.to_path_buf())).collect(),
             listen: "127.0.0.1:0".into(),
@@ -146,7 +158,8 @@ impl ServerSpec {
     }
 }
 
-/// A running `dmover serve`. Dropping it kills it (SIGKILL) and reaps it.
+/// A running `dmover serve` (or `dmover sink`). Dropping it kills it
+/// (SIGKILL) and reaps it.
 pub struct Server {
     pub spec: ServerSpec,
     child: Option<Child>,
@@ -189,7 +202,7 @@ impl Server {
             c.args(&self.spec.prefix[1..]).arg(BIN);
             c
         };
-        cmd.arg("serve").arg("--listen").arg(&self.spec.listen);
+        cmd.arg(self.spec.command).arg("--listen").arg(&self.spec.listen);
         for (n, d) in &self.spec.exports {
             let mut e = OsString::from(format!("{n}="));
             e.push(d.as_os_str());

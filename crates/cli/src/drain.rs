@@ -1,0 +1,36 @@
+//! `dmover drain`: sends what a stream from a simulation left undelivered
+//! (blocks in its spill file, steps whose manifest no sink saved), from the
+//! producer's manifest, once a sink is back (see `dmover_stream::drain`).
+
+use clap::Args;
+use dmover_engine::{Error, Result};
+use dmover_proto::ErrorKind;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct DrainArgs {
+    /// The producer's manifest: SPILL_DIR/PRODUCER.manifest.json.
+    pub manifest: PathBuf,
+    #[command(flatten)]
+    pub token: crate::TokenArgs,
+    /// Seconds to keep trying before giving up on what is left.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+}
+
+pub fn run(a: DrainArgs) -> Result<i32> {
+    let r = dmover_stream::drain(&a.manifest, &a.token.token()?, Duration::from_secs(a.timeout))?;
+    let sent: Vec<String> = r.destinations.iter().filter(|d| d.blocks > 0).map(|d| format!("{}: {} blocks", d.addr, d.blocks)).collect();
+    println!("dmover: drained {} steps; sent {}", r.steps, if sent.is_empty() { "nothing".into() } else { sent.join(", ") });
+    if r.undelivered_blocks > 0 || r.unsaved_steps > 0 {
+        let msg = format!(
+            "{} blocks undelivered and {} steps unsaved; they stay in {} (run drain again when a sink is up)",
+            r.undelivered_blocks,
+            r.unsaved_steps,
+            r.spill_file.map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into())
+        );
+        return Err(Error::new(ErrorKind::Unreachable, a.manifest.display().to_string(), msg));
+    }
+    Ok(0)
+}

@@ -1,0 +1,459 @@
+//! In-situ streaming end to end: producers (the `dmover-stream` library in
+//! this process, and the C and Fortran examples as their own processes)
+//! stream to real `dmover sink` processes; every block is checked against
+//! what the producer wrote, on disk at the sink the manifests name.
+
+mod util;
+
+use dmover_proto::digest::block_sum;
+use dmover_stream::{Config, Report, Stream};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+use util::*;
+
+const PRODUCER: &str = "sim-0";
+const BLOCK: u32 = 64 * 1024;
+
+/// The bytes of step `step`: deterministic, different for every step.
+fn step_data(step: u64, len: usize) -> Vec<u8> {
+    let mut r = Rng::new(0x5eed ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut v = vec![0u8; len];
+    r.fill(&mut v);
+    v
+}
+
+/// Step sizes that hit the edges: empty, under a block, exactly blocks, odd.
+fn step_len(step: u64) -> usize {
+    match step % 5 {
+        0 => 300_000 + step as usize * 1013,
+        1 => 1000,
+        2 => 4 * BLOCK as usize,
+        3 => 0,
+        _ => 777_777,
+    }
+}
+
+fn config(env: &Env, dests: &[&str], spill: &Path) -> Config {
+    let mut c = Config::new(PRODUCER, dests, env.token_str().as_bytes(), spill);
+    c.block_size = BLOCK;
+    c.buffer = 16 * BLOCK as u64;
+    c
+}
+
+/// Writes step `step` in uneven pieces, with metadata.
+fn write_step(s: &mut Stream, step: u64) -> Vec<u8> {
+    let data = step_data(step, step_len(step));
+    s.write_metadata("var", "density").unwrap();
+    s.write_metadata("step", &step.to_string()).unwrap();
+    let mut at = 0;
+    let mut piece = 10_000;
+    while at < data.len() {
+        let n = piece.min(data.len() - at);
+        s.write(&data[at..n + at]).unwrap();
+        at += n;
+        piece = piece * 3 % 200_003 + 1;
+    }
+    s.end_step().unwrap();
+    data
+}
+
+fn read_json(p: &Path) -> Value {
+    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Checks every block of every step against what was written, where the
+/// producer's manifest says it is (`sinks`: address → the sink's directory).
+fn check_delivery(report: &Report, written: &[Vec<u8>], sinks: &HashMap<String, PathBuf>) -> Value {
+    assert_eq!(report.undelivered_blocks, 0, "{report:?}");
+    assert_eq!(report.unsaved_steps, 0, "{report:?}");
+    assert_eq!(report.steps, written.len() as u64);
+    assert_eq!(report.bytes, written.iter().map(|w| w.len() as u64).sum::<u64>());
+    check_manifest(&report.manifest, written, sinks)
+}
+
+/// Checks the producer's manifest: every block at a sink, as written.
+fn check_manifest(manifest: &Path, written: &[Vec<u8>], sinks: &HashMap<String, PathBuf>) -> Value {
+    let m = read_json(manifest);
+    let steps = m["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), written.len());
+    for (step, want) in written.iter().enumerate() {
+        let s = &steps[step];
+        assert_eq!(s["step"], step as u64);
+        assert_eq!(s["bytes"], want.len() as u64);
+        assert_eq!(s["metadata"]["step"], step.to_string());
+        let mut covered = 0;
+        for b in s["blocks"].as_array().unwrap() {
+            let (off, len) = (u(&b["offset"]) as usize, u(&b["len"]) as usize);
+            assert_eq!(off, covered, "step {step}: blocks in order, without gaps");
+            covered += len;
+            let at = b["at"].as_str().unwrap_or_else(|| panic!("step {step} block at {off} is not at a sink: {b}"));
+            let file = sinks[at].join(PRODUCER).join(format!("step-{step:06}.dat"));
+            let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            let got = &bytes[off..off + len];
+            assert_eq!(b["xxh3"], hex(&block_sum(got)), "step {step} block at {off} in {}", file.display());
+            assert!(got == &want[off..off + len], "step {step} block at {off} differs from what was written");
+        }
+        assert_eq!(covered, want.len(), "step {step}");
+        let saved_at = s["manifest_at"].as_str().unwrap();
+        assert!(sinks[saved_at].join(PRODUCER).join(format!("step-{step:06}.json")).is_file());
+    }
+    m
+}
+
+#[test]
+fn every_step_arrives_verified_with_its_manifest_and_runs_the_hook() {
+    let env = Env::new();
+    let (out, hooked, spill) = (env.mkdir("sink"), env.mkdir("hooked"), env.mkdir("spill"));
+    let hook = format!("cp -t {}", hooked.display());
+    let sink = env.sink(&out, ["--hook", &hook]);
+    // Writes may wait for room (the blocking bound), so nothing spills even
+    // though this producer writes far faster than it can send.
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.max_wait = Duration::from_secs(30);
+    let mut s = Stream::open(c).unwrap();
+    let written: Vec<Vec<u8>> = (0..12).map(|step| write_step(&mut s, step)).collect();
+    let report = s.close().unwrap();
+    assert_eq!(report.spilled_blocks, 0, "{report:?}");
+    assert_eq!(report.failovers, 0, "{report:?}");
+    let sinks = HashMap::from([(sink.addr(), out.clone())]);
+    check_delivery(&report, &written, &sinks);
+    assert_eq!(std::fs::read_dir(&spill).unwrap().count(), 1, "only the manifest stays in the spill directory");
+    for (step, want) in written.iter().enumerate() {
+        // The whole step is one file at the sink, and its manifest says so.
+        let dir = out.join(PRODUCER);
+        assert!(std::fs::read(dir.join(format!("step-{step:06}.dat"))).unwrap() == *want, "step {step}");
+        let m = read_json(&dir.join(format!("step-{step:06}.json")));
+        assert_eq!(m["complete"], true);
+        assert_eq!(m["producer"], PRODUCER);
+        assert_eq!(m["metadata"]["var"], "density");
+        assert_eq!(m["bytes"], want.len() as u64);
+        let records: u64 = m["records"].as_array().unwrap().iter().map(|r| u(&r["len"])).sum();
+        assert_eq!(records, want.len() as u64);
+        for b in m["blocks"].as_array().unwrap() {
+            assert_eq!(b["here"], true);
+            assert_eq!(b["at"], sink.addr());
+        }
+        // The hook ran with this manifest.
+        let copy = hooked.join(format!("step-{step:06}.json"));
+        assert!(wait_until(Duration::from_secs(20), || copy.is_file()), "no hook for step {step}:\n{}", sink.log());
+    }
+}
+
+#[test]
+fn a_wrong_token_or_no_sink_fails_at_open_with_a_clear_error() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.token = b"not-the-token-of-this-sink".to_vec();
+    let e = Stream::open(c).err().expect("a wrong token must fail");
+    assert_eq!(e.kind, dmover_proto::ErrorKind::Auth, "{e}");
+    let closed = format!("127.0.0.1:{}", closed_port());
+    let e = Stream::open(config(&env, &[&closed], &spill)).err().expect("no sink must fail");
+    assert_eq!(e.kind, dmover_proto::ErrorKind::Unreachable, "{e}");
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.producer = "../escape".into();
+    assert_eq!(Stream::open(c).err().unwrap().kind, dmover_proto::ErrorKind::Usage);
+    // A producer directory that is a symlink is refused at once.
+    std::os::unix::fs::symlink(env.root(), out.join("linked")).unwrap();
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.producer = "linked".into();
+    let e = Stream::open(c).err().expect("a symlinked producer directory must be refused");
+    assert_eq!(e.kind, dmover_proto::ErrorKind::Refused, "{e}");
+    // A file server is not a sink: it refuses streams and says what to run.
+    let server = env.serve(&[("x", &env.mkdir("export"))]);
+    let e = Stream::open(config(&env, &[&server.addr()], &spill)).err().expect("dmover serve must refuse streams");
+    assert_eq!(e.kind, dmover_proto::ErrorKind::Refused, "{e}");
+    assert!(e.message.contains("dmover sink"), "{e}");
+}
+
+#[test]
+fn overflow_spills_to_disk_and_everything_arrives_after_close() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    // A sink that stops answering: nothing is acknowledged, the 16-block
+    // buffer fills, and the rest must go to the spill file.
+    sink.signal(libc::SIGSTOP);
+    written.extend((3..10).map(|step| write_step(&mut s, step)));
+    let stopped: u64 = written[3..].iter().map(|w| w.len() as u64).sum();
+    let spill_file = std::fs::read_dir(&spill).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|x| x == "spill"));
+    let spill_file = spill_file.expect("writes beyond the buffer went to a spill file");
+    sink.signal(libc::SIGCONT);
+    let report = s.close().unwrap();
+    assert!(report.spilled_blocks > 0, "{report:?}");
+    // Slots filled while the sink was stopped cannot be freed before it
+    // resumes, so at most a buffer's worth of that data stayed in memory.
+    assert!(report.spilled_bytes >= stopped - 16 * BLOCK as u64, "{stopped} bytes written while stopped: {report:?}");
+    assert_eq!(report.max_streams, dmover_stream::DEFAULT_MAX_STREAMS, "overflow is state A, with every connection: {report:?}");
+    assert!(report.ticks_a > 0, "{report:?}");
+    let sinks = HashMap::from([(sink.addr(), out.clone())]);
+    check_delivery(&report, &written, &sinks);
+    assert!(!spill_file.exists(), "the spill file is removed once every block in it was delivered");
+}
+
+#[test]
+fn killing_the_primary_sink_fails_over_to_the_alternate_and_loses_nothing() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let mut primary = env.sink(&out_a, [] as [&str; 0]);
+    let alternate = env.sink(&out_b, [] as [&str; 0]);
+    let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..4).map(|step| write_step(&mut s, step)).collect();
+    // Let the first steps settle at the primary, then freeze it so that
+    // blocks are in flight, unacknowledged, when it dies.
+    std::thread::sleep(Duration::from_millis(500));
+    primary.signal(libc::SIGSTOP);
+    written.extend((4..7).map(|step| write_step(&mut s, step)));
+    std::thread::sleep(Duration::from_millis(200));
+    primary.kill9();
+    written.extend((7..12).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert!(report.failovers >= 1, "{report:?}");
+    assert!(report.resent_blocks > 0, "blocks in flight to the frozen primary were sent again: {report:?}");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_delivery(&report, &written, &sinks);
+    let at = |step: usize| -> Vec<String> {
+        m["steps"][step]["blocks"].as_array().unwrap().iter().map(|b| b["at"].as_str().unwrap().to_string()).collect()
+    };
+    assert!(at(0).iter().all(|a| *a == primary.addr()), "the first step went to the primary");
+    assert!(at(11).iter().all(|a| *a == alternate.addr()), "the last step went to the alternate");
+    // Each manifest at the alternate names where every block of its step is,
+    // its own blocks and those the primary holds.
+    for step in 0..written.len() {
+        let p = out_b.join(PRODUCER).join(format!("step-{step:06}.json"));
+        if !p.is_file() {
+            continue;
+        }
+        let sm = read_json(&p);
+        let blocks = sm["blocks"].as_array().unwrap();
+        let mine: Vec<String> = blocks.iter().map(|b| b["at"].as_str().unwrap().to_string()).collect();
+        assert_eq!(mine, at(step), "step {step}: the sink's manifest and the producer's agree");
+        assert_eq!(sm["complete"], blocks.iter().all(|b| b["here"] == true));
+    }
+    assert!(out_b.join(PRODUCER).join("step-000011.json").is_file());
+}
+
+/// The static library cargo built for these tests (a dev-dependency).
+fn static_lib() -> PathBuf {
+    let deps = Path::new(BIN).parent().unwrap().join("deps");
+    let newest = std::fs::read_dir(&deps)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("libdmover_stream") && p.extension().is_some_and(|x| x == "a"))
+        .max_by_key(|p| std::fs::metadata(p).unwrap().modified().unwrap());
+    newest.unwrap_or_else(|| panic!("no libdmover_stream*.a in {}", deps.display()))
+}
+
+fn crate_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../stream")
+}
+
+fn build(compiler: &str, sources: &[PathBuf], out: &Path) {
+    let lib = static_lib();
+    let r = Command::new(compiler)
+        .arg("-O2")
+        .arg("-I")
+        .arg(crate_dir().join("include"))
+        .args(sources)
+        .arg(&lib)
+        .args(["-lpthread", "-ldl", "-lm", "-o"])
+        .arg(out)
+        .current_dir(out.parent().unwrap())
+        .output()
+        .unwrap_or_else(|e| panic!("{compiler}: {e} (install it: apt-get install {compiler})"));
+    assert!(r.status.success(), "{compiler} failed:\n{}", String::from_utf8_lossy(&r.stderr));
+}
+
+/// Runs an example producer (`exe`, then `script` if any); checks its
+/// report line and the data at the sink.
+fn run_example(env: &Env, exe: &Path, script: Option<&Path>, producer: &str, steps: u64, n: u64) {
+    let (out, spill) = (env.mkdir(&format!("sink-{producer}")), env.mkdir(&format!("spill-{producer}")));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let r = Command::new(exe)
+        .args(script)
+        .args([producer, &sink.addr(), spill.to_str().unwrap(), &steps.to_string(), &n.to_string(), "5"])
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    let hint = if stderr.contains("No module named") { "\n(install the module: pip install ./crates/py h5py)" } else { "" };
+    assert!(r.status.success(), "{} failed: {stdout}\n{stderr}{hint}", exe.display());
+    assert!(stdout.contains(&format!("steps={steps} ")), "{stdout}");
+    assert!(stdout.contains("undelivered=0"), "{stdout}");
+    for step in 0..steps {
+        let dir = out.join(producer);
+        let data = std::fs::read(dir.join(format!("step-{step:06}.dat"))).unwrap();
+        assert_eq!(data.len() as u64, n * 8, "step {step}");
+        for (i, c) in data.chunks_exact(8).enumerate() {
+            let v = f64::from_le_bytes(c.try_into().unwrap());
+            assert_eq!(v, (step * 1_000_003 + i as u64) as f64, "{producer} step {step} value {i}");
+        }
+        let m = read_json(&dir.join(format!("step-{step:06}.json")));
+        assert_eq!(m["complete"], true);
+        assert_eq!(m["metadata"]["var"], "phi");
+        assert_eq!(m["metadata"]["dims"], n.to_string());
+        assert_eq!(m["metadata"]["step"], step.to_string());
+    }
+}
+
+#[test]
+fn the_c_example_streams_to_a_real_sink() {
+    let env = Env::new();
+    let exe = env.path("gtc-c");
+    build("cc", &[crate_dir().join("examples/gtc.c")], &exe);
+    run_example(&env, &exe, None, "gtc-c", 6, 300_000);
+}
+
+#[test]
+fn the_fortran_example_streams_to_a_real_sink() {
+    let env = Env::new();
+    let exe = env.path("gtc-f");
+    build("gfortran", &[crate_dir().join("include/dmover_stream.f90"), crate_dir().join("examples/gtc.f90")], &exe);
+    run_example(&env, &exe, None, "gtc-f", 4, 200_000);
+}
+
+/// Needs the module installed: `pip install ./crates/py` (.ci/run does it).
+#[test]
+fn the_python_example_streams_numpy_arrays_to_a_real_sink() {
+    let env = Env::new();
+    let script = crate_dir().join("../py/examples/gtc.py");
+    run_example(&env, Path::new("python3"), Some(&script), "gtc-py", 5, 250_000);
+}
+
+#[test]
+fn the_python_module_takes_any_contiguous_buffer_and_refuses_the_rest() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let r = Command::new("python3")
+        .arg(crate_dir().join("../py/tests/check_api.py"))
+        .args([&sink.addr(), spill.to_str().unwrap(), out.to_str().unwrap()])
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}
+
+/// Needs h5py (.ci/run installs it).
+#[test]
+fn the_hdf5_hook_writes_each_step_as_datasets_with_its_metadata() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let hook = format!("python3 {}", crate_dir().join("../py/examples/to_hdf5.py").display());
+    let sink = env.sink(&out, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    let steps = 3u64;
+    for step in 0..steps {
+        let phi: Vec<u8> = (0..12).flat_map(|i| (step as f64 * 100.0 + i as f64).to_le_bytes()).collect();
+        let density: Vec<u8> = (0..5).flat_map(|i| (i as f32 * 0.5 - step as f32).to_le_bytes()).collect();
+        s.write_metadata("var", "phi;density").unwrap();
+        s.write_metadata("dims", "3,4;5").unwrap();
+        s.write_metadata("dtype", "<f8;<f4").unwrap();
+        s.write_metadata("time", &format!("{}", step as f64 * 0.25)).unwrap();
+        s.write(&phi).unwrap();
+        s.write(&density).unwrap();
+        s.end_step().unwrap();
+    }
+    s.close().unwrap();
+    let dir = out.join(PRODUCER);
+    for step in 0..steps {
+        let h5 = dir.join(format!("step-{step:06}.h5"));
+        assert!(wait_until(Duration::from_secs(60), || h5.is_file()), "no {}:\n{}", h5.display(), sink.log());
+    }
+    let check = r#"
+import sys, h5py, numpy as np
+d = sys.argv[1]
+for step in range(int(sys.argv[2])):
+    with h5py.File(f"{d}/step-{step:06d}.h5", "r") as h:
+        phi, den = h["phi"][()], h["density"][()]
+        assert phi.shape == (3, 4) and phi.dtype == np.float64, (phi.shape, phi.dtype)
+        assert (phi == step * 100.0 + np.arange(12).reshape(3, 4)).all(), phi
+        assert den.shape == (5,) and den.dtype == np.float32
+        assert (den == np.arange(5, dtype=np.float32) * 0.5 - step).all(), den
+        assert h.attrs["step"] == step and h.attrs["producer"] == "sim-0"
+        assert float(h.attrs["time"]) == step * 0.25, h.attrs["time"]
+print("ok")
+"#;
+    let r = Command::new("python3").args(["-c", check, dir.to_str().unwrap(), &steps.to_string()]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}
+
+#[test]
+fn after_every_sink_died_restarting_one_and_draining_leaves_a_complete_set() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let mut primary = env.sink(&out_a, [] as [&str; 0]);
+    let mut alternate = env.sink(&out_b, [] as [&str; 0]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.close_timeout = Duration::from_secs(2);
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..4).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    primary.kill9();
+    std::thread::sleep(Duration::from_millis(300));
+    alternate.kill9();
+    written.extend((4..9).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert!(report.undelivered_blocks > 0 && report.unsaved_steps > 0, "{report:?}");
+    let spill_file = report.spill_file.clone().expect("undelivered blocks stay in the spill file");
+    assert!(spill_file.is_file());
+    // The manifest says where every undelivered block is in the spill file.
+    let m = read_json(&report.manifest);
+    let spilled =
+        m["steps"].as_array().unwrap().iter().flat_map(|s| s["blocks"].as_array().unwrap()).filter(|b| b["spill"].is_string()).count();
+    assert_eq!(spilled as u64, report.undelivered_blocks);
+
+    // With no sink up, drain fails and keeps everything.
+    let manifest = report.manifest.to_str().unwrap().to_string();
+    let r = dmover(["drain", "--timeout", "1", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    assert!(r.stderr.contains("check that the server runs"), "{}", r.stderr);
+    assert!(spill_file.is_file());
+
+    primary.restart();
+    let r = dmover(["drain", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    assert!(!spill_file.exists(), "the spill file is removed once drained");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_manifest(&report.manifest, &written, &sinks);
+    let last = &m["steps"][written.len() - 1];
+    assert_eq!(last["manifest_at"], primary.addr(), "the last step was saved by the restarted primary");
+}
+
+#[test]
+fn a_sink_that_hangs_is_failed_over_after_the_ack_timeout() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let primary = env.sink(&out_a, [] as [&str; 0]);
+    let alternate = env.sink(&out_b, [] as [&str; 0]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.ack_timeout = Duration::from_secs(1);
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // Alive but silent: its connections stay open and nothing is acknowledged.
+    primary.signal(libc::SIGSTOP);
+    written.extend((2..7).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert_eq!(report.failovers, 1, "{report:?}");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_delivery(&report, &written, &sinks);
+    assert_eq!(m["steps"][6]["manifest_at"], alternate.addr());
+    primary.signal(libc::SIGCONT);
+}

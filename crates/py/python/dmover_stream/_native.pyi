@@ -1,0 +1,56 @@
+from os import PathLike
+from types import TracebackType
+from typing import Any, Optional, Sequence, Type, TypedDict, Union
+
+class DestinationReport(TypedDict):
+    addr: str
+    blocks: int
+    bytes: int
+
+class Report(TypedDict):
+    steps: int
+    bytes: int
+    blocks: int
+    spilled_blocks: int
+    spilled_bytes: int
+    resent_blocks: int
+    failovers: int
+    undelivered_blocks: int
+    max_streams: int
+    seconds: float
+    manifest: str
+    destinations: list[DestinationReport]
+
+class Stream:
+    """A stream of a running simulation's steps to dmover sinks."""
+
+    def __init__(
+        self,
+        producer: str,
+        destinations: Sequence[str],
+        spill_dir: Union[str, PathLike[str]],
+        *,
+        token: Optional[str] = None,
+        buffer: int = 80 << 20,
+        block_size: int = 1 << 20,
+        max_wait: float = 0.0,
+        max_streams: int = 8,
+    ) -> None: ...
+    @property
+    def step(self) -> int:
+        """The step being written (0 first)."""
+    def write(self, data: Any) -> None:
+        """Copies the bytes of a C-contiguous buffer (numpy array, bytes, ...) into the stream."""
+    def write_metadata(self, key: str, value: Any) -> None:
+        """Attaches key=str(value) to the current step."""
+    def end_step(self) -> None:
+        """Ends the current time step."""
+    def close(self) -> Report:
+        """Sends everything left, writes the manifest, returns the report."""
+    def __enter__(self) -> "Stream": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...

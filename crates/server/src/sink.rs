@@ -1,0 +1,354 @@
+//! The receiving end of in-situ streams (`dmover sink`).
+//!
+//! A producer — a running simulation linked with `dmover-stream` — opens a
+//! streaming session with `Stream` on an authenticated control connection
+//! and attaches data connections to it like any transfer. Data frames carry
+//! (step, offset in the step); the sink checks each block's checksum, writes
+//! it to `DIR/PRODUCER/step-NNNNNN.dat` at its offset and acknowledges it
+//! (`Acked`), or asks for it again (`Nack`) if it arrived damaged. When the
+//! producer ends a step (`StepEnd`, sent once every block of the step is
+//! acknowledged somewhere) the sink checks that it holds every block the
+//! producer says it holds, writes the step's manifest
+//! (`step-NNNNNN.json`: producer, step, metadata, writes, blocks with their
+//! checksums and locations), answers `StepSaved`, and, when every block of
+//! the step is here, runs the post-processing hook with the manifest.
+//!
+//! The sink keeps no state across sessions beyond its files: a block
+//! acknowledged by an earlier session (or an earlier sink process) is found
+//! again by reading it back from the step's file and checking its sum.
+
+use dmover_engine::error::{Error, Result};
+use dmover_engine::transport::Transport;
+use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
+use dmover_proto::digest::{block_sum, Sum};
+use dmover_proto::frame::{StepInfo, MAX_BLOCK};
+use dmover_proto::{ErrorKind, Msg};
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Where streams go and what runs when a step is complete.
+#[derive(Debug, Clone)]
+pub struct SinkConfig {
+    /// Each producer's steps go to `dir/PRODUCER/`.
+    pub dir: PathBuf,
+    /// A shell command run with the manifest's path as its last argument
+    /// (and in `DMOVER_MANIFEST`) when a step is complete here.
+    pub hook: Option<String>,
+    /// This sink's name in manifests (by default its listening address).
+    pub name: String,
+}
+
+/// Smallest block a producer may use (the largest is a data frame's `MAX_BLOCK`).
+pub const MIN_BLOCK: u32 = 4096;
+
+/// Checks a producer name: one path component of letters, digits, `.`,
+/// `_` and `-`, not starting with a dot, at most 64 bytes.
+pub fn check_producer(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::new(ErrorKind::Usage, name, "a producer name is 1 to 64 letters, digits, '.', '_' or '-', not starting with '.'"))
+    }
+}
+
+/// The directory of a producer's steps, created if missing: refused if the
+/// name is not a plain component or the path is anything but a directory
+/// (a symlink included).
+pub fn producer_dir(cfg: &SinkConfig, producer: &str) -> Result<PathBuf> {
+    check_producer(producer)?;
+    let dir = cfg.dir.join(producer);
+    if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
+        return Err(Error::new(ErrorKind::Refused, dir.display().to_string(), "exists and is not a directory"));
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(dir.display().to_string(), &e))?;
+    Ok(dir)
+}
+
+/// Checks a producer's block size.
+pub fn check_block_size(b: u32) -> Result<()> {
+    if (MIN_BLOCK..=MAX_BLOCK).contains(&b) {
+        Ok(())
+    } else {
+        Err(Error::new(ErrorKind::Usage, "", format!("block size {b} is outside {MIN_BLOCK}..={MAX_BLOCK} bytes")))
+    }
+}
+
+/// The file name of a step's data.
+pub fn data_name(step: u64) -> String {
+    format!("step-{step:06}.dat")
+}
+
+/// The file name of a step's manifest.
+pub fn manifest_name(step: u64) -> String {
+    format!("step-{step:06}.json")
+}
+
+/// Blocks of one step written by this session.
+#[derive(Default)]
+struct StepFiles {
+    file: Option<Arc<File>>,
+    /// offset → (length, checksum)
+    blocks: HashMap<u64, (u32, Sum)>,
+}
+
+/// What the data connections and the control connection of one session share.
+struct Shared {
+    dir: PathBuf,
+    block_size: u32,
+    /// Steps with blocks written; data threads insert, the control thread
+    /// removes a step at its end. Never held while writing a frame.
+    steps: Mutex<HashMap<u64, StepFiles>>,
+    /// The control connection's writer: data threads send `Acked` and
+    /// `Nack`, the control thread `StepSaved`.
+    writer: Mutex<FrameWriter>,
+    /// Payload bytes taken off the data connections.
+    received: AtomicU64,
+}
+
+impl Shared {
+    fn send(&self, m: &Msg) -> Result<()> {
+        self.writer.lock().expect("writer lock").send(m)
+    }
+
+    /// The step's data file, created on first use.
+    fn file(&self, step: u64) -> Result<Arc<File>> {
+        let mut steps = self.steps.lock().expect("steps lock");
+        let s = steps.entry(step).or_default();
+        if let Some(f) = &s.file {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(open_data(&self.dir.join(data_name(step)))?);
+        s.file = Some(f.clone());
+        Ok(f)
+    }
+}
+
+fn open_data(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o644)
+        .open(path)
+        .map_err(|e| Error::io(path.display().to_string(), &e))
+}
+
+/// Serves one producer's streaming session until it closes its control
+/// connection; its steps go to `dir` (from [`producer_dir`]). `data`
+/// delivers the data connections attached to the session.
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    cfg: &SinkConfig,
+    producer: &str,
+    dir: PathBuf,
+    block_size: u32,
+    control: Box<dyn Transport>,
+    mut r: FrameReader,
+    w: FrameWriter,
+    data: crossbeam_channel::Receiver<Box<dyn Transport>>,
+) -> Result<()> {
+    let shared = Arc::new(Shared { dir, block_size, steps: Mutex::default(), writer: Mutex::new(w), received: AtomicU64::new(0) });
+    // Attaches data connections as they arrive, until the session ends;
+    // then closes them, so that none outlives a producer that vanished.
+    let over = Arc::new(AtomicBool::new(false));
+    let attacher = {
+        let (shared, over) = (shared.clone(), over.clone());
+        std::thread::spawn(move || {
+            let mut open = Vec::new();
+            while !over.load(Ordering::Relaxed) {
+                if let Ok(t) = data.recv_timeout(Duration::from_millis(100)) {
+                    if let Ok(handle) = t.split() {
+                        open.push(handle);
+                    }
+                    let shared = shared.clone();
+                    std::thread::spawn(move || {
+                        if let Err(e) = receive_blocks(&shared, t) {
+                            log::warn!("stream data connection: {e}");
+                        }
+                    });
+                }
+            }
+            open.iter().for_each(|t| t.close());
+        })
+    };
+    // Hooks run one at a time, in step order, off the control thread.
+    let (hooks, hook_rx) = crossbeam_channel::unbounded::<PathBuf>();
+    let hook_thread = cfg.hook.clone().map(|cmd| std::thread::spawn(move || hook_rx.iter().for_each(|m| run_hook(&cmd, &m))));
+    let result = (|| loop {
+        let m = match r.read_msg() {
+            Ok(m) => m,
+            Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        match m {
+            Msg::StepEnd(info) => {
+                let step = info.step;
+                let (complete, manifest) = finish_step(&shared, cfg, producer, info)?;
+                if complete && cfg.hook.is_some() {
+                    let _ = hooks.send(manifest);
+                }
+                shared.send(&Msg::StepSaved { step, complete })?;
+            }
+            Msg::Ping => {}
+            m => return Err(Error::protocol(control.peer(), format!("unexpected message in a stream: {m:?}"))),
+        }
+    })();
+    over.store(true, Ordering::Relaxed);
+    let _ = attacher.join();
+    drop(hooks);
+    if let Some(h) = hook_thread {
+        let _ = h.join();
+    }
+    log::info!("stream from {producer} ended: {} bytes received", shared.received.load(Ordering::Relaxed));
+    if let Err(e) = &result {
+        let _ = shared.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+        dmover_engine::transport::linger(control.as_ref());
+    }
+    result
+}
+
+/// Reads blocks from one data connection until the producer ends it.
+fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
+    let peer = t.peer();
+    let mut r = FrameReader::new(t);
+    let mut buf = vec![0u8; shared.block_size as usize];
+    loop {
+        let h = match r.read() {
+            Ok(Incoming::Data(h)) => h,
+            Ok(Incoming::Msg(Msg::StreamEnd)) => return Ok(()),
+            Ok(Incoming::Msg(m)) => return Err(Error::protocol(&peer, format!("unexpected message on a data connection: {m:?}"))),
+            Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if h.len > shared.block_size || h.offset % shared.block_size as u64 != 0 {
+            return Err(Error::protocol(&peer, format!("block at {} of {} bytes does not fit the block size", h.offset, h.len)));
+        }
+        let data = &mut buf[..h.len as usize];
+        r.read_block(data, &[&shared.received])?;
+        if block_sum(data) != h.sum {
+            log::warn!("{peer}: step {} block at {} arrived damaged; asking again", h.file, h.offset);
+            shared.send(&Msg::Nack { id: h.file, block: h.offset / shared.block_size as u64 })?;
+            continue;
+        }
+        let f = shared.file(h.file)?;
+        f.write_all_at(data, h.offset).map_err(|e| Error::io(shared.dir.join(data_name(h.file)).display().to_string(), &e))?;
+        shared.steps.lock().expect("steps lock").entry(h.file).or_default().blocks.insert(h.offset, (h.len, h.sum));
+        shared.send(&Msg::Acked { blocks: vec![(h.file, h.offset)] })?;
+    }
+}
+
+/// Checks that every block the producer says is here is here, writes the
+/// step's manifest, and says whether the whole step is here.
+fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo) -> Result<(bool, PathBuf)> {
+    let step = info.step;
+    let mine = shared.steps.lock().expect("steps lock").remove(&step).unwrap_or_default();
+    let data_path = shared.dir.join(data_name(step));
+    let mut file = mine.file.clone();
+    let mut here = Vec::with_capacity(info.blocks.len());
+    let mut buf = Vec::new();
+    for b in &info.blocks {
+        let present = match mine.blocks.get(&b.offset) {
+            Some(&(len, sum)) => len == b.len && sum == b.sum,
+            // Not written by this session: check what the file holds.
+            None => {
+                if file.is_none() && data_path.exists() {
+                    file = Some(Arc::new(open_data(&data_path)?));
+                }
+                file.as_ref().is_some_and(|f| {
+                    buf.resize(b.len as usize, 0);
+                    f.read_exact_at(&mut buf, b.offset).is_ok() && block_sum(&buf) == b.sum
+                })
+            }
+        };
+        if b.at.is_empty() && !present {
+            let msg = format!("step {step}: the block at offset {} was acknowledged but is not in {}", b.offset, data_path.display());
+            return Err(Error::new(ErrorKind::Verify, producer, msg));
+        }
+        here.push(present);
+    }
+    let complete = here.iter().all(|&h| h) && info.blocks.iter().map(|b| b.len as u64).sum::<u64>() == info.bytes;
+    if complete {
+        // An empty step still gets its (empty) data file; a complete one is
+        // cut to its size in case an older, longer file was there.
+        let f = match file {
+            Some(f) => f,
+            None => Arc::new(open_data(&data_path)?),
+        };
+        f.set_len(info.bytes).map_err(|e| Error::io(data_path.display().to_string(), &e))?;
+    }
+    let manifest = manifest_json(cfg, producer, shared.block_size, &info, &here, complete, &data_path);
+    let path = shared.dir.join(manifest_name(step));
+    let tmp = shared.dir.join(format!(".{}.tmp", manifest_name(step)));
+    let text = serde_json::to_string_pretty(&manifest).expect("JSON values always serialize");
+    std::fs::write(&tmp, text + "\n").map_err(|e| Error::io(tmp.display().to_string(), &e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io(path.display().to_string(), &e))?;
+    log::info!("{producer} step {step}: {} bytes, {}", info.bytes, if complete { "complete" } else { "partly elsewhere" });
+    Ok((complete, path))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn manifest_json(
+    cfg: &SinkConfig,
+    producer: &str,
+    block_size: u32,
+    info: &StepInfo,
+    here: &[bool],
+    complete: bool,
+    data_path: &Path,
+) -> serde_json::Value {
+    let metadata: serde_json::Map<String, serde_json::Value> = info.metadata.iter().map(|(k, v)| (k.clone(), v.clone().into())).collect();
+    let blocks: Vec<serde_json::Value> = info
+        .blocks
+        .iter()
+        .zip(here)
+        .map(|(b, &h)| {
+            let at = if h || b.at.is_empty() { cfg.name.as_str() } else { b.at.as_str() };
+            serde_json::json!({ "offset": b.offset, "len": b.len, "xxh3": hex(&b.sum), "here": h, "at": at })
+        })
+        .collect();
+    let records: Vec<serde_json::Value> = info.records.iter().map(|(o, l)| serde_json::json!({ "offset": o, "len": l })).collect();
+    serde_json::json!({
+        "producer": producer,
+        "step": info.step,
+        "bytes": info.bytes,
+        "block_size": block_size,
+        "digest": hex(&info.digest),
+        "complete": complete,
+        "sink": cfg.name,
+        "data": data_path,
+        "metadata": metadata,
+        "records": records,
+        "blocks": blocks,
+    })
+}
+
+/// Runs the hook for one manifest; its output goes to the sink's own.
+fn run_hook(cmd: &str, manifest: &Path) {
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{cmd} \"$1\""))
+        .arg("dmover-hook")
+        .arg(manifest)
+        .env("DMOVER_MANIFEST", manifest)
+        .current_dir(manifest.parent().unwrap_or(Path::new(".")))
+        .status();
+    match status {
+        Ok(s) if s.success() => log::info!("hook done for {}", manifest.display()),
+        Ok(s) => log::warn!("hook for {} failed: {s}", manifest.display()),
+        Err(e) => log::warn!("cannot run the hook for {}: {e}", manifest.display()),
+    }
+}

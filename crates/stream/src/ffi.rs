@@ -1,0 +1,212 @@
+//! The C ABI (`include/dmover_stream.h`): opaque handles, integer error
+//! codes, and a per-thread message for the last error.
+//!
+//! Every function returns 0 on success or a dmover error class (the same
+//! numbers as `dmover`'s exit codes, `DMS_E*` in the header); the message
+//! of the last failure on the calling thread is `dms_last_error()`.
+//! `dms_open` gives the caller a handle that only `dms_close` frees.
+//! Panics never cross the boundary: they become `DMS_EINTERNAL`.
+
+use crate::{token_from_env, Config, Report, Stream};
+use dmover_engine::error::Error;
+use dmover_proto::ErrorKind;
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+/// An open stream, as C sees it.
+pub struct DmsStream(Stream);
+
+/// What `dms_close` reports (mirrors [`Report`]).
+#[repr(C)]
+#[derive(Default)]
+pub struct DmsReport {
+    pub steps: u64,
+    pub bytes: u64,
+    pub blocks: u64,
+    pub spilled_blocks: u64,
+    pub spilled_bytes: u64,
+    pub resent_blocks: u64,
+    pub failovers: u64,
+    pub undelivered_blocks: u64,
+    pub max_streams: u32,
+    pub seconds: f64,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(e: &Error) -> c_int {
+    let text = format!("{e} ({})", e.hint()).replace('\0', " ");
+    LAST_ERROR.with(|l| *l.borrow_mut() = CString::new(text).expect("NULs replaced"));
+    e.kind as c_int
+}
+
+/// Runs `f`, turning errors and panics into codes.
+fn guard(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => set_error(&e),
+        Err(_) => set_error(&Error::internal("dmover-stream panicked")),
+    }
+}
+
+fn usage(msg: &str) -> Error {
+    Error::new(ErrorKind::Usage, "", msg)
+}
+
+/// A required C string argument.
+///
+/// # Safety
+/// `p` is NULL or a valid NUL-terminated string.
+unsafe fn string(p: *const c_char, what: &str) -> Result<String, Error> {
+    if p.is_null() {
+        return Err(usage(&format!("{what} is NULL")));
+    }
+    // SAFETY: the caller promises a valid NUL-terminated string.
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str().map(str::to_string).map_err(|_| usage(&format!("{what} is not UTF-8")))
+}
+
+/// Opens a stream. See `dms_open` in the header.
+///
+/// # Safety
+/// String arguments are valid NUL-terminated strings (or NULL, refused);
+/// `out` is valid for one pointer write.
+#[no_mangle]
+pub unsafe extern "C" fn dms_open(
+    producer: *const c_char,
+    destinations: *const c_char,
+    spill_dir: *const c_char,
+    buffer_bytes: u64,
+    block_bytes: u64,
+    max_wait_ms: u32,
+    out: *mut *mut DmsStream,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(usage("the handle pointer is NULL"));
+        }
+        // SAFETY: checked non-null; the caller gives a valid pointer.
+        unsafe { *out = std::ptr::null_mut() };
+        // SAFETY: the caller's strings are valid or NULL.
+        let (producer, dests, spill) =
+            unsafe { (string(producer, "producer")?, string(destinations, "destinations")?, string(spill_dir, "spill_dir")?) };
+        let dests: Vec<&str> = dests.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+        let mut cfg = Config::new(&producer, &dests, &token_from_env()?, spill);
+        if buffer_bytes > 0 {
+            cfg.buffer = buffer_bytes;
+        }
+        if block_bytes > 0 {
+            cfg.block_size = u32::try_from(block_bytes).map_err(|_| usage("block size too large"))?;
+        }
+        cfg.max_wait = Duration::from_millis(max_wait_ms as u64);
+        let s = Stream::open(cfg)?;
+        // SAFETY: as above.
+        unsafe { *out = Box::into_raw(Box::new(DmsStream(s))) };
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `h` is NULL or a handle from `dms_open` not yet closed.
+unsafe fn handle<'a>(h: *mut DmsStream) -> Result<&'a mut Stream, Error> {
+    // SAFETY: the caller passes a live handle or NULL.
+    unsafe { h.as_mut() }.map(|h| &mut h.0).ok_or_else(|| usage("the stream handle is NULL"))
+}
+
+/// Copies `len` bytes into the stream's buffer.
+///
+/// # Safety
+/// `h` is a live handle; `data` is valid for reads of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn dms_write(h: *mut DmsStream, data: *const u8, len: usize) -> c_int {
+    guard(|| {
+        // SAFETY: per the contract above.
+        let s = unsafe { handle(h)? };
+        if len == 0 {
+            return Ok(());
+        }
+        if data.is_null() {
+            return Err(usage("data is NULL"));
+        }
+        // SAFETY: the caller gives `len` readable bytes at `data`.
+        s.write(unsafe { std::slice::from_raw_parts(data, len) })
+    })
+}
+
+/// Attaches a key/value pair to the current step.
+///
+/// # Safety
+/// `h` is a live handle; `key` and `value` are valid NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn dms_write_metadata(h: *mut DmsStream, key: *const c_char, value: *const c_char) -> c_int {
+    guard(|| {
+        // SAFETY: per the contract above.
+        let (s, k, v) = unsafe { (handle(h)?, string(key, "key")?, string(value, "value")?) };
+        s.write_metadata(&k, &v)
+    })
+}
+
+/// Ends the current step.
+///
+/// # Safety
+/// `h` is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn dms_end_step(h: *mut DmsStream) -> c_int {
+    // SAFETY: per the contract above.
+    guard(|| unsafe { handle(h)? }.end_step())
+}
+
+/// Sends everything left, writes the manifest, fills `report` (if not
+/// NULL) and frees the handle, whatever the outcome.
+///
+/// # Safety
+/// `h` is NULL or a live handle, which is invalid afterwards; `report` is
+/// NULL or valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn dms_close(h: *mut DmsStream, report: *mut DmsReport) -> c_int {
+    guard(|| {
+        if h.is_null() {
+            return Err(usage("the stream handle is NULL"));
+        }
+        // SAFETY: a live handle from dms_open, owned by us from here on.
+        let s = unsafe { Box::from_raw(h) }.0;
+        let r: Report = s.close()?;
+        if !report.is_null() {
+            let c = DmsReport {
+                steps: r.steps,
+                bytes: r.bytes,
+                blocks: r.blocks,
+                spilled_blocks: r.spilled_blocks,
+                spilled_bytes: r.spilled_bytes,
+                resent_blocks: r.resent_blocks,
+                failovers: r.failovers,
+                undelivered_blocks: r.undelivered_blocks,
+                max_streams: r.max_streams as u32,
+                seconds: r.seconds,
+            };
+            // SAFETY: the caller gives a writable report or NULL.
+            unsafe { report.write(c) };
+        }
+        if r.undelivered_blocks > 0 {
+            let spill = r.spill_file.map(|p| p.display().to_string()).unwrap_or_default();
+            let msg = format!(
+                "{} blocks were not delivered; they are in {spill} and {} says where each block is",
+                r.undelivered_blocks,
+                r.manifest.display()
+            );
+            return Err(Error::new(ErrorKind::Unreachable, "", msg));
+        }
+        Ok(())
+    })
+}
+
+/// The message of the last failure on this thread ("" if none). Valid
+/// until the next dmover-stream call on this thread.
+#[no_mangle]
+pub extern "C" fn dms_last_error() -> *const c_char {
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}

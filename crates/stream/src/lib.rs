@@ -1,0 +1,427 @@
+//! In-situ streaming: a running simulation hands its output to dmover and
+//! goes on computing while the data moves to an analysis site.
+//!
+//! The simulation [`Stream::open`]s a stream, [`Stream::write`]s its arrays
+//! (each call copies into a circular buffer in memory and returns),
+//! attaches key/value metadata with [`Stream::write_metadata`] (variable
+//! names, dimensions, anything a post-processor needs), marks the end of
+//! each time step with [`Stream::end_step`], and finally
+//! [`Stream::close`]s, which sends whatever is left and returns a
+//! [`Report`]. Behind it:
+//!
+//! * [`ring`] — the circular buffer: block-sized slots under a fixed
+//!   memory budget. A write waits for a free slot only up to
+//!   [`Config::max_wait`]; past that, the block goes to the spill file.
+//! * [`spill`] — the spill file on local disk; spilled blocks are sent
+//!   when bandwidth is free, or at close. No byte is dropped.
+//! * [`policy`] — the queue manager's policy (the paper's states A, B and
+//!   C): how many connections, and when to fetch spilled blocks back.
+//! * [`manager`] — the queue manager thread: sends blocks to the first
+//!   destination that takes them (a `dmover sink`), keeps each block until
+//!   it is acknowledged, fails over to the next destination when a sink
+//!   dies, and records where every block is in a manifest written at close.
+//! * [`ffi`] — the C ABI (`include/dmover_stream.h`), used from C, C++ and
+//!   Fortran.
+//!
+//! Connections use dmover's protocol: the same token handshake, frames
+//! and per-block XXH3-128 checksums as file transfers (`docs/PROTOCOL.md`).
+//! This crate does not receive streams; `dmover sink` does.
+
+pub mod ffi;
+pub mod manager;
+pub mod policy;
+pub mod ring;
+pub mod spill;
+
+use dmover_engine::error::{Error, Result};
+use dmover_proto::digest::block_sum;
+use dmover_proto::ErrorKind;
+use manager::{Event, Manager};
+use ring::{Ring, Slot};
+use spill::Spill;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Buffer size of the paper's runs: 80 MB per producer.
+pub const DEFAULT_BUFFER: u64 = 80 << 20;
+/// Block size of the paper's runs, and dmover's.
+pub const DEFAULT_BLOCK: u32 = 1 << 20;
+/// Data connections a producer opens at most, by default.
+pub const DEFAULT_MAX_STREAMS: usize = 8;
+/// How long a sink may leave everything unacknowledged before it is taken
+/// for dead, by default: long enough for 8 connections each sending a 1 MiB
+/// block over a 1 Mbit/s path.
+pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(90);
+/// How long close waits for undelivered blocks before leaving them in the
+/// spill file, by default.
+pub const DEFAULT_CLOSE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How to open a stream.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// This producer's name: one path component of letters, digits, `.`,
+    /// `_` and `-` (sinks file its steps under it), e.g. `gtc-rank17`.
+    pub producer: String,
+    /// Sinks as `host:port`, in order of preference; the later ones are
+    /// alternates that take over when the earlier ones fail.
+    pub destinations: Vec<String>,
+    /// The sinks' shared token.
+    pub token: Vec<u8>,
+    /// Where overflowing blocks and the manifest go.
+    pub spill_dir: PathBuf,
+    /// Memory for the circular buffer, bytes.
+    pub buffer: u64,
+    /// Block size, bytes: writes are cut into blocks of this size.
+    pub block_size: u32,
+    /// Longest a write waits for room in the buffer before spilling.
+    pub max_wait: Duration,
+    /// Most data connections at once.
+    pub max_streams: usize,
+    /// Longest close waits for delivery before leaving blocks in the spill file.
+    pub close_timeout: Duration,
+    /// A sink that acknowledges nothing for this long while it has blocks
+    /// or step ends to confirm is taken for dead (it hangs): failover.
+    pub ack_timeout: Duration,
+}
+
+impl Config {
+    /// A configuration with the defaults: 80 MiB buffer, 1 MiB blocks, no
+    /// waiting in `write`, up to 8 connections.
+    pub fn new(producer: &str, destinations: &[&str], token: &[u8], spill_dir: impl Into<PathBuf>) -> Config {
+        Config {
+            producer: producer.to_string(),
+            destinations: destinations.iter().map(|d| d.to_string()).collect(),
+            token: token.to_vec(),
+            spill_dir: spill_dir.into(),
+            buffer: DEFAULT_BUFFER,
+            block_size: DEFAULT_BLOCK,
+            max_wait: Duration::ZERO,
+            max_streams: DEFAULT_MAX_STREAMS,
+            close_timeout: DEFAULT_CLOSE_TIMEOUT,
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let usage = |m: String| Err(Error::new(ErrorKind::Usage, &self.producer, m));
+        let p = &self.producer;
+        if p.is_empty() || p.len() > 64 || p.starts_with('.') || !p.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+            return usage("a producer name is 1 to 64 letters, digits, '.', '_' or '-', not starting with '.'".into());
+        }
+        if self.destinations.is_empty() {
+            return usage("no destination: give at least one sink as host:port".into());
+        }
+        if !(4096..=dmover_proto::frame::MAX_BLOCK).contains(&self.block_size) {
+            return usage(format!("block size {} is outside 4 KiB..64 MiB", self.block_size));
+        }
+        if self.buffer < 2 * self.block_size as u64 {
+            return usage(format!("a buffer of {} bytes holds fewer than two blocks of {}", self.buffer, self.block_size));
+        }
+        if !self.spill_dir.is_dir() {
+            return Err(Error::new(ErrorKind::NotFound, self.spill_dir.display().to_string(), "the spill directory does not exist"));
+        }
+        Ok(())
+    }
+}
+
+/// The token from the environment: `DMOVER_TOKEN`, else the file named by
+/// `DMOVER_TOKEN_FILE` (what the C and Python bindings use).
+pub fn token_from_env() -> Result<Vec<u8>> {
+    if let Ok(t) = std::env::var("DMOVER_TOKEN") {
+        if !t.trim().is_empty() {
+            return Ok(t.trim().as_bytes().to_vec());
+        }
+    }
+    if let Ok(f) = std::env::var("DMOVER_TOKEN_FILE") {
+        let s = std::fs::read(&f).map_err(|e| Error::new(ErrorKind::Usage, &f, format!("cannot read token file: {e}")))?;
+        return Ok(String::from_utf8_lossy(&s).trim().as_bytes().to_vec());
+    }
+    Err(Error::new(ErrorKind::Usage, "", "no token: set DMOVER_TOKEN or DMOVER_TOKEN_FILE"))
+}
+
+/// One destination's share of a stream.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DestinationReport {
+    pub addr: String,
+    pub blocks: u64,
+    pub bytes: u64,
+}
+
+/// What a stream did, returned by [`Stream::close`].
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub steps: u64,
+    /// Bytes written by the simulation.
+    pub bytes: u64,
+    pub blocks: u64,
+    /// Blocks (and their bytes) that went to the spill file because the
+    /// buffer was full; all are sent later unless counted as undelivered.
+    pub spilled_blocks: u64,
+    pub spilled_bytes: u64,
+    /// Blocks sent again: after a failover or a damaged arrival.
+    pub resent_blocks: u64,
+    /// Times a destination failed and the next one took over.
+    pub failovers: u64,
+    /// Blocks no sink acknowledged by the close timeout (they are in the spill file).
+    pub undelivered_blocks: u64,
+    /// Steps whose manifest no sink confirmed.
+    pub unsaved_steps: u64,
+    /// Most data connections open at once.
+    pub max_streams: usize,
+    /// Policy looks spent in states A, B and C.
+    pub ticks_a: u64,
+    pub ticks_b: u64,
+    pub ticks_c: u64,
+    pub seconds: f64,
+    /// The manifest: where every block is.
+    pub manifest: PathBuf,
+    /// The spill file, if it still holds undelivered blocks.
+    pub spill_file: Option<PathBuf>,
+    pub destinations: Vec<DestinationReport>,
+}
+
+/// The block being filled: a ring slot, or (the ring being full) the
+/// spill block.
+enum Filling {
+    Ring(Slot),
+    Spill,
+}
+
+/// An open stream. Writing is single-threaded (`&mut self`); the sending
+/// happens on the queue manager's thread.
+pub struct Stream {
+    ring: Arc<Ring>,
+    spill: Arc<Spill>,
+    /// To the queue manager; it stops when the writer sends `Close`.
+    events: crossbeam_channel::Sender<Event>,
+    manager: Option<JoinHandle<Result<Report>>>,
+    max_wait: Duration,
+    block_size: usize,
+    step: u64,
+    /// Bytes written in this step.
+    step_bytes: u64,
+    blocks: u64,
+    filling: Option<Filling>,
+    /// Holds a block bound for the spill file (allocated on first overflow).
+    spill_block: Vec<u8>,
+    metadata: Vec<(String, String)>,
+    records: Vec<(u64, u64)>,
+}
+
+impl Stream {
+    /// Opens a stream: checks the configuration, connects to the first
+    /// destination that takes the stream, and starts the queue manager.
+    pub fn open(cfg: Config) -> Result<Stream> {
+        cfg.check()?;
+        let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
+        let spill = Arc::new(Spill::new(&cfg.spill_dir, &cfg.producer));
+        let (events, rx) = crossbeam_channel::unbounded();
+        let (max_wait, block_size) = (cfg.max_wait, cfg.block_size as usize);
+        let mut m = Manager::new(cfg, ring.clone(), spill.clone(), events.clone(), rx);
+        m.connect_first()?;
+        let manager = std::thread::Builder::new()
+            .name("dmover-stream".into())
+            .spawn(move || m.run())
+            .map_err(|e| Error::new(ErrorKind::Internal, "", format!("cannot start the queue manager: {e}")))?;
+        Ok(Stream {
+            ring,
+            spill,
+            events,
+            manager: Some(manager),
+            max_wait,
+            block_size,
+            step: 0,
+            step_bytes: 0,
+            blocks: 0,
+            filling: None,
+            spill_block: Vec::new(),
+            metadata: Vec::new(),
+            records: Vec::new(),
+        })
+    }
+
+    /// The step being written (0 first).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Copies `data` into the buffer and returns. Waits for room at most
+    /// [`Config::max_wait`] in all; what does not fit then goes to the
+    /// spill file.
+    pub fn write(&mut self, data: &[u8]) -> Result<()> {
+        let deadline = Instant::now() + self.max_wait;
+        self.records.push((self.step_bytes, data.len() as u64));
+        let mut rest = data;
+        while !rest.is_empty() {
+            let filling = match self.filling.take() {
+                Some(f) => f,
+                None => match self.ring.take(deadline) {
+                    Some(s) => Filling::Ring(s),
+                    None => {
+                        self.spill_block.clear();
+                        self.spill_block.reserve_exact(self.block_size);
+                        Filling::Spill
+                    }
+                },
+            };
+            let (n, full) = match filling {
+                Filling::Ring(mut s) => {
+                    let n = s.fill(rest);
+                    let full = s.room() == 0;
+                    self.filling = Some(Filling::Ring(s));
+                    (n, full)
+                }
+                Filling::Spill => {
+                    let n = rest.len().min(self.block_size - self.spill_block.len());
+                    self.spill_block.extend_from_slice(&rest[..n]);
+                    self.filling = Some(Filling::Spill);
+                    (n, self.spill_block.len() == self.block_size)
+                }
+            };
+            rest = &rest[n..];
+            self.step_bytes += n as u64;
+            if full {
+                self.hand_over()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches a key/value pair to the current step (kept in order; sinks
+    /// put them in the step's manifest).
+    pub fn write_metadata(&mut self, key: &str, value: &str) -> Result<()> {
+        if key.is_empty() {
+            return Err(Error::new(ErrorKind::Usage, "", "a metadata key may not be empty"));
+        }
+        self.metadata.push((key.to_string(), value.to_string()));
+        Ok(())
+    }
+
+    /// Ends the current step: its last partial block goes out, and once
+    /// every block is acknowledged the sink writes the step's manifest.
+    pub fn end_step(&mut self) -> Result<()> {
+        if self.filling.is_some() {
+            self.hand_over()?;
+        }
+        let ev = Event::StepEnd {
+            step: self.step,
+            bytes: self.step_bytes,
+            blocks: self.blocks,
+            metadata: std::mem::take(&mut self.metadata),
+            records: std::mem::take(&mut self.records),
+        };
+        self.send(ev)?;
+        self.step += 1;
+        self.step_bytes = 0;
+        self.blocks = 0;
+        Ok(())
+    }
+
+    /// Ends the step if anything was written to it, sends everything left
+    /// (spilled blocks included), writes the manifest and reports.
+    pub fn close(mut self) -> Result<Report> {
+        if self.step_bytes > 0 || !self.metadata.is_empty() || !self.records.is_empty() {
+            self.end_step()?;
+        }
+        self.send(Event::Close)?;
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<Report> {
+        match self.manager.take() {
+            Some(h) => h.join().unwrap_or_else(|_| Err(Error::internal("the queue manager panicked"))),
+            None => Err(Error::internal("the stream is already closed")),
+        }
+    }
+
+    fn send(&mut self, ev: Event) -> Result<()> {
+        if self.events.send(ev).is_err() {
+            // The manager stopped: its error says why.
+            return Err(self.join().err().unwrap_or_else(|| Error::internal("the queue manager stopped")));
+        }
+        Ok(())
+    }
+
+    /// Passes the block being filled to the manager (or the spill file).
+    fn hand_over(&mut self) -> Result<()> {
+        let offset = self.blocks * self.block_size as u64;
+        self.blocks += 1;
+        let ev = match self.filling.take() {
+            Some(Filling::Ring(data)) => Event::Block { step: self.step, offset, data },
+            Some(Filling::Spill) => {
+                let sum = block_sum(&self.spill_block);
+                let at = self
+                    .spill
+                    .append(self.step, offset, sum, &self.spill_block)
+                    .map_err(|e| Error::io(self.spill.path().display().to_string(), &e))?;
+                Event::Spilled { step: self.step, offset, len: self.spill_block.len() as u32, sum, at }
+            }
+            None => return Ok(()),
+        };
+        self.send(ev)
+    }
+}
+
+/// Sends what an earlier stream left undelivered: the blocks its manifest
+/// (`SPILL_DIR/PRODUCER.manifest.json`) places in the spill file, and the
+/// steps whose manifest no sink saved. Connects to the first destination
+/// that takes the stream, waits up to `close_timeout`, and rewrites the
+/// manifest; the spill file is removed once everything in it is delivered.
+pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<Report> {
+    let subject = manifest.display().to_string();
+    let text = std::fs::read_to_string(manifest).map_err(|e| Error::io(&subject, &e))?;
+    let m: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest: {e}")))?;
+    let field = |k: &str| m[k].as_str().map(str::to_string).ok_or_else(|| Error::new(ErrorKind::Usage, &subject, format!("no {k}")));
+    let producer = field("producer")?;
+    let dests: Vec<String> = m["destinations"].as_array().into_iter().flatten().filter_map(|d| d.as_str().map(str::to_string)).collect();
+    let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut cfg = Config::new(&producer, &dests.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
+    cfg.block_size = m["block_size"].as_u64().unwrap_or(DEFAULT_BLOCK as u64) as u32;
+    cfg.close_timeout = close_timeout;
+    cfg.check()?;
+    let spill = match m["spill"].as_str() {
+        Some(p) => Spill::open(Path::new(p)).map_err(|e| Error::io(p, &e))?,
+        None => Spill::new(dir, &producer),
+    };
+    let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
+    let (events, rx) = crossbeam_channel::unbounded();
+    let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m)?;
+    mgr.connect_first()?;
+    mgr.run()
+}
+
+impl Drop for Stream {
+    /// A stream dropped without `close` still delivers what it holds.
+    fn drop(&mut self) {
+        if self.manager.is_some() {
+            let _ = self.events.send(Event::Close);
+            let _ = self.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_configurations_are_refused_before_connecting() {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = Config::new("gtc-1", &["127.0.0.1:1"], b"token-token-token", dir.path());
+        assert!(ok.check().is_ok());
+        for (c, what) in [
+            (Config { producer: "../x".into(), ..ok.clone() }, "name with a slash"),
+            (Config { producer: ".hidden".into(), ..ok.clone() }, "name with a leading dot"),
+            (Config { producer: String::new(), ..ok.clone() }, "empty name"),
+            (Config { destinations: vec![], ..ok.clone() }, "no destination"),
+            (Config { block_size: 100, ..ok.clone() }, "tiny block"),
+            (Config { buffer: DEFAULT_BLOCK as u64, ..ok.clone() }, "buffer of one block"),
+            (Config { spill_dir: dir.path().join("missing"), ..ok.clone() }, "missing spill directory"),
+        ] {
+            assert!(c.check().is_err(), "{what} was accepted");
+        }
+    }
+}

@@ -1,0 +1,769 @@
+//! The queue manager: one background thread per producer that sends what
+//! the simulation wrote, keeps track of where every block is, and never
+//! lets a block go before a sink has acknowledged it.
+//!
+//! Everything reaches the manager as an [`Event`] on one channel — blocks
+//! and step ends from the writer, acknowledgements and failures from the
+//! connections — and only the manager's thread touches its state, so there
+//! is no lock to order. Every [`TICK`] it asks the [`Policy`] how many data
+//! connections to keep and whether to fetch spilled blocks back.
+//!
+//! A *link* is a streaming session on one destination: a control
+//! connection (the manager writes `StepEnd` and `Ping`; a reader thread
+//! turns `Acked`, `Nack` and `StepSaved` into events) and data connections,
+//! each a thread that takes blocks from a shared work channel. When any of
+//! them fails the link is down: its unacknowledged blocks go back to the
+//! front of the queue and the manager opens a link to the next destination
+//! (failover). A destination that failed is tried again after
+//! [`RETRY_DOWN`], once the others have failed too.
+//!
+//! A step is settled when each of its blocks is acknowledged somewhere and
+//! the current destination has saved its manifest (`StepSaved`); its
+//! `StepEnd` says where each block is, so a sink that took over midway
+//! records the blocks its predecessor holds.
+
+use crate::policy::{Decision, Observation, Policy, State};
+use crate::ring::{Ring, Slot};
+use crate::spill::Spill;
+use crate::{Config, DestinationReport, Report};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use dmover_engine::error::{Error, Result};
+use dmover_engine::session::{Conn, Credential};
+use dmover_engine::transport::Transport;
+use dmover_engine::wire::{FrameReader, FrameWriter};
+use dmover_proto::digest::{block_sum, file_digest, Sum};
+use dmover_proto::frame::{DataHeader, StepBlock, StepInfo};
+use dmover_proto::{ErrorKind, Msg};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often the policy looks at the buffer.
+pub const TICK: Duration = Duration::from_millis(50);
+/// A control connection with nothing to say sends `Ping` this often, well
+/// inside a sink's idle timeout (120 s by default).
+const PING_EVERY: Duration = Duration::from_secs(10);
+/// How long a destination that failed is left alone.
+pub const RETRY_DOWN: Duration = Duration::from_secs(5);
+/// How long a data connection waits for work before checking whether it
+/// should stop.
+const WORK_WAIT: Duration = Duration::from_millis(100);
+
+/// A block in memory, ready to send: shared between the manager (until
+/// acknowledged) and the connection sending it.
+pub struct Block {
+    pub step: u64,
+    pub offset: u64,
+    pub sum: Sum,
+    pub data: Slot,
+    /// Where it is in the spill file, if it was read back from there.
+    pub spilled_at: Option<u64>,
+}
+
+/// Everything the manager hears about.
+pub enum Event {
+    /// The writer filled a slot.
+    Block { step: u64, offset: u64, data: Slot },
+    /// The writer found the ring full and wrote a block to the spill file.
+    Spilled { step: u64, offset: u64, len: u32, sum: Sum, at: u64 },
+    /// The writer ended a step.
+    StepEnd { step: u64, bytes: u64, blocks: u64, metadata: Vec<(String, String)>, records: Vec<(u64, u64)> },
+    /// The writer closed the stream.
+    Close,
+    /// Link `link`'s sink wrote these blocks.
+    Acked { link: u64, blocks: Vec<(u64, u64)> },
+    /// Link `link`'s sink got this block damaged.
+    Nack { link: u64, step: u64, offset: u64 },
+    /// Link `link`'s sink saved the step's manifest.
+    Saved { link: u64, step: u64 },
+    /// Link `link` failed.
+    Down { link: u64, error: Error },
+}
+
+/// Where a block is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// In the ring, not yet acknowledged.
+    Memory,
+    /// In the spill file at this offset, not yet delivered.
+    Spilled(u64),
+    /// Acknowledged by this destination.
+    At(usize),
+}
+
+struct BlockRec {
+    len: u32,
+    sum: Sum,
+    place: Place,
+}
+
+#[derive(Default)]
+struct StepState {
+    /// Set when the writer ended the step.
+    end: Option<StepEnd>,
+    blocks: BTreeMap<u64, BlockRec>,
+    /// The link its `StepEnd` went on, if any.
+    end_sent: Option<u64>,
+    /// Where its manifest was saved.
+    saved: Option<usize>,
+}
+
+struct StepEnd {
+    bytes: u64,
+    blocks: u64,
+    metadata: Vec<(String, String)>,
+    records: Vec<(u64, u64)>,
+}
+
+struct Destination {
+    addr: String,
+    /// Not tried again before this.
+    down_until: Option<Instant>,
+    blocks: u64,
+    bytes: u64,
+}
+
+/// A streaming session on one destination.
+struct Link {
+    id: u64,
+    dest: usize,
+    session: [u8; 16],
+    control: FrameWriter,
+    /// Blocks for the data connections; they take from `work_rx`.
+    work: Sender<Arc<Block>>,
+    work_rx: Receiver<Arc<Block>>,
+    /// One stop flag per data connection, oldest first.
+    streams: Vec<Arc<AtomicBool>>,
+    next_index: u32,
+    last_control: Instant,
+    /// When the sink last acknowledged something (or the link opened).
+    last_ack: Instant,
+}
+
+impl Link {
+    fn close(&mut self) {
+        for s in &self.streams {
+            s.store(true, Ordering::Relaxed);
+        }
+        self.control.close();
+    }
+}
+
+pub struct Manager {
+    cfg: Config,
+    cred: Credential,
+    ring: Arc<Ring>,
+    spill: Arc<Spill>,
+    events: Sender<Event>,
+    rx: Receiver<Event>,
+    /// Blocks ready and waiting for a link, oldest first.
+    queue: VecDeque<Arc<Block>>,
+    /// Blocks handed to the current link and not yet acknowledged.
+    inflight: HashMap<(u64, u64), Arc<Block>>,
+    /// Spilled blocks not yet delivered (and not read back), oldest first.
+    spilled: VecDeque<(u64, u64)>,
+    steps: BTreeMap<u64, StepState>,
+    /// Ended steps whose `StepEnd` has not gone on the current link.
+    unsent: BTreeSet<u64>,
+    /// Steps whose `StepEnd` went on the current link and is not yet saved.
+    unconfirmed: usize,
+    dests: Vec<Destination>,
+    link: Option<Link>,
+    links_opened: u64,
+    policy: Policy,
+    start: Instant,
+    spilled_since: usize,
+    closing: Option<Instant>,
+    report: Report,
+}
+
+impl Manager {
+    pub fn new(cfg: Config, ring: Arc<Ring>, spill: Arc<Spill>, events: Sender<Event>, rx: Receiver<Event>) -> Manager {
+        let dests = cfg.destinations.iter().map(|a| Destination { addr: a.clone(), down_until: None, blocks: 0, bytes: 0 }).collect();
+        Manager {
+            cred: Credential::token(&cfg.token),
+            policy: Policy::new(cfg.max_streams),
+            cfg,
+            ring,
+            spill,
+            events,
+            rx,
+            queue: VecDeque::new(),
+            inflight: HashMap::new(),
+            spilled: VecDeque::new(),
+            steps: BTreeMap::new(),
+            unsent: BTreeSet::new(),
+            unconfirmed: 0,
+            dests,
+            link: None,
+            links_opened: 0,
+            start: Instant::now(),
+            spilled_since: 0,
+            closing: None,
+            report: Report::default(),
+        }
+    }
+
+    /// Opens the first link; fails if no destination takes the stream.
+    pub fn connect_first(&mut self) -> Result<()> {
+        let mut first_error = None;
+        for d in 0..self.dests.len() {
+            match self.open_link(d) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    log::warn!("stream {}: {e}", self.cfg.producer);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        Err(first_error.unwrap_or_else(|| Error::new(ErrorKind::Usage, "", "no destination given")))
+    }
+
+    /// A manager for what a producer's manifest says is undelivered: its
+    /// blocks in the spill file go to the destinations, and the steps whose
+    /// manifest no sink saved get their `StepEnd` (`drain`). It runs as if
+    /// the writer had closed.
+    pub fn resume(mut self, manifest: &serde_json::Value) -> Result<Manager> {
+        let producer = self.cfg.producer.clone();
+        let bad = |what: &str| Error::new(ErrorKind::Usage, &producer, format!("the manifest is damaged: {what}"));
+        let steps = manifest["steps"].as_array().ok_or_else(|| bad("no steps"))?;
+        for s in steps {
+            let step = s["step"].as_u64().ok_or_else(|| bad("a step without a number"))?;
+            let mut st = StepState::default();
+            for b in s["blocks"].as_array().ok_or_else(|| bad("a step without blocks"))? {
+                let offset = b["offset"].as_u64().ok_or_else(|| bad("a block without an offset"))?;
+                let len = b["len"].as_u64().ok_or_else(|| bad("a block without a length"))? as u32;
+                let hex = b["xxh3"].as_str().filter(|h| h.len() == 32).ok_or_else(|| bad("a block without a checksum"))?;
+                let mut sum = [0u8; 16];
+                for (i, x) in sum.iter_mut().enumerate() {
+                    *x = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad("a checksum that is not hex"))?;
+                }
+                let place = if let Some(addr) = b["at"].as_str() {
+                    Place::At(self.dest_index(addr))
+                } else if let Some(at) = b["spill_offset"].as_u64() {
+                    self.spilled.push_back((step, offset));
+                    Place::Spilled(at)
+                } else {
+                    let msg = format!("step {step}: the block at {offset} was neither delivered nor spilled");
+                    return Err(Error::new(ErrorKind::Verify, &self.cfg.producer, msg));
+                };
+                st.blocks.insert(offset, BlockRec { len, sum, place });
+            }
+            let pairs = |v: &serde_json::Value| -> Vec<(u64, u64)> {
+                v.as_array().into_iter().flatten().filter_map(|p| Some((p[0].as_u64()?, p[1].as_u64()?))).collect()
+            };
+            let metadata = s["metadata"].as_object().into_iter().flatten();
+            st.end = Some(StepEnd {
+                bytes: s["bytes"].as_u64().unwrap_or(0),
+                blocks: st.blocks.len() as u64,
+                metadata: metadata.map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string())).collect(),
+                records: pairs(&s["records"]),
+            });
+            st.saved = s["manifest_at"].as_str().map(|a| self.dest_index(a));
+            if st.saved.is_none() {
+                self.unsent.insert(step);
+            }
+            self.report.steps += 1;
+            self.report.bytes += st.end.as_ref().map_or(0, |e| e.bytes);
+            self.report.blocks += st.blocks.len() as u64;
+            self.steps.insert(step, st);
+        }
+        self.closing = Some(Instant::now());
+        Ok(self)
+    }
+
+    /// The index of a destination, added if the manifest names one the
+    /// configuration does not.
+    fn dest_index(&mut self, addr: &str) -> usize {
+        if let Some(i) = self.dests.iter().position(|d| d.addr == addr) {
+            return i;
+        }
+        self.dests.push(Destination { addr: addr.to_string(), down_until: None, blocks: 0, bytes: 0 });
+        self.dests.len() - 1
+    }
+
+    /// Runs until the writer closes and everything is delivered (or the
+    /// close timeout passes); returns the report.
+    pub fn run(mut self) -> Result<Report> {
+        let mut last_tick = Instant::now();
+        loop {
+            match self.rx.recv_timeout(TICK) {
+                Ok(ev) => self.handle(ev)?,
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => self.closing = self.closing.or(Some(Instant::now())),
+            }
+            if last_tick.elapsed() >= TICK {
+                last_tick = Instant::now();
+                self.tick()?;
+            }
+            self.dispatch();
+            if self.closing.is_some() && self.settled() {
+                break;
+            }
+            if self.closing.is_some_and(|t| t.elapsed() >= self.cfg.close_timeout) {
+                log::warn!("stream {}: close timeout; keeping what is undelivered in the spill file", self.cfg.producer);
+                self.spill_memory()?;
+                break;
+            }
+        }
+        if let Some(mut l) = self.link.take() {
+            l.close();
+        }
+        self.finish()
+    }
+
+    fn handle(&mut self, ev: Event) -> Result<()> {
+        let current = self.link.as_ref().map(|l| l.id);
+        match ev {
+            Event::Block { step, offset, data } => {
+                let sum = block_sum(&data);
+                let len = data.len() as u32;
+                self.steps.entry(step).or_default().blocks.insert(offset, BlockRec { len, sum, place: Place::Memory });
+                self.report.blocks += 1;
+                self.queue.push_back(Arc::new(Block { step, offset, sum, data, spilled_at: None }));
+            }
+            Event::Spilled { step, offset, len, sum, at } => {
+                self.steps.entry(step).or_default().blocks.insert(offset, BlockRec { len, sum, place: Place::Spilled(at) });
+                self.spilled.push_back((step, offset));
+                self.spilled_since += 1;
+                self.report.blocks += 1;
+                self.report.spilled_blocks += 1;
+                self.report.spilled_bytes += len as u64;
+            }
+            Event::StepEnd { step, bytes, blocks, metadata, records } => {
+                self.report.steps += 1;
+                self.report.bytes += bytes;
+                self.steps.entry(step).or_default().end = Some(StepEnd { bytes, blocks, metadata, records });
+                self.unsent.insert(step);
+                self.end_steps()?;
+            }
+            Event::Close => self.closing = Some(Instant::now()),
+            Event::Acked { link, blocks } if Some(link) == current => {
+                let l = self.link.as_mut().expect("current link");
+                l.last_ack = Instant::now();
+                let dest = l.dest;
+                for key in blocks {
+                    let Some(b) = self.inflight.remove(&key) else { continue };
+                    if let Some(rec) = self.steps.get_mut(&b.step).and_then(|s| s.blocks.get_mut(&b.offset)) {
+                        rec.place = Place::At(dest);
+                    }
+                    self.dests[dest].blocks += 1;
+                    self.dests[dest].bytes += b.data.len() as u64;
+                }
+                self.end_steps()?;
+            }
+            Event::Nack { link, step, offset } if Some(link) == current => {
+                if let (Some(b), Some(l)) = (self.inflight.get(&(step, offset)), &self.link) {
+                    self.report.resent_blocks += 1;
+                    let _ = l.work.send(b.clone());
+                }
+            }
+            Event::Saved { link, step } if Some(link) == current => {
+                let l = self.link.as_mut().expect("current link");
+                l.last_ack = Instant::now();
+                let dest = l.dest;
+                if let Some(s) = self.steps.get_mut(&step) {
+                    if s.end_sent == Some(link) && s.saved.is_none() {
+                        self.unconfirmed -= 1;
+                    }
+                    s.saved = Some(dest);
+                }
+            }
+            Event::Down { link, error } if Some(link) == current => self.link_down(error),
+            // Events from a link that is gone: its blocks were requeued.
+            Event::Acked { .. } | Event::Nack { .. } | Event::Saved { .. } | Event::Down { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Every [`TICK`]: consult the policy, reopen a link if none, ping.
+    fn tick(&mut self) -> Result<()> {
+        if self.link.is_none() {
+            self.reconnect();
+        }
+        let backlog = self.queue.len() + self.link.as_ref().map_or(0, |l| l.work.len());
+        let o = Observation {
+            now: self.start.elapsed(),
+            backlog,
+            slots: self.ring.slots(),
+            free: self.ring.free(),
+            spilled: std::mem::take(&mut self.spilled_since),
+            spill_pending: self.spilled.len(),
+        };
+        let mut d: Decision = self.policy.decide(&o);
+        if self.closing.is_some() {
+            // The writer is done: the whole ring is free for spilled blocks.
+            d.fetch = self.spilled.len().min(o.free);
+        }
+        match d.state {
+            State::A => self.report.ticks_a += 1,
+            State::B => self.report.ticks_b += 1,
+            State::C => self.report.ticks_c += 1,
+        }
+        self.report.max_streams = self.report.max_streams.max(d.streams);
+        self.set_streams(d.streams);
+        self.fetch_spilled(d.fetch)?;
+        let waiting = !self.inflight.is_empty() || self.unconfirmed > 0;
+        if let Some(l) = &mut self.link {
+            if waiting && l.last_ack.elapsed() >= self.cfg.ack_timeout {
+                let what = format!("acknowledged nothing for {:?}", self.cfg.ack_timeout);
+                let e = Error::new(ErrorKind::Unreachable, &self.dests[l.dest].addr, what);
+                self.link_down(e);
+                return Ok(());
+            }
+            if !waiting {
+                l.last_ack = Instant::now();
+            }
+            if l.last_control.elapsed() >= PING_EVERY {
+                l.last_control = Instant::now();
+                if let Err(e) = l.control.send(&Msg::Ping) {
+                    self.link_down(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands every waiting block to the current link.
+    fn dispatch(&mut self) {
+        let Some(l) = &self.link else { return };
+        while let Some(b) = self.queue.pop_front() {
+            self.inflight.insert((b.step, b.offset), b.clone());
+            if l.work.send(b).is_err() {
+                break;
+            }
+        }
+    }
+
+    /// Reads up to `n` spilled blocks back into free slots and queues them.
+    fn fetch_spilled(&mut self, n: usize) -> Result<()> {
+        let keep = if self.closing.is_some() { 0 } else { self.ring.slots() / 2 };
+        for _ in 0..n {
+            let Some(&(step, offset)) = self.spilled.front() else { break };
+            let Some(mut slot) = self.ring.take_sparing(keep) else { break };
+            let rec = &self.steps[&step].blocks[&offset];
+            let Place::Spilled(at) = rec.place else { unreachable!("a spilled block is in the spill file") };
+            slot.resize(rec.len as usize);
+            self.spill.read(at, &mut slot).map_err(|e| Error::io(self.spill.path().display().to_string(), &e))?;
+            if block_sum(&slot) != rec.sum {
+                let msg = format!("step {step}, offset {offset}: the spilled block reads back damaged");
+                return Err(Error::new(ErrorKind::Verify, self.spill.path().display().to_string(), msg));
+            }
+            self.spilled.pop_front();
+            self.queue.push_back(Arc::new(Block { step, offset, sum: rec.sum, data: slot, spilled_at: Some(at) }));
+        }
+        Ok(())
+    }
+
+    /// Sends `StepEnd` for every ended step whose blocks are all acknowledged.
+    fn end_steps(&mut self) -> Result<()> {
+        let Some(l) = &mut self.link else { return Ok(()) };
+        let mut failed = None;
+        let mut sent = Vec::new();
+        for &step in &self.unsent {
+            let s = self.steps.get_mut(&step).expect("unsent steps exist");
+            let Some(end) = &s.end else { continue };
+            if s.blocks.len() as u64 != end.blocks {
+                continue;
+            }
+            if !s.blocks.values().all(|b| matches!(b.place, Place::At(_))) {
+                continue;
+            }
+            let blocks = s
+                .blocks
+                .iter()
+                .map(|(&offset, b)| {
+                    let Place::At(d) = b.place else { unreachable!("checked above") };
+                    let at = if d == l.dest { String::new() } else { self.dests[d].addr.clone() };
+                    StepBlock { offset, len: b.len, sum: b.sum, at }
+                })
+                .collect();
+            let info = StepInfo {
+                step,
+                bytes: end.bytes,
+                digest: file_digest(s.blocks.values().map(|b| &b.sum)),
+                metadata: end.metadata.clone(),
+                records: end.records.clone(),
+                blocks,
+            };
+            if let Err(e) = l.control.send(&Msg::StepEnd(info)) {
+                failed = Some(e);
+                break;
+            }
+            l.last_control = Instant::now();
+            s.end_sent = Some(l.id);
+            self.unconfirmed += 1;
+            sent.push(step);
+        }
+        for step in sent {
+            self.unsent.remove(&step);
+        }
+        if let Some(e) = failed {
+            self.link_down(e);
+        }
+        Ok(())
+    }
+
+    fn settled(&self) -> bool {
+        self.queue.is_empty()
+            && self.inflight.is_empty()
+            && self.spilled.is_empty()
+            && self.steps.values().all(|s| s.end.is_some() && s.saved.is_some())
+    }
+
+    /// Opens or closes data connections of the current link to reach `n`.
+    fn set_streams(&mut self, n: usize) {
+        let Some(l) = &mut self.link else { return };
+        while l.streams.len() > n {
+            l.streams.pop().expect("nonempty").store(true, Ordering::Relaxed);
+        }
+        while l.streams.len() < n {
+            let stop = Arc::new(AtomicBool::new(false));
+            l.streams.push(stop.clone());
+            let ctx = StreamCtx {
+                addr: self.dests[l.dest].addr.clone(),
+                cred: self.cred.clone(),
+                session: l.session,
+                index: l.next_index,
+                link: l.id,
+                work: l.work_rx.clone(),
+                stop,
+                events: self.events.clone(),
+            };
+            l.next_index += 1;
+            std::thread::spawn(move || ctx.run());
+        }
+    }
+
+    /// Tears the current link down and requeues what it had not confirmed.
+    fn link_down(&mut self, error: Error) {
+        let Some(mut l) = self.link.take() else { return };
+        l.close();
+        let dest = &mut self.dests[l.dest];
+        log::warn!("stream {}: destination {} failed ({error}); failing over", self.cfg.producer, dest.addr);
+        dest.down_until = Some(Instant::now() + RETRY_DOWN);
+        self.report.failovers += 1;
+        let mut back: Vec<Arc<Block>> = self.inflight.drain().map(|(_, b)| b).collect();
+        back.sort_by_key(|b| (b.step, b.offset));
+        self.report.resent_blocks += back.len() as u64;
+        for b in back.into_iter().rev() {
+            self.queue.push_front(b);
+        }
+        self.unconfirmed = 0;
+        for (&step, s) in self.steps.iter_mut() {
+            if s.end_sent == Some(l.id) && s.saved.is_none() {
+                s.end_sent = None;
+                self.unsent.insert(step);
+            }
+        }
+        self.reconnect();
+    }
+
+    /// Opens a link to the first destination not recently failed.
+    fn reconnect(&mut self) {
+        let now = Instant::now();
+        for d in 0..self.dests.len() {
+            if self.dests[d].down_until.is_some_and(|t| t > now) {
+                continue;
+            }
+            match self.open_link(d) {
+                Ok(()) => {
+                    let _ = self.end_steps();
+                    return;
+                }
+                Err(e) => {
+                    log::warn!("stream {}: {e}", self.cfg.producer);
+                    self.dests[d].down_until = Some(now + RETRY_DOWN);
+                }
+            }
+        }
+    }
+
+    fn open_link(&mut self, dest: usize) -> Result<()> {
+        let addr = self.dests[dest].addr.clone();
+        let mut c = Conn::control(&addr, &self.cred)?;
+        let session = match c.request(&Msg::Stream { producer: self.cfg.producer.clone(), block_size: self.cfg.block_size })? {
+            Msg::SessionOpened { session } => session,
+            m => return Err(Error::protocol(&addr, format!("expected a session, got {m:?}"))),
+        };
+        let t = c.into_transport();
+        let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&addr, &e));
+        let reader = FrameReader::new(split(t.as_ref())?);
+        let control = FrameWriter::new(t);
+        self.links_opened += 1;
+        let id = self.links_opened;
+        let (events, block_size) = (self.events.clone(), self.cfg.block_size as u64);
+        std::thread::spawn(move || read_control(reader, id, block_size, events));
+        let (work, work_rx) = crossbeam_channel::unbounded();
+        log::info!("stream {}: sending to {addr}", self.cfg.producer);
+        self.link = Some(Link {
+            id,
+            dest,
+            session,
+            control,
+            work,
+            work_rx,
+            streams: Vec::new(),
+            next_index: 0,
+            last_control: Instant::now(),
+            last_ack: Instant::now(),
+        });
+        self.dests[dest].down_until = None;
+        self.set_streams(self.policy.streams());
+        Ok(())
+    }
+
+    /// Writes every block still in memory to the spill file (close timeout).
+    fn spill_memory(&mut self) -> Result<()> {
+        let blocks: Vec<Arc<Block>> = self.queue.drain(..).chain(self.inflight.drain().map(|(_, b)| b)).collect();
+        for b in blocks {
+            let place = match b.spilled_at {
+                Some(at) => Place::Spilled(at),
+                None => {
+                    let at = self
+                        .spill
+                        .append(b.step, b.offset, b.sum, &b.data)
+                        .map_err(|e| Error::io(self.spill.path().display().to_string(), &e))?;
+                    Place::Spilled(at)
+                }
+            };
+            if let Some(rec) = self.steps.get_mut(&b.step).and_then(|s| s.blocks.get_mut(&b.offset)) {
+                rec.place = place;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the manifest and completes the report.
+    fn finish(mut self) -> Result<Report> {
+        let mut undelivered = 0;
+        for s in self.steps.values() {
+            undelivered += s.blocks.values().filter(|b| !matches!(b.place, Place::At(_))).count() as u64;
+        }
+        self.report.undelivered_blocks = undelivered;
+        self.report.unsaved_steps = self.steps.values().filter(|s| s.saved.is_none()).count() as u64;
+        if undelivered == 0 {
+            self.spill.remove();
+        } else {
+            self.report.spill_file = Some(self.spill.path().to_path_buf());
+        }
+        self.report.seconds = self.start.elapsed().as_secs_f64();
+        self.report.destinations =
+            self.dests.iter().map(|d| DestinationReport { addr: d.addr.clone(), blocks: d.blocks, bytes: d.bytes }).collect();
+        let path = self.cfg.spill_dir.join(format!("{}.manifest.json", self.cfg.producer));
+        let text = serde_json::to_string_pretty(&self.manifest()).expect("JSON values always serialize");
+        std::fs::write(&path, text + "\n").map_err(|e| Error::io(path.display().to_string(), &e))?;
+        self.report.manifest = path;
+        Ok(self.report)
+    }
+
+    /// Where every block of every step is.
+    fn manifest(&self) -> serde_json::Value {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let steps: Vec<serde_json::Value> = self
+            .steps
+            .iter()
+            .map(|(step, s)| {
+                let blocks: Vec<serde_json::Value> = s
+                    .blocks
+                    .iter()
+                    .map(|(offset, b)| {
+                        let mut v = serde_json::json!({ "offset": offset, "len": b.len, "xxh3": hex(&b.sum) });
+                        match b.place {
+                            Place::At(d) => v["at"] = self.dests[d].addr.clone().into(),
+                            Place::Spilled(at) => {
+                                v["spill"] = self.spill.path().display().to_string().into();
+                                v["spill_offset"] = at.into();
+                            }
+                            Place::Memory => v["undelivered"] = true.into(),
+                        }
+                        v
+                    })
+                    .collect();
+                let (bytes, metadata) = match &s.end {
+                    Some(e) => (e.bytes, e.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::from(v.clone()))).collect()),
+                    None => (0, serde_json::Map::new()),
+                };
+                let records: Vec<(u64, u64)> = s.end.as_ref().map(|e| e.records.clone()).unwrap_or_default();
+                serde_json::json!({
+                    "step": step,
+                    "bytes": bytes,
+                    "metadata": metadata,
+                    "records": records,
+                    "manifest_at": s.saved.map(|d| self.dests[d].addr.clone()),
+                    "blocks": blocks,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "producer": self.cfg.producer,
+            "block_size": self.cfg.block_size,
+            "destinations": self.cfg.destinations,
+            "spill": self.spill.path(),
+            "steps": steps,
+        })
+    }
+}
+
+/// Turns the sink's answers on a control connection into events.
+fn read_control(mut r: FrameReader, link: u64, block_size: u64, events: Sender<Event>) {
+    loop {
+        let ev = match r.read_msg() {
+            Ok(Msg::Acked { blocks }) => Event::Acked { link, blocks },
+            Ok(Msg::Nack { id, block }) => Event::Nack { link, step: id, offset: block * block_size },
+            Ok(Msg::StepSaved { step, .. }) => Event::Saved { link, step },
+            Ok(Msg::Ping) => continue,
+            Ok(m) => Event::Down { link, error: Error::protocol(r.peer(), format!("unexpected message in a stream: {m:?}")) },
+            Err(error) => Event::Down { link, error },
+        };
+        let down = matches!(ev, Event::Down { .. });
+        if events.send(ev).is_err() || down {
+            return;
+        }
+    }
+}
+
+/// One data connection of a link.
+struct StreamCtx {
+    addr: String,
+    cred: Credential,
+    session: [u8; 16],
+    index: u32,
+    link: u64,
+    work: Receiver<Arc<Block>>,
+    /// Set by the manager to drop this connection (narrowing, or the link is gone).
+    stop: Arc<AtomicBool>,
+    events: Sender<Event>,
+}
+
+impl StreamCtx {
+    fn run(self) {
+        if let Err(error) = self.send_blocks() {
+            if !self.stop.load(Ordering::Relaxed) {
+                let _ = self.events.send(Event::Down { link: self.link, error });
+            }
+        }
+    }
+
+    fn send_blocks(&self) -> Result<()> {
+        let mut c = Conn::open(&self.addr, &self.cred)?;
+        match c.request(&Msg::OpenData { session: self.session, index: self.index })? {
+            Msg::SessionOpened { .. } => {}
+            m => return Err(Error::protocol(&self.addr, format!("expected a session, got {m:?}"))),
+        }
+        let mut w = FrameWriter::new(c.into_transport());
+        while !self.stop.load(Ordering::Relaxed) {
+            match self.work.recv_timeout(WORK_WAIT) {
+                Ok(b) => {
+                    let h = DataHeader { file: b.step, offset: b.offset, sum: b.sum, len: b.data.len() as u32 };
+                    w.send_block(&h, &b.data)?;
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        let _ = w.send(&Msg::StreamEnd);
+        Ok(())
+    }
+}
