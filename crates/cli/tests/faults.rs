@@ -91,6 +91,7 @@ fn random_kill9_of_client_or_server_then_resume_is_byte_identical() {
             }
             kills += 1;
             mid_transfer += u64::from(dst.exists());
+            eprintln!("{what} round {i}: kill -9 of the {} after {delay:?}", if kill_server { "server" } else { "client" });
             if kill_server {
                 server_kills += 1;
                 srv.kill9();
@@ -101,6 +102,7 @@ fn random_kill9_of_client_or_server_then_resume_is_byte_identical() {
                 // The client retries; it either finishes or gives up as unreachable.
                 let r = p.wait();
                 assert!(!r.stderr.contains("panicked"), "{what} round {i}: the client panicked:\n{}", r.stderr);
+                eprintln!("{what} round {i}: the client exited {} after the server was killed\n{}", r.code, r.stderr);
                 if r.code == 0 {
                     r.assert_ok();
                     done = true;
@@ -479,4 +481,84 @@ fn reply_on_a_reset_control_connection_ends_the_session() {
         open_fds(pid),
         proc_status(pid, "Threads:")
     );
+}
+
+/// Regression: a file whose blocks had all reached the disk before the run
+/// was interrupted (only its confirmation was missing) was committed empty
+/// when the transfer was resumed: with nothing left to write, the commit
+/// opened the partial file afresh, truncating it. Here the first run sends
+/// every block and hangs up before the end of the file; the second run
+/// must be asked for nothing and commit the whole file.
+#[test]
+fn resumed_file_with_every_block_already_on_disk_is_committed_whole() {
+    use dmover_proto::digest::{block_sum, file_digest};
+    use dmover_proto::frame::{DataHeader, FileMeta, TransferOptions};
+    use dmover_proto::Msg;
+    const BLOCK: usize = 64 << 10;
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let token = env.token_str();
+    let mut data = vec![0u8; 3 * BLOCK + 100];
+    Rng::new(71).fill(&mut data);
+    let sums: Vec<_> = data.chunks(BLOCK).map(block_sum).collect();
+    let meta = FileMeta { path: "f.dat".into(), size: data.len() as u64, mtime_s: 1_600_000_000, mtime_ns: 5, mode: 0o644 };
+    let options = TransferOptions { transfer_id: [9; 16], block_size: BLOCK as u32, flags: 0, tcp_buffer: 0 };
+    let open = || {
+        let mut c = Raw::control(&srv.addr(), token.as_bytes());
+        c.send(&Msg::Receive { dest: "e/in".into(), options });
+        let Some(Msg::SessionOpened { session }) = c.read() else { panic!("no session") };
+        c.send(&Msg::Announce { id: 1, meta: meta.clone(), digest: None });
+        let Some(Msg::Plan { ranges, .. }) = c.read() else { panic!("no plan") };
+        (c, session, ranges)
+    };
+
+    // First run: every block goes over a data connection, then it hangs up.
+    let (c, session, ranges) = open();
+    assert_eq!(ranges, vec![(0, 4)]);
+    let (mut d, _, _) = Raw::handshake(&srv.addr(), token.as_bytes());
+    assert_eq!(d.read(), Some(Msg::Welcome));
+    d.send(&Msg::OpenData { session, index: 0 });
+    assert!(matches!(d.read(), Some(Msg::SessionOpened { .. })));
+    for (i, block) in data.chunks(BLOCK).enumerate() {
+        let h = DataHeader { file: 1, offset: (i * BLOCK) as u64, sum: sums[i], len: block.len() as u32 };
+        d.raw(&h.encode());
+        d.raw(block);
+    }
+    let temp = export.join("in/.f.dat.dmover-part");
+    let written = || fs::metadata(&temp).map(|m| m.len()).unwrap_or(0) == data.len() as u64;
+    assert!(wait_until(Duration::from_secs(10), written), "the blocks were not written");
+    std::thread::sleep(Duration::from_millis(300)); // and journaled
+    drop(d);
+    drop(c);
+
+    // Second run: nothing is missing; the end of the file commits it.
+    let (mut c, _, ranges) = open();
+    assert_eq!(ranges, Vec::<(u64, u64)>::new(), "blocks already on disk were asked for again");
+    c.send(&Msg::FileEnd { id: 1, digest: file_digest(&sums) });
+    assert!(matches!(c.read(), Some(Msg::Done { id: 1, .. })));
+    let got = fs::read(export.join("in/f.dat")).unwrap();
+    assert!(got == data, "the resumed file was committed with {} bytes of {}, or different ones", got.len(), data.len());
+}
+
+/// Regression: a file skipped as already there (by `--sync`, or by a
+/// resumed run) kept the partial file and journal an interrupted run had
+/// left for it — a re-run killed right after a completed one left them for
+/// good. Now skipping a file removes its stale partial state.
+#[test]
+fn stale_partial_file_of_a_file_skipped_as_already_there_is_removed() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    make_tree(&src, 81, 5);
+    let sync = || env.cp([src.display().to_string(), srv.url("e"), "--sync".into()]).run();
+    sync().assert_ok();
+    // What a run interrupted after the first one completed leaves behind.
+    let stale = export.join("src/a/b/c/.multi.dat.dmover-part");
+    fs::write(&stale, b"the first blocks of an interrupted run").unwrap();
+    let j = sync().assert_ok();
+    assert_eq!(u(&j["skipped_files"]), u(&j["files"]), "{j:#}");
+    assert!(!stale.exists(), "the stale partial file of a skipped file was left behind");
+    assert_same_tree(&src, &export.join("src"));
 }

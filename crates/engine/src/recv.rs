@@ -597,6 +597,10 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
                     m.mtime() == meta.mtime_s && m.mtime_nsec() as u32 == meta.mtime_ns
                 };
             if same {
+                log::debug!("{}: already there", meta.path);
+                // A partial file an interrupted later run left for it is stale.
+                let _ = fs::remove_file(temp_name(&final_path));
+                let _ = fs::remove_file(journal::path_for(&state_dir, &meta.path));
                 let mut t = sh.totals.lock().expect("totals lock");
                 t.files += 1;
                 t.bytes += meta.size;
@@ -623,6 +627,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
                 }
                 f.fresh = false;
                 f.journal = Journal::append(&jp).ok();
+                log::debug!("{}: resumed, {} blocks missing", f.meta.path, f.missing);
             }
         }
         f.journal_path = Some(jp);
@@ -646,6 +651,7 @@ fn create_temp(path: &Path) -> std::io::Result<File> {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
+    log::debug!("{}: new partial file", path.display());
     OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(path)
 }
 
@@ -913,7 +919,7 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
         return file_failed(sh, id, g, Error::new(ErrorKind::Verify, "", "checksum mismatch"));
     }
     if !sh.discard() {
-        if let Err(e) = commit(g) {
+        if let Err(e) = commit(g, sh.block_size as u32) {
             return file_failed(sh, id, g, Error::io("", &e));
         }
     }
@@ -928,11 +934,14 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
 }
 
 /// Sets mode and mtime on the temporary file and renames it to its final name.
-fn commit(g: &mut RecvFile) -> std::io::Result<()> {
-    let f = match g.file.take() {
-        Some(f) => f,
-        None => Arc::new(create_temp(&g.temp_path)?),
-    };
+/// A file none of whose blocks were written in this run (an empty file, or
+/// one resumed with every block already on disk) is opened here: afresh
+/// only if it is fresh, so a resumed file keeps its blocks.
+fn commit(g: &mut RecvFile, block_size: u32) -> std::io::Result<()> {
+    if g.file.is_none() {
+        open_temp(g, block_size)?;
+    }
+    let f = g.file.take().expect("opened above");
     f.set_permissions(fs::Permissions::from_mode(g.meta.mode))?;
     let times = [
         libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
@@ -945,6 +954,7 @@ fn commit(g: &mut RecvFile) -> std::io::Result<()> {
     drop(f);
     g.journal = None;
     fs::rename(&g.temp_path, &g.final_path)?;
+    log::debug!("{}: committed", g.final_path.display());
     if let Some(j) = &g.journal_path {
         let _ = fs::remove_file(j);
     }
