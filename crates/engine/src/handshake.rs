@@ -41,10 +41,16 @@ pub fn expect_welcome(r: &mut FrameReader) -> Result<()> {
     }
 }
 
+/// Largest frame body a server reads from a peer that has not yet
+/// authenticated: the handshake's frames are a few dozen bytes, and an
+/// 8-byte header must not make the server set aside a megabyte.
+pub const HANDSHAKE_BODY: u32 = 256;
+
 /// The server's side: `lookup` gives the secret for a key id, if any.
 /// Returns the key id the client used and the session key. On failure the
 /// client has been told why.
 pub fn server(r: &mut FrameReader, w: &mut FrameWriter, lookup: impl Fn(&KeyId) -> Option<Vec<u8>>) -> Result<(KeyId, SessionKey)> {
+    r.limit(HANDSHAKE_BODY);
     let (key_id, cn) = match r.read_msg()? {
         Msg::Hello { key_id, nonce } => (key_id, nonce),
         m => return Err(Error::protocol(r.peer(), format!("expected hello, got {m:?}"))),
@@ -74,5 +80,6 @@ pub fn server(r: &mut FrameReader, w: &mut FrameWriter, lookup: impl Fn(&KeyId) 
         return Err(Error::new(ErrorKind::Auth, r.peer(), message));
     }
     w.send(&Msg::Welcome)?;
+    r.limit(dmover_proto::frame::MAX_CONTROL_BODY);
     Ok((key_id, key.session_key(&cn, &sn)))
 }

@@ -16,8 +16,10 @@
 //! * [`fsroot`] — confinement of paths to an export
 //! * [`tuning`] — runs a stream tuner (`dmover-tune`) against a live transfer
 //! * [`progress`] — live counters
+//! * [`fault`] — fault injection hooks, compiled in only for tests
 
 pub mod error;
+pub mod fault;
 pub mod fsroot;
 pub mod handshake;
 pub mod journal;

@@ -86,6 +86,9 @@ pub const MODE_DIR: u32 = 0o040000;
 
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
+/// Times one block may arrive damaged before its file fails verification:
+/// a link that damages a block this often will not deliver it.
+pub const MAX_DAMAGED: u32 = 8;
 
 /// Flag in [`TransferOptions::flags`]: the sources are one file or one
 /// directory; if `dest` is not an existing directory, a lone file (a path
@@ -148,6 +151,8 @@ struct RecvFile {
     /// Blocks taken from a journal of an earlier run (suspect if the digest fails).
     journaled: Vec<u64>,
     resets: u8,
+    /// Blocks that arrived damaged, and how often.
+    damaged: HashMap<u64, u32>,
     end: Option<Sum>,
     file: Option<Arc<File>>,
     journal: Option<Journal>,
@@ -170,6 +175,7 @@ impl RecvFile {
             missing: blocks,
             journaled: Vec::new(),
             resets: 0,
+            damaged: HashMap::new(),
             end: None,
             file: None,
             journal: None,
@@ -218,21 +224,28 @@ struct Shared {
 }
 
 impl Shared {
+    // Each of these takes the control lock for the write alone: `fail`
+    // takes it again to say why, so it must be released first (a guard
+    // kept alive through `if let` deadlocked the session when a reply
+    // failed on a lost connection).
     fn reply(&self, m: &Msg) {
-        if let Err(e) = self.ctl.lock().expect("control lock").send(m) {
+        let sent = self.ctl.lock().expect("control lock").send(m);
+        if let Err(e) = sent {
             self.fail(e);
         }
     }
 
     /// A reply from the control thread, which flushes when its input runs dry.
     fn queue(&self, m: &Msg) {
-        if let Err(e) = self.ctl.lock().expect("control lock").queue(m) {
+        let queued = self.ctl.lock().expect("control lock").queue(m);
+        if let Err(e) = queued {
             self.fail(e);
         }
     }
 
     fn flush(&self) {
-        if let Err(e) = self.ctl.lock().expect("control lock").flush() {
+        let flushed = self.ctl.lock().expect("control lock").flush();
+        if let Err(e) = flushed {
             self.fail(e);
         }
     }
@@ -291,19 +304,65 @@ struct Layout {
     marker: PathBuf,
     /// The marker existed: an earlier run of this transfer was interrupted.
     resuming: bool,
+    /// This run's place in [`RUNS`], held while it receives.
+    _run: Running,
 }
 
 impl Layout {
-    /// Creates the state directory and marker under `parent`.
+    /// Creates the state directory and marker under `parent`, once no
+    /// earlier run of this transfer in this process is still writing there.
     fn settle(parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
         let state_dir = parent.join(STATE_DIR);
         let marker = state_dir.join(format!("transfer-{}", hex(transfer_id)));
+        let run = Running::enter(&marker)?;
         fs::create_dir_all(&state_dir)?;
         let resuming = marker.exists();
         if !resuming {
             File::create(&marker)?;
         }
-        Ok(Layout { dest_file, state_dir, marker, resuming })
+        Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
+    }
+}
+
+/// The runs of transfers receiving in this process, by marker path; a run
+/// that ends signals the condition variable. A re-run started right after
+/// an interrupted one (its sender gone, its writers still emptying their
+/// queues) must not write the same partial files at the same time, so it
+/// waits until the earlier run has stopped writing. (Per process: several
+/// servers writing one transfer into a shared file system are one run,
+/// each sending its own files.)
+static RUNS: (Mutex<Vec<PathBuf>>, std::sync::Condvar) = (Mutex::new(Vec::new()), std::sync::Condvar::new());
+
+/// How long a run waits for an earlier run of the same transfer to finish
+/// writing.
+const RUN_WAIT: Duration = Duration::from_secs(30);
+
+/// A run's entry in [`RUNS`], removed when dropped.
+struct Running(PathBuf);
+
+impl Running {
+    fn enter(marker: &Path) -> std::io::Result<Running> {
+        let (lock, cv) = &RUNS;
+        let deadline = std::time::Instant::now() + RUN_WAIT;
+        let mut runs = lock.lock().expect("runs lock");
+        while runs.iter().any(|p| p == marker) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                let msg = format!("an earlier run of this transfer is still writing here after {} s", RUN_WAIT.as_secs());
+                return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, msg));
+            }
+            runs = cv.wait_timeout(runs, left).expect("runs lock").0;
+        }
+        runs.push(marker.to_path_buf());
+        Ok(Running(marker.to_path_buf()))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let (lock, cv) = &RUNS;
+        lock.lock().expect("runs lock").retain(|p| *p != self.0);
+        cv.notify_all();
     }
 }
 
@@ -424,6 +483,8 @@ impl Prepared {
         for t in threads {
             let _ = t.join();
         }
+        // Nothing more is written: let the next run of this transfer in.
+        drop(sh.layout.lock().expect("layout lock").take());
         let fatal = sh.fatal.lock().expect("fatal lock").take();
         match (result, fatal) {
             (Ok(s), None) => Ok(s),
@@ -457,7 +518,9 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                 }
             }
             Msg::Abort { id, .. } => {
-                if let Some(f) = sh.files.lock().expect("files lock").remove(&id) {
+                // Take the file out before locking it: the lock order is file, then files.
+                let f = sh.files.lock().expect("files lock").remove(&id);
+                if let Some(f) = f {
                     let mut g = f.lock().expect("file lock");
                     g.done = true;
                     remove_partial(&g);
@@ -518,7 +581,12 @@ fn missing_ranges(have: &[bool]) -> Vec<(u64, u64)> {
 }
 
 fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
-    let fail = |subject: String, e: Error| sh.queue(&Msg::Failed { id, kind: e.kind, subject, message: e.message });
+    let fail = |subject: String, e: Error| {
+        if e.kind == ErrorKind::Refused {
+            log::warn!("refused {subject}: {}", e.message);
+        }
+        sh.queue(&Msg::Failed { id, kind: e.kind, subject, message: e.message })
+    };
     if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
         return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
     }
@@ -566,6 +634,10 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
                     m.mtime() == meta.mtime_s && m.mtime_nsec() as u32 == meta.mtime_ns
                 };
             if same {
+                log::debug!("{}: already there", meta.path);
+                // A partial file an interrupted later run left for it is stale.
+                let _ = fs::remove_file(temp_name(&final_path));
+                let _ = fs::remove_file(journal::path_for(&state_dir, &meta.path));
                 let mut t = sh.totals.lock().expect("totals lock");
                 t.files += 1;
                 t.bytes += meta.size;
@@ -580,7 +652,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
     f.final_path = final_path;
     if blocks > 1 {
         let jp = journal::path_for(&state_dir, &f.meta.path);
-        if f.temp_path.exists() {
+        if is_own_partial(&f.temp_path) {
             if let Some(recs) = journal::load(&jp, &f.meta, sh.block_size as u32, blocks) {
                 for (b, s) in recs {
                     if !f.have[b as usize] {
@@ -592,11 +664,32 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
                 }
                 f.fresh = false;
                 f.journal = Journal::append(&jp).ok();
+                log::debug!("{}: resumed, {} blocks missing", f.meta.path, f.missing);
             }
         }
         f.journal_path = Some(jp);
     }
     plan(sh, id, f);
+}
+
+/// Whether `temp` is a partial file this end could have written: a regular
+/// file with no other name. Anything else (a symlink or a hard link planted
+/// there) is not resumed but replaced, so nothing is written through it.
+fn is_own_partial(temp: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fs::symlink_metadata(temp).is_ok_and(|m| m.is_file() && m.nlink() == 1)
+}
+
+/// Creates a file's temporary name afresh: whatever was there (a stale
+/// partial file, or a link planted to make us write elsewhere) is unlinked
+/// first, and the new file is created exclusively, so its inode is ours.
+fn create_temp(path: &Path) -> std::io::Result<File> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    log::debug!("{}: new partial file", path.display());
+    OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(path)
 }
 
 /// Registers an announced file and asks for the blocks it still lacks.
@@ -692,6 +785,18 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
             }
         }
         if block_sum(&data) != h.sum {
+            let mut g = file.lock().expect("file lock");
+            if g.done {
+                continue;
+            }
+            let n = g.damaged.entry(block).or_insert(0);
+            *n += 1;
+            if *n >= MAX_DAMAGED {
+                let e = Error::new(ErrorKind::Verify, "", format!("block {block} arrived damaged {MAX_DAMAGED} times"));
+                file_failed(sh, h.file, &mut g, e);
+                continue;
+            }
+            drop(g);
             log::warn!("damaged block {block} of file {} from {}; asking again", h.file, r.peer());
             sh.reply(&Msg::Nack { id: h.file, block });
             continue;
@@ -740,7 +845,11 @@ fn open_temp(g: &mut RecvFile, block_size: u32) -> std::io::Result<Arc<File>> {
     if let Some(f) = &g.file {
         return Ok(f.clone());
     }
-    let f = OpenOptions::new().write(true).create(true).truncate(g.fresh).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(&g.temp_path)?;
+    let f = if g.fresh {
+        create_temp(&g.temp_path)?
+    } else {
+        OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(&g.temp_path)?
+    };
     if g.fresh {
         if let Some(jp) = &g.journal_path {
             g.journal = Some(Journal::create(jp, &g.meta, block_size)?);
@@ -847,7 +956,7 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
         return file_failed(sh, id, g, Error::new(ErrorKind::Verify, "", "checksum mismatch"));
     }
     if !sh.discard() {
-        if let Err(e) = commit(g) {
+        if let Err(e) = commit(g, sh.block_size as u32) {
             return file_failed(sh, id, g, Error::io("", &e));
         }
     }
@@ -862,11 +971,14 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
 }
 
 /// Sets mode and mtime on the temporary file and renames it to its final name.
-fn commit(g: &mut RecvFile) -> std::io::Result<()> {
-    let f = match g.file.take() {
-        Some(f) => f,
-        None => Arc::new(OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_NOFOLLOW).open(&g.temp_path)?),
-    };
+/// A file none of whose blocks were written in this run (an empty file, or
+/// one resumed with every block already on disk) is opened here: afresh
+/// only if it is fresh, so a resumed file keeps its blocks.
+fn commit(g: &mut RecvFile, block_size: u32) -> std::io::Result<()> {
+    if g.file.is_none() {
+        open_temp(g, block_size)?;
+    }
+    let f = g.file.take().expect("opened above");
     f.set_permissions(fs::Permissions::from_mode(g.meta.mode))?;
     let times = [
         libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
@@ -879,6 +991,7 @@ fn commit(g: &mut RecvFile) -> std::io::Result<()> {
     drop(f);
     g.journal = None;
     fs::rename(&g.temp_path, &g.final_path)?;
+    log::debug!("{}: committed", g.final_path.display());
     if let Some(j) = &g.journal_path {
         let _ = fs::remove_file(j);
     }

@@ -140,6 +140,8 @@ struct SendFile {
     /// The source's name in messages.
     label: String,
     meta: FileMeta,
+    /// Inode change time when listed (see [`Entry::ctime`]).
+    ctime: (i64, i64),
     blocks: u64,
     st: Mutex<FileState>,
 }
@@ -290,7 +292,8 @@ impl Shared {
     }
 
     fn queue(&self, host: usize, m: &Msg) {
-        if let Err(e) = self.ctl[host].lock().expect("control lock").queue(m) {
+        let queued = self.ctl[host].lock().expect("control lock").queue(m);
+        if let Err(e) = queued {
             self.fail(e);
         }
     }
@@ -309,7 +312,8 @@ impl Shared {
     }
 
     pub(crate) fn tell(&self, host: usize, m: &Msg) {
-        if let Err(e) = self.ctl[host].lock().expect("control lock").send(m) {
+        let sent = self.ctl[host].lock().expect("control lock").send(m);
+        if let Err(e) = sent {
             self.fail(e);
         }
     }
@@ -588,7 +592,7 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644 };
-            let _ = tx.send((Event::File(Entry { path: PathBuf::new(), meta }), None));
+            let _ = tx.send((Event::File(Entry { path: PathBuf::new(), meta, ctime: (0, 0) }), None));
         }
     });
     let hosts = sh.ctl.len();
@@ -642,7 +646,16 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                 next_id += 1;
                 let blocks = e.meta.size.div_ceil(sh.block_size);
                 let label = root.label_of(&e.path);
-                let f = Arc::new(SendFile { id: next_id, host, path: e.path, label, meta: e.meta, blocks, st: Mutex::default() });
+                let f = Arc::new(SendFile {
+                    id: next_id,
+                    host,
+                    path: e.path,
+                    label,
+                    meta: e.meta,
+                    ctime: e.ctime,
+                    blocks,
+                    st: Mutex::default(),
+                });
                 let digest =
                     if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate { digest_of(&f.path, sh.block_size).ok() } else { None };
                 sh.files.lock().expect("files lock").insert(f.id, f.clone());
@@ -681,7 +694,8 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
 fn flush_queued(sh: &Shared, queued: &mut [bool]) {
     for (host, q) in queued.iter_mut().enumerate() {
         if std::mem::take(q) {
-            if let Err(e) = sh.ctl[host].lock().expect("control lock").flush() {
+            let flushed = sh.ctl[host].lock().expect("control lock").flush();
+            if let Err(e) = flushed {
                 sh.fail(e);
             }
         }
@@ -838,7 +852,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         None
     } else {
         let file = File::open(&f.path).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
-        unchanged(&file, &f.meta)?;
+        unchanged(&file, f)?;
         Some(Arc::new(file))
     };
     for b in job.first..job.end {
@@ -861,7 +875,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         }
     }
     if let Some(file) = &file {
-        unchanged(file, &f.meta)?;
+        unchanged(file, f)?;
     }
     if job.resend {
         return Ok(());
@@ -878,10 +892,14 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
     Ok(())
 }
 
-/// Fails if the open file no longer has the size and mtime it was announced with.
-fn unchanged(file: &File, meta: &FileMeta) -> std::result::Result<(), (ErrorKind, String)> {
+/// Fails if the open file no longer has the size, mtime and change time
+/// it was listed with. The change time catches a writer that puts the
+/// mtime back afterwards (as `cp -p` or `rsync` into the source would).
+fn unchanged(file: &File, f: &SendFile) -> std::result::Result<(), (ErrorKind, String)> {
     let m = file.metadata().map_err(|e| (crate::error::classify(&e), e.to_string()))?;
-    if m.len() != meta.size || m.mtime() != meta.mtime_s || m.mtime_nsec() as u32 != meta.mtime_ns {
+    let meta = &f.meta;
+    if m.len() != meta.size || m.mtime() != meta.mtime_s || m.mtime_nsec() as u32 != meta.mtime_ns || (m.ctime(), m.ctime_nsec()) != f.ctime
+    {
         return Err((ErrorKind::SourceChanged, "the file changed while it was being copied".into()));
     }
     Ok(())
@@ -913,10 +931,11 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing
             return;
         }
         match rx.recv_timeout(POLL) {
-            Ok(o) => {
+            Ok(mut o) => {
                 pace(sh, o.header.len as u64);
+                let damaged = crate::fault::corrupt_in_flight(&mut o.data);
                 let r = match &o.file {
-                    Some(f) if o.header.len >= SENDFILE_MIN => w.send_block_from(&o.header, f, &o.data),
+                    Some(f) if o.header.len >= SENDFILE_MIN && !damaged => w.send_block_from(&o.header, f, &o.data),
                     _ => w.send_block(&o.header, &o.data),
                 };
                 if let Err(e) = r {

@@ -30,6 +30,10 @@ pub struct Entry {
     pub path: PathBuf,
     /// Its name at the destination and its attributes.
     pub meta: FileMeta,
+    /// Its inode change time (s, ns) when listed. Every write, chmod or
+    /// utime moves it, and no one can set it back, so it reveals a change
+    /// that restores the modification time.
+    pub ctime: (i64, i64),
 }
 
 /// Something the walk reports besides files.
@@ -48,6 +52,11 @@ fn is_glob(s: &str) -> bool {
 /// The file's attributes as sent in an announcement.
 pub fn meta_of(name: String, m: &fs::Metadata) -> FileMeta {
     FileMeta { path: name, size: m.len(), mtime_s: m.mtime(), mtime_ns: m.mtime_nsec() as u32, mode: m.mode() & 0o7777 }
+}
+
+/// The entry for the file at `path` with metadata `m`, named `name`.
+pub fn entry(path: PathBuf, name: String, m: &fs::Metadata) -> Entry {
+    Entry { path, meta: meta_of(name, m), ctime: (m.ctime(), m.ctime_nsec()) }
 }
 
 /// Walks every source under `root`, calling `emit` for each event; stops
@@ -99,11 +108,11 @@ fn walk_spec(root: &Root, spec: &str, emit: &mut dyn FnMut(Event) -> bool) -> bo
         let prefix = if contents_only { String::new() } else { base_name };
         walk_dir(root, path, prefix, None, emit)
     } else if m.is_file() {
-        emit(Event::File(Entry { path, meta: meta_of(base_name, &m) }))
+        emit(Event::File(entry(path, base_name, &m)))
     } else if m.file_type().is_symlink() && !root.is_confined() {
         // A symlink named on the command line is followed, as cp and rsync do.
         match fs::metadata(&path) {
-            Ok(m) if m.is_file() => emit(Event::File(Entry { path, meta: meta_of(base_name, &m) })),
+            Ok(m) if m.is_file() => emit(Event::File(entry(path, base_name, &m))),
             Ok(_) => walk_dir(root, path, if contents_only { String::new() } else { base_name }, None, emit),
             Err(e) => emit(Event::Error(Error::io(trimmed, &e))),
         }
@@ -161,7 +170,7 @@ fn walk_dir(root: &Root, dir: PathBuf, prefix: String, glob: Option<(&GlobMatche
                 }
             } else if ft.is_file() && matched && !fname.ends_with(PART_SUFFIX) {
                 let ev = match ent.metadata() {
-                    Ok(m) => Event::File(Entry { path: ent.path(), meta: meta_of(child, &m) }),
+                    Ok(m) => Event::File(entry(ent.path(), child, &m)),
                     Err(e) => Event::Error(Error::io(root.label_of(&ent.path()), &e)),
                 };
                 if !emit(ev) {
@@ -173,7 +182,8 @@ fn walk_dir(root: &Root, dir: PathBuf, prefix: String, glob: Option<(&GlobMatche
         if entries == 0 && take_all && !name.is_empty() {
             let ev = match fs::symlink_metadata(&dir) {
                 Ok(m) => {
-                    Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | (m.mode() & 0o7777), ..meta_of(name, &m) }, path: dir })
+                    let e = entry(dir, name, &m);
+                    Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | (m.mode() & 0o7777), ..e.meta }, ..e })
                 }
                 Err(e) => Event::Error(Error::io(root.label_of(&dir), &e)),
             };

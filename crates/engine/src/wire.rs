@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::transport::Transport;
-use dmover_proto::frame::{DataHeader, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA};
+use dmover_proto::frame::{DataHeader, DecodeError, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA, MAX_CONTROL_BODY};
 use dmover_proto::Msg;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,12 +25,20 @@ pub struct FrameReader {
     inner: BufReader<Box<dyn Transport>>,
     peer: String,
     body: Vec<u8>,
+    /// Largest control body accepted (see [`FrameReader::limit`]).
+    max_body: u32,
 }
 
 impl FrameReader {
     pub fn new(t: Box<dyn Transport>) -> FrameReader {
         let peer = t.peer();
-        FrameReader { inner: BufReader::with_capacity(READ_BUFFER, t), peer, body: Vec::new() }
+        FrameReader { inner: BufReader::with_capacity(READ_BUFFER, t), peer, body: Vec::new(), max_body: MAX_CONTROL_BODY }
+    }
+
+    /// Refuses control frames longer than `max` bytes (at most the
+    /// protocol's limit), e.g. while the peer is not yet authenticated.
+    pub fn limit(&mut self, max: u32) {
+        self.max_body = max.min(MAX_CONTROL_BODY);
     }
 
     pub fn peer(&self) -> &str {
@@ -52,8 +60,17 @@ impl FrameReader {
             self.inner.read_exact(&mut d).map_err(|e| self.net(&e))?;
             return Ok(Incoming::Data(DataHeader::decode(h.len, &d)));
         }
-        self.body.resize(h.len as usize, 0);
-        self.inner.read_exact(&mut self.body).map_err(|e| self.net(&e))?;
+        if h.len > self.max_body {
+            let e = DecodeError::TooLong { kind: h.kind, len: h.len, max: self.max_body };
+            return Err(Error::protocol(&self.peer, e));
+        }
+        // The body grows as its bytes arrive: a header alone reserves nothing.
+        self.body.clear();
+        let read = (&mut self.inner).take(h.len as u64).read_to_end(&mut self.body);
+        let n = read.map_err(|e| self.net(&e))?;
+        if n < h.len as usize {
+            return Err(self.net(&io::ErrorKind::UnexpectedEof.into()));
+        }
         let m = h.decode_msg(&self.body).map_err(|e| Error::protocol(&self.peer, e))?;
         Ok(Incoming::Msg(m))
     }

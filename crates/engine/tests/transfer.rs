@@ -274,7 +274,6 @@ fn streams_opened_and_dropped_mid_transfer_lose_nothing() {
 #[test]
 fn a_fed_transfer_reports_each_file_as_it_settles() {
     use dmover_engine::send::Settled;
-    use dmover_engine::source::{meta_of, Entry};
     use std::sync::Mutex;
     let t = tempfile::tempdir().unwrap();
     let (src, dest) = (t.path().join("src"), t.path().join("dest"));
@@ -302,11 +301,11 @@ fn a_fed_transfer_reports_each_file_as_it_settles() {
     // Files are fed while the transfer runs; each is heard of as it settles.
     for n in names {
         let path = src.join(n);
-        let meta = meta_of(format!("sub/{n}"), &std::fs::metadata(&path).unwrap());
+        let entry = dmover_engine::source::entry(path.clone(), format!("sub/{n}"), &std::fs::metadata(&path).unwrap());
         if n == "gone.dat" {
             std::fs::remove_file(&path).unwrap();
         }
-        feed.send(send::FedFile { entry: Entry { path, meta }, host: Some(0) }).unwrap();
+        feed.send(send::FedFile { entry, host: Some(0) }).unwrap();
         let want = names.iter().position(|x| *x == n).unwrap() + 1;
         let end = std::time::Instant::now() + Duration::from_secs(10);
         while outcomes.lock().unwrap().len() < want {

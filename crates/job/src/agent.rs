@@ -182,6 +182,7 @@ fn entry(plan: &Plan, w: &WorkItem) -> Entry {
     Entry {
         path: plan.source_root.join(&w.path),
         meta: FileMeta { path: w.path.clone(), size: w.size, mtime_s: w.mtime_s, mtime_ns: w.mtime_ns, mode: w.mode },
+        ctime: w.ctime,
     }
 }
 

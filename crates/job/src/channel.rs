@@ -34,6 +34,9 @@ pub struct WorkItem {
     pub mtime_ns: u32,
     /// Permission bits, and the directory type bit for an empty directory.
     pub mode: u32,
+    /// Inode change time (s, ns) when listed: a file changed since then is
+    /// refused by the sender rather than stored half old, half new.
+    pub ctime: (i64, i64),
     /// The destination host it goes to (an index into the job's hosts),
     /// the same for every attempt.
     pub host: u32,

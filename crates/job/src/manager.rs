@@ -421,8 +421,15 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
                 return true;
             }
             let host = (u128::from_be_bytes(block_sum(rel.as_bytes())) % hosts) as u32;
-            let item =
-                WorkItem { path: rel, size: e.meta.size, mtime_s: e.meta.mtime_s, mtime_ns: e.meta.mtime_ns, mode: e.meta.mode, host };
+            let item = WorkItem {
+                path: rel,
+                size: e.meta.size,
+                mtime_s: e.meta.mtime_s,
+                mtime_ns: e.meta.mtime_ns,
+                mode: e.meta.mode,
+                ctime: e.ctime,
+                host,
+            };
             let mut b = mgr.lock();
             b.report.total_files += 1;
             b.report.total_bytes += item.size;
@@ -667,7 +674,7 @@ mod tests {
     use crate::channel::Failure;
 
     fn item(p: &str) -> WorkItem {
-        WorkItem { path: p.into(), size: 10, mtime_s: 0, mtime_ns: 0, mode: 0o644, host: 0 }
+        WorkItem { path: p.into(), size: 10, mtime_s: 0, mtime_ns: 0, mode: 0o644, ctime: (0, 0), host: 0 }
     }
 
     fn book(dir: &std::path::Path, files: &[&str]) -> Book {

@@ -1024,6 +1024,28 @@ mod tests {
         assert_eq!(decode(&buf), Err(DecodeError::Truncated(31)));
     }
 
+    /// The fuzzer's seeds (`fuzz/corpus/frame_decode`) are well-formed
+    /// frames of this version of the protocol, so fuzzing starts from
+    /// inputs that reach deep into the decoder.
+    #[test]
+    fn fuzz_seed_corpus_decodes() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/frame_decode");
+        let mut seeds = 0;
+        for e in std::fs::read_dir(&dir).expect("the seed corpus") {
+            let path = e.unwrap().path();
+            let bytes = std::fs::read(&path).unwrap();
+            let mut rest = &bytes[..];
+            while !rest.is_empty() {
+                match decode(rest) {
+                    Ok(Some((_, used))) => rest = &rest[used..],
+                    other => panic!("{}: {other:?} with {} bytes left", path.display(), rest.len()),
+                }
+            }
+            seeds += 1;
+        }
+        assert!(seeds >= 8, "only {seeds} seeds in {}", dir.display());
+    }
+
     #[test]
     fn pseudo_random_bytes_never_panic() {
         let mut x: u64 = 0x9e3779b97f4a7c15;

@@ -53,7 +53,7 @@ pub struct Config {
     pub sink: Option<Arc<sink::SinkConfig>>,
 }
 
-/// Time a client has to complete the handshake.
+/// Time a client has to authenticate, however its bytes are spread over it.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a data connection may wait for its session to appear.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -172,20 +172,55 @@ enum Grant {
     Ticket(String),
 }
 
+/// Closes a connection that has not authenticated by a deadline.
+/// A read timeout alone does not do: it starts again with every byte, so a
+/// client trickling its handshake a byte at a time would hold a connection
+/// slot for as long as it liked.
+struct Watchdog {
+    /// Dropped to disarm; the watchdog thread waits on the other end.
+    disarm: Option<crossbeam_channel::Sender<()>>,
+    thread: std::thread::JoinHandle<bool>,
+}
+
+impl Watchdog {
+    fn arm(t: Box<dyn Transport>, limit: Duration) -> Watchdog {
+        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
+        let thread = std::thread::spawn(move || {
+            let fired = matches!(rx.recv_timeout(limit), Err(crossbeam_channel::RecvTimeoutError::Timeout));
+            if fired {
+                t.close();
+            }
+            fired
+        });
+        Watchdog { disarm: Some(tx), thread }
+    }
+
+    /// Stops the watchdog; true if it had already closed the connection.
+    fn disarm(mut self) -> bool {
+        drop(self.disarm.take());
+        self.thread.join().unwrap_or(true)
+    }
+}
+
 fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
     let peer = t.peer();
     let net = |e: std::io::Error| Error::network(&peer, &e);
-    t.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(net)?;
     let mut r = FrameReader::new(t.split().map_err(net)?);
     let mut w = FrameWriter::new(t.split().map_err(net)?);
-    let (key_id, skey) =
-        handshake::server(&mut r, &mut w, |id| if *id == TOKEN_KEY_ID { Some(srv.cfg.token.clone()) } else { srv.tickets.secret(id) })?;
+    let watchdog = Watchdog::arm(t.split().map_err(net)?, HANDSHAKE_TIMEOUT);
+    let authenticated =
+        handshake::server(&mut r, &mut w, |id| if *id == TOKEN_KEY_ID { Some(srv.cfg.token.clone()) } else { srv.tickets.secret(id) });
+    if watchdog.disarm() {
+        let message = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
+        return Err(Error::new(ErrorKind::Refused, &peer, message));
+    }
+    let (key_id, skey) = authenticated?;
+    // An authenticated client may take a while to say what the connection
+    // is for (a data connection waits for its session to be set up).
+    t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
     let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(srv.tickets.dest(&key_id).unwrap_or_default()) };
     match r.read_msg()? {
-        Msg::OpenControl => {
-            t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
-            control(srv, t, r, w, &grant, &skey)
-        }
+        Msg::OpenControl => control(srv, t, r, w, &grant, &skey),
         Msg::OpenData { session, .. } => attach(srv, t, w, session),
         m => Err(Error::protocol(&peer, format!("expected a connection type, got {m:?}"))),
     }

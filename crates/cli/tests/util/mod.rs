@@ -10,13 +10,20 @@
 //!   varied sizes, modes and (nanosecond) mtimes; [`assert_same_tree`]
 //!   compares two trees byte for byte, with mode and mtime.
 //! * [`Mount`]: a tmpfs or read-only bind mount, unmounted when dropped.
+//! * [`proc_status`], [`open_fds`]: what a process holds.
+//! * [`Raw`]: a connection that speaks the wire protocol by hand (for
+//!   hostile peers and for holding a session open).
 #![allow(dead_code)]
 
+use dmover_proto::auth::{Key, TOKEN_KEY_ID};
+use dmover_proto::frame::{Header, HEADER_LEN};
+use dmover_proto::{ErrorKind, Msg};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Read, Seek, Write};
+use std::net::TcpStream;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -142,6 +149,8 @@ pub struct ServerSpec {
     pub extra: Vec<OsString>,
     /// Command prefix (e.g. setpriv ...), if any.
     pub prefix: Vec<OsString>,
+    /// Environment variables for the server process.
+    pub envs: Vec<(OsString, OsString)>,
 }
 
 impl ServerSpec {
@@ -154,6 +163,7 @@ impl ServerSpec {
             log: log.to_path_buf(),
             extra: Vec::new(),
             prefix: Vec::new(),
+            envs: Vec::new(),
         }
     }
 }
@@ -209,6 +219,7 @@ impl Server {
             cmd.arg("--export").arg(e);
         }
         cmd.arg("--token-file").arg(&self.spec.token).args(&self.spec.extra);
+        cmd.envs(self.spec.envs.iter().map(|(k, v)| (k, v)));
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log));
         die_with_parent(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| format!("spawn: {e}"))?;
@@ -839,6 +850,21 @@ impl Drop for Mount {
 }
 
 // ---------------------------------------------------------------------------
+// Processes
+
+/// A field of /proc/PID/status, in its unit (kB for memory).
+pub fn proc_status(pid: u32, field: &str) -> u64 {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let l = s.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"));
+    l.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Open file descriptors of a process.
+pub fn open_fds(pid: u32) -> usize {
+    fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+}
+
+// ---------------------------------------------------------------------------
 // Reports
 
 pub fn u(v: &Value) -> u64 {
@@ -848,4 +874,85 @@ pub fn u(v: &Value) -> u64 {
 /// Total size of the files listed (relative to `root`).
 pub fn total_size(root: &Path) -> u64 {
     list_files(root).values().map(|n| if let Node::File { size, .. } = n { *size } else { 0 }).sum()
+}
+
+// ---------------------------------------------------------------------------
+// The wire protocol by hand
+
+/// A connection that speaks frames by hand.
+pub struct Raw {
+    pub s: TcpStream,
+}
+
+impl Raw {
+    pub fn connect(addr: &str) -> Raw {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        Raw { s }
+    }
+
+    pub fn bytes(m: &Msg) -> Vec<u8> {
+        let mut b = Vec::new();
+        m.encode(&mut b);
+        b
+    }
+
+    pub fn send(&mut self, m: &Msg) {
+        self.raw(&Raw::bytes(m));
+    }
+
+    /// Writes bytes; a server that already closed the connection is fine.
+    pub fn raw(&mut self, b: &[u8]) {
+        let _ = self.s.write_all(b);
+    }
+
+    /// The next message, or None once the server has closed the connection.
+    pub fn read(&mut self) -> Option<Msg> {
+        let mut h = [0u8; HEADER_LEN];
+        self.s.read_exact(&mut h).ok()?;
+        let h = Header::parse(&h).expect("the server sent a bad header");
+        let mut body = vec![0u8; h.len as usize];
+        self.s.read_exact(&mut body).ok()?;
+        Some(h.decode_msg(&body).expect("the server sent a bad frame"))
+    }
+
+    /// Reads until the server closes the connection; how long that took.
+    pub fn wait_closed(&mut self) -> Duration {
+        let t = Instant::now();
+        let mut buf = [0u8; 4096];
+        while matches!(self.s.read(&mut buf), Ok(n) if n > 0) {}
+        t.elapsed()
+    }
+
+    /// Hello, Challenge, Proof with `token`; returns the connection and the
+    /// bytes it sent (to replay them).
+    pub fn handshake(addr: &str, token: &[u8]) -> (Raw, Vec<u8>, Vec<u8>) {
+        let mut c = Raw::connect(addr);
+        let key = Key::from_secret(token);
+        let cn = [7u8; 32];
+        let hello = Raw::bytes(&Msg::Hello { key_id: TOKEN_KEY_ID, nonce: cn });
+        c.raw(&hello);
+        let Some(Msg::Challenge { nonce: sn, .. }) = c.read() else { panic!("no challenge") };
+        let proof = Raw::bytes(&Msg::Proof { proof: key.client_proof(&cn, &sn) });
+        c.raw(&proof);
+        (c, hello, proof)
+    }
+
+    /// An authenticated control connection.
+    pub fn control(addr: &str, token: &[u8]) -> Raw {
+        let (mut c, _, _) = Raw::handshake(addr, token);
+        assert_eq!(c.read(), Some(Msg::Welcome), "the right token was not welcomed");
+        c.send(&Msg::OpenControl);
+        c
+    }
+
+    /// Sends a request and expects a refusal of `kind`.
+    #[track_caller]
+    pub fn refused(&mut self, m: &Msg, kind: ErrorKind) {
+        self.send(m);
+        match self.read() {
+            Some(Msg::Error { kind: k, message }) => assert_eq!(k, kind, "{m:?} was refused as {k:?} ({message}), not {kind:?}"),
+            other => panic!("{m:?} was not refused: {other:?}"),
+        }
+    }
 }
