@@ -367,12 +367,6 @@ fn append_while_sending(proc: &mut Proc, path: &std::path::Path, dst: &std::path
 /// A file that grows while it is sent: exit 9 naming it, and it does not
 /// appear under its final name. The staging memory is kept smaller than the
 /// file so that it is still being read when it changes.
-/// A copy slow enough (3 MB/s, small staging and blocks) that a test can
-/// change a source file while it is still being read.
-fn slow_copy(env: &Env, from: String, to: String) -> Cmd {
-    env.cp([from, to, "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
-}
-
 #[test]
 fn source_changed_while_uploading_exits_9() {
     let env = Env::new();
@@ -381,7 +375,7 @@ fn source_changed_while_uploading_exits_9() {
     write_random(&src.join("stable.dat"), 4000, 15);
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
-    let mut p = slow_copy(&env, src.display().to_string(), srv.url("e")).spawn();
+    let mut p = env.slow_cp(src.display().to_string(), srv.url("e")).spawn();
     assert!(append_while_sending(&mut p, &src.join("growing.dat"), &export, 2 * MIB), "the transfer ended before the file was changed");
     let r = p.wait();
     r.assert_fails(9, &["growing.dat"]);
@@ -398,7 +392,7 @@ fn source_changed_while_downloading_exits_9() {
     write_random(&src.join("growing.dat"), 8 * MIB, 16);
     let srv = env.serve(&[("e", &export)]);
     let down = env.mkdir("down");
-    let mut p = slow_copy(&env, srv.url("e/src"), down.display().to_string()).spawn();
+    let mut p = env.slow_cp(srv.url("e/src"), down.display().to_string()).spawn();
     assert!(append_while_sending(&mut p, &src.join("growing.dat"), &down, 2 * MIB), "the transfer ended before the file was changed");
     let r = p.wait();
     r.assert_fails(9, &["growing.dat"]);
@@ -415,7 +409,7 @@ fn source_modified_in_place_while_uploading_exits_9() {
     write_random(&src.join("rewritten.dat"), 8 * MIB, 17);
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
-    let mut p = slow_copy(&env, src.display().to_string(), srv.url("e")).spawn();
+    let mut p = env.slow_cp(src.display().to_string(), srv.url("e")).spawn();
     let ok = wait_until(Duration::from_secs(60), || written_bytes(&export) >= 2 * MIB || !p.running());
     assert!(ok && p.running(), "the transfer ended before the file was changed");
     let f = fs::OpenOptions::new().write(true).open(src.join("rewritten.dat")).unwrap();
@@ -438,19 +432,7 @@ fn source_truncated_while_uploading_exits_9() {
     write_random(&src.join("shrinking.dat"), 8 * MIB, 18);
     let export = env.mkdir("export");
     let mut srv = env.serve(&[("e", &export)]);
-    let mut p = env
-        .cp([
-            src.display().to_string(),
-            srv.url("e"),
-            "--bwlimit".into(),
-            "3M".into(),
-            "--staging".into(),
-            "1M".into(),
-            "--block-size".into(),
-            "64K".into(),
-        ])
-        .timeout(Duration::from_secs(60))
-        .spawn();
+    let mut p = env.slow_cp(src.display().to_string(), srv.url("e")).timeout(Duration::from_secs(60)).spawn();
     let ok = wait_until(Duration::from_secs(60), || written_bytes(&export) >= 2 * MIB || !p.running());
     assert!(ok && p.running(), "the transfer ended before the file was changed");
     fs::OpenOptions::new().write(true).open(src.join("shrinking.dat")).unwrap().set_len(3 * MIB + 5).unwrap();

@@ -365,18 +365,7 @@ fn source_rewritten_with_mtime_restored_is_not_committed_half_old_half_new() {
     let (s, ns) = mtime_of(&file);
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
-    let mut p = env
-        .cp([
-            src.display().to_string(),
-            srv.url("e"),
-            "--bwlimit".into(),
-            "3M".into(),
-            "--staging".into(),
-            "1M".into(),
-            "--block-size".into(),
-            "64K".into(),
-        ])
-        .spawn();
+    let mut p = env.slow_cp(src.display().to_string(), srv.url("e")).spawn();
     let ok = wait_until(Duration::from_secs(60), || written_bytes(&export) >= 2 * MIB || !p.running());
     assert!(ok && p.running(), "the transfer ended before the file was changed");
     let f = fs::OpenOptions::new().write(true).open(&file).unwrap();

@@ -113,6 +113,12 @@ impl Env {
         c.args(args);
         c
     }
+
+    /// A copy slow enough (3 MB/s, small staging and blocks) that a test can
+    /// change a source file, or the link, while it is still being read.
+    pub fn slow_cp(&self, from: String, to: String) -> Cmd {
+        self.cp([from, to, "--bwlimit".into(), "3M".into(), "--staging".into(), "1M".into(), "--block-size".into(), "64K".into()])
+    }
 }
 
 /// A number unique in this process (for file names).
