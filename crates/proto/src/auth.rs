@@ -1,6 +1,6 @@
 //! Challenge–response authentication with a shared secret.
 //!
-//! The secret (the server's token, or a one-time ticket the server issued)
+//! The secret (the server's token, or a ticket the server issued)
 //! never crosses the wire. Each side sends a fresh 32-byte nonce; each proves
 //! it knows the secret with a keyed BLAKE3 MAC over both nonces, under a
 //! different label for each direction so that one proof cannot be replayed as

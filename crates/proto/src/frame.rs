@@ -263,7 +263,7 @@ pub enum Msg {
     SessionOpened { session: [u8; 16] },
     /// C→S: all data streams are attached.
     Ready,
-    /// C→S: issue a one-time ticket for receiving into `dest`.
+    /// C→S: issue a ticket (valid 10 minutes) for receiving into `dest`.
     Grant { dest: String },
     /// S→C: the ticket; its secret is wrapped under this connection's session key.
     Ticket { key_id: KeyId, wrapped_secret: [u8; 32] },
