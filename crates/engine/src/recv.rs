@@ -22,9 +22,9 @@ use crate::journal::{self, Journal};
 use crate::pool::{Block, Pool};
 use crate::source::{PART_SUFFIX, STATE_DIR};
 use crate::transport::{SocketOptions, Transport};
-use crate::wire::{FrameReader, FrameWriter, Incoming};
+use crate::wire::{FrameReader, FrameWriter, Incoming, PIECE};
 use crossbeam_channel::{Receiver, Sender};
-use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
+use dmover_proto::digest::{file_digest, BlockHasher, SetDigest, Sum};
 use dmover_proto::frame::{FileMeta, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::collections::{HashMap, HashSet};
@@ -723,28 +723,35 @@ pub fn digest_of(path: &Path, block_size: u64) -> std::io::Result<Sum> {
     let mut sums = Vec::new();
     let mut off = 0;
     loop {
-        let n = read_full_at(&f, &mut buf, off)?;
+        let (n, sum) = read_block_at(&f, &mut buf, off)?;
         if n == 0 {
             break;
         }
-        sums.push(block_sum(&buf[..n]));
+        sums.push(sum);
         off += n as u64;
     }
     Ok(file_digest(&sums))
 }
 
-/// Reads until `buf` is full or the file ends; returns the bytes read.
-pub fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
+/// Reads until `buf` is full or the file ends, in pieces each checksummed
+/// while it is still in the CPU's cache; returns the bytes read and the
+/// checksum of those bytes.
+pub fn read_block_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<(usize, Sum)> {
+    let mut sum = BlockHasher::new();
     let mut n = 0;
     while n < buf.len() {
-        match f.read_at(&mut buf[n..], off + n as u64) {
+        let end = buf.len().min(n + PIECE);
+        match f.read_at(&mut buf[n..end], off + n as u64) {
             Ok(0) => break,
-            Ok(k) => n += k,
+            Ok(k) => {
+                sum.update(&buf[n..n + k]);
+                n += k;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
-    Ok(n)
+    Ok((n, sum.finish()))
 }
 
 fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<WriteJob>]>) {
@@ -766,12 +773,15 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
             return sh.fail(Error::protocol(r.peer(), format!("bad block: offset {} length {}", h.offset, h.len)));
         }
         let Some(mut data) = sh.pool.take(h.len as usize) else { return };
-        if let Err(e) = r.read_block(&mut data, &[&sh.received, &sh.receiving.0.received]) {
-            if !sh.stop.load(Ordering::SeqCst) {
-                sh.fail(e);
+        let sum = match r.read_block(&mut data, &[&sh.received, &sh.receiving.0.received]) {
+            Ok(sum) => sum,
+            Err(e) => {
+                if !sh.stop.load(Ordering::SeqCst) {
+                    sh.fail(e);
+                }
+                return;
             }
-            return;
-        }
+        };
         let Some(file) = sh.files.lock().expect("files lock").get(&h.file).cloned() else {
             continue; // aborted or failed meanwhile
         };
@@ -784,7 +794,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
                 return sh.fail(Error::protocol(r.peer(), format!("block {block} of file {} has the wrong length", h.file)));
             }
         }
-        if block_sum(&data) != h.sum {
+        if sum != h.sum {
             let mut g = file.lock().expect("file lock");
             if g.done {
                 continue;

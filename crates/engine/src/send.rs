@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::fsroot::Root;
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
-use crate::recv::{digest_of, ping_interval, read_full_at, Pinger};
+use crate::recv::{digest_of, ping_interval, read_block_at, Pinger};
 use crate::source::{self, Entry, Event};
 use crate::transport::Transport;
 use crate::tuning::{self, Meter};
@@ -859,13 +859,16 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         let off = b * sh.block_size;
         let len = (f.meta.size - off).min(sh.block_size) as usize;
         let Some(mut data) = sh.pool.take(len) else { return Ok(()) };
-        if let Some(file) = &file {
-            let n = read_full_at(file, &mut data, off).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
-            if n < len {
-                return Err((ErrorKind::SourceChanged, "the file shrank while it was read".into()));
+        let sum = match &file {
+            Some(file) => {
+                let (n, sum) = read_block_at(file, &mut data, off).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
+                if n < len {
+                    return Err((ErrorKind::SourceChanged, "the file shrank while it was read".into()));
+                }
+                sum
             }
-        }
-        let sum = block_sum(&data);
+            None => block_sum(&data),
+        };
         f.st.lock().expect("file lock").sums[b as usize] = sum;
         if job.send.iter().any(|(a, e)| (*a..*e).contains(&b)) {
             let header = DataHeader { file: f.id, offset: off, sum, len: len as u32 };

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::transport::Transport;
 use dmover_proto::frame::{DataHeader, DecodeError, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA, MAX_CONTROL_BODY};
+use dmover_proto::digest::{BlockHasher, Sum};
 use dmover_proto::Msg;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Read buffer of a frame reader: large enough to take a data header and
 /// the start of its block in one read.
 const READ_BUFFER: usize = 256 * 1024;
+
+/// Blocks are read (and checksummed) at most this many bytes at a time, so
+/// that each piece is checksummed while it is still in the CPU's cache.
+pub const PIECE: usize = 256 * 1024;
 
 /// What arrived: a control message, or a data header whose block must be
 /// read next with [`FrameReader::read_block`].
@@ -85,14 +90,18 @@ impl FrameReader {
     }
 
     /// Reads the block that follows a data header into `buf` (exactly its
-    /// length), adding the bytes to each of the `received` counters as they
-    /// arrive.
-    pub fn read_block(&mut self, buf: &mut [u8], received: &[&AtomicU64]) -> Result<()> {
+    /// length) and returns its checksum, taken piece by piece as the bytes
+    /// arrive (while they are still in the CPU's cache). The bytes are added
+    /// to each of the `received` counters as they arrive.
+    pub fn read_block(&mut self, buf: &mut [u8], received: &[&AtomicU64]) -> Result<Sum> {
+        let mut sum = BlockHasher::new();
         let mut at = 0;
         while at < buf.len() {
-            match self.inner.read(&mut buf[at..]) {
+            let end = buf.len().min(at + PIECE);
+            match self.inner.read(&mut buf[at..end]) {
                 Ok(0) => return Err(self.net(&io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => {
+                    sum.update(&buf[at..at + n]);
                     at += n;
                     for r in received {
                         r.fetch_add(n as u64, Ordering::Relaxed);
@@ -102,7 +111,7 @@ impl FrameReader {
                 Err(e) => return Err(self.net(&e)),
             }
         }
-        Ok(())
+        Ok(sum.finish())
     }
 
     fn net(&self, e: &io::Error) -> Error {

@@ -235,8 +235,7 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
             return Err(Error::protocol(&peer, format!("block at {} of {} bytes does not fit the block size", h.offset, h.len)));
         }
         let data = &mut buf[..h.len as usize];
-        r.read_block(data, &[&shared.received])?;
-        if block_sum(data) != h.sum {
+        if r.read_block(data, &[&shared.received])? != h.sum {
             log::warn!("{peer}: step {} block at {} arrived damaged; asking again", h.file, h.offset);
             shared.send(&Msg::Nack { id: h.file, block: h.offset / shared.block_size as u64 })?;
             continue;
