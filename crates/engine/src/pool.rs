@@ -61,12 +61,6 @@ impl Pool {
         self.blocks
     }
 
-    /// The share of the blocks in use now (0..1).
-    pub fn in_use(&self) -> f64 {
-        let s = self.state.lock().expect("pool lock");
-        (self.blocks - s.free.len() - s.unallocated) as f64 / self.blocks as f64
-    }
-
     /// Takes a block of `len` bytes (at most the block size), waiting if none
     /// is free; `None` once the pool is closed.
     pub fn take(self: &Arc<Pool>, len: usize) -> Option<Block> {

@@ -14,7 +14,11 @@
 //!   in, verify the digest, set mode and mtime and rename the file into place.
 //!
 //! Staging blocks come from one pool, so a slow disk stalls the network
-//! readers (and through TCP, the sender) instead of growing memory.
+//! readers (and through TCP, the sender) instead of growing memory. Each
+//! writer's queue holds at most [`WRITE_QUEUE`] blocks: when the writers
+//! fall behind, the readers wait rather than fill the whole pool, so the
+//! few blocks in use are reused while still in the CPU's cache. How full
+//! those queues are is what the sender's tuner hears as "staged".
 
 use crate::error::{Error, Result};
 use crate::fsroot::Root;
@@ -32,7 +36,7 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -89,6 +93,8 @@ const POLL: Duration = Duration::from_millis(50);
 /// Times one block may arrive damaged before its file fails verification:
 /// a link that damages a block this often will not deliver it.
 pub const MAX_DAMAGED: u32 = 8;
+/// Blocks waiting for one writer, at most.
+pub const WRITE_QUEUE: usize = 4;
 
 /// Flag in [`TransferOptions::flags`]: the sources are one file or one
 /// directory; if `dest` is not an existing directory, a lone file (a path
@@ -208,6 +214,9 @@ struct Shared {
     /// Control connection's writing half; every thread that replies takes it.
     ctl: Arc<Mutex<FrameWriter>>,
     pool: Arc<Pool>,
+    /// Blocks waiting in the writers' queues, and how many those hold at most.
+    queued: AtomicUsize,
+    queue_capacity: usize,
     /// Directories known to exist below the destination.
     dirs: Mutex<HashSet<PathBuf>>,
     /// Committed files; updated by whoever finalizes a file.
@@ -425,6 +434,8 @@ impl Prepared {
             files: Mutex::new(HashMap::new()),
             ctl: ctl.clone(),
             pool: Pool::new(cfg.staging, block_size as usize, 4),
+            queued: AtomicUsize::new(0),
+            queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
             dirs: Mutex::new(HashSet::new()),
             totals: Mutex::new(RecvSummary::default()),
             fatal: Mutex::new(None),
@@ -439,7 +450,7 @@ impl Prepared {
         let mut wtx = Vec::new();
         let mut threads = Vec::new();
         for _ in 0..cfg.writers.max(1) {
-            let (tx, rx) = crossbeam_channel::unbounded::<WriteJob>();
+            let (tx, rx) = crossbeam_channel::bounded::<WriteJob>(WRITE_QUEUE);
             wtx.push(tx);
             let sh = sh.clone();
             threads.push(std::thread::spawn(move || writer(&sh, rx)));
@@ -542,7 +553,7 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                 sh.queue(&Msg::Echo {
                     stamp,
                     received: sh.received.load(Ordering::Relaxed),
-                    staged: (sh.pool.in_use() * 100.0).round() as u8,
+                    staged: (sh.queued.load(Ordering::Relaxed) * 100 / sh.queue_capacity).min(100) as u8,
                     server_received: intake.received.load(Ordering::Relaxed),
                     transfers: intake.transfers.load(Ordering::Relaxed),
                 });
@@ -817,6 +828,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
             continue;
         }
         let w = &wtx[(h.file % wtx.len() as u64) as usize];
+        sh.queued.fetch_add(1, Ordering::Relaxed);
         if w.send(WriteJob { id: h.file, file, block, sum: h.sum, data }).is_err() {
             return;
         }
@@ -825,6 +837,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
 
 fn writer(sh: &Arc<Shared>, rx: Receiver<WriteJob>) {
     for job in rx {
+        sh.queued.fetch_sub(1, Ordering::Relaxed);
         let handle = {
             let mut g = job.file.lock().expect("file lock");
             if g.done {

@@ -2,7 +2,7 @@
 //!
 //! Every [`TICK`] the tuning thread sends an `Echo` on each host's control
 //! connection; the receiver answers at once with the bytes it has taken off
-//! the network and how full its staging is. The answers give the round-trip
+//! the network and how full its write queues are. The answers give the round-trip
 //! time `R` (mean of the last ten) and the delivered bytes; the sender adds
 //! whether any block is waiting for a stream and the socket buffer `W`.
 //! Each host's tuner (a pure policy from `dmover-tune`) sees that and may

@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::transport::Transport;
-use dmover_proto::frame::{DataHeader, DecodeError, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA, MAX_CONTROL_BODY};
 use dmover_proto::digest::{BlockHasher, Sum};
+use dmover_proto::frame::{DataHeader, DecodeError, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA, MAX_CONTROL_BODY};
 use dmover_proto::Msg;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};

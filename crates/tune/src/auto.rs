@@ -44,7 +44,7 @@
 //! not grown past an even share by probes.)
 //!
 //! Streams cannot help when the source disk is the bottleneck (no block is
-//! waiting for a stream) or the destination is (its staging is full): then
+//! waiting for a stream) or the destination is (its write queues are full): then
 //! the tuner adds none.
 
 use crate::{Observation, Tuner, Window, Windows};

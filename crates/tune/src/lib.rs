@@ -45,7 +45,7 @@ pub struct Observation {
     /// Share of recent moments at which no block was waiting for a stream
     /// (0..1): near 1, the readers (the source disk) are the bottleneck.
     pub starved: f64,
-    /// How full the receiver's staging is (0..1): near 1, its writers (the
+    /// How full the receiver's write queues are (0..1): near 1, its writers (the
     /// destination disk) are the bottleneck.
     pub staged: f64,
     /// What the receiving server takes in for all of its transfers.
