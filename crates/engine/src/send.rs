@@ -13,7 +13,9 @@
 //! 3. when a host's plan for a file arrives, its blocks become read jobs of
 //!    up to [`CHUNK_BLOCKS`] blocks; `concurrency` reader threads read them
 //!    into staging blocks, checksum each block and queue it for its host
-//!    (several readers can read chunks of one large file at once);
+//!    (several readers can read chunks of one large file at once); a host's
+//!    queue holds at most [`AHEAD_PER_STREAM`] blocks per stream, so the few
+//!    blocks in use are reused while still in the CPU's cache;
 //! 4. one thread per data connection writes queued blocks to the network;
 //!    any block can take any stream, so a large file is striped over all of
 //!    them and small files share them.
@@ -55,6 +57,10 @@ pub const WINDOW: usize = 1024;
 /// Blocks per read job: a large file is read by several readers at once in
 /// chunks of this many blocks.
 pub const CHUNK_BLOCKS: u64 = 16;
+/// Blocks a host's queue may hold per open stream before readers wait:
+/// enough that a stream finds its next block waiting, few enough that the
+/// staging blocks in use are reused while still in the CPU's cache.
+const AHEAD_PER_STREAM: usize = 2;
 /// Entries the walker may list ahead of the announcer.
 const WALK_AHEAD: usize = 4096;
 /// How long the control connections are still read after a data
@@ -258,6 +264,30 @@ pub(crate) struct HostStreams {
     retire: Mutex<Vec<Arc<AtomicBool>>>,
     /// Streams connected and running.
     pub(crate) open: AtomicU64,
+    /// Readers wait on `room` while the host's queue is full (see [`AHEAD_PER_STREAM`]).
+    room: Mutex<()>,
+    roomy: Condvar,
+}
+
+impl HostStreams {
+    /// Waits while `queue` holds [`AHEAD_PER_STREAM`] blocks per open stream
+    /// (or until `stopped`).
+    fn wait_for_room(&self, queue: &Sender<Outgoing>, stopped: impl Fn() -> bool) {
+        let mut g = self.room.lock().expect("room lock");
+        loop {
+            let open = self.open.load(Ordering::SeqCst) as usize;
+            if open == 0 || queue.len() < AHEAD_PER_STREAM * open || stopped() {
+                return;
+            }
+            g = self.roomy.wait_timeout(g, POLL).expect("room lock").0;
+        }
+    }
+
+    /// Wakes the readers waiting for room (a stream took a block).
+    fn took_one(&self) {
+        drop(self.room.lock().expect("room lock"));
+        self.roomy.notify_all();
+    }
 }
 
 impl Shared {
@@ -374,7 +404,7 @@ impl Shared {
                 conn.close();
             } else {
                 sh.streams[host].open.fetch_add(1, Ordering::SeqCst);
-                data_stream(&sh, conn, sh.data_rx[host].clone(), &retire);
+                data_stream(&sh, host, conn, &retire);
                 sh.streams[host].open.fetch_sub(1, Ordering::SeqCst);
             }
             sh.data_conns.lock().expect("conns lock").remove(&id);
@@ -456,7 +486,13 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         data_rx.push(rx);
         names.push(l.name.clone());
         let connect = if cfg.tuner.is_some() { l.connect.clone() } else { None };
-        host_streams.push(HostStreams { connect, retire: Mutex::default(), open: AtomicU64::new(0) });
+        host_streams.push(HostStreams {
+            connect,
+            retire: Mutex::default(),
+            open: AtomicU64::new(0),
+            room: Mutex::default(),
+            roomy: Condvar::new(),
+        });
     }
     let tally = Tally {
         outstanding: vec![0; n],
@@ -858,6 +894,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
     for b in job.first..job.end {
         let off = b * sh.block_size;
         let len = (f.meta.size - off).min(sh.block_size) as usize;
+        sh.streams[f.host].wait_for_room(&sh.data_tx[f.host], || sh.stopped());
         let Some(mut data) = sh.pool.take(len) else { return Ok(()) };
         let sum = match &file {
             Some(file) => {
@@ -922,7 +959,8 @@ fn pace(sh: &Shared, n: u64) {
     }
 }
 
-fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing>, retire: &AtomicBool) {
+fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: &AtomicBool) {
+    let rx = &sh.data_rx[host];
     let mut w = FrameWriter::new(conn);
     let mut last = Instant::now();
     loop {
@@ -935,6 +973,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, rx: Receiver<Outgoing
         }
         match rx.recv_timeout(POLL) {
             Ok(mut o) => {
+                sh.streams[host].took_one();
                 pace(sh, o.header.len as u64);
                 let damaged = crate::fault::corrupt_in_flight(&mut o.data);
                 let r = match &o.file {
