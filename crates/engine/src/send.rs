@@ -264,9 +264,10 @@ pub(crate) struct HostStreams {
     retire: Mutex<Vec<Arc<AtomicBool>>>,
     /// Streams connected and running.
     pub(crate) open: AtomicU64,
-    /// Readers wait on `room` while the host's queue is full (see [`AHEAD_PER_STREAM`]).
+    /// Readers wait on `room_freed` while the host's queue is full (see [`AHEAD_PER_STREAM`]);
+    /// a stream signals it each time it takes a block.
     room: Mutex<()>,
-    roomy: Condvar,
+    room_freed: Condvar,
 }
 
 impl HostStreams {
@@ -279,14 +280,14 @@ impl HostStreams {
             if open == 0 || queue.len() < AHEAD_PER_STREAM * open || stopped() {
                 return;
             }
-            g = self.roomy.wait_timeout(g, POLL).expect("room lock").0;
+            g = self.room_freed.wait_timeout(g, POLL).expect("room lock").0;
         }
     }
 
     /// Wakes the readers waiting for room (a stream took a block).
     fn took_one(&self) {
         drop(self.room.lock().expect("room lock"));
-        self.roomy.notify_all();
+        self.room_freed.notify_all();
     }
 }
 
@@ -491,7 +492,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
             retire: Mutex::default(),
             open: AtomicU64::new(0),
             room: Mutex::default(),
-            roomy: Condvar::new(),
+            room_freed: Condvar::new(),
         });
     }
     let tally = Tally {
