@@ -3,19 +3,30 @@
 
 mod util;
 
+use std::collections::BTreeMap;
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use util::*;
 
 /// A direction: how to copy `src` (a directory) so that it lands at `dst()`.
+/// Over the network the client talks to the server through a [`Relay`], so
+/// that what crosses the wire is counted independently of dmover's report.
 struct Setup {
     env: Env,
     src: PathBuf,
     dst: PathBuf,
     from: String,
     to: String,
+    relay: Option<Relay>,
+    /// Which way the payload goes through the relay (true: to the server).
+    upload: bool,
     _srv: Option<Server>,
 }
+
+/// An empty directory in each tree, with a mode no default would give it
+/// (CLI.md: the permissions of empty directories are preserved).
+const EMPTY_DIR: (&str, u32) = ("d1/empty", 0o705);
 
 impl Setup {
     fn new(direction: &str, seed: u64) -> Setup {
@@ -28,18 +39,78 @@ impl Setup {
             _ => (env.path("data"), local.join("data"), None),
         };
         make_tree(&src, seed, 20);
-        let (from, to) = match (direction, &srv) {
-            ("upload", Some(s)) => (src.display().to_string(), s.url("e")),
-            ("download", Some(s)) => (s.url("e/data"), local.display().to_string()),
+        fs::create_dir_all(src.join(EMPTY_DIR.0)).unwrap();
+        chmod(&src.join(EMPTY_DIR.0), EMPTY_DIR.1);
+        let relay = srv.as_ref().map(|s| Relay::start(&s.addr()));
+        let (from, to) = match (direction, &relay) {
+            ("upload", Some(r)) => (src.display().to_string(), r.url("e")),
+            ("download", Some(r)) => (r.url("e/data"), local.display().to_string()),
             _ => (src.display().to_string(), local.display().to_string()),
         };
-        Setup { env, src, dst, from, to, _srv: srv }
+        Setup { env, src, dst, from, to, relay, upload: direction == "upload", _srv: srv }
     }
 
-    fn cp(&self, extra: &[&str]) -> Run {
+    /// Runs the copy; with a relay, also returns the payload-direction bytes
+    /// and the total bytes (both ways) that crossed it, and the connections.
+    fn cp(&self, extra: &[&str]) -> (Run, Option<Wire>) {
+        if let Some(r) = &self.relay {
+            r.reset();
+        }
         let mut c = self.env.cp([self.from.as_str(), self.to.as_str()]);
         c.args(extra).cwd(self.env.root());
-        c.run()
+        let run = c.run();
+        let wire = self.relay.as_ref().map(|r| {
+            let (up, down) = (r.to_server(), r.to_client());
+            Wire { payload_way: if self.upload { up } else { down }, total: up + down, connections: r.connections() }
+        });
+        (run, wire)
+    }
+}
+
+/// What a relay saw during one copy.
+#[derive(Debug)]
+struct Wire {
+    payload_way: u64,
+    total: u64,
+    connections: u64,
+}
+
+impl Wire {
+    /// The most that may cross the wire besides file content: a generous
+    /// 512 bytes per file (its announcement, plan and confirmation carry a
+    /// path of under 40 bytes and a few numbers) and 8 KiB per connection
+    /// (authentication, session set-up and the final report).
+    fn overhead(&self, files: u64) -> u64 {
+        files * 512 + self.connections * 8192
+    }
+}
+
+/// Inode number and change time of every regular file below `root`: a file
+/// that was skipped keeps both; one written again (a new temporary file
+/// renamed into place) has a new inode and a new change time.
+fn identities(root: &Path) -> BTreeMap<String, (u64, i64, i64)> {
+    list_files(root)
+        .into_keys()
+        .map(|k| {
+            let m = fs::symlink_metadata(root.join(&k)).unwrap();
+            let id = (m.ino(), m.ctime(), m.ctime_nsec());
+            (k, id)
+        })
+        .collect()
+}
+
+/// Asserts that the files named in `same` kept their inode and change time
+/// and every other one has a new inode.
+#[track_caller]
+fn assert_rewritten_only(before: &BTreeMap<String, (u64, i64, i64)>, after: &BTreeMap<String, (u64, i64, i64)>, rewritten: &[&str]) {
+    for (k, now) in after {
+        match before.get(k) {
+            Some(was) if rewritten.contains(&k.as_str()) => {
+                assert_ne!(was.0, now.0, "{k} should have been written again but kept its inode")
+            }
+            Some(was) => assert_eq!(was, now, "{k} was skipped yet its inode or change time moved (inode, ctime s, ns): written again"),
+            None => assert!(rewritten.contains(&k.as_str()), "{k} appeared at the destination"),
+        }
     }
 }
 
@@ -55,19 +126,43 @@ fn change_keeping_size_and_mtime(p: &Path, seed: u64) {
     assert_eq!(mtime_of(p), (s, ns));
 }
 
+/// `--sync` sends nothing for unchanged files and only the changed ones
+/// otherwise: shown by the report, by the bytes a relay counted on the wire,
+/// and by the destination files' inodes and change times.
 fn sync_skips_unchanged(direction: &str) {
     let t = Setup::new(direction, 21);
-    let j = t.cp(&[]).assert_ok();
+    let (r, wire) = t.cp(&[]);
+    let j = r.assert_ok();
     let (files, bytes) = (u(&j["files"]), u(&j["bytes"]));
     assert_same_tree(&t.src, &t.dst);
+    if let Some(w) = &wire {
+        eprintln!("first copy: {w:?} for {bytes} bytes");
+        assert!(
+            w.payload_way >= bytes,
+            "{} bytes crossed the relay for {bytes} bytes of files: the copy did not go through it",
+            w.payload_way
+        );
+    }
+    let ids = identities(&t.dst);
 
     // Nothing changed: everything is skipped, nothing is sent.
-    let j = t.cp(&["--sync"]).assert_ok();
+    let (r, wire) = t.cp(&["--sync"]);
+    let j = r.assert_ok();
     assert_eq!(u(&j["files"]), files, "{j:#}");
     assert_eq!(u(&j["skipped_files"]), files, "--sync should skip every unchanged file: {j:#}");
     assert_eq!(u(&j["skipped_bytes"]), bytes, "{j:#}");
     assert_eq!(u(&j["sent_bytes"]), 0, "{j:#}");
     assert_same_tree(&t.src, &t.dst);
+    if let Some(w) = &wire {
+        eprintln!("--sync, nothing changed: {w:?} for {bytes} bytes");
+        assert!(
+            w.total <= w.overhead(files),
+            "{} bytes crossed the wire (both ways) to skip {files} unchanged files: more than the {} they need",
+            w.total,
+            w.overhead(files)
+        );
+    }
+    assert_rewritten_only(&ids, &identities(&t.dst), &[]);
 
     // One file gets a new mtime, one a new size, one is new.
     let touched = t.src.join("a/block.dat");
@@ -76,16 +171,32 @@ fn sync_skips_unchanged(direction: &str) {
     let grown = t.src.join("one.bin");
     write_random(&grown, 10, 5);
     write_random(&t.src.join("d3/new.dat"), 2000, 6);
-    let j = t.cp(&["--sync"]).assert_ok();
+    let changed = (1 << 20) + 10 + 2000;
+    let (r, wire) = t.cp(&["--sync"]);
+    let j = r.assert_ok();
     assert_eq!(u(&j["files"]), files + 1, "{j:#}");
     assert_eq!(u(&j["skipped_files"]), files - 2, "{j:#}");
     assert_same_tree(&t.src, &t.dst);
-    assert!(u(&j["sent_bytes"]) >= (1 << 20) + 10 + 2000, "the changed files were not all sent: {j:#}");
+    assert!(u(&j["sent_bytes"]) >= changed, "the changed files were not all sent: {j:#}");
+    if let Some(w) = &wire {
+        eprintln!("--sync, three files changed ({changed} bytes): {w:?}");
+        assert!(w.payload_way >= changed, "only {} bytes crossed the wire for {changed} bytes of changed files", w.payload_way);
+        assert!(
+            w.total <= changed + w.overhead(files + 1),
+            "{} bytes crossed the wire for {changed} bytes of changed files: unchanged files were sent",
+            w.total
+        );
+    }
+    assert_rewritten_only(&ids, &identities(&t.dst), &["a/block.dat", "one.bin", "d3/new.dat"]);
 
     // Without --sync, everything is sent again.
-    let j = t.cp(&[]).assert_ok();
+    let (r, wire) = t.cp(&[]);
+    let j = r.assert_ok();
     assert_eq!(u(&j["skipped_files"]), 0, "{j:#}");
     assert_same_tree(&t.src, &t.dst);
+    if let Some(w) = &wire {
+        assert!(w.payload_way >= bytes + 2010, "{} bytes crossed the wire for a full copy of {} bytes", w.payload_way, bytes + 2010);
+    }
 }
 
 #[test]
@@ -103,30 +214,52 @@ fn sync_skips_unchanged_files_local() {
     sync_skips_unchanged("local");
 }
 
+/// `--sync --checksum` finds a file whose content changed behind an
+/// unchanged size and mtime, and sends only that file: shown by the report,
+/// the relay's count and the destination inodes.
 fn checksum_catches_same_size_and_mtime(direction: &str) {
     let t = Setup::new(direction, 22);
-    let j = t.cp(&[]).assert_ok();
+    let j = t.cp(&[]).0.assert_ok();
     let files = u(&j["files"]);
     let changed = "a/b/c/multi.dat";
     let size = fs::metadata(t.src.join(changed)).unwrap().len();
     change_keeping_size_and_mtime(&t.src.join(changed), 1234);
+    let ids = identities(&t.dst);
 
     // Size and mtime match: plain --sync cannot tell and skips it.
-    let j = t.cp(&["--sync"]).assert_ok();
+    let (r, wire) = t.cp(&["--sync"]);
+    let j = r.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
     assert!(!same_content(&t.src.join(changed), &t.dst.join(changed)));
+    if let Some(w) = &wire {
+        assert!(w.total <= w.overhead(files), "{} bytes crossed the wire to skip {files} files: {w:?}", w.total);
+    }
+    assert_rewritten_only(&ids, &identities(&t.dst), &[]);
 
     // --checksum compares content and sends just that file.
-    let j = t.cp(&["--sync", "--checksum"]).assert_ok();
+    let (r, wire) = t.cp(&["--sync", "--checksum"]);
+    let j = r.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files - 1, "--checksum should re-send exactly the changed file: {j:#}");
     let sent = u(&j["sent_bytes"]);
     assert!(sent >= size && sent < u(&j["bytes"]), "sent {sent} bytes for one changed file of {size}: {j:#}");
     assert_same_tree(&t.src, &t.dst);
+    if let Some(w) = &wire {
+        eprintln!("--checksum, one file of {size} bytes changed: {w:?}");
+        assert!(w.payload_way >= size, "only {} bytes crossed the wire for a changed file of {size}", w.payload_way);
+        assert!(w.total <= size + w.overhead(files), "{} bytes crossed the wire for one changed file of {size}: others were sent", w.total);
+    }
+    assert_rewritten_only(&ids, &identities(&t.dst), &[changed]);
 
     // And again: nothing left to send.
-    let j = t.cp(&["--sync", "--checksum"]).assert_ok();
+    let ids = identities(&t.dst);
+    let (r, wire) = t.cp(&["--sync", "--checksum"]);
+    let j = r.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
     assert_eq!(u(&j["sent_bytes"]), 0, "{j:#}");
+    if let Some(w) = &wire {
+        assert!(w.total <= w.overhead(files), "{} bytes crossed the wire to skip {files} files: {w:?}", w.total);
+    }
+    assert_rewritten_only(&ids, &identities(&t.dst), &[]);
 }
 
 #[test]
@@ -147,7 +280,7 @@ fn sync_checksum_resends_content_change_local() {
 #[test]
 fn checksum_without_sync_is_a_usage_error() {
     let t = Setup::new("local", 23);
-    let r = t.cp(&["--checksum"]);
+    let (r, _) = t.cp(&["--checksum"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(!t.dst.exists(), "copied anyway");
 }

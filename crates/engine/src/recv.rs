@@ -33,7 +33,7 @@ use dmover_proto::frame::{FileMeta, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -630,13 +630,13 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
             Err(e) => return fail(sh.name(&meta.path), e),
         },
     };
+    let look = sh.options.has(TransferOptions::SYNC) || resuming;
     if meta.mode & MODE_TYPE == MODE_DIR {
-        return make_dir(sh, id, &meta, &final_path);
+        return make_dir(sh, id, &meta, &final_path, look);
     }
     // Already there?
-    if sh.options.has(TransferOptions::SYNC) || resuming {
+    if look {
         if let Ok(m) = fs::symlink_metadata(&final_path) {
-            use std::os::unix::fs::MetadataExt;
             let same = m.is_file()
                 && m.len() == meta.size
                 && if let (Some(d), true) = (digest, sh.options.has(TransferOptions::CHECKSUM)) {
@@ -645,16 +645,10 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
                     m.mtime() == meta.mtime_s && m.mtime_nsec() as u32 == meta.mtime_ns
                 };
             if same {
-                log::debug!("{}: already there", meta.path);
                 // A partial file an interrupted later run left for it is stale.
                 let _ = fs::remove_file(temp_name(&final_path));
                 let _ = fs::remove_file(journal::path_for(&state_dir, &meta.path));
-                let mut t = sh.totals.lock().expect("totals lock");
-                t.files += 1;
-                t.bytes += meta.size;
-                t.set.add(&meta.path, meta.size, &[0; 16]);
-                drop(t);
-                return sh.queue(&Msg::Plan { id, skip: true, ranges: vec![] });
+                return already_there(sh, id, &meta);
             }
         }
     }
@@ -687,7 +681,6 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
 /// file with no other name. Anything else (a symlink or a hard link planted
 /// there) is not resumed but replaced, so nothing is written through it.
 fn is_own_partial(temp: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
     fs::symlink_metadata(temp).is_ok_and(|m| m.is_file() && m.nlink() == 1)
 }
 
@@ -918,14 +911,32 @@ fn file_failed(sh: &Arc<Shared>, id: u64, g: &mut RecvFile, e: Error) {
     sh.reply(&Msg::Failed { id, kind: e.kind, subject, message: e.message });
 }
 
-/// Creates a directory that was empty at the source.
-fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path) {
+/// Tells the sender to skip a file (or empty directory) the destination
+/// already holds, and counts it as confirmed.
+fn already_there(sh: &Arc<Shared>, id: u64, meta: &FileMeta) {
+    log::debug!("{}: already there", meta.path);
+    let mut t = sh.totals.lock().expect("totals lock");
+    t.files += 1;
+    t.bytes += meta.size;
+    t.set.add(&meta.path, meta.size, &[0; 16]);
+    drop(t);
+    sh.queue(&Msg::Plan { id, skip: true, ranges: vec![] });
+}
+
+/// Creates a directory that was empty at the source, with its mode. When
+/// `look` (`--sync`, or a resumed run) and it is already there with that
+/// mode, it is skipped like an unchanged file, untouched.
+fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path, look: bool) {
+    let mode = meta.mode & 0o7777;
+    if look && fs::symlink_metadata(path).is_ok_and(|m| m.is_dir() && m.mode() & 0o7777 == mode) {
+        return already_there(sh, id, meta);
+    }
     let made = match fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(_) => Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "something other than a directory is in the way")),
         Err(_) => fs::create_dir(path),
     }
-    .and_then(|()| fs::set_permissions(path, fs::Permissions::from_mode(meta.mode & 0o7777)));
+    .and_then(|()| fs::set_permissions(path, fs::Permissions::from_mode(mode)));
     if let Err(e) = made {
         return sh.queue(&Msg::Failed { id, kind: crate::error::classify(&e), subject: sh.name(&meta.path), message: e.to_string() });
     }

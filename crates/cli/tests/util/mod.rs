@@ -338,6 +338,135 @@ pub fn closed_port() -> u16 {
 }
 
 // ---------------------------------------------------------------------------
+// A counting relay
+
+/// A TCP relay on a loopback port: every connection it accepts is forwarded
+/// to `target`, and the bytes that cross it are counted each way — a view of
+/// the wire that does not depend on what dmover reports. Point a client at
+/// [`Relay::url`] instead of the server's; its control and data connections
+/// all pass through. It stops accepting when dropped.
+pub struct Relay {
+    pub port: u16,
+    /// Bytes forwarded client → server, server → client.
+    counts: std::sync::Arc<[std::sync::atomic::AtomicU64; 2]>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    pub fn start(target: &str) -> Relay {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("relay: bind");
+        let port = listener.local_addr().unwrap().port();
+        let counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+        let accepted = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, a, st, target) = (counts.clone(), accepted.clone(), stop.clone(), target.to_string());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if st.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = client else { continue };
+                a.fetch_add(1, Ordering::SeqCst);
+                // With the server down, the client sees its connection reset, as it would without the relay.
+                let Ok(server) = TcpStream::connect(&target) else {
+                    reset(&client);
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                for (from, to, i) in [(client.try_clone().unwrap(), server.try_clone().unwrap(), 0), (server, client, 1)] {
+                    let c = c.clone();
+                    std::thread::spawn(move || pump(from, to, &c[i]));
+                }
+            }
+        });
+        Relay { port, counts, accepted, stop }
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// `dmover://127.0.0.1:RELAY_PORT/rel`
+    pub fn url(&self, rel: &str) -> String {
+        format!("dmover://{}/{}", self.addr(), rel)
+    }
+
+    /// Bytes forwarded from clients to the server since the last reset.
+    pub fn to_server(&self) -> u64 {
+        self.counts[0].load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Bytes forwarded from the server to clients since the last reset.
+    pub fn to_client(&self) -> u64 {
+        self.counts[1].load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Connections accepted since the last reset.
+    pub fn connections(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Starts counting afresh (call it when no transfer is running).
+    pub fn reset(&self) {
+        use std::sync::atomic::Ordering;
+        self.counts.iter().for_each(|c| c.store(0, Ordering::SeqCst));
+        self.accepted.store(0, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wake the accepting thread so that it sees the flag.
+        let _ = TcpStream::connect(self.addr());
+    }
+}
+
+/// Makes closing `s` send a reset rather than an orderly end.
+fn reset(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: a valid socket and a linger struct of the size given.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+/// Forwards `from` to `to`, counting, until either end closes. An orderly
+/// end is passed on as a half close; an error (a peer killed) closes both.
+fn pump(mut from: TcpStream, mut to: TcpStream, count: &std::sync::atomic::AtomicU64) {
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) => {
+                let _ = to.shutdown(std::net::Shutdown::Write);
+                return;
+            }
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+                count.fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+// ---------------------------------------------------------------------------
 // Running dmover
 
 /// A dmover command being put together.
@@ -666,7 +795,7 @@ pub fn make_tree(root: &Path, seed: u64, n_small: usize) -> Vec<String> {
 /// An entry of a tree snapshot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Node {
-    Dir,
+    Dir { mode: u32 },
     File { size: u64, mode: u32, mtime: (i64, i64) },
     Link(PathBuf),
     Other,
@@ -693,7 +822,7 @@ pub fn list_tree(root: &Path) -> BTreeMap<String, Node> {
                 Node::Link(fs::read_link(e.path()).unwrap_or_default())
             } else if m.is_dir() {
                 stack.push((e.path(), r.clone()));
-                Node::Dir
+                Node::Dir { mode: m.mode() & 0o7777 }
             } else if m.is_file() {
                 Node::File { size: m.len(), mode: m.mode() & 0o7777, mtime: (m.mtime(), m.mtime_nsec()) }
             } else {
@@ -742,8 +871,9 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> usize {
 }
 
 /// Asserts that `dst` holds exactly the tree `src` holds (same paths, same
-/// kinds; files byte-identical with the same mode and mtime). Directory
-/// attributes are not compared. Any leftover (temporary file, resume state)
+/// kinds; files byte-identical with the same mode and mtime; directories
+/// that are empty at the source with the same mode — the directory
+/// attributes CLI.md says are kept). Any leftover (temporary file, resume state)
 /// in `dst` fails the comparison.
 #[track_caller]
 pub fn assert_same_tree(src: &Path, dst: &Path) {
@@ -760,7 +890,12 @@ pub fn assert_same_tree(src: &Path, dst: &Path) {
     for (k, na) in &a {
         let nb = &b[k];
         match (na, nb) {
-            (Node::Dir, Node::Dir) => {}
+            (Node::Dir { mode: ma }, Node::Dir { mode: mb }) => {
+                let prefix = format!("{k}/");
+                if !a.keys().any(|c| c.starts_with(&prefix)) {
+                    assert_eq!(format!("{ma:o}"), format!("{mb:o}"), "{k}: mode of an empty directory");
+                }
+            }
             (Node::File { size: sa, mode: ma, mtime: ta }, Node::File { size: sb, mode: mb, mtime: tb }) => {
                 assert_eq!(sa, sb, "{k}: size");
                 assert!(same_content(&src.join(k), &dst.join(k)), "{k}: content differs");
