@@ -6,6 +6,7 @@
 
 mod util;
 
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::Duration;
 use util::*;
@@ -48,7 +49,7 @@ fn wait_for_progress(proc: &mut Proc, src: &Path, dst: &Path, total: u64, frac: 
 /// there (in the destination directory given to cp, or — if that did not
 /// exist before — possibly its parent; `resume_state_lives_in_the_destination_directory`
 /// checks the documented place).
-fn check_interrupted(src: &Path, dst: &Path, total: u64) -> u64 {
+fn check_interrupted(src: &Path, dst: &Path, total: u64) -> (u64, (u64, std::time::SystemTime)) {
     let dest_dir = dst.parent().unwrap();
     let written = written_bytes(dst);
     assert!(written < total, "the transfer had completed ({written} of {total}) — not interrupted");
@@ -57,7 +58,26 @@ fn check_interrupted(src: &Path, dst: &Path, total: u64) -> u64 {
     let state = [dest_dir, dest_dir.parent().unwrap()].iter().any(|d| d.join(".dmover-partial").is_dir());
     assert!(state, "no .dmover-partial/ resume state in {} (or its parent)", dest_dir.display());
     assert_final_names_complete(src, dst);
-    written
+    (written, identity(&dst.join(".big.bin.dmover-part")))
+}
+
+/// The inode and birth time of `path`: a file completed in place keeps both
+/// when renamed to its final name; one written afresh has a new birth time
+/// (even if its inode number is reused).
+fn identity(path: &Path) -> (u64, std::time::SystemTime) {
+    let m = std::fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (m.ino(), m.created().expect("birth time (statx)"))
+}
+
+/// Asserts that big.bin is the partial file seen after the interruption,
+/// completed in place rather than written again from the start.
+#[track_caller]
+fn assert_completed_in_place(dst: &Path, partial: (u64, std::time::SystemTime)) {
+    assert_eq!(
+        identity(&dst.join("big.bin")),
+        partial,
+        "big.bin (inode, birth time) is not the partial file left by the interruption: it was written afresh, not resumed"
+    );
 }
 
 /// After success no resume state is left in the destination directory (or its parent).
@@ -67,17 +87,26 @@ fn assert_no_state(dst: &Path) {
     }
 }
 
-/// The re-run sent only what was missing.
-fn check_resumed(j: &serde_json::Value, total: u64, written_at_kill: u64) {
+/// The re-run sent only what was missing: by its own report and, over the
+/// network, by `wire`, the payload bytes a relay counted during the re-run.
+fn check_resumed(j: &serde_json::Value, total: u64, written_at_kill: u64, wire: Option<u64>) {
     let sent = u(&j["sent_bytes"]);
-    eprintln!("re-run: sent {sent} of {total} bytes; {written_at_kill} were written before the interruption");
+    eprintln!("re-run: sent {sent} of {total} bytes ({wire:?} on the wire); {written_at_kill} were written before the interruption");
     assert_eq!(u(&j["bytes"]), total, "{j:#}");
     assert!(
         sent + written_at_kill / 2 < total,
         "the re-run sent {sent} of {total} bytes although {written_at_kill} were already at the destination: not resumed\n{j:#}"
     );
+    if let Some(w) = wire {
+        assert!(
+            w + written_at_kill / 2 < total,
+            "{w} bytes crossed the wire in the re-run for {total} bytes, {written_at_kill} of which were already at the destination: not resumed"
+        );
+    }
 }
 
+/// Upload through a relay, kill the client part way, re-run: the re-run
+/// moves only the missing part over the wire and completes the partial file.
 #[test]
 fn client_killed_mid_upload_then_rerun_resumes() {
     let env = Env::new();
@@ -85,22 +114,26 @@ fn client_killed_mid_upload_then_rerun_resumes() {
     let total = make_set(&src);
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
+    let relay = Relay::start(&srv.addr());
     let dst = export.join("in/data");
-    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), RATE.into()]);
+    let mut cmd = env.cp([src.display().to_string(), relay.url("e/in"), "--bwlimit".into(), RATE.into()]);
     cmd.cwd(env.root());
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.4);
     p.kill9();
     // The server notices the lost connection; what it wrote stays journaled.
     std::thread::sleep(Duration::from_millis(300));
-    let written = check_interrupted(&src, &dst, total);
+    let (written, partial) = check_interrupted(&src, &dst, total);
 
+    relay.reset();
     let j = cmd.run().assert_ok();
-    check_resumed(&j, total, written);
+    check_resumed(&j, total, written, Some(relay.to_server()));
     assert_same_tree(&src, &dst);
+    assert_completed_in_place(&dst, partial);
     assert_no_state(&dst);
 }
 
+/// The same for a download.
 #[test]
 fn client_killed_mid_download_then_rerun_resumes() {
     let env = Env::new();
@@ -108,18 +141,21 @@ fn client_killed_mid_download_then_rerun_resumes() {
     let src = export.join("data");
     let total = make_set(&src);
     let srv = env.serve(&[("e", &export)]);
+    let relay = Relay::start(&srv.addr());
     let down = env.mkdir("down");
     let dst = down.join("data");
-    let mut cmd = env.cp([srv.url("e/data"), down.display().to_string(), "--bwlimit".into(), RATE.into()]);
+    let mut cmd = env.cp([relay.url("e/data"), down.display().to_string(), "--bwlimit".into(), RATE.into()]);
     cmd.cwd(env.root());
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.4);
     p.kill9();
-    let written = check_interrupted(&src, &dst, total);
+    let (written, partial) = check_interrupted(&src, &dst, total);
 
+    relay.reset();
     let j = cmd.run().assert_ok();
-    check_resumed(&j, total, written);
+    check_resumed(&j, total, written, Some(relay.to_client()));
     assert_same_tree(&src, &dst);
+    assert_completed_in_place(&dst, partial);
     assert_no_state(&dst);
 }
 
@@ -137,14 +173,16 @@ fn local_copy_killed_then_rerun(dest_exists: bool) {
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.4);
     p.kill9();
-    let written = check_interrupted(&src, &dst, total);
+    let (written, partial) = check_interrupted(&src, &dst, total);
 
     let j = cmd.run().assert_ok();
-    check_resumed(&j, total, written);
+    check_resumed(&j, total, written, None);
     assert_same_tree(&src, &dst);
+    assert_completed_in_place(&dst, partial);
     assert_no_state(&dst);
 }
 
+/// A local copy killed part way, then re-run: it completes the partial file.
 #[test]
 fn client_killed_mid_local_copy_then_rerun_resumes() {
     local_copy_killed_then_rerun(true);
@@ -158,7 +196,8 @@ fn client_killed_mid_local_copy_to_new_dest_then_rerun_resumes() {
 }
 
 /// The server dies mid-upload and comes back on the same port: the same
-/// client process, retrying, finishes the job and does not send it all again.
+/// client process, retrying, finishes the job and does not send it all again
+/// (by its report and by the bytes a relay counted over both attempts).
 #[test]
 fn server_killed_mid_upload_client_retries_and_resumes() {
     let env = Env::new();
@@ -166,25 +205,28 @@ fn server_killed_mid_upload_client_retries_and_resumes() {
     let total = make_set(&src);
     let export = env.mkdir("export");
     let mut srv = env.serve(&[("e", &export)]);
+    let relay = Relay::start(&srv.addr());
     let dst = export.join("in/data");
-    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), RATE.into(), "--retries".into(), "6".into()]);
+    let mut cmd = env.cp([src.display().to_string(), relay.url("e/in"), "--bwlimit".into(), RATE.into(), "--retries".into(), "6".into()]);
     cmd.cwd(env.root());
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.4);
     srv.kill9();
-    let written = check_interrupted(&src, &dst, total);
+    let (written, partial) = check_interrupted(&src, &dst, total);
     assert!(p.running(), "the client gave up at once instead of retrying");
     srv.restart();
 
     let r = p.wait();
     let j = r.assert_ok();
     assert!(u(&j["retries"]) >= 1, "the report shows no retry: {j:#}");
-    // sent_bytes counts both attempts: the first sent about `written`, so
-    // without resuming the total would be about `total + written`.
-    let sent = u(&j["sent_bytes"]);
-    eprintln!("retried: sent {sent} in all for {total} bytes; {written} were written before the server died");
+    // Both count both attempts: the first sent about `written`, so without
+    // resuming the total would be about `total + written`.
+    let (sent, wire) = (u(&j["sent_bytes"]), relay.to_server());
+    eprintln!("retried: sent {sent} ({wire} on the wire) in all for {total} bytes; {written} were written before the server died");
     assert!(sent < total + written / 2, "sent {sent} bytes for {total} with {written} already there: the retry did not resume\n{j:#}");
+    assert!(wire < total + written / 2, "{wire} bytes crossed the wire for {total} with {written} already there: the retry did not resume");
     assert_same_tree(&src, &dst);
+    assert_completed_in_place(&dst, partial);
     assert_no_state(&dst);
     assert!(srv.log().contains("listening") || srv.log().contains("serving"), "server log: {}", srv.log());
 }
@@ -198,20 +240,23 @@ fn server_killed_mid_upload_then_rerun_resumes() {
     let total = make_set(&src);
     let export = env.mkdir("export");
     let mut srv = env.serve(&[("e", &export)]);
+    let relay = Relay::start(&srv.addr());
     let dst = export.join("in/data");
-    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), RATE.into(), "--retries".into(), "0".into()]);
+    let mut cmd = env.cp([src.display().to_string(), relay.url("e/in"), "--bwlimit".into(), RATE.into(), "--retries".into(), "0".into()]);
     cmd.cwd(env.root());
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.4);
     srv.kill9();
     let r = p.wait();
-    r.assert_fails(6, &[&srv.addr()]);
-    let written = check_interrupted(&src, &dst, total);
+    r.assert_fails(6, &[&relay.addr()]);
+    let (written, partial) = check_interrupted(&src, &dst, total);
 
     srv.restart();
+    relay.reset();
     let j = cmd.run().assert_ok();
-    check_resumed(&j, total, written);
+    check_resumed(&j, total, written, Some(relay.to_server()));
     assert_same_tree(&src, &dst);
+    assert_completed_in_place(&dst, partial);
     assert_no_state(&dst);
 }
 
@@ -249,25 +294,30 @@ fn server_killed_mid_download_client_retries_and_resumes() {
     let src = export.join("data");
     let total = make_set(&src);
     let mut srv = env.serve(&[("e", &export)]);
+    let relay = Relay::start(&srv.addr());
     let down = env.mkdir("down");
     let dst = down.join("data");
-    let mut cmd = env.cp([srv.url("e/data"), down.display().to_string(), "--bwlimit".into(), RATE.into(), "--retries".into(), "6".into()]);
+    let mut cmd =
+        env.cp([relay.url("e/data"), down.display().to_string(), "--bwlimit".into(), RATE.into(), "--retries".into(), "6".into()]);
     cmd.cwd(env.root());
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.4);
     srv.kill9();
-    let written = check_interrupted(&src, &dst, total);
+    let (written, partial) = check_interrupted(&src, &dst, total);
     assert!(p.running(), "the client gave up at once instead of retrying");
     srv.restart();
 
     let j = p.wait().assert_ok();
     assert!(u(&j["retries"]) >= 1, "the report shows no retry: {j:#}");
     assert_same_tree(&src, &dst);
+    assert_completed_in_place(&dst, partial);
     assert_no_state(&dst);
-    // Here sent_bytes is the last attempt's (the server's report).
-    let sent = u(&j["sent_bytes"]);
-    eprintln!("retried download: sent {sent} of {total}; {written} were written before the server died");
+    // Here sent_bytes is the last attempt's (the server's report); the relay
+    // counted both attempts, so without resuming about `total + written`.
+    let (sent, wire) = (u(&j["sent_bytes"]), relay.to_client());
+    eprintln!("retried download: sent {sent} of {total} ({wire} on the wire in all); {written} were written before the server died");
     assert!(sent + written / 2 < total, "the retry sent {sent} of {total} bytes with {written} already there: not resumed\n{j:#}");
+    assert!(wire < total + written / 2, "{wire} bytes crossed the wire for {total} with {written} already there: the retry did not resume");
 }
 
 /// CLI.md: "Resume state lives in `.dmover-partial/` in the destination
