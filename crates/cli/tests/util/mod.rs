@@ -8,7 +8,10 @@
 //!   its exit code, stdout and stderr; [`Cmd::spawn`] for one to interrupt.
 //! * Trees: [`make_tree`] writes deterministic pseudo-random files with
 //!   varied sizes, modes and (nanosecond) mtimes; [`assert_same_tree`]
-//!   compares two trees byte for byte, with mode and mtime.
+//!   compares two trees byte for byte, with mode and mtime (and the modes
+//!   of empty directories).
+//! * [`Relay`]: a loopback TCP relay in front of a server that counts the
+//!   bytes crossing it each way (what was sent, seen from outside dmover).
 //! * [`Mount`]: a tmpfs or read-only bind mount, unmounted when dropped.
 //! * [`proc_status`], [`open_fds`]: what a process holds.
 //! * [`Raw`]: a connection that speaks the wire protocol by hand (for
