@@ -239,13 +239,16 @@ def _checks(res: WorkloadResult) -> list[str]:
     if not res.checks:
         return []
     what = {"content": "content (SHA-256)", "mode": "permissions", "mtime": "mtime (to the ns)"}
-    per_tool = "; ".join(f"{tool}: {', '.join(what[c] for c in checks)}"
-                         for tool, checks in res.checks.items())
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for tool, checks in res.checks.items():
+        groups.setdefault(tuple(checks), []).append(tool)
+    listed = "; ".join(f"{', '.join(tools)}: " + " and ".join(
+        filter(None, [", ".join(what[c] for c in checks[:-1]), what[checks[-1]]]))
+        for checks, tools in groups.items())
     spent = sum(f.get("check_seconds", 0.0) for figs in res.figures.values() for f in figs)
-    return [f"Checked after every run, every file of the copy against its source: {per_tool}. "
-            "Permissions and mtime are checked only for a tool asked to keep them (`cp -r` and "
-            "globus-url-copy are not). The checks of the timed runs took "
-            f"{spent:.1f} s in all (not in the figures).", ""]
+    return [f"Checked after every run, every file of the copy against its source: {listed}. "
+            "Permissions and mtime are checked only for a tool asked to keep them. The checks "
+            f"of the timed runs took {spent:.1f} s in all (not in the figures).", ""]
 
 
 def _profile(res: WorkloadResult) -> list[str]:
