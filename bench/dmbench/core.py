@@ -79,6 +79,11 @@ class Tool:
     def measure(self, ctx: Context, run_no: int) -> dict:
         raise NotImplementedError
 
+    def checks(self) -> tuple[str, ...]:
+        """What of the tool's output is checked after every run (a copy:
+        each file's content and the attributes the tool keeps)."""
+        return ()
+
 
 @dataclass(frozen=True)
 class Target:
@@ -176,6 +181,7 @@ class WorkloadResult:
     settings: dict[str, str] = field(default_factory=dict)
     trials: dict[str, list] = field(default_factory=dict)
     profile: dict | None = None
+    checks: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def stat(self, tool: str | None, key: str) -> Stat | None:
         if tool is None:
@@ -224,6 +230,8 @@ def run_workload(ctx: Context, wl: Workload) -> WorkloadResult:
         tools = wl.tools(ctx)
         for tool in tools:
             res.figures[tool.name] = []
+            if tool.checks():
+                res.checks[tool.name] = tool.checks()
         with contextlib.ExitStack() as stack:
             renewals = 0
 

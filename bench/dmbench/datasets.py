@@ -5,23 +5,31 @@ mean, scaled so that the total is exactly files × mean.
 
 A data set lives in SCRATCH/data/NAME/src and is generated once. A marker
 file next to it records the spec; the set is reused when the marker matches
-and every file has the right size, and regenerated otherwise.
+and every file has the right size, and regenerated otherwise. Its files'
+permissions vary (MODES), so that a copy which does not keep them shows it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
+import stat
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .system import BenchError
 
 CHUNK = 4 << 20
+# The permissions of the i-th file of a data set: MODES[i % len(MODES)]. With
+# the usual umask (022) a copy that creates its files afresh gets 0644 for
+# all of them.
+MODES = (0o644, 0o600, 0o640, 0o755, 0o664)
 
 
 def human_size(n: int) -> str:
@@ -111,8 +119,10 @@ class Dataset:
             return False
 
     def ensure(self, scratch: Path) -> Path:
-        """Generate the data set unless an identical one is already there."""
+        """Generate the data set unless an identical one is already there,
+        and give its files their permissions (MODES)."""
         if self.is_present(scratch):
+            self._set_modes(self.src(scratch))
             return self.src(scratch)
         root = self.root(scratch)
         print(f"  generating data set {self.name} ({self.total_bytes / 2**20:,.0f} MiB) "
@@ -122,10 +132,16 @@ class Dataset:
         tmp.mkdir(parents=True)
         for rel, size in zip(self.relpaths(), self.sizes):
             _write_random(tmp / rel, size)
+        self._set_modes(tmp)
         tmp.rename(self.src(scratch))
         os.sync()
         self._marker(scratch).write_text(json.dumps(self._spec()))
         return self.src(scratch)
+
+
+    def _set_modes(self, src: Path) -> None:
+        for i, rel in enumerate(self.relpaths()):
+            (src / rel).chmod(MODES[i % len(MODES)])
 
 
 def _write_random(path: Path, size: int) -> None:
@@ -142,54 +158,87 @@ def _write_random(path: Path, size: int) -> None:
 # checking a copy
 # --------------------------------------------------------------------------
 
-SAMPLE_FILES = 8
-SAMPLE_BYTES = 1 << 20
+# What a copy can be asked to keep besides the content.
+ATTRIBUTES = ("mode", "mtime")
+# Examples of each kind of difference quoted in an error.
+EXAMPLES = 3
+# SHA-256 of source files, by path, with the (size, mtime, ctime, inode) they
+# had: a data set is hashed once per harness invocation, not after every run.
+_source_digests: dict[Path, tuple[tuple[int, int, int, int], bytes]] = {}
 
 
-def verify_copy(ds: Dataset, src: Path, dst: Path) -> None:
-    """Check that dst holds exactly ds's files with the right sizes, and
-    compare the content of a sample (whole small files; the first, middle and
-    last MiB of large ones). Raises BenchError on any difference."""
+def _digest(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
+
+
+def _source_digest(path: Path, st: os.stat_result) -> bytes:
+    key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    cached = _source_digests.get(path)
+    if cached is None or cached[0] != key:
+        cached = (key, _digest(path))
+        _source_digests[path] = cached
+    return cached[1]
+
+
+def _mtime(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}"
+
+
+def verify_copy(ds: Dataset, src: Path, dst: Path, preserves: tuple[str, ...] = ()) -> float:
+    """Check that dst holds exactly ds's files with the right sizes, that
+    every file's content is the source's (SHA-256), and for the ATTRIBUTES in
+    `preserves` (what the tool was asked to keep) that every file's
+    permission bits and modification time (to the nanosecond) are the
+    source's. Raises BenchError listing every kind of difference with
+    examples; returns the seconds the check took."""
+    t0 = time.monotonic()
     sizes = dict(zip(ds.relpaths(), ds.sizes))
     expected = set(sizes)
     expected_dirs = {str(Path(p).parent) for p in expected} - {"."}
-    found: dict[str, int] = {}
+    found: dict[str, os.stat_result] = {}
+    extra = []
     for dirpath, dirnames, filenames in os.walk(dst):
         here = Path(dirpath)
         for name in filenames:
-            found[str((here / name).relative_to(dst))] = (here / name).lstat().st_size
+            found[str((here / name).relative_to(dst))] = (here / name).lstat()
         for name in dirnames:
             rel = str((here / name).relative_to(dst))
             if rel not in expected_dirs:
-                found[rel + "/"] = -1
-    extra = sorted(set(found) - expected)
+                extra.append(rel + "/")
+    extra += sorted(set(found) - expected)
     missing = sorted(expected - set(found))
-    wrong = sorted(p for p in expected & set(found) if found[p] != sizes[p])
+    differ: dict[str, list[str]] = {"size": [], "type": [], "content": [], "mode": [],
+                                    "mtime": []}
+    for rel in sorted(expected & set(found)):
+        got = found[rel]
+        if not stat.S_ISREG(got.st_mode):
+            differ["type"].append(f"{rel} (not a regular file)")
+            continue
+        if got.st_size != sizes[rel]:
+            differ["size"].append(f"{rel} ({got.st_size} B, source {sizes[rel]} B)")
+            continue
+        want = (src / rel).stat()
+        if _digest(dst / rel) != _source_digest(src / rel, want):
+            differ["content"].append(rel)
+        if "mode" in preserves and stat.S_IMODE(got.st_mode) != stat.S_IMODE(want.st_mode):
+            differ["mode"].append(f"{rel} ({stat.S_IMODE(got.st_mode):04o}, source "
+                                  f"{stat.S_IMODE(want.st_mode):04o})")
+        if "mtime" in preserves and got.st_mtime_ns != want.st_mtime_ns:
+            differ["mtime"].append(f"{rel} ({_mtime(got.st_mtime_ns)}, source "
+                                   f"{_mtime(want.st_mtime_ns)})")
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing (e.g. {missing[0]})")
+        problems.append(f"{len(missing)} missing (e.g. {', '.join(missing[:EXAMPLES])})")
     if extra:
-        problems.append(f"{len(extra)} unexpected entries (e.g. {extra[:3]})")
-    if wrong:
-        problems.append(f"{len(wrong)} with the wrong size (e.g. {wrong[0]}: {found[wrong[0]]})")
-    if not problems:
-        rng = random.Random(len(found))
-        for rel in rng.sample(sorted(expected), min(SAMPLE_FILES, len(expected))):
-            if not _same_sample(src / rel, dst / rel, sizes[rel]):
-                problems.append(f"content differs: {rel}")
-                break
+        problems.append(f"{len(extra)} unexpected entries (e.g. {', '.join(extra[:EXAMPLES])})")
+    what = {"size": "the wrong size", "type": "the wrong type", "content": "other content",
+            "mode": "other permissions", "mtime": "another modification time"}
+    for kind, rels in differ.items():
+        if rels:
+            problems.append(f"{len(rels)} with {what[kind]} (e.g. {'; '.join(rels[:EXAMPLES])})")
     if problems:
-        raise BenchError(f"destination {dst} does not match the source: " + "; ".join(problems))
-
-
-def _same_sample(a: Path, b: Path, size: int) -> bool:
-    if size <= 3 * SAMPLE_BYTES:
-        return a.read_bytes() == b.read_bytes()
-    offsets = (0, (size // 2) - SAMPLE_BYTES // 2, size - SAMPLE_BYTES)
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        for off in offsets:
-            fa.seek(off)
-            fb.seek(off)
-            if fa.read(SAMPLE_BYTES) != fb.read(SAMPLE_BYTES):
-                return False
-    return True
+        checked = ", ".join(("content",) + tuple(a for a in ATTRIBUTES if a in preserves))
+        raise BenchError(f"destination {dst} does not match the source {src} (checked every "
+                         f"file's {checked}): " + "; ".join(problems))
+    return time.monotonic() - t0

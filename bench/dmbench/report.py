@@ -72,12 +72,12 @@ def _header(meta: dict) -> str:
         f"- **mode**: {mode}; {meta['runs']} runs per measurement",
         f"- **machine**: {meta['nproc']} CPUs ({meta['cpu']}), {meta['memory_gib']} GiB memory, "
         f"kernel {meta['kernel']}",
-        f"- **dmover commit**: {meta['dmover_commit']} (`{v['dmover']}`)",
+        f"- **dmover measured**: `{meta['dmover_build']}` (`{meta['dmover_path']} --version`)",
         f"- **load average at start**: {meta['loadavg_at_start']} — the machine may be shared "
         "with other jobs, so absolute figures are noisy",
         f"- **TCP congestion control**: {meta['tcp_congestion_control']}",
         f"- **page cache**: {meta['page_cache']}",
-        "- **peers**: " + "; ".join(v[k] for k in v if k != "dmover"),
+        "- **peers**: " + "; ".join(v.values()),
         f"- **scratch directory** (data sets, destinations): `{meta['scratch']}`",
         "",
         "Each figure is the median of the runs, with the min – max spread. A ratio is "
@@ -130,6 +130,7 @@ def _section(i: int, res: WorkloadResult, runs: int) -> str:
         lines += [f"Skipped: {res.skipped}.", ""]
         return "\n".join(lines)
     lines += _figures_table(res) + _ratio_table(res) + _verdict_table(res) + _trials(res)
+    lines += _checks(res)
     lines += _profile(res) if res.profile else []
     per_run = "; the other runs repeat run 1 with the tools in rotated order"
     if any("dst-1" in c for c in res.commands.lines("run 1")):
@@ -234,6 +235,22 @@ def _trials(res: WorkloadResult) -> list[str]:
     return (["Settings of the tuned peers:", "", *lines, ""]) if lines else []
 
 
+def _checks(res: WorkloadResult) -> list[str]:
+    if not res.checks:
+        return []
+    what = {"content": "content (SHA-256)", "mode": "permissions", "mtime": "mtime (to the ns)"}
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for tool, checks in res.checks.items():
+        groups.setdefault(tuple(checks), []).append(tool)
+    listed = "; ".join(f"{', '.join(tools)}: " + " and ".join(
+        filter(None, [", ".join(what[c] for c in checks[:-1]), what[checks[-1]]]))
+        for checks, tools in groups.items())
+    spent = sum(f.get("check_seconds", 0.0) for figs in res.figures.values() for f in figs)
+    return [f"Checked after every run, every file of the copy against its source: {listed}. "
+            "Permissions and mtime are checked only for a tool asked to keep them. The checks "
+            f"of the timed runs took {spent:.1f} s in all (not in the figures).", ""]
+
+
 def _profile(res: WorkloadResult) -> list[str]:
     prof = res.profile
     lines = [f"Profile of dmover (slower than {', '.join(prof['faster'])} on MB/s): one more "
@@ -288,6 +305,7 @@ def to_json(meta: dict, results: list[WorkloadResult]) -> str:
             "key": res.key, "title": res.title, "description": res.description,
             "skipped": res.skipped, "seconds": round(res.seconds, 1), "limit": res.limit,
             "settings": res.settings, "trials": res.trials, "profile": res.profile,
+            "checks": res.checks,
             "rows": rows, "runs": res.figures, "errors": res.errors, "notes": res.notes,
             "commands": [{"phase": p, "command": c} for p, c in res.commands.entries]})
     return json.dumps(doc, indent=2, default=str) + "\n"

@@ -340,18 +340,24 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def git_commit(repo: Path) -> str:
-    res = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        return "none (no commit yet)"
-    commit = res.stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", ".",
-                            ":(exclude)bench"], capture_output=True, text=True).stdout.strip()
-    return commit + (" (+ uncommitted changes)" if dirty else "")
+def dmover_build(dmover: Path) -> str:
+    """The label of results measured with `dmover`: what the binary itself
+    says with `--version` (version, commit it was built from, commit date),
+    not the state of the repository the harness runs in."""
+    try:
+        res = subprocess.run([str(dmover), "--version"], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown: `{dmover} --version` failed ({exc})"
+    line = res.stdout.strip().splitlines()[0] if res.stdout.strip() else ""
+    if res.returncode != 0 or not line:
+        return f"unknown: `{dmover} --version` exited {res.returncode}: {res.stderr.strip()[:200]}"
+    if "(" not in line:
+        line += " (a build that does not record its commit)"
+    return line
 
 
-def machine_info(repo: Path, dmover: Path) -> dict:
+def machine_info(dmover: Path) -> dict:
     try:
         cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     except OSError:
@@ -364,9 +370,9 @@ def machine_info(repo: Path, dmover: Path) -> dict:
         "cpu": _cpu_model(),
         "loadavg_at_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "tcp_congestion_control": cc,
-        "dmover_commit": git_commit(repo),
+        "dmover_build": dmover_build(dmover),
+        "dmover_path": str(dmover),
         "versions": {
-            "dmover": first_line([str(dmover), "--version"]),
             "iperf3": first_line(["iperf3", "--version"]),
             "rsync": first_line(["rsync", "--version"]),
             "rclone": first_line(["rclone", "version"]),

@@ -196,13 +196,20 @@ class CopyTool(MeasuredTool):
     """Copies a data set's src/ into a fresh destination and times it.
 
     Before each run the destination is removed and the page cache dropped;
-    afterwards the copy is checked against the source and removed again.
-    `seconds` is the wall time from spawn to exit; `mb_per_s_with_sync`
-    adds a `sync` after the command (write-back not counted in `seconds`)."""
+    afterwards the copy is checked against the source (every file's content,
+    and the attributes in `preserves`: those the tool is asked to keep) and
+    removed again. `seconds` is the wall time from spawn to exit;
+    `mb_per_s_with_sync` adds a `sync` after the command (write-back not
+    counted in `seconds`); `check_seconds` is the time the check took."""
+
+    preserves: tuple[str, ...] = ()
 
     def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), name: str = ""):
         self.dataset, self.options = dataset, options or self.options
         self.name = name or self.name
+
+    def checks(self) -> tuple[str, ...]:
+        return ("content", *self.preserves)
 
     def slug(self) -> str:
         return self.name.replace(" ", "_").replace("/", "_")
@@ -233,12 +240,14 @@ class CopyTool(MeasuredTool):
         if self.link:
             fig["goodput_pct"] = 100 * ds.total_bytes * 8 / 1e6 / res.seconds / self.link.rate_mbit
         fig.update(self.parse(ctx, res))
-        verify_copy(ds, src, dest)
+        fig["check_seconds"] = verify_copy(ds, src, dest, self.preserves)
         remove_tree(None, dest)
         return fig
 
 
 class Cp(CopyTool):
+    """`cp -r`: keeps neither permissions nor times (it is not `cp -a`)."""
+
     name = "cp -r"
 
     def command(self, ctx, src, dest, run_no):
@@ -246,7 +255,11 @@ class Cp(CopyTool):
 
 
 class Rclone(CopyTool):
+    """`rclone copy`: sets each file's modification time (its default), not
+    its permissions."""
+
     name = "rclone"
+    preserves = ("mtime",)
     candidates = (("--transfers", "4"), ("--transfers", "8"), ("--transfers", "16"))
     options = candidates[1]
 
@@ -255,9 +268,11 @@ class Rclone(CopyTool):
 
 
 class Rsync(CopyTool):
-    """`rsync -a` locally, or into an rsync daemon (in a namespace)."""
+    """`rsync -a` locally, or into an rsync daemon (in a namespace); -a
+    keeps permissions and times."""
 
     name = "rsync"
+    preserves = ("mode", "mtime")
 
     def __init__(self, dataset: Dataset, *, daemon_host: str | None = None,
                  server_netns: str | None = None, client_netns: str | None = None, link=None):
@@ -290,7 +305,8 @@ class ServerCopyTool(CopyTool):
 
 
 class GlobusUrlCopy(ServerCopyTool):
-    """globus-url-copy of the tree (`-r -cd`) to a GridFTP server."""
+    """globus-url-copy of the tree (`-r -cd`) to a GridFTP server; it is
+    not asked to keep permissions or times."""
 
     name = "globus-url-copy"
     candidates = (("-fast", "-p", "4"), ("-fast", "-cc", "4", "-pp"),
@@ -315,9 +331,11 @@ class GlobusUrlCopy(ServerCopyTool):
 
 
 class DmoverCopy(ServerCopyTool):
-    """`dmover cp` into a dmover server (loopback, or across a netns link)."""
+    """`dmover cp` into a dmover server (loopback, or across a netns link);
+    it keeps permissions and modification times."""
 
     name = "dmover"
+    preserves = ("mode", "mtime")
 
     def session(self, ctx: Context) -> DmoverServer:
         self.server = DmoverServer(ctx, ctx.work / f"export-{self.slug()}", host=self.host,

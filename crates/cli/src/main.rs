@@ -27,7 +27,7 @@ use dmover_proto::ErrorKind;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "dmover", version, about = "Parallel data mover for large scientific data sets")]
+#[command(name = "dmover", version = env!("DMOVER_VERSION"), about = "Parallel data mover for large scientific data sets")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
