@@ -94,27 +94,29 @@ struct Plan {
 }
 
 pub fn run(a: CpArgs) -> Result<i32> {
+    let result = copy(&a);
+    // Any fatal error, planning included, gets the JSON failure report.
+    if let (Err(e), true) = (&result, a.json) {
+        println!("{}", report::failure_json(e));
+    }
+    result
+}
+
+/// Plans and runs the copy; prints the report of a copy that ran.
+fn copy(a: &CpArgs) -> Result<i32> {
     let started = Instant::now();
-    let plan = make_plan(&a)?;
+    let plan = make_plan(a)?;
     let progress = Arc::new(Progress::default());
     let display = ProgressDisplay::start(progress.clone(), !a.quiet);
     let src_remote = plan.sources[0].is_remote();
     let result = match (src_remote, plan.dest.is_remote()) {
-        (false, false) => local_to_local(&plan, &a, &progress),
-        (false, true) => upload(&plan, &a, &progress),
-        (true, false) => download(&plan, &a, &progress),
-        (true, true) => third_party(&plan, &a, &progress),
+        (false, false) => local_to_local(&plan, a, &progress),
+        (false, true) => upload(&plan, a, &progress),
+        (true, false) => download(&plan, a, &progress),
+        (true, true) => third_party(&plan, a, &progress),
     };
     display.finish();
-    let mut stats = match result {
-        Ok(s) => s,
-        Err(e) => {
-            if a.json {
-                println!("{}", report::failure_json(&e));
-            }
-            return Err(e);
-        }
-    };
+    let mut stats = result?;
     stats.nanos = started.elapsed().as_nanos() as u64;
     let r = report::Report::from_stats(&stats);
     if a.json {

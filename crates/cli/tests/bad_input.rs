@@ -443,3 +443,82 @@ fn source_truncated_while_uploading_exits_9() {
     write_random(&src.join("shrinking.dat"), 1000, 19);
     env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
 }
+
+/// CLI.md "Stream tuning": downloads, local copies and third-party copies
+/// use a fixed count of streams, and `--tune` on them is refused — exit 2,
+/// one line naming `--tune`, the direction and `--streams N` as the way
+/// out — before anything is written, with or without `--streams N`. An
+/// upload takes `--tune` with `--streams N` (the tuner starts from N).
+#[test]
+fn tune_is_refused_for_downloads_local_and_third_party_copies() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 200_000, 21);
+    let export = env.mkdir("export");
+    write_random(&export.join("data/b.dat"), 200_000, 22);
+    let export2 = env.mkdir("export2");
+    let (srv, srv2) = (env.serve(&[("e", &export)]), env.serve(&[("f", &export2)]));
+    let (out, down) = (env.mkdir("out"), env.mkdir("down"));
+    let cases = [
+        (src.display().to_string(), out.display().to_string(), "local copies", &out),
+        (srv.url("e/data"), down.display().to_string(), "downloads", &down),
+        (srv.url("e/data"), srv2.url("f/in"), "third-party copies", &export2),
+    ];
+    for (from, to, what, dest) in cases {
+        for tune in [&["--tune", "mi"][..], &["--streams", "4", "--tune", "aimd"]] {
+            let r = env.cp([from.as_str(), to.as_str()]).args(tune).run();
+            r.assert_fails(2, &["--tune", what, "--streams N"]);
+            assert!(list_tree(dest).is_empty(), "{what} with {tune:?}: something was written: {:?}", list_tree(dest));
+        }
+    }
+    let r = env.cp([src.display().to_string(), srv2.url("f/up"), "--streams".into(), "3".into(), "--tune".into(), "mi".into()]).run();
+    r.assert_ok();
+    assert_same_tree(&src, &export2.join("up/src"));
+}
+
+/// CLI.md "JSON report": when a transfer cannot run at all, `--json`
+/// prints `{ "ok": false, "error": { "kind", "subject", "message",
+/// "exit_code" } }` on stdout — that object and nothing else — while
+/// stderr carries the one-line error and the process exits with `exit_code`.
+#[test]
+fn json_report_of_a_fatal_error_has_the_documented_shape() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 23);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let other = env.path("other-token");
+    assert_eq!(dmover(["token".as_ref(), other.as_os_str()]).run().code, 0);
+    let closed = format!("127.0.0.1:{}", closed_port());
+    let s = src.display().to_string();
+    let cases: Vec<(Cmd, i32, &str, String)> = vec![
+        (dmover(["cp", "--json", "-q", "--token-file", other.to_str().unwrap(), &s, &srv.url("e")]), 7, "auth-failed", srv.addr()),
+        (env.cp([s.clone(), srv.url("nosuch/dir")]), 8, "refused", srv.addr()),
+        (env.cp([s.clone(), format!("dmover://{closed}/e"), "--retries".into(), "0".into()]), 6, "unreachable", closed.clone()),
+        (env.cp([s.clone(), "dmover://127.0.0.1:x/e".into()]), 2, "usage", "dmover://127.0.0.1:x/e".into()),
+        (env.cp([s.clone(), env.path("out").display().to_string(), "--tune".into(), "mi".into()]), 2, "usage", String::new()),
+        (dmover(["cp", "--json", "-q", &s, &format!("dmover://{closed}/e")]), 2, "usage", String::new()),
+    ];
+    for (cmd, code, kind, subject) in cases {
+        let r = cmd.run();
+        r.assert_fails(code, &[]);
+        let j = r.json();
+        let keys: Vec<&String> = j.as_object().expect("a JSON object").keys().collect();
+        assert_eq!(keys, ["error", "ok"], "top-level fields of a fatal error's report: {j:#}");
+        assert_eq!(j["ok"], false, "{j:#}");
+        let e = j["error"].as_object().unwrap_or_else(|| panic!("error is not an object: {j:#}"));
+        let mut fields: Vec<&String> = e.keys().collect();
+        fields.sort();
+        assert_eq!(fields, ["exit_code", "kind", "message", "subject"], "fields of error: {j:#}");
+        assert_eq!(j["error"]["kind"], kind, "{j:#}");
+        assert_eq!(j["error"]["exit_code"], code, "exit_code must be the process's exit code: {j:#}");
+        let subject_got = j["error"]["subject"].as_str().expect("subject is a string");
+        assert!(subject_got.contains(&subject), "subject {subject_got:?} does not name {subject:?}: {j:#}");
+        let message = j["error"]["message"].as_str().expect("message is a string");
+        assert!(
+            !message.is_empty() && r.error_lines()[0].contains(message),
+            "the message {message:?} is not the one on stderr:\n{}",
+            r.stderr
+        );
+    }
+}

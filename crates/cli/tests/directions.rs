@@ -6,6 +6,7 @@ mod util;
 
 use std::collections::BTreeSet;
 use std::fs;
+use std::time::Duration;
 use util::*;
 
 /// Common checks of a successful report against the source tree.
@@ -349,4 +350,108 @@ fn bwlimit_is_honoured_in_every_direction() {
         }
     }
     assert!(too_fast.is_empty(), "3 MiB at --bwlimit 2M must take at least 1.5 s; these were faster: {too_fast:#?}");
+}
+
+/// `--concurrency N` is the number of files read at once. Observed in the
+/// client: the source files it holds open while a slow upload runs (one
+/// stream, no tuner). Each reader holds the file it reads; a block queued
+/// for the network keeps its file open a little longer, so a count can
+/// briefly exceed N (by at most the blocks queued and in flight: 2 per
+/// stream, plus one per reader that passed the queue check at once, plus
+/// one being sent), but most of the time it is exactly N.
+#[test]
+fn concurrency_is_the_number_of_source_files_read_at_once() {
+    const N: usize = 3;
+    let env = Env::new();
+    let src = env.path("data");
+    for i in 0..8 {
+        write_random(&src.join(format!("f{i}.dat")), 2 << 20, 40 + i);
+    }
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let args = ["--concurrency", "3", "--streams", "1", "--bwlimit", "2M", "--block-size", "64K", "--staging", "1M"];
+    let mut p = env.cp([src.display().to_string(), srv.url("e")]).args(args).spawn();
+    let pid = p.pid();
+    let open_sources = || -> usize {
+        let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else { return 0 };
+        rd.flatten()
+            .filter_map(|e| fs::read_link(e.path()).ok())
+            .filter(|t| t.starts_with(&src) && t.extension().is_some_and(|x| x == "dat"))
+            .count()
+    };
+    // Sample for 3 s once reading has begun (the copy takes about 8 s).
+    assert!(wait_until(Duration::from_secs(30), || open_sources() > 0 || !p.running()), "the client never opened a source file");
+    let mut counts = std::collections::BTreeMap::<usize, usize>::new();
+    let end = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < end && p.running() {
+        *counts.entry(open_sources()).or_default() += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(p.running(), "the copy ended while it was observed: {counts:?}");
+    p.kill9();
+    let samples: usize = counts.values().sum();
+    let (&mode, _) = counts.iter().max_by_key(|(_, &n)| n).unwrap();
+    eprintln!("source files open at once (count: samples): {counts:?}");
+    assert!(samples >= 50, "too few samples: {counts:?}");
+    assert_eq!(mode, N, "with --concurrency {N} the client should mostly hold {N} source files open: {counts:?}");
+    let max = *counts.keys().last().unwrap();
+    assert!(max <= 2 * N + 2, "{max} source files open at once with --concurrency {N}: {counts:?}");
+}
+
+/// CLI.md "dmover serve": on SIGTERM the server stops accepting, lets
+/// running transfers go on for up to `--grace` seconds, and exits 0. An
+/// upload that needs longer keeps arriving during the grace; then the
+/// server exits 0, about the grace after the signal; the client (no
+/// retries) fails with 6 naming the host; nothing is half-written under a
+/// final name; and the same command, against the restarted server, finishes
+/// the copy without sending it all again.
+#[test]
+fn sigterm_lets_an_upload_go_on_for_the_grace_then_the_server_exits_0() {
+    const GRACE: u64 = 3;
+    const MIB: u64 = 1 << 20;
+    let env = Env::new();
+    let src = env.path("data");
+    let mut rng = Rng::new(50);
+    make_file(&src.join("big.bin"), 24 * MIB, &mut rng);
+    for i in 0..6 {
+        make_file(&src.join(format!("small/s{i}.dat")), 30_000, &mut rng);
+    }
+    let total = total_size(&src);
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--grace".into(), GRACE.to_string().into()];
+    let mut srv = Server::start(spec);
+    let dst = export.join("in/data");
+    // 2 MB/s: the upload needs about 13 s, far longer than the grace.
+    let mut cmd = env.cp([src.display().to_string(), srv.url("e/in"), "--bwlimit".into(), "2M".into(), "--retries".into(), "0".into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    assert!(wait_until(Duration::from_secs(60), || written_bytes(&dst) >= MIB || !p.running()), "the upload did not start");
+    assert!(p.running(), "the upload ended before the signal");
+
+    srv.signal(libc::SIGTERM);
+    let signalled = std::time::Instant::now();
+    let at_signal = written_bytes(&dst);
+    let went_on = wait_until(Duration::from_secs(GRACE), || written_bytes(&dst) >= at_signal + MIB);
+    assert!(went_on, "the upload stopped at the signal ({} bytes then, {} now): the grace was not given", at_signal, written_bytes(&dst));
+    let status = srv.wait_exit(Duration::from_secs(GRACE + 10)).expect("the server did not exit after its grace");
+    let after = signalled.elapsed();
+    assert!(status.success(), "the server exited with {status:?} after SIGTERM");
+    assert!(after >= Duration::from_millis(GRACE * 1000 - 100), "the server exited {after:?} after SIGTERM, before its {GRACE} s grace");
+    assert!(after <= Duration::from_secs(GRACE + 5), "the server took {after:?} to exit with a {GRACE} s grace");
+    assert!(srv.log().contains("shutting down"), "server log:\n{}", srv.log());
+
+    let r = p.wait();
+    r.assert_fails(6, &[&srv.addr()]);
+    let written = written_bytes(&dst);
+    assert!(written < total, "the upload had completed ({written} of {total})");
+    assert!(!dst.join("big.bin").exists(), "big.bin is under its final name although the upload was cut");
+    assert_final_names_complete(&src, &dst);
+
+    srv.restart();
+    let j = cmd.run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    assert!(sent + written / 2 < total, "the re-run sent {sent} of {total} bytes with {written} already there: not resumed\n{j:#}");
+    assert_same_tree(&src, &dst);
+    assert!(!export.join("in/.dmover-partial").exists(), "resume state left after the copy completed");
 }

@@ -440,3 +440,174 @@ fn overlapping_sources_list_each_file_once() {
     assert_eq!((j["total_files"].as_u64(), j["done_files"].as_u64()), (Some(38), Some(38)), "{j:#}");
     assert_same_tree(&src, &dest);
 }
+
+// ---------------------------------------------------------------------------
+// The job's own keys and reports, run without Slurm (`dmover run`)
+
+/// Every key of `dmover status --json` that docs/CLI.md shows, in its order.
+const STATUS_KEYS: [&str; 27] = [
+    "state",
+    "job",
+    "slurm_job_id",
+    "started_unix",
+    "updated_unix",
+    "seconds",
+    "walk_done",
+    "total_files",
+    "total_bytes",
+    "done_files",
+    "done_bytes",
+    "skipped_files",
+    "skipped_bytes",
+    "earlier_files",
+    "earlier_bytes",
+    "failed_files",
+    "retried_files",
+    "requeued_files",
+    "mb_per_s",
+    "files_per_s",
+    "nodes",
+    "hosts",
+    "agents",
+    "failures",
+    "check",
+    "error",
+    "resubmitted_as",
+];
+
+/// CLI.md "status": `dmover status --json` prints the job's report with
+/// exactly the documented fields — counts that add up, each node's, host's
+/// and agent's share, the completion check — and it is the report `dmover
+/// run --json` printed.
+#[test]
+fn status_json_has_the_documented_shape() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 42, 40);
+    let (files, bytes) = (list_files(&src).len() as u64, total_size(&src));
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "shape", &src, &[&srv], "[slurm]\ntasks_per_node = 2\n");
+    let r = dmover(["run", "--json"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let s = dmover(["status", "--json"]).arg(&job.path).run();
+    assert_eq!(s.code, 0, "{}", s.stderr);
+    let j = s.json();
+    assert_eq!(j, r.json(), "status --json differs from the report of the run");
+    let keys: Vec<&str> = j.as_object().expect("an object").keys().map(String::as_str).collect();
+    let mut want = STATUS_KEYS.to_vec();
+    want.sort();
+    let mut got = keys.clone();
+    got.sort();
+    assert_eq!(got, want, "the fields of status --json are not the documented ones: {j:#}");
+    assert_eq!(j["state"], "finished", "{j:#}");
+    assert_eq!(j["job"], job.path.display().to_string(), "{j:#}");
+    assert_eq!(j["slurm_job_id"], Value::Null, "no Slurm here: {j:#}");
+    assert!(u(&j["updated_unix"]) >= u(&j["started_unix"]) && u(&j["started_unix"]) > 1_700_000_000, "{j:#}");
+    assert!(j["seconds"].as_f64().is_some_and(|x| x > 0.0), "{j:#}");
+    assert_eq!(j["walk_done"], true, "{j:#}");
+    for (k, v) in [("total_files", files), ("total_bytes", bytes), ("done_files", files), ("done_bytes", bytes)] {
+        assert_eq!(u(&j[k]), v, "{k}: {j:#}");
+    }
+    for k in ["skipped_files", "skipped_bytes", "earlier_files", "earlier_bytes", "failed_files", "retried_files"] {
+        assert_eq!(u(&j[k]), 0, "{k}: {j:#}");
+    }
+    u(&j["requeued_files"]);
+    assert!(j["mb_per_s"].as_f64().is_some_and(|x| x > 0.0) && j["files_per_s"].as_f64().is_some_and(|x| x > 0.0), "{j:#}");
+    let shares = |k: &str| -> Vec<(String, u64, u64)> {
+        j[k].as_array()
+            .unwrap_or_else(|| panic!("{k} is not an array: {j:#}"))
+            .iter()
+            .map(|e| (e["name"].as_str().unwrap_or_else(|| panic!("{k}: no name: {e}")).to_string(), u(&e["files"]), u(&e["bytes"])))
+            .collect()
+    };
+    assert_eq!(shares("nodes"), [(hostname(), files, bytes)], "{j:#}");
+    assert_eq!(shares("hosts"), [(format!("{}:{}", hostname(), srv.port), files, bytes)], "{j:#}");
+    let agents = j["agents"].as_array().unwrap();
+    assert_eq!(agents.len(), 2, "{j:#}");
+    for (i, a) in agents.iter().enumerate() {
+        assert_eq!((u(&a["id"]), a["node"].as_str(), a["state"].as_str()), (i as u64, Some(hostname().as_str()), Some("finished")), "{a}");
+        u(&a["task"]);
+        u(&a["pid"]);
+    }
+    let sum = |k: &str| agents.iter().map(|a| u(&a[k])).sum::<u64>();
+    assert_eq!((sum("files"), sum("bytes")), (files, bytes), "the agents' shares do not add up: {j:#}");
+    assert_eq!(j["failures"], serde_json::json!([]), "{j:#}");
+    let check = serde_json::json!({ "passed": true, "source_files": files, "source_bytes": bytes,
+                                    "dest_files": files, "dest_bytes": bytes, "digests_match": true });
+    assert_eq!(j["check"], check, "{j:#}");
+    assert_eq!((&j["error"], &j["resubmitted_as"]), (&Value::Null, &Value::Null), "{j:#}");
+}
+
+/// Rewrites `p` with other bytes of the same size and puts its mtime back.
+fn change_keeping_size_and_mtime(p: &Path, seed: u64) {
+    let (s, ns) = mtime_of(p);
+    let size = std::fs::metadata(p).unwrap().len();
+    write_random(p, size, seed);
+    set_mtime(p, s, ns);
+}
+
+/// CLI.md job keys: `transfer.sync` skips files whose size and mtime match
+/// at the destination; with `transfer.checksum` it compares content, so a
+/// file changed without a change of size or mtime is sent again — and only
+/// that one.
+#[test]
+fn job_sync_skips_what_is_there_and_checksum_compares_content() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 43, 20);
+    let files = list_files(&src).len() as u64;
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let dst = out.join("in");
+    let run = |name: &str, extra: &str| -> Value {
+        let job = write_job(&env, name, &src, &[&srv], extra);
+        let r = dmover(["run", "--json"]).arg(&job.path).run();
+        assert_eq!(r.code, 0, "job {name}: {}", r.stderr);
+        let j = r.json();
+        assert_eq!(j["check"]["passed"], true, "job {name}: {j:#}");
+        j
+    };
+    let j = run("first", "");
+    assert_eq!(u(&j["skipped_files"]), 0, "{j:#}");
+    assert_same_tree(&src, &dst);
+
+    // A fresh job (no done list) without sync sends everything again.
+    let j = run("again", "");
+    assert_eq!(u(&j["skipped_files"]), 0, "without sync nothing is skipped: {j:#}");
+
+    let changed = "a/b/c/multi.dat";
+    change_keeping_size_and_mtime(&src.join(changed), 4343);
+    let j = run("sync", "[transfer]\nsync = true\n");
+    assert_eq!((u(&j["skipped_files"]), u(&j["skipped_bytes"])), (files, total_size(&src)), "sync should skip every file: {j:#}");
+    assert!(!same_content(&src.join(changed), &dst.join(changed)), "sync without checksum sent the file whose size and mtime match");
+
+    let j = run("checksum", "[transfer]\nsync = true\nchecksum = true\n");
+    assert_eq!(u(&j["skipped_files"]), files - 1, "checksum should send exactly the changed file: {j:#}");
+    assert_same_tree(&src, &dst);
+}
+
+/// CLI.md: a job whose destination does not accept the token is refused
+/// before anything runs or is submitted: exit 7, one line naming the host
+/// and the token; no state directory, nothing at the destination.
+#[test]
+fn a_job_with_the_wrong_token_is_refused_before_anything_runs() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 44, 5);
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "wrong", &src, &[&srv], "");
+    let other = env.path("other-token");
+    assert_eq!(dmover(["token".as_ref(), other.as_os_str()]).run().code, 0);
+    let text = std::fs::read_to_string(&job.path).unwrap().replace(&env.token.display().to_string(), &other.display().to_string());
+    std::fs::write(&job.path, text).unwrap();
+    let host = format!("{}:{}", hostname(), srv.port);
+    for cmd in [&["run"][..], &["submit", "--dry-run"]] {
+        let r = dmover(cmd).arg(&job.path).run();
+        r.assert_fails(7, &[&host, "does not accept the token"]);
+        assert!(r.stdout.is_empty(), "{cmd:?} printed {:?}", r.stdout);
+    }
+    assert!(!job.state.exists(), "a refused job created its state directory");
+    assert!(list_tree(&out).is_empty(), "a refused job wrote to the destination: {:?}", list_tree(&out));
+}

@@ -345,3 +345,46 @@ fn resume_state_lives_in_the_destination_directory() {
     );
     assert!(!export.join(".dmover-partial").exists(), "resume state was put in the destination's parent (the export root)");
 }
+
+/// CLI.md "Files while they move": a single file copied to a new name
+/// (`cp big.bin dmover://…/e/dir/newname`) is written as
+/// `.newname.dmover-part` with its resume state in `.dmover-partial/`
+/// beside the destination (in `dir/`); re-run after an interruption, the
+/// same command completes it without sending it all again, and the state
+/// is removed.
+#[test]
+fn single_file_to_a_new_name_killed_then_rerun_resumes() {
+    let env = Env::new();
+    let src = env.path("data/big.bin");
+    make_file(&src, BIG, &mut Rng::new(78));
+    let export = env.mkdir("export");
+    let dir = env.mkdir("export/dir");
+    let srv = env.serve(&[("e", &export)]);
+    let (dst, part) = (dir.join("newname"), dir.join(".newname.dmover-part"));
+    let mut cmd = env.cp([src.display().to_string(), srv.url("e/dir/newname"), "--bwlimit".into(), RATE.into()]);
+    cmd.cwd(env.root());
+    let mut p = cmd.spawn();
+    let mut written = 0;
+    let ok = wait_until(Duration::from_secs(90), || {
+        written = written_bytes(&dir);
+        written >= BIG * 2 / 5 || !p.running()
+    });
+    assert!(ok && p.running(), "no interruption mid-file: {written} of {BIG} bytes written, client running: {}", p.running());
+    p.kill9();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!dst.exists(), "newname exists under its final name after an interruption");
+    assert!(part.is_file(), "no .newname.dmover-part: {:?}", list_tree(&export).keys().collect::<Vec<_>>());
+    assert!(
+        dir.join(".dmover-partial").is_dir(),
+        "no .dmover-partial/ beside the destination: {:?}",
+        list_tree(&export).keys().collect::<Vec<_>>()
+    );
+    assert!(!export.join(".dmover-partial").exists(), "resume state was put in the export root, not beside the destination");
+    let written = written_bytes(&dir);
+
+    let j = cmd.run().assert_ok();
+    check_resumed(&j, BIG, written);
+    assert!(same_content(&src, &dst), "newname differs from the source");
+    let left: Vec<String> = list_tree(&dir).into_keys().collect();
+    assert_eq!(left, ["newname"], "leftovers beside the destination after success");
+}

@@ -457,3 +457,78 @@ fn a_sink_that_hangs_is_failed_over_after_the_ack_timeout() {
     assert_eq!(m["steps"][6]["manifest_at"], alternate.addr());
     primary.signal(libc::SIGCONT);
 }
+
+/// CLI.md "dmover sink": `--name NAME` is this sink's name in manifests —
+/// the manifest's `sink` and every block's `at` — instead of its address.
+#[test]
+fn sink_name_names_the_sink_in_its_manifests() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, ["--name", "ana-1"]);
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.max_wait = Duration::from_secs(30);
+    let mut s = Stream::open(c).unwrap();
+    let written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    let report = s.close().unwrap();
+    check_delivery(&report, &written, &HashMap::from([(sink.addr(), out.clone())]));
+    for step in 0..written.len() {
+        let m = read_json(&out.join(PRODUCER).join(format!("step-{step:06}.json")));
+        assert_eq!(m["sink"], "ana-1", "step {step}: the manifest does not name the sink by --name: {m:#}");
+        for b in m["blocks"].as_array().unwrap() {
+            assert_eq!(b["at"], "ana-1", "step {step}: a block held here is not `at` the sink's name: {b}");
+        }
+    }
+}
+
+/// CLI.md "dmover sink": a failing hook is logged, and the sink carries
+/// on: the stream is saved whole, the hooks of later steps still run (one
+/// at a time, in step order), and a later stream gets its hooks too.
+#[test]
+fn a_failing_hook_is_logged_and_later_steps_still_get_theirs() {
+    let env = Env::new();
+    let (out, hooked, spill) = (env.mkdir("sink"), env.mkdir("hooked"), env.mkdir("spill"));
+    let order = env.path("order.txt");
+    let script = env.path("hook.sh");
+    let text = format!(
+        "name=$(basename \"$1\")\necho \"$name\" >> {}\ncp \"$1\" {}/\ncase \"$name\" in step-000001.json) exit 3;; esac\n",
+        order.display(),
+        hooked.display()
+    );
+    std::fs::write(&script, text).unwrap();
+    let hook = format!("sh {}", script.display());
+    let sink = env.sink(&out, ["--hook", &hook]);
+    let stream = |steps: u64| {
+        let mut c = config(&env, &[&sink.addr()], &spill);
+        c.max_wait = Duration::from_secs(30);
+        let mut s = Stream::open(c).unwrap();
+        let written: Vec<Vec<u8>> = (0..steps).map(|step| write_step(&mut s, step)).collect();
+        let report = s.close().unwrap();
+        check_delivery(&report, &written, &HashMap::from([(sink.addr(), out.clone())]));
+    };
+    stream(4);
+    for step in 0..4 {
+        let copy = hooked.join(format!("step-{step:06}.json"));
+        assert!(
+            wait_until(Duration::from_secs(20), || copy.is_file()),
+            "no hook for step {step} after the hook of step 1 failed:\n{}",
+            sink.log()
+        );
+    }
+    let failed = format!("hook for {} failed", out.join(PRODUCER).join("step-000001.json").display());
+    assert!(
+        wait_until(Duration::from_secs(5), || sink.log().contains(&failed)),
+        "the failing hook was not logged ({failed:?}):\n{}",
+        sink.log()
+    );
+    let steps: Vec<String> = (0..4).map(|s| format!("step-{s:06}.json")).collect();
+    assert_eq!(std::fs::read_to_string(&order).unwrap().lines().collect::<Vec<_>>(), steps, "hooks ran out of step order");
+
+    // The sink carries on: a new stream, and its hooks.
+    std::fs::remove_dir_all(&hooked).unwrap();
+    std::fs::create_dir(&hooked).unwrap();
+    stream(2);
+    for step in 0..2 {
+        let copy = hooked.join(format!("step-{step:06}.json"));
+        assert!(wait_until(Duration::from_secs(20), || copy.is_file()), "no hook for step {step} of a later stream:\n{}", sink.log());
+    }
+}

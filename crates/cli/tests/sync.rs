@@ -285,3 +285,23 @@ fn checksum_without_sync_is_a_usage_error() {
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(!t.dst.exists(), "copied anyway");
 }
+
+/// CLI.md: `-c` is `--checksum`. With `--sync`, a file whose size and mtime
+/// match but whose content differs is sent only with `-c`; `-c` without
+/// `--sync` is a usage error (2), like `--checksum`.
+#[test]
+fn short_c_is_checksum() {
+    let t = Setup::new("upload", 24);
+    let files = u(&t.cp(&[]).assert_ok()["files"]);
+    let changed = "a/page.dat";
+    change_keeping_size_and_mtime(&t.src.join(changed), 4321);
+    let j = t.cp(&["--sync"]).assert_ok();
+    assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
+    assert!(!same_content(&t.src.join(changed), &t.dst.join(changed)), "plain --sync sent the file");
+    let j = t.cp(&["--sync", "-c"]).assert_ok();
+    assert_eq!(u(&j["skipped_files"]), files - 1, "--sync -c should re-send exactly the changed file: {j:#}");
+    assert_same_tree(&t.src, &t.dst);
+    let r = t.cp(&["-c"]);
+    assert_eq!(r.code, 2, "-c without --sync: {}", r.stderr);
+    assert!(r.stderr.contains("--sync"), "the usage error should name --sync: {}", r.stderr);
+}

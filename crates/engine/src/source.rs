@@ -5,7 +5,7 @@
 //! and each match keeps its path below it. Names follow rsync: `dir` is sent
 //! as `dir/...`, `dir/` as its contents. The walk streams entries to a
 //! callback as it finds them, so sending starts at once and memory does not
-//! grow with the tree. Symlinks are not followed (they are counted and
+//! grow with the tree. Symlinks are not followed (they are reported and
 //! skipped), and dmover's own partial files are never sent.
 
 use crate::error::Error;

@@ -456,19 +456,18 @@ impl Manager {
         Ok(())
     }
 
-    /// Sends `StepEnd` for every ended step whose blocks are all acknowledged.
+    /// Sends `StepEnd` for the ended steps whose blocks are all
+    /// acknowledged, in step order: it stops at the first step still waiting
+    /// for a block, so that a sink saves steps, and runs their hooks, in order.
     fn end_steps(&mut self) -> Result<()> {
         let Some(l) = &mut self.link else { return Ok(()) };
         let mut failed = None;
         let mut sent = Vec::new();
         for &step in &self.unsent {
             let s = self.steps.get_mut(&step).expect("unsent steps exist");
-            let Some(end) = &s.end else { continue };
-            if s.blocks.len() as u64 != end.blocks {
-                continue;
-            }
-            if !s.blocks.values().all(|b| matches!(b.place, Place::At(_))) {
-                continue;
+            let Some(end) = &s.end else { break };
+            if s.blocks.len() as u64 != end.blocks || !s.blocks.values().all(|b| matches!(b.place, Place::At(_))) {
+                break;
             }
             let blocks = s
                 .blocks
