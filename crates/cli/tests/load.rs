@@ -25,13 +25,15 @@ const STAGING: u64 = 8 * MIB;
 const LARGE: u64 = 30 * MIB;
 const SMALL_TOTAL: u64 = 8 * MIB;
 
-/// Open sockets of a process (its connections and its listener).
+/// Sockets a process holds open (its connections and its listener), each
+/// counted once however many descriptors it has.
 fn open_sockets(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
+    let sockets: std::collections::HashSet<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
         .filter(|t| t.to_string_lossy().starts_with("socket:"))
-        .count() as u64
+        .collect();
+    sockets.len() as u64
 }
 
 /// Writes the set one client moves: `files` small files and two large ones.
@@ -138,9 +140,10 @@ fn many_clients_at_once_all_verify_with_bounded_memory_and_no_descriptor_leak() 
     //   few hundred bytes each here, with 16 bytes per block), the writer,
     //   pinger, accept and control threads' stacks (a few pages each) and
     //   their allocator arenas' bookkeeping: 1 MiB is generous;
-    // * per connection (control or data; the tuner opens data connections
-    //   as it likes, so they are counted as the most sockets seen): its
-    //   frame reader's 256 KiB buffer and its thread's stack pages, 384 KiB.
+    // * per connection (control or data; the uploads' tuners open data
+    //   connections as they like, so they are counted as the most sockets
+    //   the server held at once, less those it held before): its frame
+    //   reader's 256 KiB buffer and its thread's stack pages, 384 KiB.
     const SESSION_KIB: u64 = (STAGING + MIB) / 1024;
     const CONNECTION_KIB: u64 = 384;
     let connections = peak_sockets.saturating_sub(sockets_before);
