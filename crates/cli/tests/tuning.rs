@@ -2,11 +2,17 @@
 //! two network namespaces): real TCP over 100 Mbit/s and 50 ms, socket
 //! buffers of 64 KiB, so one stream cannot fill the link and the tuners
 //! must open more while sending.
+//!
+//! One stream carries about a socket buffer per round trip, 64 KiB / 50 ms
+//! ≈ 10 Mbit/s (a little more, as the kernel rounds the buffers up); the
+//! default tuner starts at four streams, about half the link, so only a
+//! tuner that opens more reaches [`LINK_SHARE`] of it.
 
 mod util;
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Mutex;
 use std::time::Duration;
 use util::*;
 
@@ -14,26 +20,41 @@ const NS_A: &str = "dmtestA";
 const NS_B: &str = "dmtestB";
 const SUBNET: &str = "13";
 const IP_B: &str = "10.250.13.2";
+/// The emulated link's rate, each way.
+const LINK_MBIT: f64 = 100.0;
+/// Share of the link a tuned transfer must reach over its steady part: well
+/// above what the default tuner's starting streams carry (checked against
+/// one stream's measured rate), and below the link's rate less TCP/IP
+/// headers (about 0.96) by enough for a loaded machine.
+const LINK_SHARE: f64 = 0.7;
+/// The streams the default tuner starts with.
+const AUTO_START: u64 = 4;
+
+/// The namespaces are shared by the tests of this file: one link at a time.
+static LINK: Mutex<()> = Mutex::new(());
 
 /// The emulated link; torn down when dropped.
 struct Link {
     wanem: PathBuf,
+    _only: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Link {
     fn up() -> Link {
+        let only = LINK.lock().unwrap_or_else(|e| e.into_inner());
         let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
         let wanem = [repo.join("../shared/tools/wanem"), PathBuf::from("/work/shared/tools/wanem")]
             .into_iter()
             .find(|p| p.join("wanem-up").is_file())
             .expect("shared/tools/wanem beside the repository");
         let _ = Command::new(wanem.join("wanem-down")).args([NS_A, NS_B]).output();
+        let rate = LINK_MBIT.to_string();
         let out = Command::new(wanem.join("wanem-up"))
-            .args(["--subnet", SUBNET, "--delay-ms", "25", "--rate-mbit", "100", "--timeout-s", "300", NS_A, NS_B])
+            .args(["--subnet", SUBNET, "--delay-ms", "25", "--rate-mbit", &rate, "--timeout-s", "300", NS_A, NS_B])
             .output()
             .unwrap();
         assert!(out.status.success(), "wanem-up: {}", String::from_utf8_lossy(&out.stderr));
-        Link { wanem }
+        Link { wanem, _only: only }
     }
 }
 
@@ -43,29 +64,83 @@ impl Drop for Link {
     }
 }
 
+/// A server in namespace B exporting `x`, across the link.
+fn server_across(env: &Env, export: &std::path::Path) -> Server {
+    let mut spec = ServerSpec::new(&env.token, &[("x", export)], &env.path("server.log"));
+    spec.listen = format!("{IP_B}:0");
+    spec.prefix = ["ip", "netns", "exec", NS_B].iter().map(Into::into).collect();
+    Server::start(spec)
+}
+
+/// Runs `cmd` (a dmover command) from namespace A, over the link with 64 KiB
+/// socket buffers; returns its report.
+fn across(cmd: &mut Cmd) -> serde_json::Value {
+    cmd.args(["--tcp-bs", "64K", "--congestion", "cubic"]);
+    cmd.prefix(["ip", "netns", "exec", NS_A]).timeout(Duration::from_secs(120));
+    cmd.run().assert_ok()
+}
+
 fn bench(env: &Env, args: &[&str], port: u16) -> serde_json::Value {
-    let mut c = dmover(["bench", "--json", "--tcp-bs", "64K", "--congestion", "cubic", "--token-file"]);
+    let mut c = dmover(["bench", "--json", "--token-file"]);
     c.arg(&env.token).args(args).arg(format!("dmover://{IP_B}:{port}/x/"));
-    c.prefix(["ip", "netns", "exec", NS_A]).timeout(Duration::from_secs(120));
-    c.run().assert_ok()
+    across(&mut c)
 }
 
 fn streams(j: &serde_json::Value) -> Vec<u64> {
     j["timeline"].as_array().unwrap().iter().map(|p| u(&p["streams"])).collect()
 }
 
+/// Goodput (Mbit/s) over the second half of a tuned transfer's timeline:
+/// each point's goodput weighted by the time since the previous point.
+fn steady_goodput(j: &serde_json::Value) -> f64 {
+    let points: Vec<(f64, f64)> =
+        j["timeline"].as_array().unwrap().iter().map(|p| (p["t"].as_f64().unwrap(), p["goodput_mbit"].as_f64().unwrap())).collect();
+    let end = points.last().map_or(0.0, |p| p.0);
+    let (mut bits, mut time) = (0.0, 0.0);
+    let mut prev = 0.0;
+    for (t, g) in points {
+        if t > end / 2.0 {
+            bits += g * (t - prev);
+            time += t - prev;
+        }
+        prev = t;
+    }
+    assert!(time > 1.0, "the timeline's second half spans {time:.2} s, too little to judge: {:#}", j["timeline"]);
+    bits / time
+}
+
+/// Asserts that the default tuner moved past its four starting streams and
+/// that the transfer then held at least LINK_SHARE of the link.
+#[track_caller]
+fn assert_tuned(what: &str, j: &serde_json::Value) {
+    let n = streams(j);
+    let most = n.iter().copied().max().unwrap();
+    assert!(most > AUTO_START, "{what}: the tuner never opened more than its {AUTO_START} starting streams: {n:?}");
+    let steady = steady_goodput(j);
+    assert!(
+        steady >= LINK_SHARE * LINK_MBIT,
+        "{what}: {steady:.1} Mbit/s over the second half, below {LINK_SHARE} of the {LINK_MBIT} Mbit/s link; streams {n:?}"
+    );
+    eprintln!("tuning: {what}: streams {n:?}, steady {steady:.1} Mbit/s, whole {:.1} MB/s", j["mb_per_s"].as_f64().unwrap());
+}
+
+/// One stream cannot fill the link; MI doubles from one stream; the default
+/// tuner opens more than it starts with and fills most of the link.
 #[test]
 fn tuners_open_streams_on_a_link_one_stream_cannot_fill() {
     let env = Env::new();
     let _link = Link::up();
     let export = env.mkdir("export");
-    let mut spec = ServerSpec::new(&env.token, &[("x", &export)], &env.path("server.log"));
-    spec.listen = format!("{IP_B}:0");
-    spec.prefix = ["ip", "netns", "exec", NS_B].iter().map(Into::into).collect();
-    let server = Server::start(spec);
+    let server = server_across(&env, &export);
 
-    let one = bench(&env, &["--size", "16M", "--streams", "1"], server.port);
+    let one = bench(&env, &["--size", "8M", "--streams", "1"], server.port);
     assert!(streams(&one).is_empty(), "a fixed count is not tuned: {one:#}");
+    let r1 = one["mb_per_s"].as_f64().unwrap() * 8.0;
+    assert!(
+        AUTO_START as f64 * r1 < LINK_SHARE * LINK_MBIT,
+        "one stream with 64 KiB buffers carried {r1:.1} Mbit/s: {AUTO_START} such streams would reach {LINK_SHARE} of the link untuned"
+    );
+    eprintln!("tuning: one stream {r1:.1} Mbit/s");
 
     // MI starts from one stream and doubles while the buffers are the bottleneck.
     let mi = bench(&env, &["--size", "40M", "--tune", "mi", "--tune-chunk", "3M"], server.port);
@@ -74,9 +149,28 @@ fn tuners_open_streams_on_a_link_one_stream_cannot_fill() {
     let grown: Vec<u64> = n.iter().copied().skip_while(|&s| s == 1).collect();
     assert!(grown.starts_with(&[2, 4]), "MI should double from 1: {n:?}");
 
-    // The default tuner gets well past what one stream can do.
-    let auto = bench(&env, &["--size", "40M"], server.port);
-    let (r1, ra) = (one["mb_per_s"].as_f64().unwrap(), auto["mb_per_s"].as_f64().unwrap());
-    assert!(ra > 1.5 * r1, "auto {ra:.1} MB/s vs one stream {r1:.1} MB/s: {:?}", streams(&auto));
-    assert!(auto["check"]["passed"].as_bool().unwrap());
+    let auto = bench(&env, &["--size", "64M"], server.port);
+    assert_tuned("bench", &auto);
+}
+
+/// A real `dmover cp` upload of files across the link, with the default
+/// `--streams auto`: its report's timeline shows the tuner opening more
+/// streams than it starts with, the upload fills most of the link, and the
+/// files arrive intact.
+#[test]
+fn cp_upload_is_tuned_past_its_starting_streams() {
+    let env = Env::new();
+    let _link = Link::up();
+    let export = env.mkdir("export");
+    let server = server_across(&env, &export);
+    let src = env.path("src");
+    let mut rng = Rng::new(13);
+    for i in 0..6 {
+        make_file(&src.join(format!("f{i}.dat")), 12 << 20, &mut rng);
+    }
+    let mut c = env.cp([src.display().to_string(), format!("dmover://{IP_B}:{}/x/", server.port)]);
+    let up = across(&mut c);
+    assert_eq!(u(&up["files"]), 6, "{up:#}");
+    assert_same_tree(&src, &export.join("src"));
+    assert_tuned("cp", &up);
 }
