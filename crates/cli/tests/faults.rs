@@ -287,7 +287,7 @@ fn disk_full_during_download_then_space_freed_rerun_completes() {
 }
 
 // ---------------------------------------------------------------------------
-// Corruption in flight (the fault hook of test builds)
+// Corruption in flight (the fault injector of dmover-faulty)
 
 const CORRUPT: &str = "DMOVER_FAULT_CORRUPT_EVERY";
 
@@ -299,6 +299,7 @@ fn blocks_damaged_in_flight_are_detected_and_sent_again() {
     let env = Env::new();
     let export = env.mkdir("export");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.bin = BIN_FAULTY;
     spec.envs.push((CORRUPT.into(), "5".into()));
     let srv = Server::start(spec);
     let src = env.path("src");
@@ -306,7 +307,7 @@ fn blocks_damaged_in_flight_are_detected_and_sent_again() {
     write_random(&src.join("big.bin"), 9 * MIB + 5, 3);
 
     // Upload: the client damages blocks, the server notices.
-    let r = env.cp([src.display().to_string(), srv.url("e")]).env(CORRUPT, "5").arg("--block-size").arg("256K").run();
+    let r = env.cp([src.display().to_string(), srv.url("e")]).faulty().env(CORRUPT, "5").arg("--block-size").arg("256K").run();
     let j = r.assert_ok();
     assert_same_tree(&src, &export.join("src"));
     let resent = u(&j["resent_blocks"]);
@@ -335,6 +336,7 @@ fn block_damaged_on_every_attempt_fails_verification_instead_of_looping_forever(
     write_random(&src.join("doomed.bin"), 3 * MIB, 4);
     let r = env
         .cp([src.display().to_string(), srv.url("e")])
+        .faulty()
         .env(CORRUPT, "1")
         .arg("--retries")
         .arg("0")

@@ -1,41 +1,39 @@
-//! Fault injection for the test suite.
+//! A seam for injecting faults, for the test suite.
 //!
-//! Compiled in only with the `fault-injection` feature, which is off by
-//! default and which the `dmover` binary's test builds turn on (see
-//! `crates/cli/Cargo.toml`). Even then nothing happens unless asked for:
+//! The engine has no fault of its own and reads no setting for one: a
+//! program may install an [`Injector`] once, at start-up, and the sending
+//! end then hands it every data block after checksumming it. Without one
+//! (always, in `dmover`) every block goes out as read.
 //!
-//! * `DMOVER_FAULT_CORRUPT_EVERY=N`: the sending end flips one bit in every
-//!   Nth data block after checksumming it, as a damaged link would. The
-//!   receiver must notice and ask for the block again.
-//!
-//! Without the feature every hook is a constant no-op.
+//! The only program that installs one is `dmover-faulty`
+//! (`crates/cli/src/bin/dmover-faulty.rs`), a test-only build of the same
+//! command whose injector the end-to-end tests switch on with environment
+//! variables. Keeping the injector out of the engine, rather than behind a
+//! Cargo feature of the engine, is what keeps it out of every `dmover`
+//! binary: Cargo unifies a package's features across everything one
+//! command builds, so a feature the tests turn on would also be on in the
+//! `dmover` that `cargo test --release` or `cargo build --all-targets`
+//! builds next to them.
 
-/// Damages `block` in flight if a fault was asked for; true if it did (the
-/// caller must then send these bytes, not the file's).
-#[cfg(feature = "fault-injection")]
-pub fn corrupt_in_flight(block: &mut [u8]) -> bool {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::OnceLock;
-    /// Every how many blocks one is damaged (0: never).
-    static EVERY: OnceLock<u64> = OnceLock::new();
-    /// Blocks sent so far by this process.
-    static SENT: AtomicU64 = AtomicU64::new(0);
-    let every = *EVERY.get_or_init(|| std::env::var("DMOVER_FAULT_CORRUPT_EVERY").ok().and_then(|v| v.parse().ok()).unwrap_or(0));
-    if every == 0 || block.is_empty() {
-        return false;
-    }
-    let n = SENT.fetch_add(1, Ordering::Relaxed) + 1;
-    if !n.is_multiple_of(every) {
-        return false;
-    }
-    let at = (n as usize).wrapping_mul(7919) % block.len();
-    block[at] ^= 1 << (n % 8);
-    log::debug!("fault injection: damaged block {n} at byte {at}");
-    true
+use std::sync::OnceLock;
+
+/// Damages a data block in flight and says whether it did (the sender must
+/// then send these bytes, not the file's).
+pub type Injector = Box<dyn Fn(&mut [u8]) -> bool + Send + Sync>;
+
+static INJECTOR: OnceLock<Injector> = OnceLock::new();
+
+/// Installs `injector` for the rest of the process.
+///
+/// # Panics
+///
+/// If one was installed already.
+pub fn install(injector: Injector) {
+    assert!(INJECTOR.set(injector).is_ok(), "a fault injector is installed already");
 }
 
-#[cfg(not(feature = "fault-injection"))]
-#[inline(always)]
-pub fn corrupt_in_flight(_block: &mut [u8]) -> bool {
-    false
+/// Passes `block` to the injector, if one is installed; true if it damaged
+/// the block.
+pub(crate) fn corrupt_in_flight(block: &mut [u8]) -> bool {
+    INJECTOR.get().is_some_and(|inject| inject(block))
 }

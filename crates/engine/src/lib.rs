@@ -16,7 +16,7 @@
 //! * [`fsroot`] — confinement of paths to an export
 //! * [`tuning`] — runs a stream tuner (`dmover-tune`) against a live transfer
 //! * [`progress`] — live counters
-//! * [`fault`] — fault injection hooks, compiled in only for tests
+//! * [`fault`] — a seam for injecting faults, used only by the test suite
 
 pub mod error;
 pub mod fault;

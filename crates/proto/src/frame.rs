@@ -1046,25 +1046,134 @@ mod tests {
         assert!(seeds >= 8, "only {seeds} seeds in {}", dir.display());
     }
 
-    #[test]
-    fn pseudo_random_bytes_never_panic() {
-        let mut x: u64 = 0x9e3779b97f4a7c15;
-        for _ in 0..20000 {
-            let mut buf = Vec::new();
-            for _ in 0..(x % 64) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                buf.push(x as u8);
-            }
-            if let Some(k) = buf.first_mut() {
-                *k %= 48;
-            }
-            if buf.len() >= 8 {
-                let n = (buf.len() - 8) as u32;
-                buf[4..8].copy_from_slice(&n.to_be_bytes());
-            }
-            let _ = decode(&buf);
+    /// A small xorshift generator: the same frames on every run.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
         }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    /// Decoded, waiting for more bytes, refused: what became of the frames
+    /// of one kind.
+    #[derive(Debug, Default)]
+    struct Outcomes {
+        decoded: u32,
+        more: u32,
+        refused: u32,
+    }
+
+    /// Frames of every kind the decoder knows — each control message of
+    /// [`samples`] and data frames — and of unknown kinds, with a real body
+    /// (damaged or not) or random bytes, and with the body's length or a
+    /// random one in the header. The decoder never panics; what it decodes
+    /// is a frame of the header's kind that uses exactly the header's
+    /// length and survives encoding; it refuses every unknown kind; and for
+    /// every known kind, data frames included, it both decoded some frames
+    /// and refused some.
+    #[test]
+    fn pseudo_random_frames_of_every_kind_decode_or_are_refused() {
+        let mut rng = Rng(0x9e3779b97f4a7c15);
+        // Well-formed bodies of each known kind.
+        let mut bodies: std::collections::BTreeMap<u8, Vec<Vec<u8>>> = Default::default();
+        for m in samples() {
+            let mut buf = Vec::new();
+            m.encode(&mut buf);
+            bodies.entry(m.kind()).or_default().push(buf.split_off(HEADER_LEN));
+        }
+        for len in [0, 1, 100] {
+            let h = DataHeader { file: rng.next(), offset: rng.next(), sum: [3; 16], len };
+            let mut buf = h.encode().to_vec();
+            buf.extend(rng.bytes(len as usize));
+            bodies.entry(KIND_DATA).or_default().push(buf.split_off(HEADER_LEN));
+        }
+        let known: Vec<u8> = bodies.keys().copied().collect();
+        let mut outcomes: std::collections::BTreeMap<u8, Outcomes> = Default::default();
+
+        for _ in 0..20000 {
+            let kind = if rng.below(8) == 0 { rng.next() as u8 } else { known[rng.below(known.len())] };
+            let mut body = match bodies.get(&kind) {
+                Some(b) if rng.below(3) > 0 => b[rng.below(b.len())].clone(),
+                _ => {
+                    let n = rng.below(80);
+                    rng.bytes(n)
+                }
+            };
+            // Damage: a byte changed, the body cut short, or a byte too many.
+            for _ in 0..rng.below(4) {
+                match rng.below(3) {
+                    0 if !body.is_empty() => {
+                        let at = rng.below(body.len());
+                        body[at] = rng.next() as u8;
+                    }
+                    1 => body.truncate(rng.below(body.len() + 1)),
+                    _ => body.push(rng.next() as u8),
+                }
+            }
+            let len = match rng.below(10) {
+                0 => rng.next() as u32,
+                1 => rng.next() as u32 % (MAX_CONTROL_BODY + 2),
+                _ => body.len() as u32,
+            };
+            let mut buf = vec![kind, 0, 0, 0];
+            buf.extend_from_slice(&len.to_be_bytes());
+            buf.extend_from_slice(&body);
+            // Now and then the start of a next frame follows.
+            let next = rng.below(4) * rng.below(2);
+            buf.extend(rng.bytes(next));
+
+            let o = outcomes.entry(kind).or_default();
+            match decode(&buf) {
+                Ok(Some((frame, used))) => {
+                    o.decoded += 1;
+                    assert_eq!(used, HEADER_LEN + len as usize, "kind {kind}: {buf:?}");
+                    match frame {
+                        Frame::Msg(m) => {
+                            assert_eq!(m.kind(), kind, "{m:?} decoded from a frame of kind {kind}");
+                            let mut again = Vec::new();
+                            m.encode(&mut again);
+                            assert_eq!(decode(&again), Ok(Some((Frame::Msg(m.clone()), again.len()))), "{m:?} does not survive encoding");
+                        }
+                        Frame::Data(h, block) => {
+                            assert_eq!(kind, KIND_DATA, "a data frame decoded from a frame of kind {kind}");
+                            assert_eq!(h.len as usize, block.len(), "{h:?}");
+                            let mut again = h.encode().to_vec();
+                            again.extend_from_slice(block);
+                            assert_eq!(again[HEADER_LEN..], buf[HEADER_LEN..used], "{h:?} does not survive encoding");
+                        }
+                    }
+                }
+                Ok(None) => {
+                    o.more += 1;
+                    assert!(buf.len() < HEADER_LEN + len as usize, "kind {kind}: asks for more than the {len} bytes of body: {buf:?}");
+                }
+                Err(_) => o.refused += 1,
+            }
+            if !known.contains(&kind) {
+                assert!(
+                    matches!(decode(&buf), Ok(None) | Err(DecodeError::UnknownKind(_) | DecodeError::TooLong { .. })),
+                    "unknown kind {kind}: {:?}",
+                    decode(&buf)
+                );
+            }
+        }
+
+        let table: String = outcomes.iter().map(|(k, o)| format!("\n  kind {k:3}: {o:?}")).collect();
+        for k in &known {
+            let o = outcomes.get(k);
+            assert!(o.is_some_and(|o| o.decoded > 0 && o.refused > 0), "frames of kind {k} were not both decoded and refused:{table}");
+        }
+        let unknown: u32 = outcomes.iter().filter(|(k, _)| !known.contains(k)).map(|(_, o)| o.decoded + o.more + o.refused).sum();
+        assert!(unknown >= 1000, "only {unknown} frames of unknown kinds:{table}");
     }
 }

@@ -4,6 +4,8 @@
 //! * [`Env`]: a temporary directory with a token, from which servers and
 //!   trees are made; everything under it goes away with it.
 //! * [`Server`]: a `dmover serve` process on port 0; killed when dropped.
+//! * [`BIN_FAULTY`]: the same command with a fault injector, switched on by
+//!   `DMOVER_FAULT_*` variables ([`ServerSpec::bin`], [`Cmd::faulty`]).
 //! * [`dmover`] / [`Cmd`]: run a client command with a timeout and capture
 //!   its exit code, stdout and stderr; [`Cmd::spawn`] for one to interrupt.
 //! * Trees: [`make_tree`] writes deterministic pseudo-random files with
@@ -34,6 +36,11 @@ use std::time::{Duration, Instant};
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_dmover");
+
+/// `dmover` with a fault injector (`src/bin/dmover-faulty.rs`), for the
+/// tests that damage data in flight: `DMOVER_FAULT_CORRUPT_EVERY=N` flips
+/// a bit in every Nth block it sends. `dmover` itself has no such hook.
+pub const BIN_FAULTY: &str = env!("CARGO_BIN_EXE_dmover-faulty");
 
 /// How long any single client command may run before the test gives up.
 pub const CMD_TIMEOUT: Duration = Duration::from_secs(120);
@@ -149,6 +156,8 @@ fn die_with_parent(c: &mut Command) {
 
 #[derive(Clone)]
 pub struct ServerSpec {
+    /// The binary: [`BIN`], or [`BIN_FAULTY`].
+    pub bin: &'static str,
     /// The subcommand: `serve`, or `sink`.
     pub command: &'static str,
     pub token: PathBuf,
@@ -165,6 +174,7 @@ pub struct ServerSpec {
 impl ServerSpec {
     pub fn new(token: &Path, exports: &[(&str, &Path)], log: &Path) -> ServerSpec {
         ServerSpec {
+            bin: BIN,
             command: "serve",
             token: token.to_path_buf(),
             exports: exports.iter().map(|(n, d)| (n.to_string(), d.to_path_buf())).collect(),
@@ -215,10 +225,10 @@ impl Server {
     fn try_launch(&mut self) -> Result<u16, String> {
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.spec.log).unwrap();
         let mut cmd = if self.spec.prefix.is_empty() {
-            Command::new(BIN)
+            Command::new(self.spec.bin)
         } else {
             let mut c = Command::new(&self.spec.prefix[0]);
-            c.args(&self.spec.prefix[1..]).arg(BIN);
+            c.args(&self.spec.prefix[1..]).arg(self.spec.bin);
             c
         };
         cmd.arg(self.spec.command).arg("--listen").arg(&self.spec.listen);
@@ -474,6 +484,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, count: &std::sync::atomic::Atomi
 
 /// A dmover command being put together.
 pub struct Cmd {
+    bin: &'static str,
     prefix: Vec<OsString>,
     args: Vec<OsString>,
     envs: Vec<(OsString, OsString)>,
@@ -483,6 +494,7 @@ pub struct Cmd {
 
 pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
     Cmd {
+        bin: BIN,
         prefix: Vec::new(),
         args: args.into_iter().map(|a| a.as_ref().to_os_string()).collect(),
         envs: Vec::new(),
@@ -570,6 +582,12 @@ impl Cmd {
         self
     }
 
+    /// Runs [`BIN_FAULTY`] instead of `dmover`.
+    pub fn faulty(&mut self) -> &mut Cmd {
+        self.bin = BIN_FAULTY;
+        self
+    }
+
     /// Runs it under `prefix` (e.g. `setpriv --reuid=...`).
     pub fn prefix<S: AsRef<OsStr>>(&mut self, p: impl IntoIterator<Item = S>) -> &mut Cmd {
         self.prefix = p.into_iter().map(|a| a.as_ref().to_os_string()).collect();
@@ -581,10 +599,10 @@ impl Cmd {
         let out = tempfile::tempfile().unwrap();
         let err = tempfile::tempfile().unwrap();
         let mut c = if self.prefix.is_empty() {
-            Command::new(BIN)
+            Command::new(self.bin)
         } else {
             let mut c = Command::new(&self.prefix[0]);
-            c.args(&self.prefix[1..]).arg(BIN);
+            c.args(&self.prefix[1..]).arg(self.bin);
             c
         };
         c.args(&self.args);

@@ -1,0 +1,165 @@
+//! `dmover`: a parallel data mover for scientific data sets.
+//!
+//! Subcommands: `serve` (the daemon), `sink` (the daemon that receives
+//! streams from running simulations), `drain` (send what such a stream
+//! left undelivered), `cp` (copy files between local paths
+//! and servers), `ls` (list what a server path names), `bench` (network and
+//! disk throughput between two endpoints), `token` (make a shared secret),
+//! and the batch-job commands `submit`, `run` and `status` (with `agent`,
+//! which `run` starts on the nodes). Errors are printed as one line and
+//! mapped to the exit codes documented in docs/CLI.md.
+//!
+//! The command is this library's [`main`], run by the `dmover` binary
+//! (`src/main.rs`) and by the test suite's `dmover-faulty`
+//! (`src/bin/dmover-faulty.rs`).
+
+mod bench;
+mod cp;
+mod drain;
+mod job;
+mod location;
+mod ls;
+mod report;
+mod serve;
+mod sink;
+mod sizes;
+mod streams;
+
+use clap::{Args, Parser, Subcommand};
+use dmover_engine::Error;
+use dmover_proto::ErrorKind;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "dmover", version = env!("DMOVER_VERSION"), about = "Parallel data mover for large scientific data sets")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve directories to dmover clients.
+    Serve(serve::ServeArgs),
+    /// Receive streams from running simulations (dmover-stream producers).
+    Sink(sink::SinkArgs),
+    /// Send what a stream from a simulation left undelivered, from its manifest.
+    Drain(drain::DrainArgs),
+    /// Copy files and directories: SRC... DEST.
+    Cp(cp::CpArgs),
+    /// List the files a server path, directory or glob names.
+    Ls(ls::LsArgs),
+    /// Measure throughput to a server (memory to memory, or disk to disk).
+    Bench(bench::BenchArgs),
+    /// Write a new random token to FILE (mode 0600).
+    Token {
+        /// Where to write the token.
+        file: PathBuf,
+    },
+    /// Check a job file and submit it to Slurm as a batch job (--dry-run: print the script).
+    Submit(job::SubmitArgs),
+    /// Run a job: the process manager and its transfer agents (inside an allocation, or on this machine).
+    Run(job::RunArgs),
+    /// Show the progress or the final report of a job.
+    Status(job::StatusArgs),
+    /// A transfer agent of a running job (started by `dmover run`).
+    #[command(hide = true)]
+    Agent(job::AgentArgs),
+}
+
+/// Options shared by commands that talk to servers.
+#[derive(Args, Clone)]
+pub struct TokenArgs {
+    /// File holding the token (else the DMOVER_TOKEN environment variable).
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+}
+
+impl TokenArgs {
+    /// The token, from the file or the environment.
+    pub fn token(&self) -> Result<Vec<u8>, Error> {
+        if let Some(f) = &self.token_file {
+            return read_token(f);
+        }
+        match std::env::var("DMOVER_TOKEN") {
+            Ok(t) if !t.trim().is_empty() => Ok(t.trim().as_bytes().to_vec()),
+            _ => Err(Error::new(ErrorKind::Usage, "", "no token: pass --token-file FILE or set DMOVER_TOKEN")),
+        }
+    }
+}
+
+/// Reads a token file (surrounding white space is not part of the token).
+pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>, Error> {
+    let s = std::fs::read(f).map_err(|e| Error::new(ErrorKind::Usage, f.display().to_string(), format!("cannot read token file: {e}")))?;
+    let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
+    if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
+        let msg = format!(
+            "token is too short ({} bytes; at least {}): make one with `dmover token FILE`",
+            t.len(),
+            dmover_proto::auth::MIN_TOKEN_LEN
+        );
+        return Err(Error::new(ErrorKind::Usage, f.display().to_string(), msg));
+    }
+    Ok(t)
+}
+
+fn write_token(file: &std::path::Path) -> Result<(), Error> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let bytes: [u8; 32] = dmover_engine::handshake::random();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(file)
+        .map_err(|e| Error::io(file.display().to_string(), &e))?;
+    writeln!(f, "{hex}").map_err(|e| Error::io(file.display().to_string(), &e))
+}
+
+/// Runs the command named on the command line and exits with its status.
+pub fn main() -> ! {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { ErrorKind::Usage as i32 } else { 0 };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    let level = if matches!(cli.cmd, Cmd::Serve(_) | Cmd::Sink(_)) { "info" } else { "warn" };
+    env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level)).format_target(false).init();
+    raise_fd_limit();
+    let r = match cli.cmd {
+        Cmd::Serve(a) => serve::run(a),
+        Cmd::Sink(a) => sink::run(a),
+        Cmd::Drain(a) => drain::run(a),
+        Cmd::Cp(a) => cp::run(a),
+        Cmd::Ls(a) => ls::run(a),
+        Cmd::Bench(a) => bench::run(a),
+        Cmd::Token { file } => write_token(&file).map(|()| 0),
+        Cmd::Submit(a) => job::submit(a),
+        Cmd::Run(a) => job::run(a),
+        Cmd::Status(a) => job::status(a),
+        Cmd::Agent(a) => job::agent(a),
+    };
+    match r {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("dmover: error: {e} ({})", e.hint());
+            std::process::exit(e.kind as i32);
+        }
+    }
+}
+
+/// Many files in flight need many descriptors: raise the soft limit to the hard one.
+fn raise_fd_limit() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit read and write the struct passed by pointer.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max.min(65536);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
