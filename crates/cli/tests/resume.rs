@@ -360,8 +360,9 @@ fn single_file_to_a_new_name_killed_then_rerun_resumes() {
     let export = env.mkdir("export");
     let dir = env.mkdir("export/dir");
     let srv = env.serve(&[("e", &export)]);
+    let relay = Relay::start(&srv.addr());
     let (dst, part) = (dir.join("newname"), dir.join(".newname.dmover-part"));
-    let mut cmd = env.cp([src.display().to_string(), srv.url("e/dir/newname"), "--bwlimit".into(), RATE.into()]);
+    let mut cmd = env.cp([src.display().to_string(), relay.url("e/dir/newname"), "--bwlimit".into(), RATE.into()]);
     cmd.cwd(env.root());
     let mut p = cmd.spawn();
     let mut written = 0;
@@ -382,8 +383,9 @@ fn single_file_to_a_new_name_killed_then_rerun_resumes() {
     assert!(!export.join(".dmover-partial").exists(), "resume state was put in the export root, not beside the destination");
     let written = written_bytes(&dir);
 
+    relay.reset();
     let j = cmd.run().assert_ok();
-    check_resumed(&j, BIG, written);
+    check_resumed(&j, BIG, written, Some(relay.to_server()));
     assert!(same_content(&src, &dst), "newname differs from the source");
     let left: Vec<String> = list_tree(&dir).into_keys().collect();
     assert_eq!(left, ["newname"], "leftovers beside the destination after success");

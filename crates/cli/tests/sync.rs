@@ -292,16 +292,16 @@ fn checksum_without_sync_is_a_usage_error() {
 #[test]
 fn short_c_is_checksum() {
     let t = Setup::new("upload", 24);
-    let files = u(&t.cp(&[]).assert_ok()["files"]);
+    let files = u(&t.cp(&[]).0.assert_ok()["files"]);
     let changed = "a/page.dat";
     change_keeping_size_and_mtime(&t.src.join(changed), 4321);
-    let j = t.cp(&["--sync"]).assert_ok();
+    let j = t.cp(&["--sync"]).0.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
     assert!(!same_content(&t.src.join(changed), &t.dst.join(changed)), "plain --sync sent the file");
-    let j = t.cp(&["--sync", "-c"]).assert_ok();
+    let j = t.cp(&["--sync", "-c"]).0.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files - 1, "--sync -c should re-send exactly the changed file: {j:#}");
     assert_same_tree(&t.src, &t.dst);
-    let r = t.cp(&["-c"]);
+    let (r, _) = t.cp(&["-c"]);
     assert_eq!(r.code, 2, "-c without --sync: {}", r.stderr);
     assert!(r.stderr.contains("--sync"), "the usage error should name --sync: {}", r.stderr);
 }
