@@ -34,8 +34,8 @@ pub struct DaemonArgs {
     /// Most connections served at once.
     #[arg(long, default_value_t = 256)]
     pub max_connections: usize,
-    /// Seconds a silent connection is kept.
-    #[arg(long, default_value_t = 120)]
+    /// Seconds a silent connection is kept (at least 2: peers ping every second).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(2..))]
     pub idle_timeout: u64,
     /// Seconds running transfers may go on after SIGTERM.
     #[arg(long, default_value_t = 30)]
@@ -56,7 +56,7 @@ impl DaemonArgs {
             exports: HashMap::new(),
             token: self.token()?,
             max_connections: self.max_connections.max(1),
-            idle_timeout: Duration::from_secs(self.idle_timeout.max(1)),
+            idle_timeout: Duration::from_secs(self.idle_timeout),
             grace: Duration::from_secs(self.grace),
             staging: 1 << 20,
             writers: 1,

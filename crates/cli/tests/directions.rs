@@ -323,33 +323,58 @@ fn many_small_files_round_trip() {
 
 /// `--bwlimit` caps the rate in every direction (for a download the server
 /// sends, at the client's limit; for a third-party copy the source server).
+/// The rate is observed at the destination, not taken from dmover's report
+/// or from the command's run time (which includes start-up): the time the
+/// destination took to go from 1 MiB to all 6 MiB written.
 #[test]
 fn bwlimit_is_honoured_in_every_direction() {
+    const MIB: u64 = 1 << 20;
+    const SIZE: u64 = 6 * MIB;
+    const LIMIT: u64 = 4 * MIB;
     let env = Env::new();
     let src = env.path("data");
-    write_random(&src.join("three.dat"), 3 << 20, 1);
+    write_random(&src.join("six.dat"), SIZE, 1);
     let ea = env.mkdir("export-a");
-    write_random(&ea.join("data/three.dat"), 3 << 20, 1);
+    write_random(&ea.join("data/six.dat"), SIZE, 1);
     let eb = env.mkdir("export-b");
     let a = env.serve(&[("e", &ea)]);
     let b = env.serve(&[("e", &eb)]);
     let out = env.mkdir("out");
-    let cases: [(&str, String, String); 4] = [
-        ("local", src.display().to_string(), out.join("l").display().to_string()),
-        ("upload", src.display().to_string(), b.url("e/u")),
-        ("download", a.url("e/data"), out.join("d").display().to_string()),
-        ("third party", a.url("e/data"), b.url("e/t")),
+    let cases: [(&str, String, String, std::path::PathBuf); 4] = [
+        ("local", src.display().to_string(), out.join("l").display().to_string(), out.join("l")),
+        ("upload", src.display().to_string(), b.url("e/u"), eb.join("u")),
+        ("download", a.url("e/data"), out.join("d").display().to_string(), out.join("d")),
+        ("third party", a.url("e/data"), b.url("e/t"), eb.join("t")),
     ];
-    let mut too_fast = Vec::new();
-    for (what, from, to) in cases {
-        let r = env.cp([from, to, "--bwlimit".into(), "2M".into()]).run();
-        let j = r.assert_ok();
-        // 3 MiB at 2 MiB/s: at least 1.5 s (some slack for timer granularity).
-        if r.elapsed < std::time::Duration::from_millis(1300) {
-            too_fast.push(format!("{what}: {:?} (report: {} s)", r.elapsed, j["seconds"]));
+    // 5 MiB at 4 MiB/s is 1.25 s; blocks of 256 KiB land whole, so each
+    // end of the window may be off by one block (about 0.06 s each).
+    let least = std::time::Duration::from_millis(1100);
+    let most = std::time::Duration::from_secs(5);
+    let mut wrong = Vec::new();
+    for (what, from, to, dst) in cases {
+        let mut p = env.cp([from, to, "--bwlimit".into(), "4M".into(), "--block-size".into(), "256K".into()]).spawn();
+        let (mut first, mut all) = (None, None);
+        wait_until(std::time::Duration::from_secs(60), || {
+            let written = written_bytes(&dst);
+            if first.is_none() && written >= MIB {
+                first = Some(std::time::Instant::now());
+            }
+            if written >= SIZE {
+                all = Some(std::time::Instant::now());
+            }
+            all.is_some() || !p.running()
+        });
+        p.wait().assert_ok();
+        let (Some(first), Some(all)) = (first, all) else { panic!("{what}: the destination was never seen filling up") };
+        let took = all - first;
+        if took < least || took > most {
+            wrong.push(format!("{what}: 5 MiB in {took:?}"));
         }
     }
-    assert!(too_fast.is_empty(), "3 MiB at --bwlimit 2M must take at least 1.5 s; these were faster: {too_fast:#?}");
+    assert!(
+        wrong.is_empty(),
+        "at --bwlimit 4M ({LIMIT} B/s) the last 5 MiB must take between {least:?} and {most:?} to arrive: {wrong:#?}"
+    );
 }
 
 /// `--concurrency N` is the number of files read at once. Observed in the
@@ -454,4 +479,32 @@ fn sigterm_lets_an_upload_go_on_for_the_grace_then_the_server_exits_0() {
     assert!(sent + written / 2 < total, "the re-run sent {sent} of {total} bytes with {written} already there: not resumed\n{j:#}");
     assert_same_tree(&src, &dst);
     assert!(!export.join("in/.dmover-partial").exists(), "resume state left after the copy completed");
+}
+
+/// Regression: the client pinged its server only every 30 s (a quarter of
+/// its own idle timeout), so a server started with a short
+/// `--idle-timeout` dropped healthy transfers whose control connection
+/// happened to be quiet (a large file on fixed streams: no tuner messages)
+/// and the client had to reconnect. Both ends now ping every second: a
+/// slow upload and download through a server with `--idle-timeout 2` run
+/// without a single retry.
+#[test]
+fn a_server_with_a_short_idle_timeout_keeps_slow_transfers_going() {
+    let env = Env::new();
+    let src = env.path("data");
+    write_random(&src.join("slow.dat"), 8 << 20, 9);
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--idle-timeout".into(), "2".into()];
+    let srv = Server::start(spec);
+    let out = env.mkdir("out");
+    for (what, from, to) in
+        [("upload", src.display().to_string(), srv.url("e")), ("download", srv.url("e/data"), out.display().to_string())]
+    {
+        let r = env.cp([from, to, "--bwlimit".into(), "2M".into(), "--streams".into(), "2".into()]).run();
+        let j = r.assert_ok();
+        assert!(r.elapsed > std::time::Duration::from_secs(3), "{what}: too fast to outlast the idle timeout");
+        assert_eq!(u(&j["retries"]), 0, "{what}: the server dropped a transfer whose data was moving:\n{}\n{}", r.stderr, srv.log());
+    }
+    assert_same_tree(&src, &out.join("data"));
 }

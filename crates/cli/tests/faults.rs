@@ -44,7 +44,9 @@ fn make_set(dir: &Path, seed: u64) -> u64 {
     total_size(dir)
 }
 
-/// Many rounds of: start a copy (upload or download), kill -9 the client or
+/// Two rounds that kill the client, then the server, in the middle of an
+/// upload and bound what the completing run sends; then many rounds of:
+/// start a copy (upload or download), kill -9 the client or
 /// the server at a random moment (one to three times; a killed server is
 /// restarted on its port), then run the same command again until it
 /// succeeds. The destination must be byte-identical to the source each
@@ -65,6 +67,56 @@ fn random_kill9_of_client_or_server_then_resume_is_byte_identical() {
     let down_src = export.join("down");
     let down_total = make_set(&down_src, seed + 1);
     let (mut kills, mut server_kills, mut mid_transfer, mut verified) = (0u64, 0u64, 0u64, 0u64);
+
+    // Two rounds that surely interrupt an upload in the middle, once 40 %
+    // of it has reached the destination: the client killed, then the
+    // server. What the run that completes sends is bounded by what was
+    // missing (half of what had arrived is slack for blocks written but not
+    // yet journaled), so a resume that starts again from zero fails here.
+    for kill_server in [false, true] {
+        let who = if kill_server { "server" } else { "client" };
+        let dst = export.join(format!("mid-{who}/up"));
+        let mut cmd = env.cp([up_src.display().to_string(), srv.url(&format!("e/mid-{who}")), "--bwlimit".into(), "6M".into()]);
+        cmd.args(["--retries", "3"]).cwd(env.root());
+        let mut p = cmd.spawn();
+        let reached = wait_until(Duration::from_secs(60), || written_bytes(&dst) >= up_total * 2 / 5 || !p.running());
+        assert!(reached && p.running(), "the upload ended before 40 % of it had arrived: no interruption in the middle");
+        kills += 1;
+        mid_transfer += 1;
+        let (j, written, same_process) = if kill_server {
+            server_kills += 1;
+            srv.kill9();
+            let written = written_bytes(&dst);
+            assert_final_names_complete(&up_src, &dst);
+            srv.restart();
+            let r = p.wait();
+            if r.code == 0 {
+                (r.assert_ok(), written, true)
+            } else {
+                assert_eq!(r.code, 6, "after the server was killed the client exited {}:\n{}", r.code, r.stderr);
+                (cmd.run().assert_ok(), written, false)
+            }
+        } else {
+            p.kill9();
+            // The server notices the lost connection; what it wrote stays journaled.
+            std::thread::sleep(Duration::from_millis(300));
+            let written = written_bytes(&dst);
+            assert_final_names_complete(&up_src, &dst);
+            (cmd.run().assert_ok(), written, false)
+        };
+        let sent = u(&j["sent_bytes"]);
+        eprintln!("{who} killed with {written} of {up_total} bytes at the destination; the completing run sent {sent}");
+        // A client that retried by itself counts what it sent before the kill too.
+        let limit = if same_process { up_total + written / 2 } else { up_total - written / 2 };
+        assert!(
+            sent < limit,
+            "{who} killed with {written} of {up_total} bytes at the destination, then {sent} bytes were sent: not resumed\n{j:#}"
+        );
+        assert_same_tree(&up_src, &dst);
+        assert_no_state(&dst);
+        verified += up_total;
+    }
+
     for i in 0..iterations {
         let upload = rng.below(2) == 0;
         let (src, dst, total, mut cmd) = if upload {
@@ -125,6 +177,7 @@ fn random_kill9_of_client_or_server_then_resume_is_byte_identical() {
         verified += total;
     }
     assert!(!srv.log().contains("panicked"), "a server thread panicked:\n{}", srv.log());
+    assert!(mid_transfer >= 1, "no kill interrupted a transfer in the middle");
     eprintln!(
         "reliability: kill-resume seed={seed} iterations={iterations} kills={kills} server_kills={server_kills} \
          kills_with_partial_destination={mid_transfer} bytes_verified={verified}"
@@ -185,17 +238,33 @@ impl Drop for Netns {
     }
 }
 
-/// An upload between two network namespaces; the link goes down for 10 s
-/// in the middle. Nothing may arrive during the cut (so it really was cut),
-/// and the same client process must then finish the job by itself.
-#[test]
-fn link_cut_for_10_s_mid_transfer_the_transfer_continues_by_itself() {
+/// The network namespaces are one pair: the link tests take turns.
+static LINK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// What an upload across a cut link did.
+struct Cut {
+    report: serde_json::Value,
+    /// Bytes at the destination when the link went down.
+    written_before: u64,
+    /// Bytes in the data set.
+    total: u64,
+    elapsed: Duration,
+}
+
+/// An upload between two network namespaces (at 8 MB/s, a 40 MiB file and
+/// 20 small ones), the server started with `server_flags`; the link goes
+/// down for `cut` once 8 MiB have arrived. Nothing may arrive during the
+/// cut (so it really was cut), the same client process must then finish
+/// the job by itself, and the tree must arrive whole.
+fn upload_across_a_cut(cut: Duration, server_flags: &[&str]) -> Cut {
+    let _turn = LINK.lock().unwrap_or_else(|e| e.into_inner());
     let env = Env::new();
     let ns = Netns::new();
     let export = env.mkdir("export");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
     spec.prefix = ["ip", "netns", "exec", NS_B].iter().map(Into::into).collect();
     spec.listen = format!("{ADDR_B}:0");
+    spec.extra = server_flags.iter().map(Into::into).collect();
     let srv = Server::start(spec);
     let src = env.path("src");
     let mut rng = Rng::new(7);
@@ -213,22 +282,55 @@ fn link_cut_for_10_s_mid_transfer_the_transfer_continues_by_itself() {
     assert!(wait_until(Duration::from_secs(60), || written_bytes(&export) >= 8 * MIB || !p.running()), "no progress");
     assert!(p.running(), "the transfer ended before the link was cut");
     ns.link(false);
-    let cut = Instant::now();
+    let down = Instant::now();
+    let written_before = written_bytes(&export);
     std::thread::sleep(Duration::from_secs(2));
     let before = written_bytes(&export);
-    std::thread::sleep(Duration::from_secs(10).saturating_sub(cut.elapsed()));
+    std::thread::sleep(cut.saturating_sub(down.elapsed()));
     let after = written_bytes(&export);
     ns.link(true);
     assert!(p.running(), "the client gave up during the cut");
     assert_eq!(before, after, "bytes arrived while the link was down: the cut did not cut");
     let r = p.wait();
-    let j = r.assert_ok();
+    let report = r.assert_ok();
     assert_same_tree(&src, &export.join("in/src"));
     assert!(srv.log().contains("received"), "{}", srv.log());
+    Cut { report, written_before, total, elapsed: r.elapsed }
+}
+
+/// The link goes down for 10 s, well within the idle timeout: TCP rides it
+/// out and the transfer simply continues.
+#[test]
+fn link_cut_for_10_s_mid_transfer_the_transfer_continues_by_itself() {
+    let c = upload_across_a_cut(Duration::from_secs(10), &[]);
     eprintln!(
-        "reliability: link-cut seconds=10 bytes_verified={total} retries={} elapsed_s={:.1}",
-        u(&j["retries"]),
-        r.elapsed.as_secs_f64()
+        "reliability: link-cut seconds=10 bytes_verified={} retries={} elapsed_s={:.1}",
+        c.total,
+        u(&c.report["retries"]),
+        c.elapsed.as_secs_f64()
+    );
+}
+
+/// The link goes down for longer than the server's idle timeout: the
+/// server ends the session, so the client must reconnect and resume (at
+/// least one retry) and resume: a client that started again from zero
+/// would send everything it had sent before the cut (at least what had
+/// arrived) on top of the whole data set.
+#[test]
+fn link_cut_longer_than_the_idle_timeout_the_client_reconnects_and_resumes() {
+    let c = upload_across_a_cut(Duration::from_secs(8), &["--idle-timeout", "3"]);
+    let (retries, sent) = (u(&c.report["retries"]), u(&c.report["sent_bytes"]));
+    assert!(retries >= 1, "the server dropped the session during the cut, yet the client never reconnected: {:#}", c.report);
+    assert!(
+        sent < c.total + c.written_before,
+        "{sent} bytes sent for {} with {} already at the destination before the cut: the reconnection started again from zero",
+        c.total,
+        c.written_before
+    );
+    eprintln!(
+        "reliability: link-cut-past-idle seconds=8 idle_timeout=3 bytes_verified={} retries={retries} sent_bytes={sent} elapsed_s={:.1}",
+        c.total,
+        c.elapsed.as_secs_f64()
     );
 }
 
@@ -265,15 +367,38 @@ fn disk_full_then_freed(upload: bool) {
     let line = r.error_lines().join("\n");
     assert!(line.contains("space"), "the error does not say the disk is full:\n{}", r.stderr);
     let committed = assert_final_names_complete(&src, &dst);
-    eprintln!("disk full: {committed} files committed before the disk filled up");
+    let committed_bytes = committed_bytes(&dst);
+    eprintln!("disk full: {committed} files ({committed_bytes} bytes) committed before the disk filled up");
+    assert!(committed > 0, "nothing was committed before the disk filled up, so the re-run proves nothing");
 
     fs::remove_file(&filler).unwrap();
     let j = cmd.run().assert_ok();
     assert_same_tree(&src, &dst);
     assert_no_state(&dst);
-    if committed > 0 {
-        assert!(u(&j["skipped_files"]) > 0, "the re-run sent again the files committed before the disk filled up: {j:#}");
-    }
+    assert!(
+        u(&j["skipped_files"]) >= committed as u64,
+        "the re-run skipped {} files, but {committed} were committed before the disk filled up: {j:#}",
+        u(&j["skipped_files"])
+    );
+    assert!(
+        u(&j["sent_bytes"]) <= total - committed_bytes,
+        "the re-run sent {} bytes, more than the {} not committed before the disk filled up: {j:#}",
+        u(&j["sent_bytes"]),
+        total - committed_bytes
+    );
+}
+
+/// Bytes in files under their final names below `dst` (not temporary
+/// names, not resume state).
+fn committed_bytes(dst: &Path) -> u64 {
+    list_files(dst)
+        .into_iter()
+        .filter(|(k, _)| {
+            let name = k.rsplit('/').next().unwrap();
+            !k.split('/').any(|c| c == ".dmover-partial") && !(name.starts_with('.') && name.ends_with(".dmover-part"))
+        })
+        .map(|(_, n)| if let Node::File { size, .. } = n { size } else { 0 })
+        .sum()
 }
 
 #[test]
@@ -398,7 +523,8 @@ fn transfer_id(args: &[&str], block_size: u64, cwd: &Path) -> [u8; 16] {
 /// before) wrote the same partial files at the same time, each end
 /// truncating or replacing what the other wrote. Now the second run waits
 /// for the first to finish writing. Here the first run is held open by
-/// hand: the re-run must wait for it, then complete.
+/// hand: the server must say the re-run waits, nothing may be written
+/// while it does, and it must complete once the first run ends.
 #[test]
 fn rerun_waits_while_an_earlier_run_of_the_same_transfer_is_still_writing() {
     use dmover_proto::frame::TransferOptions;
@@ -416,8 +542,8 @@ fn rerun_waits_while_an_earlier_run_of_the_same_transfer_is_still_writing() {
     assert!(matches!(first.read(), Some(Msg::SessionOpened { .. })));
 
     let mut p = env.cp([from, to]).cwd(env.root()).spawn();
-    std::thread::sleep(Duration::from_secs(2));
-    assert!(p.running(), "the re-run did not wait for the run still writing");
+    let waiting = wait_until(Duration::from_secs(20), || srv.log().contains("waiting for an earlier run") || !p.running());
+    assert!(waiting && p.running(), "the re-run did not wait for the run still writing:\n{}", srv.log());
     assert!(!export.join("in/src").exists(), "the re-run wrote while the earlier run held the transfer");
     drop(first);
     p.wait().assert_ok();

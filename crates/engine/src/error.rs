@@ -36,7 +36,13 @@ impl Error {
 
     /// A lost or refused connection to `host`.
     pub fn network(host: impl Into<String>, e: &io::Error) -> Error {
-        Error::new(ErrorKind::Unreachable, host, e.to_string())
+        // A read timeout shows as EAGAIN ("Resource temporarily
+        // unavailable"), which says nothing to a reader of the log.
+        let message = match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => "nothing received from the peer for the idle timeout".to_string(),
+            _ => e.to_string(),
+        };
+        Error::new(ErrorKind::Unreachable, host, message)
     }
 
     pub fn is_transient(&self) -> bool {

@@ -141,9 +141,12 @@ impl Drop for Pinger {
     }
 }
 
-/// How often an endpoint pings its peer, given the idle timeout.
+/// How often an endpoint pings its peer, given its own idle timeout. The
+/// peer's idle timeout is its own setting (`dmover serve --idle-timeout`)
+/// and may be much shorter, so pings go at least every second: a quiet
+/// control connection must never look idle while data flows.
 pub fn ping_interval(idle: Duration) -> Duration {
-    (idle / 4).max(Duration::from_millis(100))
+    (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
 }
 
 struct RecvFile {
@@ -354,6 +357,9 @@ impl Running {
         let (lock, cv) = &RUNS;
         let deadline = std::time::Instant::now() + RUN_WAIT;
         let mut runs = lock.lock().expect("runs lock");
+        if runs.iter().any(|p| p == marker) {
+            log::info!("{}: waiting for an earlier run of this transfer to finish writing", marker.display());
+        }
         while runs.iter().any(|p| p == marker) {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
