@@ -393,10 +393,7 @@ fn disk_full_then_freed(upload: bool) {
 fn committed_bytes(dst: &Path) -> u64 {
     list_files(dst)
         .into_iter()
-        .filter(|(k, _)| {
-            let name = k.rsplit('/').next().unwrap();
-            !k.split('/').any(|c| c == ".dmover-partial") && !(name.starts_with('.') && name.ends_with(".dmover-part"))
-        })
+        .filter(|(k, _)| is_final_name(k))
         .map(|(_, n)| if let Node::File { size, .. } = n { size } else { 0 })
         .sum()
 }

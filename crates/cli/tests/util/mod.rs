@@ -949,6 +949,13 @@ pub fn written_bytes(dir: &Path) -> u64 {
     total
 }
 
+/// True for a relative path that is a final name: not a temporary
+/// `.NAME.dmover-part` and not in resume state (`.dmover-partial/`).
+pub fn is_final_name(rel: &str) -> bool {
+    let name = rel.rsplit('/').next().unwrap_or(rel);
+    !(rel.split('/').any(|c| c == ".dmover-partial") || name.starts_with('.') && name.ends_with(".dmover-part"))
+}
+
 /// Asserts that every file below `dst` under a final name (not a
 /// `.NAME.dmover-part`, not in `.dmover-partial/`) equals its counterpart
 /// below `src`: no final name is ever half-written. Returns how many there were.
@@ -956,8 +963,7 @@ pub fn written_bytes(dir: &Path) -> u64 {
 pub fn assert_final_names_complete(src: &Path, dst: &Path) -> usize {
     let mut n = 0;
     for (k, _) in list_files(dst) {
-        let name = k.rsplit('/').next().unwrap();
-        if k.split('/').any(|c| c == ".dmover-partial") || (name.starts_with('.') && name.ends_with(".dmover-part")) {
+        if !is_final_name(&k) {
             continue;
         }
         assert!(same_content(&src.join(&k), &dst.join(&k)), "{k} exists under its final name but differs from the source");
