@@ -34,7 +34,7 @@ class Context:
     scratch: Path           # data sets (kept) and work/ (cleared at start)
     dmover: Path
     repo: Path
-    wanem_dir: Path | None
+    wanem_dir: Path
     cold_cache: bool = True
     timeout: float = 900    # per command
     profile: bool = True    # profile dmover where a peer is faster

@@ -46,6 +46,16 @@ class BenchError(Exception):
 # command log
 # --------------------------------------------------------------------------
 
+# The repository: results name files in it relative to its root, so that
+# they hold no path of the machine they were measured on.
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shown(text: str) -> str:
+    """`text` with paths inside the repository made relative to its root."""
+    return text.replace(f"{REPO}/", "")
+
+
 @dataclass
 class CommandLog:
     """Commands of one workload, grouped by phase ("setup", "run 1", ...)."""
@@ -54,7 +64,7 @@ class CommandLog:
     entries: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, line: str) -> None:
-        self.entries.append((self.phase, line))
+        self.entries.append((self.phase, shown(line)))
 
     def lines(self, phase: str) -> list[str]:
         return [line for p, line in self.entries if p == phase]
@@ -371,7 +381,7 @@ def machine_info(dmover: Path) -> dict:
         "loadavg_at_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "tcp_congestion_control": cc,
         "dmover_build": dmover_build(dmover),
-        "dmover_path": str(dmover),
+        "dmover_path": shown(str(dmover)),
         "versions": {
             "iperf3": first_line(["iperf3", "--version"]),
             "rsync": first_line(["rsync", "--version"]),

@@ -1,4 +1,4 @@
-"""An emulated WAN link between two network namespaces, via shared/tools/wanem.
+"""An emulated WAN link between two network namespaces, via tools/wanem.
 
 Used as a context manager: the link is torn down on every way out, and a
 link with the same names left behind by an aborted earlier run is torn down
@@ -18,13 +18,9 @@ STATE_DIR = Path("/run/wanem")
 LINK_DOWN = "the emulated link is down"
 
 
-def find_wanem(repo: Path) -> Path | None:
-    """shared/tools/wanem beside the repository (as in CI), or /work/shared."""
-    for cand in (repo.parent / "shared" / "tools" / "wanem",
-                 Path("/work/shared/tools/wanem")):
-        if (cand / "wanem-up").is_file() and (cand / "wanem-down").is_file():
-            return cand
-    return None
+def find_wanem(repo: Path) -> Path:
+    """The emulator's scripts, in the repository."""
+    return repo / "tools" / "wanem"
 
 
 class WanLink:

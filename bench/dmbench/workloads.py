@@ -9,6 +9,8 @@ spread sizes.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .core import Context, Row, Target, Workload
 from .datasets import Dataset
 from .system import BenchError
@@ -181,7 +183,7 @@ class Wan(Workload):
                 self.NS_B + " every 100 ms. " + MEASURES)
 
     def skip_reason(self, ctx):
-        return None if ctx.wanem_dir else "shared/tools/wanem not found"
+        return None if Path("/dev/net/tun").exists() else "the kernel offers no TUN devices (/dev/net/tun)"
 
     def environment(self, ctx):
         return self.link(ctx)

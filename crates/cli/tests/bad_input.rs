@@ -52,6 +52,9 @@ fn missing_remote_source_exits_3() {
 
 #[test]
 fn unreadable_source_file_exits_4() {
+    if !dmover_testkit::needs_root("setpriv to run dmover as nobody") {
+        return;
+    }
     let env = Env::new();
     let src = env.path("src");
     write_random(&src.join("ok.dat"), 5000, 1);
@@ -69,6 +72,9 @@ fn unreadable_source_file_exits_4() {
 /// downloading it gets 4, naming the file.
 #[test]
 fn file_the_server_cannot_read_exits_4() {
+    if !dmover_testkit::needs_root("setpriv to run the server as nobody") {
+        return;
+    }
     let env = Env::new();
     let export = env.mkdir("export");
     write_random(&export.join("secret.dat"), 5000, 3);
@@ -92,6 +98,9 @@ fn file_the_server_cannot_read_exits_4() {
 /// server answers at once; the timeout only keeps a hang from stalling the suite.)
 #[test]
 fn read_only_destination_upload_exits_4() {
+    if !dmover_testkit::needs_root("a read-only bind mount") {
+        return;
+    }
     let env = Env::new();
     let src = env.path("src");
     make_tree(&src, 1, 3);
@@ -104,6 +113,9 @@ fn read_only_destination_upload_exits_4() {
 
 #[test]
 fn read_only_destination_local_exits_4() {
+    if !dmover_testkit::needs_root("a read-only bind mount") {
+        return;
+    }
     let env = Env::new();
     let src = env.path("src");
     make_tree(&src, 1, 3);
@@ -128,6 +140,9 @@ fn assert_disk_full(copy: impl Fn() -> Run, dir: &std::path::Path) {
 /// final name (nor a temporary file eating the space) is left behind.
 #[test]
 fn destination_full_upload_exits_5() {
+    if !dmover_testkit::needs_root("a small tmpfs mount") {
+        return;
+    }
     let env = Env::new();
     let src = env.path("src");
     write_random(&src.join("big.dat"), 8 * MIB, 5);
@@ -142,6 +157,9 @@ fn destination_full_upload_exits_5() {
 
 #[test]
 fn destination_full_download_exits_5() {
+    if !dmover_testkit::needs_root("a small tmpfs mount") {
+        return;
+    }
     let env = Env::new();
     let export = env.mkdir("export");
     write_random(&export.join("src/big.dat"), 8 * MIB, 6);
@@ -156,6 +174,9 @@ fn destination_full_download_exits_5() {
 /// (A read-only subdirectory makes a clean per-file error.)
 #[test]
 fn destination_errors_name_the_full_destination_path_upload() {
+    if !dmover_testkit::needs_root("a read-only bind mount") {
+        return;
+    }
     let env = Env::new();
     let src = env.path("src");
     write_random(&src.join("a.dat"), 5000, 5);
@@ -171,6 +192,9 @@ fn destination_errors_name_the_full_destination_path_upload() {
 
 #[test]
 fn destination_errors_name_the_full_destination_path_download() {
+    if !dmover_testkit::needs_root("a read-only bind mount") {
+        return;
+    }
     let env = Env::new();
     let export = env.mkdir("export");
     write_random(&export.join("src/a.dat"), 5000, 6);
@@ -188,6 +212,9 @@ fn destination_errors_name_the_full_destination_path_download() {
 
 #[test]
 fn destination_full_local_exits_5() {
+    if !dmover_testkit::needs_root("a small tmpfs mount") {
+        return;
+    }
     let env = Env::new();
     let src = env.path("src");
     write_random(&src.join("big.dat"), 8 * MIB, 6);

@@ -1,14 +1,14 @@
 //! Batch jobs end to end: job files checked before anything runs, the
 //! batch script `dmover submit --dry-run` prints, `dmover run` on this
 //! machine, and jobs submitted to a real three-node Slurm cluster
-//! (shared/tools/slurm-local, started here and stopped when the tests end)
+//! (tools/slurm-local through dmover-testkit, started here and stopped when
+//! the tests end)
 //! whose agents send to real `dmover serve` processes.
 
 mod util;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, Once};
 use std::time::{Duration, Instant};
 use util::*;
 
@@ -178,38 +178,6 @@ fn run_without_slurm_uses_local_agents_and_a_rerun_sends_nothing() {
 // ---------------------------------------------------------------------------
 // On a three-node Slurm cluster
 
-/// The slurm-local tools (beside the project, in shared/tools).
-fn slurm_tools() -> PathBuf {
-    std::env::var_os("DMOVER_SLURM_LOCAL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tools/slurm-local"))
-}
-
-extern "C" fn slurm_down() {
-    let _ = std::process::Command::new(slurm_tools().join("slurm-down")).arg("-q").stdin(std::process::Stdio::null()).status();
-}
-
-/// Starts the cluster once for this test process (stopped at its exit) and
-/// serializes the tests that use it.
-fn cluster() -> MutexGuard<'static, ()> {
-    static UP: Once = Once::new();
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    UP.call_once(|| {
-        let tools = slurm_tools();
-        assert!(tools.join("slurm-up").exists(), "slurm-local not found at {} (set DMOVER_SLURM_LOCAL)", tools.display());
-        let out = std::process::Command::new(tools.join("slurm-up"))
-            .args(["--nodes", "3", "-q"])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("run slurm-up");
-        // SAFETY: registers a plain function to run at process exit.
-        unsafe { libc::atexit(slurm_down) };
-        assert!(out.status.success(), "slurm-up failed:\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    });
-    guard
-}
-
 /// Submits `job` and returns its Slurm job id.
 fn submit(job: &Job) -> String {
     let r = dmover(["submit"]).arg(&job.path).run();
@@ -237,7 +205,10 @@ fn wait_report(job: &Job, id: &str, timeout: Duration) -> Value {
 
 #[test]
 fn slurm_job_moves_a_tree_with_agents_on_all_three_nodes() {
-    let _cluster = cluster();
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let _cluster = dmover_testkit::slurm_cluster();
     let env = Env::new();
     let src = env.mkdir("src");
     make_tree(&src, 11, 1992);
@@ -269,7 +240,10 @@ fn slurm_job_moves_a_tree_with_agents_on_all_three_nodes() {
 
 #[test]
 fn slurm_job_survives_an_agent_killed_mid_job() {
-    let _cluster = cluster();
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let _cluster = dmover_testkit::slurm_cluster();
     let env = Env::new();
     let src = env.mkdir("src");
     let mut rng = Rng::new(3);
@@ -352,7 +326,10 @@ fn command_agents_copy_with_cp_and_rsync() {
 
 #[test]
 fn slurm_jobs_with_cp_and_rsync_agents_on_three_nodes() {
-    let _cluster = cluster();
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let _cluster = dmover_testkit::slurm_cluster();
     let env = Env::new();
     let src = env.mkdir("src");
     make_tree(&src, 31, 292);
@@ -374,7 +351,10 @@ fn slurm_jobs_with_cp_and_rsync_agents_on_three_nodes() {
 
 #[test]
 fn slurm_job_checkpoints_before_its_time_limit_and_resubmits_itself() {
-    let _cluster = cluster();
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let _cluster = dmover_testkit::slurm_cluster();
     let env = Env::new();
     let src = env.mkdir("src");
     let mut rng = Rng::new(7);
