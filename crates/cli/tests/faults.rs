@@ -391,11 +391,7 @@ fn disk_full_then_freed(upload: bool) {
 /// Bytes in files under their final names below `dst` (not temporary
 /// names, not resume state).
 fn committed_bytes(dst: &Path) -> u64 {
-    list_files(dst)
-        .into_iter()
-        .filter(|(k, _)| is_final_name(k))
-        .map(|(_, n)| if let Node::File { size, .. } = n { size } else { 0 })
-        .sum()
+    list_files(dst).into_iter().filter(|(k, _)| is_final_name(k)).map(|(_, n)| if let Node::File { size, .. } = n { size } else { 0 }).sum()
 }
 
 #[test]

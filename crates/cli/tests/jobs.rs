@@ -333,9 +333,17 @@ fn slurm_jobs_with_cp_and_rsync_agents_on_three_nodes() {
     let env = Env::new();
     let src = env.mkdir("src");
     make_tree(&src, 31, 292);
-    for (name, template) in [("cp", "cp -p {src} {dst}"), ("rsync", "rsync -a {src} {dst}")] {
+    // Each copy takes at least 50 ms, so that the 300 files (about 2.5 s of
+    // work for six agents) outlast the time Slurm takes to start the last
+    // node's agents: a node whose agents start after the queue has run dry
+    // rightly gets nothing, and this test is about the spread.
+    let slow = env.path("slow");
+    std::fs::write(&slow, "#!/bin/sh\nsleep 0.05\nexec \"$@\"\n").unwrap();
+    chmod(&slow, 0o755);
+    for (name, command) in [("cp", "cp -p {src} {dst}"), ("rsync", "rsync -a {src} {dst}")] {
         let dest = env.path(&format!("out-{name}"));
-        let job = command_job(&env, name, &src, &dest, template);
+        let template = format!("{} {command}", slow.display());
+        let job = command_job(&env, name, &src, &dest, &template);
         let text = std::fs::read_to_string(&job.path).unwrap().replace("tasks_per_node = 2", "nodes = 3\ntasks_per_node = 2");
         std::fs::write(&job.path, text).unwrap();
         let id = submit(&job);
