@@ -303,9 +303,15 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
         });
         drop(tx);
         let summary = prepared.run(control, rx);
-        // The sender's report follows its `Finish`.
+        // The sender's report follows its `Finish` (and pings, which its
+        // pinger may still send until then).
         let mut r = FrameReader::new(after);
-        let report = r.read_msg();
+        let report = loop {
+            match r.read_msg() {
+                Ok(Msg::Ping) => continue,
+                other => break other,
+            }
+        };
         summary?;
         match report? {
             Msg::Report(s) => {
