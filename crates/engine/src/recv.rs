@@ -224,7 +224,7 @@ struct Shared {
     dirs: Mutex<HashSet<PathBuf>>,
     /// Committed files; updated by whoever finalizes a file.
     totals: Mutex<RecvSummary>,
-    /// The first fatal error; set once, then `stop`.
+    /// The first fatal error; set by [`Shared::fail`] once the sender was told.
     fatal: Mutex<Option<Error>>,
     stop: AtomicBool,
     /// Every data connection, to close them when the session ends.
@@ -263,6 +263,11 @@ impl Shared {
     }
 
     /// Ends the session: tells the sender why (best effort) and closes every connection.
+    ///
+    /// The fatal lock is held until the reason is on the wire: the control
+    /// thread ends the session (and hangs up) as soon as it sees the fatal
+    /// error, and it must not shut the connection before the reason went
+    /// out, or the sender reads the end of the stream instead of the reason.
     fn fail(&self, e: Error) {
         let mut f = self.fatal.lock().expect("fatal lock");
         // A lost connection during our own shutdown is no error; and a real
@@ -272,14 +277,10 @@ impl Shared {
             None => !lost || !self.stop.load(Ordering::SeqCst),
             Some(old) => old.kind == ErrorKind::Unreachable && !lost,
         };
-        if first {
-            *f = Some(e.clone());
-        }
-        drop(f);
         self.stop.store(true, Ordering::SeqCst);
         self.conns.lock().expect("conns lock").iter().for_each(|c| c.close());
         if let Ok(mut w) = self.ctl.lock() {
-            if first && e.kind != ErrorKind::Unreachable {
+            if first && !lost {
                 // Say why, and leave the connection readable: closing it
                 // with the sender's messages unread would reset it and could
                 // destroy our message before the sender reads it.
@@ -288,6 +289,9 @@ impl Shared {
             } else {
                 w.close();
             }
+        }
+        if first {
+            *f = Some(e);
         }
     }
 
@@ -544,6 +548,12 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                 }
             }
             Msg::Finish { .. } => {
+                // A sender that lost its data connections to our failure
+                // may still say it has finished: the transfer is not
+                // complete, and its resume state stays.
+                if let Some(e) = sh.fatal.lock().expect("fatal lock").take() {
+                    return Err(e);
+                }
                 sh.stop.store(true, Ordering::SeqCst);
                 if let Some(l) = sh.layout.lock().expect("layout lock").as_ref() {
                     let _ = fs::remove_file(&l.marker);

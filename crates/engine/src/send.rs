@@ -740,7 +740,12 @@ fn flush_queued(sh: &Shared, queued: &mut [bool]) {
 }
 
 /// Tells every host the transfer is over and waits for their totals.
+/// Not after a fatal error: `Finish` would tell the receivers that the
+/// transfer is complete.
 fn finish(sh: &Arc<Shared>) -> Result<()> {
+    if sh.stopped() {
+        return Ok(());
+    }
     for c in &sh.ctl {
         let _g = c.lock().expect("control lock");
         sh.finishing.store(true, Ordering::SeqCst);
