@@ -36,10 +36,11 @@ impl Error {
 
     /// A lost or refused connection to `host`.
     pub fn network(host: impl Into<String>, e: &io::Error) -> Error {
-        // A read timeout shows as EAGAIN ("Resource temporarily
-        // unavailable"), which says nothing to a reader of the log.
+        // A socket's read timeout (the idle or handshake timeout) shows as
+        // EAGAIN, "Resource temporarily unavailable", which says nothing to
+        // a reader of the log. (A connect timeout is TimedOut and says so.)
         let message = match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => "nothing received from the peer for the idle timeout".to_string(),
+            io::ErrorKind::WouldBlock => "nothing received from the peer within the timeout".to_string(),
             _ => e.to_string(),
         };
         Error::new(ErrorKind::Unreachable, host, message)
