@@ -8,10 +8,10 @@ use crate::sizes::parse_size;
 use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
-use dmover_engine::fsroot::Root;
 use dmover_engine::progress::Progress;
 use dmover_engine::send::{self, Files, SendConfig};
 use dmover_engine::session::{self, Credential};
+use dmover_engine::storage;
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::TransferOptions;
 use dmover_proto::ErrorKind;
@@ -61,7 +61,7 @@ pub fn run(a: BenchArgs) -> Result<i32> {
         let file = dir.join("dmover-bench.dat");
         write_random(&file, size)?;
         scratch = Some(dir);
-        Files::Walk { root: Root::local(), specs: vec![file.display().to_string()] }
+        Files::Walk { store: storage::local(), specs: vec![file.display().to_string()] }
     } else {
         flags |= TransferOptions::GENERATE | TransferOptions::DISCARD;
         Files::Generate { name: "dmover-bench.dat".into(), size }

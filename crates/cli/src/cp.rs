@@ -8,12 +8,12 @@ use crate::sizes::parse_size;
 use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
-use dmover_engine::fsroot::Root;
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig, DEST_MAY_BE_FILE};
 use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
 use dmover_engine::session::{self, Conn, Credential};
+use dmover_engine::storage;
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::FrameReader;
 use dmover_engine::{Error, Result};
@@ -221,7 +221,7 @@ fn send_config(p: &Plan, progress: &Arc<Progress>, tuner: Option<send::TunerFact
 
 fn recv_config(p: &Plan) -> RecvConfig {
     RecvConfig {
-        root: Root::local(),
+        store: storage::local(),
         dest: p.dest_path.clone(),
         options: p.options,
         staging: p.params.staging,
@@ -250,7 +250,7 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
     let prepared = recv::prepare(recv_config(p))?;
     let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
     let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data, connect: None };
-    let sent = send::send(Files::Walk { root: Root::local(), specs: specs(p) }, vec![link], send_config(p, progress, None));
+    let sent = send::send(Files::Walk { store: storage::local(), specs: specs(p) }, vec![link], send_config(p, progress, None));
     let received = receiver.join().unwrap_or_else(|_| Err(Error::internal("receiver panicked")));
     match (sent, received) {
         (Ok(stats), Ok(_)) => Ok(stats),
@@ -274,7 +274,7 @@ fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let socket = a.net.socket()?;
     let stats = with_retries(a.retries, |_| {
         let links = session::receive_links(&creds, &p.dest_path, p.options, a.net.initial(), &socket)?;
-        send::send(Files::Walk { root: Root::local(), specs: specs(p) }, links, send_config(p, progress, a.net.tuner_factory()))
+        send::send(Files::Walk { store: storage::local(), specs: specs(p) }, links, send_config(p, progress, a.net.tuner_factory()))
     })?;
     Ok(Stats { sent_bytes: progress.snapshot().sent_bytes, ..stats })
 }

@@ -3,7 +3,7 @@
 
 use crate::sizes::parse_size;
 use clap::Args;
-use dmover_engine::fsroot::Root;
+use dmover_engine::storage;
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
@@ -73,10 +73,10 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         if name.is_empty() || name.contains(['/', '\0']) || name == "." || name == ".." {
             return Err(usage(e, "an export name is one path component".into()));
         }
-        let root = Root::export(name, std::path::Path::new(dir)).map_err(|err| Error::io(dir, &err))?;
-        if !root.dir().is_dir() {
+        if std::path::Path::new(dir).metadata().is_ok_and(|m| !m.is_dir()) {
             return Err(usage(dir, "not a directory".into()));
         }
+        let root = storage::export(name, std::path::Path::new(dir)).map_err(|err| Error::io(dir, &err))?;
         if exports.insert(name.to_string(), root).is_some() {
             return Err(usage(name, "exported twice".into()));
         }

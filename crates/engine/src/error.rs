@@ -82,6 +82,9 @@ impl std::error::Error for Error {}
 /// Maps an I/O error to an error class.
 pub fn classify(e: &io::Error) -> ErrorKind {
     use io::ErrorKind as K;
+    if crate::storage::Refused::is(e) {
+        return ErrorKind::Refused;
+    }
     match e.kind() {
         K::NotFound => ErrorKind::NotFound,
         K::PermissionDenied => ErrorKind::Permission,

@@ -5,11 +5,14 @@
 //! named by a hash of the file's path. A header binds it to the source's
 //! size, mtime and the block size; a record (block index, checksum) is
 //! appended after each block is written. A torn last record is ignored.
+//! Journals are read and written through the destination's [`Storage`],
+//! so they are confined like the files they describe: a journal is created
+//! afresh, never through a link planted at its name.
 
+use crate::storage::{Storage, WriteFile};
 use dmover_proto::digest::Sum;
 use dmover_proto::frame::FileMeta;
-use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"DMVJ0001";
@@ -34,9 +37,10 @@ fn header(meta: &FileMeta, block_size: u32) -> [u8; HEADER] {
 
 /// The blocks a journal records, if it exists and belongs to this version
 /// of the source file.
-pub fn load(path: &Path, meta: &FileMeta, block_size: u32, blocks: u64) -> Option<Vec<(u64, Sum)>> {
-    let mut buf = Vec::new();
-    File::open(path).ok()?.read_to_end(&mut buf).ok()?;
+pub fn load(store: &dyn Storage, path: &Path, meta: &FileMeta, block_size: u32, blocks: u64) -> Option<Vec<(u64, Sum)>> {
+    // Each block is recorded once; a longer journal is not ours.
+    let limit = (HEADER as u64).saturating_add((RECORD as u64).saturating_mul(blocks));
+    let buf = store.read_all(path, limit).ok()?;
     if buf.len() < HEADER || buf[..HEADER] != header(meta, block_size) {
         return None;
     }
@@ -50,20 +54,24 @@ pub fn load(path: &Path, meta: &FileMeta, block_size: u32, blocks: u64) -> Optio
 
 /// An open journal being appended to.
 pub struct Journal {
-    file: File,
+    file: Box<dyn WriteFile>,
+    /// Where the next record goes.
+    end: u64,
 }
 
 impl Journal {
     /// Starts a new journal (replacing any old one).
-    pub fn create(path: &Path, meta: &FileMeta, block_size: u32) -> io::Result<Journal> {
-        let mut file = OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
-        file.write_all(&header(meta, block_size))?;
-        Ok(Journal { file })
+    pub fn create(store: &dyn Storage, path: &Path, meta: &FileMeta, block_size: u32) -> io::Result<Journal> {
+        let file = store.create(path)?;
+        file.write_all_at(&header(meta, block_size), 0)?;
+        Ok(Journal { file, end: HEADER as u64 })
     }
 
-    /// Continues an existing journal.
-    pub fn append(path: &Path) -> io::Result<Journal> {
-        Ok(Journal { file: OpenOptions::new().append(true).open(path)? })
+    /// Continues an existing journal (one this end created).
+    pub fn append(store: &dyn Storage, path: &Path) -> io::Result<Journal> {
+        let file = store.reopen(path)?.ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no journal of ours"))?;
+        let end = file.stat()?.size;
+        Ok(Journal { file, end })
     }
 
     /// Records that `block` is on disk with checksum `sum`.
@@ -71,7 +79,9 @@ impl Journal {
         let mut r = [0u8; RECORD];
         r[..8].copy_from_slice(&block.to_be_bytes());
         r[8..].copy_from_slice(sum);
-        self.file.write_all(&r)
+        self.file.write_all_at(&r, self.end)?;
+        self.end += RECORD as u64;
+        Ok(())
     }
 }
 
@@ -82,15 +92,23 @@ mod tests {
     #[test]
     fn survives_a_torn_record_and_rejects_another_version() {
         let t = tempfile::tempdir().unwrap();
+        let store = crate::storage::export("t", t.path()).unwrap();
+        let s = store.as_ref();
         let meta = FileMeta { path: "a".into(), size: 10, mtime_s: 1, mtime_ns: 2, mode: 0o644 };
-        let p = path_for(t.path(), "a");
-        let mut j = Journal::create(&p, &meta, 4).unwrap();
+        let p = path_for(Path::new(""), "a");
+        let mut j = Journal::create(s, &p, &meta, 4).unwrap();
         j.record(0, &[1; 16]).unwrap();
+        drop(j);
+        let mut j = Journal::append(s, &p).unwrap();
         j.record(2, &[3; 16]).unwrap();
         drop(j);
-        OpenOptions::new().append(true).open(&p).unwrap().write_all(&[9; 5]).unwrap();
-        assert_eq!(load(&p, &meta, 4, 3).unwrap(), vec![(0, [1; 16]), (2, [3; 16])]);
-        assert!(load(&p, &FileMeta { mtime_s: 5, ..meta.clone() }, 4, 3).is_none());
-        assert!(load(&p, &meta, 8, 3).is_none());
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(t.path().join(&p))
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &[9; 5]))
+            .unwrap();
+        assert_eq!(load(s, &p, &meta, 4, 3).unwrap(), vec![(0, [1; 16]), (2, [3; 16])]);
+        assert!(load(s, &p, &FileMeta { mtime_s: 5, ..meta.clone() }, 4, 3).is_none());
+        assert!(load(s, &p, &meta, 8, 3).is_none());
     }
 }

@@ -13,14 +13,13 @@
 //! * [`send`], [`recv`] — the two ends, with their threads and stages
 //! * [`journal`] — resume state of partial files
 //! * [`transport`], [`wire`], [`handshake`] — byte streams, frames, authentication
-//! * [`fsroot`] — confinement of paths to an export
+//! * [`storage`] — every file operation, confined to an export by directory handles
 //! * [`tuning`] — runs a stream tuner (`dmover-tune`) against a live transfer
 //! * [`progress`] — live counters
 //! * [`fault`] — a seam for injecting faults, used only by the test suite
 
 pub mod error;
 pub mod fault;
-pub mod fsroot;
 pub mod handshake;
 pub mod journal;
 pub mod pool;
@@ -30,6 +29,7 @@ pub mod retry;
 pub mod send;
 pub mod session;
 pub mod source;
+pub mod storage;
 pub mod transport;
 pub mod tuning;
 pub mod wire;

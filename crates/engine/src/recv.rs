@@ -21,20 +21,17 @@
 //! those queues are is what the sender's tuner hears as "staged".
 
 use crate::error::{Error, Result};
-use crate::fsroot::Root;
 use crate::journal::{self, Journal};
 use crate::pool::{Block, Pool};
 use crate::source::{PART_SUFFIX, STATE_DIR};
+use crate::storage::{digest_of, Attrs, Store, WriteFile};
 use crate::transport::{SocketOptions, Transport};
-use crate::wire::{FrameReader, FrameWriter, Incoming, PIECE};
+use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, Sender};
-use dmover_proto::digest::{file_digest, BlockHasher, SetDigest, Sum};
+use dmover_proto::digest::{file_digest, SetDigest, Sum};
 use dmover_proto::frame::{FileMeta, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::collections::{HashMap, HashSet};
-use std::fs::{self, File, OpenOptions};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -68,9 +65,10 @@ impl Drop for Receiving {
 
 /// Where and how to receive.
 pub struct RecvConfig {
-    /// The root paths are confined to (an export, or the local file system).
-    pub root: Root,
-    /// The destination directory (or file, see [`DEST_MAY_BE_FILE`]) below `root`.
+    /// Where files go: an export (every path confined beneath it), or the
+    /// local file system.
+    pub store: Store,
+    /// The destination directory (or file, see [`DEST_MAY_BE_FILE`]) in `store`.
     pub dest: String,
     pub options: TransferOptions,
     /// Staging memory for blocks between network and disk.
@@ -163,7 +161,7 @@ struct RecvFile {
     /// Blocks that arrived damaged, and how often.
     damaged: HashMap<u64, u32>,
     end: Option<Sum>,
-    file: Option<Arc<File>>,
+    file: Option<Arc<dyn WriteFile>>,
     journal: Option<Journal>,
     /// Truncate the temporary file when first opened.
     fresh: bool,
@@ -205,7 +203,7 @@ struct WriteJob {
 struct Shared {
     options: TransferOptions,
     block_size: u64,
-    root: Root,
+    store: Store,
     /// The destination as the user named it (for messages).
     dest_label: String,
     dest_dir: PathBuf,
@@ -302,8 +300,8 @@ impl Shared {
     /// How to name `rel` (a path within the transfer) in messages: the
     /// export path at a server, the local path at a client.
     fn name(&self, rel: &str) -> String {
-        if self.root.is_confined() {
-            self.root.display(&dmover_proto::path::join(&self.dest_label, rel))
+        if self.store.is_confined() {
+            self.store.display(Path::new(&dmover_proto::path::join(&self.dest_label, rel)))
         } else {
             self.dest_dir.join(rel).display().to_string()
         }
@@ -327,14 +325,14 @@ struct Layout {
 impl Layout {
     /// Creates the state directory and marker under `parent`, once no
     /// earlier run of this transfer in this process is still writing there.
-    fn settle(parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
+    fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
         let state_dir = parent.join(STATE_DIR);
         let marker = state_dir.join(format!("transfer-{}", hex(transfer_id)));
-        let run = Running::enter(&marker)?;
-        fs::create_dir_all(&state_dir)?;
-        let resuming = marker.exists();
+        let run = Running::enter(store, &marker)?;
+        store.make_dirs(&state_dir)?;
+        let resuming = store.stat(&marker).is_ok();
         if !resuming {
-            File::create(&marker)?;
+            store.create(&marker)?;
         }
         Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
     }
@@ -347,24 +345,25 @@ impl Layout {
 /// waits until the earlier run has stopped writing. (Per process: several
 /// servers writing one transfer into a shared file system are one run,
 /// each sending its own files.)
-static RUNS: (Mutex<Vec<PathBuf>>, std::sync::Condvar) = (Mutex::new(Vec::new()), std::sync::Condvar::new());
+static RUNS: (Mutex<Vec<String>>, std::sync::Condvar) = (Mutex::new(Vec::new()), std::sync::Condvar::new());
 
 /// How long a run waits for an earlier run of the same transfer to finish
 /// writing.
 const RUN_WAIT: Duration = Duration::from_secs(30);
 
-/// A run's entry in [`RUNS`], removed when dropped.
-struct Running(PathBuf);
+/// A run's entry in [`RUNS`] (its marker's name), removed when dropped.
+struct Running(String);
 
 impl Running {
-    fn enter(marker: &Path) -> std::io::Result<Running> {
+    fn enter(store: &Store, marker: &Path) -> std::io::Result<Running> {
+        let marker = store.display(marker);
         let (lock, cv) = &RUNS;
         let deadline = std::time::Instant::now() + RUN_WAIT;
         let mut runs = lock.lock().expect("runs lock");
-        if runs.iter().any(|p| p == marker) {
-            log::info!("{}: waiting for an earlier run of this transfer to finish writing", marker.display());
+        if runs.contains(&marker) {
+            log::info!("{marker}: waiting for an earlier run of this transfer to finish writing");
         }
-        while runs.iter().any(|p| p == marker) {
+        while runs.contains(&marker) {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 let msg = format!("an earlier run of this transfer is still writing here after {} s", RUN_WAIT.as_secs());
@@ -372,8 +371,8 @@ impl Running {
             }
             runs = cv.wait_timeout(runs, left).expect("runs lock").0;
         }
-        runs.push(marker.to_path_buf());
-        Ok(Running(marker.to_path_buf()))
+        runs.push(marker.clone());
+        Ok(Running(marker))
     }
 }
 
@@ -402,18 +401,19 @@ pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
     if block_size == 0 || block_size > dmover_proto::frame::MAX_BLOCK as u64 {
         return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
     }
-    let dest_dir = cfg.root.resolve(&cfg.dest)?;
-    let label = cfg.root.display(&cfg.dest);
-    let may_be_file = cfg.options.has(DEST_MAY_BE_FILE) && !dest_dir.is_dir();
+    crate::storage::check_path(cfg.store.as_ref(), &cfg.dest)?;
+    let dest_dir = PathBuf::from(&cfg.dest);
+    let label = cfg.store.display(&dest_dir);
+    let may_be_file = cfg.options.has(DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
     let mut layout = None;
     if !cfg.options.has(TransferOptions::DISCARD) {
         if may_be_file {
             // Whether DEST is the file or its directory is settled by the first file.
-            let parent = dest_dir.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
-            fs::create_dir_all(&parent).map_err(|e| Error::io(&label, &e))?;
+            let parent = dest_dir.parent().map(Path::to_path_buf).unwrap_or_default();
+            cfg.store.make_dirs(&parent).map_err(|e| Error::io(&label, &e))?;
         } else {
-            fs::create_dir_all(&dest_dir).map_err(|e| Error::io(&label, &e))?;
-            layout = Some(Layout::settle(&dest_dir, None, &cfg.options.transfer_id).map_err(|e| Error::io(&label, &e))?);
+            cfg.store.make_dirs(&dest_dir).map_err(|e| Error::io(&label, &e))?;
+            layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id).map_err(|e| Error::io(&label, &e))?);
         }
     }
     Ok(Prepared { cfg, dest_dir, may_be_file, layout })
@@ -436,7 +436,7 @@ impl Prepared {
         let sh = Arc::new(Shared {
             options: opts,
             block_size,
-            root: cfg.root,
+            store: cfg.store,
             dest_label: cfg.dest.clone(),
             dest_dir,
             may_be_file,
@@ -544,7 +544,7 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                 if let Some(f) = f {
                     let mut g = f.lock().expect("file lock");
                     g.done = true;
-                    remove_partial(&g);
+                    remove_partial(sh, &g);
                 }
             }
             Msg::Finish { .. } => {
@@ -556,8 +556,8 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                 }
                 sh.stop.store(true, Ordering::SeqCst);
                 if let Some(l) = sh.layout.lock().expect("layout lock").as_ref() {
-                    let _ = fs::remove_file(&l.marker);
-                    let _ = fs::remove_dir(&l.state_dir);
+                    let _ = sh.store.remove(&l.marker);
+                    let _ = sh.store.remove_dir(&l.state_dir);
                 }
                 let t = *sh.totals.lock().expect("totals lock");
                 sh.ctl.lock().expect("control lock").send(&Msg::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
@@ -626,11 +626,11 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         let mut l = sh.layout.lock().expect("layout lock");
         if l.is_none() {
             let (parent, dest_file) = if sh.may_be_file && lone {
-                (sh.dest_dir.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from(".")), Some(sh.dest_dir.clone()))
+                (sh.dest_dir.parent().map(Path::to_path_buf).unwrap_or_default(), Some(sh.dest_dir.clone()))
             } else {
                 (sh.dest_dir.clone(), None)
             };
-            match Layout::settle(&parent, dest_file, &sh.options.transfer_id) {
+            match Layout::settle(&sh.store, &parent, dest_file, &sh.options.transfer_id) {
                 Ok(x) => *l = Some(x),
                 // Nothing can be received here: end the transfer with the reason.
                 Err(e) => return sh.fail(Error::io(sh.name(""), &e)),
@@ -652,18 +652,18 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
     }
     // Already there?
     if look {
-        if let Ok(m) = fs::symlink_metadata(&final_path) {
+        if let Ok(m) = sh.store.stat(&final_path) {
             let same = m.is_file()
-                && m.len() == meta.size
+                && m.size == meta.size
                 && if let (Some(d), true) = (digest, sh.options.has(TransferOptions::CHECKSUM)) {
-                    digest_of(&final_path, sh.block_size).is_ok_and(|x| x == d)
+                    digest_of(sh.store.as_ref(), &final_path, sh.block_size).is_ok_and(|x| x == d)
                 } else {
-                    m.mtime() == meta.mtime_s && m.mtime_nsec() as u32 == meta.mtime_ns
+                    m.mtime == (meta.mtime_s, meta.mtime_ns)
                 };
             if same {
                 // A partial file an interrupted later run left for it is stale.
-                let _ = fs::remove_file(temp_name(&final_path));
-                let _ = fs::remove_file(journal::path_for(&state_dir, &meta.path));
+                let _ = sh.store.remove(&temp_name(&final_path));
+                let _ = sh.store.remove(&journal::path_for(&state_dir, &meta.path));
                 return already_there(sh, id, &meta);
             }
         }
@@ -673,8 +673,8 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
     f.final_path = final_path;
     if blocks > 1 {
         let jp = journal::path_for(&state_dir, &f.meta.path);
-        if is_own_partial(&f.temp_path) {
-            if let Some(recs) = journal::load(&jp, &f.meta, sh.block_size as u32, blocks) {
+        if is_own_partial(sh, &f.temp_path) {
+            if let Some(recs) = journal::load(sh.store.as_ref(), &jp, &f.meta, sh.block_size as u32, blocks) {
                 for (b, s) in recs {
                     if !f.have[b as usize] {
                         f.have[b as usize] = true;
@@ -684,7 +684,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
                     }
                 }
                 f.fresh = false;
-                f.journal = Journal::append(&jp).ok();
+                f.journal = Journal::append(sh.store.as_ref(), &jp).ok();
                 log::debug!("{}: resumed, {} blocks missing", f.meta.path, f.missing);
             }
         }
@@ -696,20 +696,8 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
 /// Whether `temp` is a partial file this end could have written: a regular
 /// file with no other name. Anything else (a symlink or a hard link planted
 /// there) is not resumed but replaced, so nothing is written through it.
-fn is_own_partial(temp: &Path) -> bool {
-    fs::symlink_metadata(temp).is_ok_and(|m| m.is_file() && m.nlink() == 1)
-}
-
-/// Creates a file's temporary name afresh: whatever was there (a stale
-/// partial file, or a link planted to make us write elsewhere) is unlinked
-/// first, and the new file is created exclusively, so its inode is ours.
-fn create_temp(path: &Path) -> std::io::Result<File> {
-    match fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    log::debug!("{}: new partial file", path.display());
-    OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(path)
+fn is_own_partial(sh: &Shared, temp: &Path) -> bool {
+    sh.store.stat(temp).is_ok_and(|m| m.is_file() && m.nlink == 1)
 }
 
 /// Registers an announced file and asks for the blocks it still lacks.
@@ -721,57 +709,18 @@ fn plan(sh: &Arc<Shared>, id: u64, f: RecvFile) {
 
 /// Resolves `rel`'s final path and makes its parent directory exist, with
 /// no symlink on the way (in an export).
+///
+/// Known directories are remembered only to save making them again: every
+/// later operation resolves its path beneath the export afresh, so a
+/// directory swapped for a symlink since then is refused, never followed.
 fn prepare_parent(sh: &Shared, rel: &str) -> Result<PathBuf> {
     let final_path = sh.dest_dir.join(rel);
     let parent = final_path.parent().expect("a joined path has a parent").to_path_buf();
     if parent != sh.dest_dir && !sh.dirs.lock().expect("dirs lock").contains(&parent) {
-        if sh.root.is_confined() {
-            // Re-check the whole path below the export for symlinks.
-            let rel_dir = parent.strip_prefix(sh.root.dir()).map_err(|_| Error::internal("destination outside its export"))?;
-            sh.root.resolve(&rel_dir.to_string_lossy())?;
-        }
-        fs::create_dir_all(&parent).map_err(|e| Error::io(sh.root.display(rel), &e))?;
+        sh.store.make_dirs(&parent).map_err(|e| Error::io(sh.name(rel), &e))?;
         sh.dirs.lock().expect("dirs lock").insert(parent);
     }
     Ok(final_path)
-}
-
-/// The digest of a file on disk (for `--checksum`).
-pub fn digest_of(path: &Path, block_size: u64) -> std::io::Result<Sum> {
-    let f = File::open(path)?;
-    let mut buf = vec![0u8; block_size as usize];
-    let mut sums = Vec::new();
-    let mut off = 0;
-    loop {
-        let (n, sum) = read_block_at(&f, &mut buf, off)?;
-        if n == 0 {
-            break;
-        }
-        sums.push(sum);
-        off += n as u64;
-    }
-    Ok(file_digest(&sums))
-}
-
-/// Reads until `buf` is full or the file ends, in pieces each checksummed
-/// while it is still in the CPU's cache; returns the bytes read and the
-/// checksum of those bytes.
-pub fn read_block_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<(usize, Sum)> {
-    let mut sum = BlockHasher::new();
-    let mut n = 0;
-    while n < buf.len() {
-        let end = buf.len().min(n + PIECE);
-        match f.read_at(&mut buf[n..end], off + n as u64) {
-            Ok(0) => break,
-            Ok(k) => {
-                sum.update(&buf[n..n + k]);
-                n += k;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok((n, sum.finish()))
 }
 
 fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<WriteJob>]>) {
@@ -852,7 +801,7 @@ fn writer(sh: &Arc<Shared>, rx: Receiver<WriteJob>) {
             if g.done {
                 continue;
             }
-            match open_temp(&mut g, sh.block_size as u32) {
+            match open_temp(sh, &mut g) {
                 Ok(f) => f,
                 Err(e) => {
                     let e = Error::io("", &e);
@@ -873,22 +822,25 @@ fn writer(sh: &Arc<Shared>, rx: Receiver<WriteJob>) {
     }
 }
 
-fn open_temp(g: &mut RecvFile, block_size: u32) -> std::io::Result<Arc<File>> {
+/// The file's temporary name, open: created afresh (with a new journal)
+/// for a fresh file, the partial file of an earlier run when resuming.
+fn open_temp(sh: &Shared, g: &mut RecvFile) -> std::io::Result<Arc<dyn WriteFile>> {
     if let Some(f) = &g.file {
         return Ok(f.clone());
     }
-    let f = if g.fresh {
-        create_temp(&g.temp_path)?
+    let f: Arc<dyn WriteFile> = if g.fresh {
+        log::debug!("{}: new partial file", g.temp_path.display());
+        sh.store.create(&g.temp_path)?.into()
     } else {
-        OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(&g.temp_path)?
+        let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file of an earlier run is gone");
+        sh.store.reopen(&g.temp_path)?.ok_or_else(gone)?.into()
     };
     if g.fresh {
         if let Some(jp) = &g.journal_path {
-            g.journal = Some(Journal::create(jp, &g.meta, block_size)?);
+            g.journal = Some(Journal::create(sh.store.as_ref(), jp, &g.meta, sh.block_size as u32)?);
         }
     }
     g.fresh = false;
-    let f = Arc::new(f);
     g.file = Some(f.clone());
     Ok(f)
 }
@@ -918,7 +870,7 @@ fn mark_written(sh: &Arc<Shared>, id: u64, file: &Arc<Mutex<RecvFile>>, block: u
 fn file_failed(sh: &Arc<Shared>, id: u64, g: &mut RecvFile, e: Error) {
     g.done = true;
     g.file = None;
-    remove_partial(g);
+    remove_partial(sh, g);
     sh.files.lock().expect("files lock").remove(&id);
     let subject = sh.name(&g.meta.path);
     if e.kind == ErrorKind::NoSpace {
@@ -944,16 +896,10 @@ fn already_there(sh: &Arc<Shared>, id: u64, meta: &FileMeta) {
 /// mode, it is skipped like an unchanged file, untouched.
 fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path, look: bool) {
     let mode = meta.mode & 0o7777;
-    if look && fs::symlink_metadata(path).is_ok_and(|m| m.is_dir() && m.mode() & 0o7777 == mode) {
+    if look && sh.store.stat(path).is_ok_and(|m| m.is_dir() && m.mode == mode) {
         return already_there(sh, id, meta);
     }
-    let made = match fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "something other than a directory is in the way")),
-        Err(_) => fs::create_dir(path),
-    }
-    .and_then(|()| fs::set_permissions(path, fs::Permissions::from_mode(mode)));
-    if let Err(e) = made {
+    if let Err(e) = sh.store.make_dir(path, mode) {
         return sh.queue(&Msg::Failed { id, kind: crate::error::classify(&e), subject: sh.name(&meta.path), message: e.to_string() });
     }
     let digest = file_digest(&[]);
@@ -964,12 +910,12 @@ fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path, look: bool)
     sh.queue(&Msg::Done { id, digest });
 }
 
-fn remove_partial(g: &RecvFile) {
+fn remove_partial(sh: &Shared, g: &RecvFile) {
     if !g.temp_path.as_os_str().is_empty() {
-        let _ = fs::remove_file(&g.temp_path);
+        let _ = sh.store.remove(&g.temp_path);
     }
     if let Some(j) = &g.journal_path {
-        let _ = fs::remove_file(j);
+        let _ = sh.store.remove(j);
     }
 }
 
@@ -991,7 +937,7 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
             g.missing += suspects.len() as u64;
             if let Some(jp) = &g.journal_path {
                 g.journal = None;
-                if let Ok(mut j) = Journal::create(jp, &g.meta, sh.block_size as u32) {
+                if let Ok(mut j) = Journal::create(sh.store.as_ref(), jp, &g.meta, sh.block_size as u32) {
                     for (b, s) in g.have.iter().zip(&g.sums).enumerate().filter(|(_, (h, _))| **h).map(|(b, (_, s))| (b, *s)) {
                         let _ = j.record(b as u64, &s);
                     }
@@ -1006,7 +952,7 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
         return file_failed(sh, id, g, Error::new(ErrorKind::Verify, "", "checksum mismatch"));
     }
     if !sh.discard() {
-        if let Err(e) = commit(g, sh.block_size as u32) {
+        if let Err(e) = commit(sh, g) {
             return file_failed(sh, id, g, Error::io("", &e));
         }
     }
@@ -1024,26 +970,17 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
 /// A file none of whose blocks were written in this run (an empty file, or
 /// one resumed with every block already on disk) is opened here: afresh
 /// only if it is fresh, so a resumed file keeps its blocks.
-fn commit(g: &mut RecvFile, block_size: u32) -> std::io::Result<()> {
+fn commit(sh: &Shared, g: &mut RecvFile) -> std::io::Result<()> {
     if g.file.is_none() {
-        open_temp(g, block_size)?;
+        open_temp(sh, g)?;
     }
     let f = g.file.take().expect("opened above");
-    f.set_permissions(fs::Permissions::from_mode(g.meta.mode))?;
-    let times = [
-        libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
-        libc::timespec { tv_sec: g.meta.mtime_s as libc::time_t, tv_nsec: g.meta.mtime_ns as libc::c_long },
-    ];
-    // SAFETY: the descriptor is open for the call and `times` points at two timespecs.
-    if unsafe { libc::futimens(f.as_raw_fd(), times.as_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    drop(f);
+    let attrs = Attrs { mode: g.meta.mode, mtime: Some((g.meta.mtime_s, g.meta.mtime_ns)) };
     g.journal = None;
-    fs::rename(&g.temp_path, &g.final_path)?;
+    sh.store.commit(f.as_ref(), &g.temp_path, &g.final_path, Some(&attrs))?;
     log::debug!("{}: committed", g.final_path.display());
     if let Some(j) = &g.journal_path {
-        let _ = fs::remove_file(j);
+        let _ = sh.store.remove(j);
     }
     Ok(())
 }

@@ -29,11 +29,11 @@
 //! host's queue, a dropped one finishes its block and says `StreamEnd`.
 
 use crate::error::{Error, Result};
-use crate::fsroot::Root;
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
-use crate::recv::{digest_of, ping_interval, read_block_at, Pinger};
+use crate::recv::{ping_interval, Pinger};
 use crate::source::{self, Entry, Event};
+use crate::storage::{self, digest_of, read_block, ReadFile, Store};
 use crate::transport::Transport;
 use crate::tuning::{self, Meter};
 use crate::wire::{FrameReader, FrameWriter};
@@ -43,8 +43,6 @@ use dmover_proto::frame::{DataHeader, FileError, FileMeta, HostShare, Stats, Tra
 use dmover_proto::{ErrorKind, Msg};
 use dmover_tune::ServerLoad;
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -115,7 +113,7 @@ pub struct FedFile {
 /// What to send.
 pub enum Files {
     /// Files found by walking `specs` under `root`.
-    Walk { root: Root, specs: Vec<String> },
+    Walk { store: Store, specs: Vec<String> },
     /// Files the caller hands over while the transfer runs; the transfer
     /// ends once the channel is closed and every file is settled. `settled`
     /// hears of each file's outcome, so the caller can hand out more work
@@ -174,7 +172,7 @@ struct Outgoing {
     /// place in the staging budget until it is sent.
     data: Block,
     /// The file it came from, to send from the page cache without a copy.
-    file: Option<Arc<File>>,
+    file: Option<Arc<dyn ReadFile>>,
 }
 
 #[derive(Default)]
@@ -198,6 +196,8 @@ pub(crate) struct Shared {
     pub(crate) options: TransferOptions,
     block_size: u64,
     generate: bool,
+    /// Where the files are read from.
+    store: Store,
     progress: Arc<Progress>,
     pool: Arc<Pool>,
     /// Announced, unsettled files; control readers and readers look them up.
@@ -464,6 +464,10 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         Files::Feed { settled, .. } => Some(settled.clone()),
         _ => None,
     };
+    let store = match &files {
+        Files::Walk { store, .. } => store.clone(),
+        Files::Feed { .. } | Files::Generate { .. } => storage::local(),
+    };
     let min_blocks = streams + cfg.concurrency;
     let pool = if generate {
         Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_block)
@@ -506,6 +510,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         options: cfg.options,
         block_size,
         generate,
+        store,
         progress: cfg.progress.clone(),
         pool,
         files: Mutex::new(HashMap::new()),
@@ -613,12 +618,8 @@ fn fill_block(b: &mut [u8]) {
 fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
     // Each event with the host it is pinned to, if any.
     let (tx, rx) = crossbeam_channel::bounded::<(Event, Option<usize>)>(WALK_AHEAD);
-    let root = match &files {
-        Files::Walk { root, .. } => root.clone(),
-        Files::Feed { .. } | Files::Generate { .. } => Root::local(),
-    };
     let walker = std::thread::spawn(move || match files {
-        Files::Walk { root, specs } => source::walk(&root, &specs, &mut |ev| tx.send((ev, None)).is_ok()),
+        Files::Walk { store, specs } => source::walk(store.as_ref(), &specs, &mut |ev| tx.send((ev, None)).is_ok()),
         Files::Feed { entries, .. } => {
             for f in entries {
                 if tx.send((Event::File(f.entry), f.host)).is_err() {
@@ -682,7 +683,7 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                 Progress::add(&sh.progress.total_bytes, e.meta.size);
                 next_id += 1;
                 let blocks = e.meta.size.div_ceil(sh.block_size);
-                let label = root.label_of(&e.path);
+                let label = sh.store.display(&e.path);
                 let f = Arc::new(SendFile {
                     id: next_id,
                     host,
@@ -693,8 +694,11 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                     blocks,
                     st: Mutex::default(),
                 });
-                let digest =
-                    if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate { digest_of(&f.path, sh.block_size).ok() } else { None };
+                let digest = if sh.options.has(TransferOptions::CHECKSUM) && !sh.generate {
+                    digest_of(sh.store.as_ref(), &f.path, sh.block_size).ok()
+                } else {
+                    None
+                };
                 sh.files.lock().expect("files lock").insert(f.id, f.clone());
                 sh.queue(host, &Msg::Announce { id: f.id, meta: f.meta.clone(), digest });
                 queued[host] = true;
@@ -893,9 +897,9 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
     let file = if sh.generate {
         None
     } else {
-        let file = File::open(&f.path).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
-        unchanged(&file, f)?;
-        Some(Arc::new(file))
+        let file: Arc<dyn ReadFile> = sh.store.open(&f.path).map_err(|e| (crate::error::classify(&e), e.to_string()))?.into();
+        unchanged(file.as_ref(), f)?;
+        Some(file)
     };
     for b in job.first..job.end {
         let off = b * sh.block_size;
@@ -904,7 +908,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         let Some(mut data) = sh.pool.take(len) else { return Ok(()) };
         let sum = match &file {
             Some(file) => {
-                let (n, sum) = read_block_at(file, &mut data, off).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
+                let (n, sum) = read_block(file.as_ref(), &mut data, off).map_err(|e| (crate::error::classify(&e), e.to_string()))?;
                 if n < len {
                     return Err((ErrorKind::SourceChanged, "the file shrank while it was read".into()));
                 }
@@ -921,7 +925,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         }
     }
     if let Some(file) = &file {
-        unchanged(file, f)?;
+        unchanged(file.as_ref(), f)?;
     }
     if job.resend {
         return Ok(());
@@ -941,11 +945,10 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
 /// Fails if the open file no longer has the size, mtime and change time
 /// it was listed with. The change time catches a writer that puts the
 /// mtime back afterwards (as `cp -p` or `rsync` into the source would).
-fn unchanged(file: &File, f: &SendFile) -> std::result::Result<(), (ErrorKind, String)> {
-    let m = file.metadata().map_err(|e| (crate::error::classify(&e), e.to_string()))?;
+fn unchanged(file: &dyn ReadFile, f: &SendFile) -> std::result::Result<(), (ErrorKind, String)> {
+    let m = file.stat().map_err(|e| (crate::error::classify(&e), e.to_string()))?;
     let meta = &f.meta;
-    if m.len() != meta.size || m.mtime() != meta.mtime_s || m.mtime_nsec() as u32 != meta.mtime_ns || (m.ctime(), m.ctime_nsec()) != f.ctime
-    {
+    if m.size != meta.size || m.mtime != (meta.mtime_s, meta.mtime_ns) || m.ctime != f.ctime {
         return Err((ErrorKind::SourceChanged, "the file changed while it was being copied".into()));
     }
     Ok(())
@@ -983,7 +986,10 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
                 pace(sh, o.header.len as u64);
                 let damaged = crate::fault::corrupt_in_flight(&mut o.data);
                 let r = match &o.file {
-                    Some(f) if o.header.len >= SENDFILE_MIN && !damaged => w.send_block_from(&o.header, f, &o.data),
+                    Some(f) if o.header.len >= SENDFILE_MIN && !damaged => match f.as_file() {
+                        Some(f) => w.send_block_from(&o.header, f, &o.data),
+                        None => w.send_block(&o.header, &o.data),
+                    },
                     _ => w.send_block(&o.header, &o.data),
                 };
                 if let Err(e) = r {

@@ -9,14 +9,12 @@
 //! skipped), and dmover's own partial files are never sent.
 
 use crate::error::Error;
-use crate::fsroot::Root;
 use crate::recv::MODE_DIR;
+use crate::storage::{self, Kind, Stat, Storage};
 use dmover_proto::frame::FileMeta;
 use dmover_proto::ErrorKind;
 use globset::{GlobBuilder, GlobMatcher};
-use std::fs;
-use std::os::unix::fs::MetadataExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Suffix of a file being received; never sent.
 pub const PART_SUFFIX: &str = ".dmover-part";
@@ -26,7 +24,7 @@ pub const STATE_DIR: &str = ".dmover-partial";
 /// A file found by the walk (or an empty directory: its mode says so).
 #[derive(Debug, Clone)]
 pub struct Entry {
-    /// Where to read it.
+    /// Where to read it: its path in the storage walked.
     pub path: PathBuf,
     /// Its name at the destination and its attributes.
     pub meta: FileMeta,
@@ -49,27 +47,23 @@ fn is_glob(s: &str) -> bool {
     s.contains(['*', '?', '[', '{'])
 }
 
-/// The file's attributes as sent in an announcement.
-pub fn meta_of(name: String, m: &fs::Metadata) -> FileMeta {
-    FileMeta { path: name, size: m.len(), mtime_s: m.mtime(), mtime_ns: m.mtime_nsec() as u32, mode: m.mode() & 0o7777 }
+/// The entry for the file at `path` with attributes `s`, named `name`.
+pub fn entry(path: PathBuf, name: String, s: &Stat) -> Entry {
+    let meta = FileMeta { path: name, size: s.size, mtime_s: s.mtime.0, mtime_ns: s.mtime.1, mode: s.mode };
+    Entry { path, meta, ctime: s.ctime }
 }
 
-/// The entry for the file at `path` with metadata `m`, named `name`.
-pub fn entry(path: PathBuf, name: String, m: &fs::Metadata) -> Entry {
-    Entry { path, meta: meta_of(name, m), ctime: (m.ctime(), m.ctime_nsec()) }
-}
-
-/// Walks every source under `root`, calling `emit` for each event; stops
+/// Walks every source in `store`, calling `emit` for each event; stops
 /// early if `emit` returns false.
-pub fn walk(root: &Root, specs: &[String], emit: &mut dyn FnMut(Event) -> bool) {
+pub fn walk(store: &dyn Storage, specs: &[String], emit: &mut dyn FnMut(Event) -> bool) {
     for spec in specs {
-        if !walk_spec(root, spec, emit) {
+        if !walk_spec(store, spec, emit) {
             return;
         }
     }
 }
 
-fn walk_spec(root: &Root, spec: &str, emit: &mut dyn FnMut(Event) -> bool) -> bool {
+fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> bool) -> bool {
     let contents_only = spec.ends_with('/') || spec.is_empty();
     let trimmed = if spec.len() > 1 { spec.trim_end_matches('/') } else { spec };
     let comps: Vec<&str> = trimmed.split('/').collect();
@@ -81,111 +75,112 @@ fn walk_spec(root: &Root, spec: &str, emit: &mut dyn FnMut(Event) -> bool) -> bo
             Err(e) => return emit(Event::Error(Error::new(ErrorKind::Usage, spec, format!("bad glob: {e}")))),
         };
         let depth = if pattern.contains("**") { usize::MAX } else { comps.len() - g };
-        let base_path = match root.resolve(&base) {
-            Ok(p) => p,
-            Err(e) => return emit(Event::Error(e)),
-        };
+        if let Err(e) = storage::check_path(store, &base) {
+            return emit(Event::Error(e));
+        }
         let mut matched = false;
-        let ok = walk_dir(root, base_path, String::new(), Some((&glob, depth)), &mut |ev| {
+        let ok = walk_dir(store, PathBuf::from(base), String::new(), Some((&glob, depth)), &mut |ev| {
             matched |= matches!(ev, Event::File(_));
             emit(ev)
         });
         if ok && !matched {
-            return emit(Event::Error(Error::new(ErrorKind::NotFound, root.display(spec), "no file matches this pattern")));
+            return emit(Event::Error(Error::new(ErrorKind::NotFound, store.display(Path::new(spec)), "no file matches this pattern")));
         }
         return ok;
     }
-    let path = match root.resolve(trimmed) {
-        Ok(p) => p,
-        Err(e) => return emit(Event::Error(e)),
-    };
-    let m = match fs::symlink_metadata(&path) {
+    if let Err(e) = storage::check_path(store, trimmed) {
+        return emit(Event::Error(e));
+    }
+    let path = PathBuf::from(trimmed);
+    let m = match store.stat(&path) {
         Ok(m) => m,
-        Err(e) => return emit(Event::Error(Error::io(root.display(trimmed), &e))),
+        Err(e) => return emit(Event::Error(Error::io(store.display(&path), &e))),
     };
     let base_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    if m.is_dir() {
-        let prefix = if contents_only { String::new() } else { base_name };
-        walk_dir(root, path, prefix, None, emit)
-    } else if m.is_file() {
-        emit(Event::File(entry(path, base_name, &m)))
-    } else if m.file_type().is_symlink() && !root.is_confined() {
-        // A symlink named on the command line is followed, as cp and rsync do.
-        match fs::metadata(&path) {
-            Ok(m) if m.is_file() => emit(Event::File(entry(path, base_name, &m))),
-            Ok(_) => walk_dir(root, path, if contents_only { String::new() } else { base_name }, None, emit),
-            Err(e) => emit(Event::Error(Error::io(trimmed, &e))),
+    match m.kind {
+        Kind::Dir => {
+            let prefix = if contents_only { String::new() } else { base_name };
+            walk_dir(store, path, prefix, None, emit)
         }
-    } else {
-        emit(Event::Error(Error::new(ErrorKind::NotFound, root.display(trimmed), "not a regular file or directory")))
+        Kind::File => emit(Event::File(entry(path, base_name, &m))),
+        // A symlink named on the command line is followed, as cp and rsync do.
+        Kind::Symlink if !store.is_confined() => match store.stat_followed(&path) {
+            Ok(m) if m.is_file() => emit(Event::File(entry(path, base_name, &m))),
+            Ok(_) => walk_dir(store, path, if contents_only { String::new() } else { base_name }, None, emit),
+            Err(e) => emit(Event::Error(Error::io(trimmed, &e))),
+        },
+        _ => emit(Event::Error(Error::new(ErrorKind::NotFound, store.display(&path), "not a regular file or directory"))),
     }
 }
 
 /// Depth-first walk of `dir`, whose entries are named `prefix/...`. With a
 /// glob, entries are named relative to `dir` and only matches are sent (a
 /// matching directory is sent whole).
-fn walk_dir(root: &Root, dir: PathBuf, prefix: String, glob: Option<(&GlobMatcher, usize)>, emit: &mut dyn FnMut(Event) -> bool) -> bool {
+fn walk_dir(
+    store: &dyn Storage,
+    dir: PathBuf,
+    prefix: String,
+    glob: Option<(&GlobMatcher, usize)>,
+    emit: &mut dyn FnMut(Event) -> bool,
+) -> bool {
     // (directory, its name, depth below the glob base, inside a matched directory)
     let mut stack = vec![(dir, prefix, 0usize, glob.is_none())];
     while let Some((dir, name, depth, take_all)) = stack.pop() {
-        let rd = match fs::read_dir(&dir) {
+        let entries = match store.list(&dir) {
             Ok(rd) => rd,
             Err(e) => {
-                if !emit(Event::Error(Error::io(root.label_of(&dir), &e))) {
+                if !emit(Event::Error(Error::io(store.display(&dir), &e))) {
                     return false;
                 }
                 continue;
             }
         };
-        let mut entries = 0usize;
-        for ent in rd {
-            entries += 1;
-            let ent = match ent {
-                Ok(e) => e,
+        let empty = entries.is_empty();
+        for ent in entries {
+            let fname = ent.name.to_string_lossy().into_owned();
+            let child = dmover_proto::path::join(&name, &fname);
+            let path = dir.join(&ent.name);
+            let st = match ent.stat {
+                Ok(s) => s,
                 Err(e) => {
-                    if !emit(Event::Error(Error::io(root.label_of(&dir), &e))) {
+                    if !emit(Event::Error(Error::io(store.display(&path), &e))) {
                         return false;
                     }
                     continue;
                 }
             };
-            let fname = ent.file_name().to_string_lossy().into_owned();
-            let child = dmover_proto::path::join(&name, &fname);
-            let ft = match ent.file_type() {
-                Ok(t) => t,
-                Err(_) => continue,
-            };
             let matched = take_all || glob.is_some_and(|(g, _)| g.is_match(&child));
-            if ft.is_symlink() {
-                if matched && !emit(Event::SkippedLink(child)) {
-                    return false;
+            match st.kind {
+                Kind::Symlink => {
+                    if matched && !emit(Event::SkippedLink(child)) {
+                        return false;
+                    }
                 }
-            } else if ft.is_dir() {
-                if fname == STATE_DIR {
-                    continue;
+                Kind::Dir => {
+                    if fname == STATE_DIR {
+                        continue;
+                    }
+                    let deeper = glob.is_some_and(|(_, d)| depth + 1 < d);
+                    if matched || deeper {
+                        stack.push((path, child, depth + 1, matched));
+                    }
                 }
-                let deeper = glob.is_some_and(|(_, d)| depth + 1 < d);
-                if matched || deeper {
-                    stack.push((ent.path(), child, depth + 1, matched));
+                Kind::File if matched && !fname.ends_with(PART_SUFFIX) => {
+                    if !emit(Event::File(entry(path, child, &st))) {
+                        return false;
+                    }
                 }
-            } else if ft.is_file() && matched && !fname.ends_with(PART_SUFFIX) {
-                let ev = match ent.metadata() {
-                    Ok(m) => Event::File(entry(ent.path(), child, &m)),
-                    Err(e) => Event::Error(Error::io(root.label_of(&ent.path()), &e)),
-                };
-                if !emit(ev) {
-                    return false;
-                }
+                _ => {}
             }
         }
         // An empty directory is sent as itself, so that it exists at the destination.
-        if entries == 0 && take_all && !name.is_empty() {
-            let ev = match fs::symlink_metadata(&dir) {
+        if empty && take_all && !name.is_empty() {
+            let ev = match store.stat(&dir) {
                 Ok(m) => {
                     let e = entry(dir, name, &m);
-                    Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | (m.mode() & 0o7777), ..e.meta }, ..e })
+                    Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | m.mode, ..e.meta }, ..e })
                 }
-                Err(e) => Event::Error(Error::io(root.label_of(&dir), &e)),
+                Err(e) => Event::Error(Error::io(store.display(&dir), &e)),
             };
             if !emit(ev) {
                 return false;
@@ -199,8 +194,9 @@ fn walk_dir(root: &Root, dir: PathBuf, prefix: String, glob: Option<(&GlobMatche
 mod tests {
     use super::*;
     use crate::error::Result;
+    use std::fs;
 
-    fn collect(root: &Root, specs: &[String]) -> Result<Vec<Entry>> {
+    fn collect(root: &dyn Storage, specs: &[String]) -> Result<Vec<Entry>> {
         let mut out = Vec::new();
         let mut err = None;
         walk(root, specs, &mut |ev| {
@@ -217,7 +213,7 @@ mod tests {
         }
     }
 
-    fn names(root: &Root, spec: &str) -> Vec<String> {
+    fn names(root: &dyn Storage, spec: &str) -> Vec<String> {
         let mut v: Vec<String> = collect(root, &[spec.to_string()]).unwrap().into_iter().map(|e| e.meta.path).collect();
         v.sort();
         v
@@ -233,19 +229,20 @@ mod tests {
         }
         fs::write(t.path().join("d/s/.x.dmover-part"), b"x").unwrap();
         fs::create_dir_all(t.path().join("e/empty")).unwrap();
-        let r = Root::export("e", t.path()).unwrap();
-        assert_eq!(names(&r, "d"), ["d/a.dat", "d/b.txt", "d/s/c.dat", "d/s/t/e.dat"]);
-        assert_eq!(names(&r, "d/"), ["a.dat", "b.txt", "s/c.dat", "s/t/e.dat"]);
-        assert_eq!(names(&r, "d/*.dat"), ["a.dat"]);
-        assert_eq!(names(&r, "d/*/*.dat"), ["s/c.dat"]);
-        assert_eq!(names(&r, "d/**/*.dat"), ["a.dat", "s/c.dat", "s/t/e.dat"]);
-        assert_eq!(names(&r, "d/s"), ["s/c.dat", "s/t/e.dat"]);
-        assert_eq!(names(&r, "d/a.dat"), ["a.dat"]);
-        assert_eq!(names(&r, "*"), ["d/a.dat", "d/b.txt", "d/s/c.dat", "d/s/t/e.dat", "e/empty"]);
-        assert_eq!(names(&r, "e"), ["e/empty"]);
-        assert_eq!(names(&r, "e/empty/"), Vec::<String>::new());
-        assert_eq!(collect(&r, &["d/*.zip".into()]).unwrap_err().kind, ErrorKind::NotFound);
-        assert_eq!(collect(&r, &["nope".into()]).unwrap_err().kind, ErrorKind::NotFound);
-        assert_eq!(collect(&r, &["../d".into()]).unwrap_err().kind, ErrorKind::Refused);
+        let r = storage::export("e", t.path()).unwrap();
+        let r = r.as_ref();
+        assert_eq!(names(r, "d"), ["d/a.dat", "d/b.txt", "d/s/c.dat", "d/s/t/e.dat"]);
+        assert_eq!(names(r, "d/"), ["a.dat", "b.txt", "s/c.dat", "s/t/e.dat"]);
+        assert_eq!(names(r, "d/*.dat"), ["a.dat"]);
+        assert_eq!(names(r, "d/*/*.dat"), ["s/c.dat"]);
+        assert_eq!(names(r, "d/**/*.dat"), ["a.dat", "s/c.dat", "s/t/e.dat"]);
+        assert_eq!(names(r, "d/s"), ["s/c.dat", "s/t/e.dat"]);
+        assert_eq!(names(r, "d/a.dat"), ["a.dat"]);
+        assert_eq!(names(r, "*"), ["d/a.dat", "d/b.txt", "d/s/c.dat", "d/s/t/e.dat", "e/empty"]);
+        assert_eq!(names(r, "e"), ["e/empty"]);
+        assert_eq!(names(r, "e/empty/"), Vec::<String>::new());
+        assert_eq!(collect(r, &["d/*.zip".into()]).unwrap_err().kind, ErrorKind::NotFound);
+        assert_eq!(collect(r, &["nope".into()]).unwrap_err().kind, ErrorKind::NotFound);
+        assert_eq!(collect(r, &["../d".into()]).unwrap_err().kind, ErrorKind::Refused);
     }
 }

@@ -2,12 +2,12 @@
 //! socket pairs: damaged blocks in transit, and resumed blocks that no longer
 //! match the source, must both end in a byte-identical copy.
 
-use dmover_engine::fsroot::Root;
 use dmover_engine::journal::{self, Journal};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
 use dmover_engine::send::{self, Connector, Files, HostLink, SendConfig};
 use dmover_engine::source::STATE_DIR;
+use dmover_engine::storage;
 use dmover_engine::transport::Transport;
 use dmover_proto::digest::block_sum;
 use dmover_proto::frame::{FileMeta, Stats, TransferOptions};
@@ -107,7 +107,7 @@ fn run_transfer(
     let rcfg = recv_config(dest);
     let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
     let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], connect };
-    let files = Files::Walk { root: Root::local(), specs: vec![format!("{}/", src.display())] };
+    let files = Files::Walk { store: storage::local(), specs: vec![format!("{}/", src.display())] };
     let stats = send::send(files, vec![link], cfg).expect("send");
     receiver.join().unwrap().expect("receive");
     stats
@@ -115,7 +115,7 @@ fn run_transfer(
 
 fn recv_config(dest: &Path) -> RecvConfig {
     RecvConfig {
-        root: Root::local(),
+        store: storage::local(),
         dest: dest.display().to_string(),
         options: options(),
         staging: 1 << 20,
@@ -170,7 +170,7 @@ fn resumed_blocks_that_disagree_with_the_source_are_fetched_again() {
     let mut partial = content[..3 * BLOCK as usize].to_vec();
     partial[BLOCK as usize + 5] ^= 1;
     std::fs::write(dest.join(".f.bin.dmover-part"), &partial).unwrap();
-    let mut j = Journal::create(&journal::path_for(&dest.join(STATE_DIR), "f.bin"), &meta, BLOCK).unwrap();
+    let mut j = Journal::create(storage::local().as_ref(), &journal::path_for(&dest.join(STATE_DIR), "f.bin"), &meta, BLOCK).unwrap();
     for b in 0..3 {
         let part = &partial[b * BLOCK as usize..(b + 1) * BLOCK as usize];
         j.record(b as u64, &block_sum(part)).unwrap();
@@ -199,7 +199,7 @@ fn a_resumed_transfer_sends_only_missing_blocks() {
     let meta = FileMeta { path: "f.bin".into(), size: m.len(), mtime_s: m.mtime(), mtime_ns: m.mtime_nsec() as u32, mode: 0o644 };
     let half = 4 * BLOCK as usize;
     std::fs::write(dest.join(".f.bin.dmover-part"), &content[..half]).unwrap();
-    let mut j = Journal::create(&journal::path_for(&dest.join(STATE_DIR), "f.bin"), &meta, BLOCK).unwrap();
+    let mut j = Journal::create(storage::local().as_ref(), &journal::path_for(&dest.join(STATE_DIR), "f.bin"), &meta, BLOCK).unwrap();
     for b in 0..4 {
         j.record(b, &block_sum(&content[b as usize * BLOCK as usize..(b as usize + 1) * BLOCK as usize])).unwrap();
     }
@@ -301,7 +301,7 @@ fn a_fed_transfer_reports_each_file_as_it_settles() {
     // Files are fed while the transfer runs; each is heard of as it settles.
     for n in names {
         let path = src.join(n);
-        let entry = dmover_engine::source::entry(path.clone(), format!("sub/{n}"), &std::fs::metadata(&path).unwrap());
+        let entry = dmover_engine::source::entry(path.clone(), format!("sub/{n}"), &storage::local().stat(&path).unwrap());
         if n == "gone.dat" {
             std::fs::remove_file(&path).unwrap();
         }

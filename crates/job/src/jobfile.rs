@@ -9,9 +9,9 @@
 //! the line. [`JobFile`] is what the user typed; the resolved, checked
 //! form is [`crate::Plan`].
 
-use dmover_engine::fsroot::Root;
 use dmover_engine::session::{Conn, Credential};
 use dmover_engine::source::{self, Event};
+use dmover_engine::storage;
 use dmover_engine::Error;
 use dmover_proto::ErrorKind;
 use serde::Deserialize;
@@ -324,7 +324,7 @@ pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
     for s in sources {
         let mut found = false;
         let mut err = None;
-        source::walk(&Root::local(), &[spec_path(root, s)], &mut |ev| match ev {
+        source::walk(storage::local().as_ref(), &[spec_path(root, s)], &mut |ev| match ev {
             Event::File(_) => {
                 found = true;
                 false

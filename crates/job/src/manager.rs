@@ -34,8 +34,8 @@ use crate::jobfile::spec_path;
 use crate::state::{AgentReport, Check, DoneList, FailureReport, JobReport, RunRecord, Share, StateDir};
 use crate::Plan;
 use crossbeam_channel::{Receiver, TryRecvError};
-use dmover_engine::fsroot::Root;
 use dmover_engine::source::{self, Event};
+use dmover_engine::storage;
 use dmover_engine::{Error, Result};
 use dmover_proto::digest::block_sum;
 use dmover_proto::ErrorKind;
@@ -414,7 +414,7 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
     let overlap = mgr.plan.sources.len() > 1;
     let mut seen = HashSet::new();
     let hosts = mgr.plan.hosts.len().max(1) as u128;
-    source::walk(&Root::local(), &specs, &mut |ev| match ev {
+    source::walk(storage::local().as_ref(), &specs, &mut |ev| match ev {
         Event::File(e) => {
             let rel = e.path.strip_prefix(root).map(|p| p.to_string_lossy().into_owned()).unwrap_or(e.meta.path.clone());
             if overlap && !seen.insert(rel.clone()) {

@@ -6,7 +6,7 @@
 //! [`run`] owns the accept loop; each connection gets a thread. A connection
 //! is either a control connection (requests, and at most one transfer
 //! session) or a data connection that attaches to a session by its id.
-//! Every path is confined to its export by [`dmover_engine::fsroot`].
+//! Every path is confined to its export by [`dmover_engine::storage`].
 //! Shutdown is one [`Shutdown`] handle: the loop stops accepting, waits up to
 //! the grace period for running connections, then returns.
 
@@ -14,12 +14,12 @@ pub mod sink;
 mod tickets;
 
 use dmover_engine::error::{Error, Result};
-use dmover_engine::fsroot::Root;
 use dmover_engine::handshake::{self, random};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
 use dmover_engine::session::{self, Credential};
+use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::TOKEN_KEY_ID;
@@ -38,7 +38,7 @@ use tickets::Tickets;
 /// The server's settings.
 #[derive(Clone)]
 pub struct Config {
-    pub exports: HashMap<String, Root>,
+    pub exports: HashMap<String, Store>,
     pub token: Vec<u8>,
     pub max_connections: usize,
     /// A control connection silent this long is closed.
@@ -256,7 +256,7 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
 }
 
 /// Splits `EXPORT/rest` into the export's root and the rest.
-fn locate<'a>(srv: &'a Server, path: &'a str) -> Result<(&'a Root, &'a str)> {
+fn locate<'a>(srv: &'a Server, path: &'a str) -> Result<(&'a Store, &'a str)> {
     let (name, rest) = path.split_once('/').unwrap_or((path, ""));
     match srv.cfg.exports.get(name) {
         Some(root) => Ok((root, rest)),
@@ -291,25 +291,25 @@ enum Action {
     Reply(Msg),
     /// Become the receiving end of a transfer into `dest` below `root`.
     Receive {
-        root: Root,
+        root: Store,
         dest: String,
         options: TransferOptions,
     },
     /// Become the sending end of a transfer to this client.
     Send {
-        root: Root,
+        root: Store,
         specs: Vec<String>,
         options: TransferOptions,
         params: EngineParams,
     },
     /// Stream a listing of what `spec` names.
     List {
-        root: Root,
+        root: Store,
         spec: String,
     },
     /// Send to other servers on this client's behalf.
     Push {
-        root: Root,
+        root: Store,
         specs: Vec<String>,
         dest: String,
         hosts: Vec<TicketedHost>,
@@ -336,7 +336,7 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
     Ok(match m {
         Msg::Receive { dest, options } => {
             let (root, rest) = locate(srv, &dest)?;
-            root.resolve(rest)?;
+            storage::check_path(root.as_ref(), rest)?;
             Action::Receive { root: root.clone(), dest: rest.to_string(), options }
         }
         Msg::Send { sources, options, params } => {
@@ -345,7 +345,7 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
         }
         Msg::Grant { dest } => {
             let (root, rest) = locate(srv, &dest)?;
-            root.resolve(rest)?;
+            storage::check_path(root.as_ref(), rest)?;
             let (key_id, secret) = srv.tickets.issue(&dest);
             Action::Reply(Msg::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })
         }
@@ -390,9 +390,9 @@ fn control(
             Ok(Action::Nothing) => {}
             Ok(Action::Reply(m)) => w.send(&m)?,
             Ok(Action::Receive { root, dest, options }) => {
-                let label = root.display(&dest);
+                let label = root.display(std::path::Path::new(&dest));
                 let cfg = RecvConfig {
-                    root,
+                    store: root,
                     dest,
                     options,
                     staging: srv.cfg.staging,
@@ -431,7 +431,7 @@ fn control(
                     d.set_options(&socket).map_err(|e| Error::network(t.peer(), &e))?;
                 }
                 let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data, connect: None };
-                let stats = send::send(Files::Walk { root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
+                let stats = send::send(Files::Walk { store: root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
                 return finish_report(&mut w, t.as_ref(), stats);
             }
             Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
@@ -452,12 +452,12 @@ fn control(
 const LISTING_BATCH: usize = 512;
 
 /// Streams the files `spec` names, in batches, as the walk finds them.
-fn list(w: &mut FrameWriter, root: &Root, spec: &str) -> Result<()> {
+fn list(w: &mut FrameWriter, root: &Store, spec: &str) -> Result<()> {
     let mut batch = Vec::new();
     let mut listed = 0usize;
     let mut first_error = None;
     let mut sent = Ok(());
-    dmover_engine::source::walk(root, &[spec.to_string()], &mut |ev| {
+    dmover_engine::source::walk(root.as_ref(), &[spec.to_string()], &mut |ev| {
         match ev {
             dmover_engine::source::Event::File(e) => {
                 batch.push(e.meta);
@@ -467,7 +467,7 @@ fn list(w: &mut FrameWriter, root: &Root, spec: &str) -> Result<()> {
                 }
             }
             dmover_engine::source::Event::Error(e) => {
-                log::info!("listing {}: {e}", root.display(spec));
+                log::info!("listing {}: {e}", root.display(std::path::Path::new(spec)));
                 first_error.get_or_insert(e);
             }
             dmover_engine::source::Event::SkippedLink(_) => {}
@@ -506,12 +506,12 @@ fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, progress
 }
 
 /// All sources must name the same export; returns its root and the specs below it.
-fn resolve_sources(srv: &Server, sources: &[String]) -> Result<(Root, Vec<String>)> {
-    let mut root: Option<&Root> = None;
+fn resolve_sources(srv: &Server, sources: &[String]) -> Result<(Store, Vec<String>)> {
+    let mut root: Option<&Store> = None;
     let mut specs = Vec::new();
     for s in sources {
         let (r, rest) = locate(srv, s)?;
-        if root.is_some_and(|x| x.dir() != r.dir()) {
+        if root.is_some_and(|x| !Arc::ptr_eq(x, r)) {
             return Err(Error::new(ErrorKind::Usage, s.clone(), "all sources must be in one export"));
         }
         root = Some(r);
@@ -527,7 +527,7 @@ fn resolve_sources(srv: &Server, sources: &[String]) -> Result<(Root, Vec<String
 fn push(
     srv: &Arc<Server>,
     w: &mut FrameWriter,
-    root: Root,
+    root: Store,
     specs: Vec<String>,
     dest: &str,
     hosts: &[TicketedHost],
@@ -544,7 +544,7 @@ fn push(
     let attempt = |progress: &Arc<Progress>| -> Result<Stats> {
         let socket = SocketOptions { buffer: options.tcp_buffer, ..SocketOptions::default() };
         let links: Vec<HostLink> = session::receive_links(&creds, dest, options, streams, &socket)?;
-        send::send(Files::Walk { root: root.clone(), specs: specs.clone() }, links, send_config(srv, options, params, progress.clone()))
+        send::send(Files::Walk { store: root.clone(), specs: specs.clone() }, links, send_config(srv, options, params, progress.clone()))
     };
     // Progress goes to the client from this thread while the transfer runs.
     let result = std::thread::scope(|s| {

@@ -1,0 +1,255 @@
+//! Storage: everything the engine does with files, behind one interface.
+//!
+//! A [`Storage`] is a tree of files and directories named by paths relative
+//! to its root: walk and list, stat, open for reading, create a file afresh
+//! or take up one this end created earlier, write at offsets, commit (mode
+//! and times, then rename into place), remove. The engine's sender reads
+//! through it, its receiver, journal and state directory write through it,
+//! and the stream sink keeps its steps in one.
+//!
+//! [`posix`] is the file-system implementation. An export is *confined*:
+//! every path is resolved beneath the export's directory handle and no
+//! symlink is followed on the way, by the kernel at the moment of use, so
+//! a directory swapped for a symlink cannot lead out. The client's own file
+//! system is *local*: paths are used as the user gave them.
+//!
+//! What a storage does not do: decide what to send or ask for, verify
+//! digests, or keep resume state of its own; those belong to the engine.
+//! The tests in `dmover-testkit`'s conformance suite say what every
+//! implementation must do.
+
+pub mod posix;
+
+use crate::error::{Error, Result};
+use crate::wire::PIECE;
+use dmover_proto::digest::{file_digest, BlockHasher, Sum};
+use dmover_proto::ErrorKind;
+use std::ffi::OsString;
+use std::fs::File;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+/// A storage shared by the threads of a transfer.
+pub type Store = Arc<dyn Storage>;
+
+/// What kind of thing a path names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    Dir,
+    Symlink,
+    /// A device, socket or FIFO: never read or written.
+    Other,
+}
+
+/// A file's attributes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    pub kind: Kind,
+    pub size: u64,
+    /// Permission bits, setuid, setgid and sticky included (no file type).
+    pub mode: u32,
+    /// Modification time: seconds and nanoseconds since the epoch.
+    pub mtime: (i64, u32),
+    /// Inode change time. Every write, chmod or utime moves it and no one
+    /// can set it back, so it reveals a change that restores the mtime.
+    pub ctime: (i64, i64),
+    /// Names the file has (hard links).
+    pub nlink: u64,
+}
+
+impl Stat {
+    pub fn is_file(&self) -> bool {
+        self.kind == Kind::File
+    }
+
+    pub fn is_dir(&self) -> bool {
+        self.kind == Kind::Dir
+    }
+}
+
+/// What [`Storage::commit`] sets on a file before it takes its final name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attrs {
+    pub mode: u32,
+    /// Modification time to set (seconds, nanoseconds); None leaves it.
+    pub mtime: Option<(i64, u32)>,
+}
+
+/// One entry of a directory listing.
+#[derive(Debug)]
+pub struct DirEntry {
+    pub name: OsString,
+    /// Its attributes (of the entry itself: a symlink is reported as one),
+    /// or why they could not be read.
+    pub stat: io::Result<Stat>,
+}
+
+/// A file open for reading.
+pub trait ReadFile: Send + Sync {
+    /// Reads at `off`; returns 0 at the end of the file.
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize>;
+    /// The open file's attributes now.
+    fn stat(&self) -> io::Result<Stat>;
+    /// The file as a kernel file, for zero-copy sends; None where there is
+    /// no such thing.
+    fn as_file(&self) -> Option<&File> {
+        None
+    }
+}
+
+/// A file open for writing (and reading back what was written).
+pub trait WriteFile: ReadFile {
+    fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
+    fn set_len(&self, len: u64) -> io::Result<()>;
+    fn set_attrs(&self, attrs: &Attrs) -> io::Result<()>;
+}
+
+/// A tree of files under a root. Paths are relative to the root (a local
+/// storage also takes absolute paths); the empty path is the root itself.
+/// Nothing here follows a symlink inside a confined storage.
+pub trait Storage: Send + Sync {
+    /// Whether paths are confined beneath the root (an export).
+    fn is_confined(&self) -> bool;
+    /// How to name `path` in messages: `EXPORT/path`, or the local path.
+    fn display(&self, path: &Path) -> String;
+    /// The attributes of `path` itself (a symlink is reported as one).
+    fn stat(&self, path: &Path) -> io::Result<Stat>;
+    /// As [`stat`](Storage::stat), but a local storage follows a symlink at
+    /// `path` (one the user named, as cp and rsync follow).
+    fn stat_followed(&self, path: &Path) -> io::Result<Stat>;
+    /// The entries of directory `dir`, in no particular order.
+    fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>>;
+    /// Opens a file for reading.
+    fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>>;
+    /// Makes `dir` and its missing parents exist as directories.
+    fn make_dirs(&self, dir: &Path) -> io::Result<()>;
+    /// Makes `dir` exist as a directory (its parent must exist) with `mode`.
+    fn make_dir(&self, dir: &Path, mode: u32) -> io::Result<()>;
+    /// Creates the file `path` afresh, readable and writable by its owner
+    /// only: whatever had that name (a stale file, or a link planted to
+    /// make us write elsewhere) is unlinked first, and the new file is
+    /// created exclusively, so its inode is ours.
+    fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>>;
+    /// Opens for writing a file this end created earlier with
+    /// [`create`](Storage::create): None if there is none, or if what is
+    /// there is not a regular file with one name (never written through).
+    fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>>;
+    /// Sets `attrs` on `file` (written at `from`) and renames it to `to`.
+    fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
+    /// Removes a file; one that is not there is not an error.
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Removes an empty directory.
+    fn remove_dir(&self, path: &Path) -> io::Result<()>;
+    /// Reads a whole file of at most `limit` bytes.
+    fn read_all(&self, path: &Path, limit: u64) -> io::Result<Vec<u8>> {
+        let f = self.open(path)?;
+        let size = f.stat()?.size;
+        if size > limit {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("larger than {limit} bytes")));
+        }
+        let mut buf = vec![0; size as usize];
+        let mut n = 0;
+        while n < buf.len() {
+            match f.read_at(&mut buf[n..], n as u64)? {
+                0 => break,
+                k => n += k,
+            }
+        }
+        buf.truncate(n);
+        Ok(buf)
+    }
+}
+
+/// Why a path was refused: it leaves a confined storage or meets a symlink
+/// on the way. Carried inside an `io::Error`; [`crate::error::classify`]
+/// makes it [`ErrorKind::Refused`].
+#[derive(Debug)]
+pub struct Refused(pub &'static str);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "path refused: {}", self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl Refused {
+    pub fn io(why: &'static str) -> io::Error {
+        io::Error::other(Refused(why))
+    }
+
+    /// Whether `e` is a refusal.
+    pub fn is(e: &io::Error) -> bool {
+        e.get_ref().is_some_and(|x| x.is::<Refused>())
+    }
+}
+
+/// The local file system, paths used as given.
+pub fn local() -> Store {
+    Arc::new(posix::Posix::local())
+}
+
+/// An export named `label` of directory `dir`, every path confined beneath it.
+pub fn export(label: &str, dir: &Path) -> io::Result<Store> {
+    Ok(Arc::new(posix::Posix::export(label, dir)?))
+}
+
+/// Checks that `path` may be used in `store`: in a confined storage, a
+/// path that is not a plain relative path, or that meets a symlink on the
+/// way, is refused; a path that does not exist yet is fine.
+pub fn check_path(store: &dyn Storage, path: &str) -> Result<()> {
+    let refuse = |why: String| Err(Error::new(ErrorKind::Refused, store.display(Path::new(path)), format!("path refused: {why}")));
+    if !store.is_confined() {
+        return Ok(());
+    }
+    if let Err(e) = dmover_proto::path::check_relative(path) {
+        return refuse(e.to_string());
+    }
+    match store.stat(Path::new(path)) {
+        Ok(s) if s.kind == Kind::Symlink => refuse("symlinks are not followed inside an export".into()),
+        Ok(_) => Ok(()),
+        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Ok(()),
+        Err(e) => Err(Error::io(store.display(Path::new(path)), &e)),
+    }
+}
+
+/// Reads until `buf` is full or the file ends, in pieces each checksummed
+/// while it is still in the CPU's cache; returns the bytes read and the
+/// checksum of those bytes.
+pub fn read_block(f: &dyn ReadFile, buf: &mut [u8], off: u64) -> io::Result<(usize, Sum)> {
+    let mut sum = BlockHasher::new();
+    let mut n = 0;
+    while n < buf.len() {
+        let end = buf.len().min(n + PIECE);
+        match f.read_at(&mut buf[n..end], off + n as u64) {
+            Ok(0) => break,
+            Ok(k) => {
+                sum.update(&buf[n..n + k]);
+                n += k;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((n, sum.finish()))
+}
+
+/// The digest of a stored file (for `--checksum`), read in blocks of `block_size`.
+pub fn digest_of(store: &dyn Storage, path: &Path, block_size: u64) -> io::Result<Sum> {
+    let f = store.open(path)?;
+    let mut buf = vec![0u8; block_size as usize];
+    let mut sums = Vec::new();
+    let mut off = 0;
+    loop {
+        let (n, sum) = read_block(f.as_ref(), &mut buf, off)?;
+        if n == 0 {
+            break;
+        }
+        sums.push(sum);
+        off += n as u64;
+    }
+    Ok(file_digest(&sums))
+}

@@ -1,0 +1,344 @@
+//! The file-system [`Storage`], through directory handles.
+//!
+//! A confined storage (an export) holds a handle on its root directory and
+//! resolves every path beneath it at the moment of use: with `openat2`
+//! (`RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`), or where the kernel lacks it,
+//! by opening one component at a time from the root's handle with
+//! `O_NOFOLLOW`. An operation on a name (stat, create, unlink, rename,
+//! mkdir) first opens the name's parent directory that way and then acts on
+//! the name relative to that handle, never following a symlink. So there
+//! is no check followed by a use: a directory swapped for a symlink between
+//! two operations makes the second one fail, never leave the export.
+//!
+//! A local storage (the user's own file system) uses paths as given,
+//! relative to the working directory, and follows symlinks the user names;
+//! only the final name of a file it creates is never followed.
+
+use super::{Attrs, DirEntry, Kind, ReadFile, Refused, Stat, Storage, WriteFile};
+use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, Timespec, Timestamps, CWD};
+use rustix::io::Errno;
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// How paths beneath a confined root are resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolve {
+    /// `openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`.
+    Openat2,
+    /// One component at a time with `O_NOFOLLOW`, from the root's handle.
+    Walk,
+}
+
+const NOT_BENEATH: &str = "symlinks are not followed inside an export, and paths may not leave it";
+
+/// Files and directories on a POSIX file system.
+#[derive(Debug)]
+pub struct Posix {
+    /// The export's root directory (None: local, paths used as given).
+    root: Option<OwnedFd>,
+    /// The root's path, for messages.
+    dir: PathBuf,
+    /// The export's name, for messages.
+    label: String,
+    /// Whether `openat2` is known to work; cleared for good by the first
+    /// ENOSYS, after which paths are walked.
+    openat2: AtomicBool,
+}
+
+impl Posix {
+    /// The local file system.
+    pub fn local() -> Posix {
+        Posix { root: None, dir: PathBuf::new(), label: String::new(), openat2: AtomicBool::new(false) }
+    }
+
+    /// An export of `dir`, named `label` in messages.
+    pub fn export(label: &str, dir: &Path) -> io::Result<Posix> {
+        Posix::export_with(label, dir, Resolve::Openat2)
+    }
+
+    /// An export that resolves paths as `how` says (the conformance tests
+    /// run both ways; [`export`](Posix::export) uses `openat2` where the kernel has it).
+    pub fn export_with(label: &str, dir: &Path, how: Resolve) -> io::Result<Posix> {
+        let root = rustix::fs::open(dir, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+        let dir = dir.canonicalize()?;
+        Ok(Posix { root: Some(root), dir, label: label.to_string(), openat2: AtomicBool::new(how == Resolve::Openat2) })
+    }
+
+    /// How this storage resolves paths now.
+    pub fn resolve(&self) -> Option<Resolve> {
+        self.root.as_ref().map(|_| if self.openat2.load(Ordering::Relaxed) { Resolve::Openat2 } else { Resolve::Walk })
+    }
+
+    /// The components of a path within a confined root: only plain names.
+    fn names<'a>(&self, path: &'a Path) -> io::Result<Vec<&'a OsStr>> {
+        path.components()
+            .filter(|c| *c != Component::CurDir)
+            .map(|c| match c {
+                Component::Normal(n) => Ok(n),
+                _ => Err(Refused::io(NOT_BENEATH)),
+            })
+            .collect()
+    }
+
+    /// Opens `path` with `flags`: beneath the root without following any
+    /// symlink when confined, as given when local.
+    fn open_at(&self, path: &Path, flags: OFlags, mode: Mode) -> io::Result<OwnedFd> {
+        let flags = flags | OFlags::CLOEXEC;
+        let Some(root) = &self.root else {
+            let p = if path.as_os_str().is_empty() { Path::new(".") } else { path };
+            return Ok(rustix::fs::openat(CWD, p, flags, mode)?);
+        };
+        let names = self.names(path)?;
+        if self.openat2.load(Ordering::Relaxed) {
+            let rel: PathBuf = if names.is_empty() { PathBuf::from(".") } else { names.iter().collect() };
+            match rustix::fs::openat2(root, &rel, flags, mode, ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS) {
+                Ok(fd) => return Ok(fd),
+                Err(Errno::NOSYS) => {
+                    log::info!("{}: openat2 is missing; resolving paths one component at a time", self.dir.display());
+                    self.openat2.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(refusal(e)),
+            }
+        }
+        let Some((last, dirs)) = names.split_last() else {
+            return Ok(rustix::fs::openat(root, ".", flags, mode)?);
+        };
+        let mut parent: Option<OwnedFd> = None;
+        for d in dirs {
+            let at = parent.as_ref().map(|p| p.as_fd()).unwrap_or(root.as_fd());
+            let fd = rustix::fs::openat(at, *d, OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+                .map_err(refusal)?;
+            parent = Some(fd);
+        }
+        let at = parent.as_ref().map(|p| p.as_fd()).unwrap_or(root.as_fd());
+        Ok(rustix::fs::openat(at, *last, flags | OFlags::NOFOLLOW, mode).map_err(refusal)?)
+    }
+
+    /// The parent directory of `path`, open, and the name within it.
+    fn parent<'a>(&self, path: &'a Path) -> io::Result<(OwnedFd, &'a OsStr)> {
+        let name = match path.components().next_back() {
+            Some(Component::Normal(n)) => n,
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file")),
+        };
+        let parent = path.parent().unwrap_or(Path::new(""));
+        Ok((self.open_at(parent, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())?, name))
+    }
+
+    fn stat_at(&self, path: &Path, follow: bool) -> io::Result<Stat> {
+        if path.components().all(|c| c == Component::CurDir) || (self.root.is_none() && path.file_name().is_none()) {
+            let fd = self.open_at(path, OFlags::PATH, Mode::empty())?;
+            return Ok(stat_of(&rustix::fs::fstat(&fd)?));
+        }
+        if follow && self.root.is_none() {
+            return Ok(stat_of(&rustix::fs::statat(CWD, path, AtFlags::empty())?));
+        }
+        let (dir, name) = self.parent(path)?;
+        Ok(stat_of(&rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)?))
+    }
+
+    /// Opens the directory `dir` for reading, never through a symlink when confined.
+    fn open_dir(&self, dir: &Path) -> io::Result<OwnedFd> {
+        self.open_at(dir, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
+    }
+}
+
+/// A refusal where the kernel met a symlink or a path leading out;
+/// other errors as they are.
+fn refusal(e: Errno) -> io::Error {
+    match e {
+        Errno::LOOP | Errno::XDEV => Refused::io(NOT_BENEATH),
+        e => e.into(),
+    }
+}
+
+fn stat_of(s: &rustix::fs::Stat) -> Stat {
+    let kind = match rustix::fs::FileType::from_raw_mode(s.st_mode) {
+        rustix::fs::FileType::RegularFile => Kind::File,
+        rustix::fs::FileType::Directory => Kind::Dir,
+        rustix::fs::FileType::Symlink => Kind::Symlink,
+        _ => Kind::Other,
+    };
+    Stat {
+        kind,
+        size: s.st_size as u64,
+        mode: s.st_mode & 0o7777,
+        mtime: (s.st_mtime, s.st_mtime_nsec as u32),
+        ctime: (s.st_ctime, s.st_ctime_nsec as i64),
+        nlink: s.st_nlink,
+    }
+}
+
+/// An open file of a [`Posix`] storage.
+struct PosixFile(File);
+
+impl ReadFile for PosixFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        self.0.read_at(buf, off)
+    }
+
+    fn stat(&self) -> io::Result<Stat> {
+        Ok(stat_of(&rustix::fs::fstat(&self.0)?))
+    }
+
+    fn as_file(&self) -> Option<&File> {
+        Some(&self.0)
+    }
+}
+
+impl WriteFile for PosixFile {
+    fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.0.write_all_at(buf, off)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+
+    fn set_attrs(&self, attrs: &Attrs) -> io::Result<()> {
+        rustix::fs::fchmod(&self.0, Mode::from_raw_mode(attrs.mode))?;
+        if let Some((s, ns)) = attrs.mtime {
+            let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
+            let times = Timestamps { last_access: omit, last_modification: Timespec { tv_sec: s, tv_nsec: ns as _ } };
+            rustix::fs::futimens(&self.0, &times)?;
+        }
+        Ok(())
+    }
+}
+
+impl Storage for Posix {
+    fn is_confined(&self) -> bool {
+        self.root.is_some()
+    }
+
+    fn display(&self, path: &Path) -> String {
+        if self.root.is_none() {
+            return path.display().to_string();
+        }
+        let rel = path.to_string_lossy();
+        dmover_proto::path::join(&self.label, rel.trim_start_matches("./"))
+    }
+
+    fn stat(&self, path: &Path) -> io::Result<Stat> {
+        self.stat_at(path, false)
+    }
+
+    fn stat_followed(&self, path: &Path) -> io::Result<Stat> {
+        self.stat_at(path, true)
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>> {
+        let fd = self.open_dir(dir)?;
+        let mut out = Vec::new();
+        for ent in rustix::fs::Dir::read_from(&fd)? {
+            let ent = ent?;
+            let name = ent.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            let name = <OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(name).to_os_string();
+            let stat = rustix::fs::statat(&fd, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW).map(|s| stat_of(&s)).map_err(io::Error::from);
+            out.push(DirEntry { name, stat });
+        }
+        Ok(out)
+    }
+
+    fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
+        let fd = self.open_at(path, OFlags::RDONLY, Mode::empty())?;
+        Ok(Box::new(PosixFile(File::from(fd))))
+    }
+
+    fn make_dirs(&self, dir: &Path) -> io::Result<()> {
+        let Some(root) = &self.root else {
+            return if dir.as_os_str().is_empty() { Ok(()) } else { std::fs::create_dir_all(dir) };
+        };
+        let mut at: Option<OwnedFd> = None;
+        for name in self.names(dir)? {
+            let parent = at.as_ref().map(|p| p.as_fd()).unwrap_or(root.as_fd());
+            match rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o777)) {
+                Ok(()) | Err(Errno::EXIST) => {}
+                Err(e) => return Err(e.into()),
+            }
+            let fd = rustix::fs::openat(parent, name, OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+                .map_err(|e| if e == Errno::NOTDIR { Refused::io(NOT_BENEATH) } else { refusal(e) })?;
+            at = Some(fd);
+        }
+        Ok(())
+    }
+
+    fn make_dir(&self, dir: &Path, mode: u32) -> io::Result<()> {
+        let (parent, name) = self.parent(dir)?;
+        match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(0o700)) {
+            Ok(()) | Err(Errno::EXIST) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let fd = rustix::fs::openat(&parent, name, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| match e {
+                Errno::NOTDIR | Errno::LOOP => {
+                    io::Error::new(io::ErrorKind::AlreadyExists, "something other than a directory is in the way")
+                }
+                e => e.into(),
+            })?;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+        Ok(())
+    }
+
+    fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
+        let (parent, name) = self.parent(path)?;
+        match rustix::fs::unlinkat(&parent, name, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = rustix::fs::openat(&parent, name, flags, Mode::from_raw_mode(0o600))?;
+        Ok(Box::new(PosixFile(File::from(fd))))
+    }
+
+    fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>> {
+        let (parent, name) = self.parent(path)?;
+        // Non-blocking, so that a FIFO planted there cannot hold us; it is
+        // then refused as not a regular file.
+        let flags = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+        let fd = match rustix::fs::openat(&parent, name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT | Errno::LOOP) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let s = stat_of(&rustix::fs::fstat(&fd)?);
+        if !s.is_file() || s.nlink != 1 {
+            return Ok(None);
+        }
+        rustix::fs::fcntl_setfl(&fd, OFlags::empty())?;
+        Ok(Some(Box::new(PosixFile(File::from(fd)))))
+    }
+
+    fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
+        if let Some(a) = attrs {
+            file.set_attrs(a)?;
+        }
+        let (from_dir, from_name) = self.parent(from)?;
+        if from.parent() == to.parent() {
+            let to_name = to.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file"))?;
+            return Ok(rustix::fs::renameat(&from_dir, from_name, &from_dir, to_name)?);
+        }
+        let (to_dir, to_name) = self.parent(to)?;
+        Ok(rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name)?)
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        let (parent, name) = self.parent(path)?;
+        match rustix::fs::unlinkat(&parent, name, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn remove_dir(&self, path: &Path) -> io::Result<()> {
+        let (parent, name) = self.parent(path)?;
+        Ok(rustix::fs::unlinkat(&parent, name, AtFlags::REMOVEDIR)?)
+    }
+}
