@@ -39,6 +39,7 @@ pub fn run(a: SinkArgs) -> Result<i32> {
     let addr = listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?;
     let name = a.name.unwrap_or_else(|| addr.to_string());
     log::info!("sink {name}: streams go to {}", dir.display());
-    let cfg = dmover_server::Config { sink: Some(Arc::new(SinkConfig { dir, hook: a.hook, name })), ..cfg };
+    let store = dmover_engine::storage::export("sink", &dir).map_err(|e| Error::io(dir.display().to_string(), &e))?;
+    let cfg = dmover_server::Config { sink: Some(Arc::new(SinkConfig { dir, store, hook: a.hook, name })), ..cfg };
     crate::serve::run_server(listener, cfg)
 }

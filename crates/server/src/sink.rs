@@ -13,19 +13,22 @@
 //! checksums and locations), answers `StepSaved`, and, when every block of
 //! the step is here, runs the post-processing hook with the manifest.
 //!
+//! Every file goes through the sink directory's [`Storage`], confined
+//! beneath it like an export: data files, manifests and their temporary
+//! names are never written through a symlink.
+//!
 //! The sink keeps no state across sessions beyond its files: a block
 //! acknowledged by an earlier session (or an earlier sink process) is found
 //! again by reading it back from the step's file and checking its sum.
 
 use dmover_engine::error::{Error, Result};
+use dmover_engine::storage::{self, Attrs, Store, WriteFile};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
-use dmover_proto::digest::{block_sum, Sum};
+use dmover_proto::digest::Sum;
 use dmover_proto::frame::{StepInfo, MAX_BLOCK};
 use dmover_proto::{ErrorKind, Msg};
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +39,8 @@ use std::time::Duration;
 pub struct SinkConfig {
     /// Each producer's steps go to `dir/PRODUCER/`.
     pub dir: PathBuf,
+    /// `dir` as a storage that every path is confined to.
+    pub store: Store,
     /// A shell command run with the manifest's path as its last argument
     /// (and in `DMOVER_MANIFEST`) when a step is complete here.
     pub hook: Option<String>,
@@ -60,16 +65,17 @@ pub fn check_producer(name: &str) -> Result<()> {
     }
 }
 
-/// The directory of a producer's steps, created if missing: refused if the
-/// name is not a plain component or the path is anything but a directory
-/// (a symlink included).
+/// The directory of a producer's steps in the sink's storage, created if
+/// missing: refused if the name is not a plain component or the path is
+/// anything but a directory (a symlink included).
 pub fn producer_dir(cfg: &SinkConfig, producer: &str) -> Result<PathBuf> {
     check_producer(producer)?;
-    let dir = cfg.dir.join(producer);
-    if std::fs::symlink_metadata(&dir).is_ok_and(|m| !m.is_dir()) {
-        return Err(Error::new(ErrorKind::Refused, dir.display().to_string(), "exists and is not a directory"));
+    let dir = PathBuf::from(producer);
+    let named = || cfg.dir.join(producer).display().to_string();
+    if cfg.store.stat(&dir).is_ok_and(|m| !m.is_dir()) {
+        return Err(Error::new(ErrorKind::Refused, named(), "exists and is not a directory"));
     }
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(dir.display().to_string(), &e))?;
+    cfg.store.make_dirs(&dir).map_err(|e| Error::io(named(), &e))?;
     Ok(dir)
 }
 
@@ -95,14 +101,18 @@ pub fn manifest_name(step: u64) -> String {
 /// Blocks of one step written by this session.
 #[derive(Default)]
 struct StepFiles {
-    file: Option<Arc<File>>,
+    file: Option<Arc<dyn WriteFile>>,
     /// offset → (length, checksum)
     blocks: HashMap<u64, (u32, Sum)>,
 }
 
 /// What the data connections and the control connection of one session share.
 struct Shared {
+    store: Store,
+    /// The producer's directory in `store`.
     dir: PathBuf,
+    /// The same on disk, for messages, manifests and hooks.
+    disk_dir: PathBuf,
     block_size: u32,
     /// Steps with blocks written; data threads insert, the control thread
     /// removes a step at its end. Never held while writing a frame.
@@ -120,28 +130,28 @@ impl Shared {
     }
 
     /// The step's data file, created on first use.
-    fn file(&self, step: u64) -> Result<Arc<File>> {
+    fn file(&self, step: u64) -> Result<Arc<dyn WriteFile>> {
         let mut steps = self.steps.lock().expect("steps lock");
         let s = steps.entry(step).or_default();
         if let Some(f) = &s.file {
             return Ok(f.clone());
         }
-        let f = Arc::new(open_data(&self.dir.join(data_name(step)))?);
+        let f = self.open_data(step)?;
         s.file = Some(f.clone());
         Ok(f)
     }
-}
 
-fn open_data(path: &Path) -> Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .custom_flags(libc::O_NOFOLLOW)
-        .mode(0o644)
-        .open(path)
-        .map_err(|e| Error::io(path.display().to_string(), &e))
+    /// A step's data file: the one an earlier session wrote, or a new one.
+    fn open_data(&self, step: u64) -> Result<Arc<dyn WriteFile>> {
+        let path = self.dir.join(data_name(step));
+        let err = |e: std::io::Error| Error::io(self.disk_dir.join(data_name(step)).display().to_string(), &e);
+        if let Some(f) = self.store.reopen(&path).map_err(err)? {
+            return Ok(f.into());
+        }
+        let f = self.store.create(&path).map_err(err)?;
+        f.set_attrs(&Attrs { mode: 0o644, mtime: None }).map_err(err)?;
+        Ok(f.into())
+    }
 }
 
 /// Serves one producer's streaming session until it closes its control
@@ -158,7 +168,16 @@ pub fn run(
     w: FrameWriter,
     data: crossbeam_channel::Receiver<Box<dyn Transport>>,
 ) -> Result<()> {
-    let shared = Arc::new(Shared { dir, block_size, steps: Mutex::default(), writer: Mutex::new(w), received: AtomicU64::new(0) });
+    let disk_dir = cfg.dir.join(&dir);
+    let shared = Arc::new(Shared {
+        store: cfg.store.clone(),
+        dir,
+        disk_dir,
+        block_size,
+        steps: Mutex::default(),
+        writer: Mutex::new(w),
+        received: AtomicU64::new(0),
+    });
     // Attaches data connections as they arrive, until the session ends;
     // then closes them, so that none outlives a producer that vanished.
     let over = Arc::new(AtomicBool::new(false));
@@ -241,7 +260,7 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
             continue;
         }
         let f = shared.file(h.file)?;
-        f.write_all_at(data, h.offset).map_err(|e| Error::io(shared.dir.join(data_name(h.file)).display().to_string(), &e))?;
+        f.write_all_at(data, h.offset).map_err(|e| Error::io(shared.disk_dir.join(data_name(h.file)).display().to_string(), &e))?;
         shared.steps.lock().expect("steps lock").entry(h.file).or_default().blocks.insert(h.offset, (h.len, h.sum));
         shared.send(&Msg::Acked { blocks: vec![(h.file, h.offset)] })?;
     }
@@ -252,7 +271,8 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
 fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo) -> Result<(bool, PathBuf)> {
     let step = info.step;
     let mine = shared.steps.lock().expect("steps lock").remove(&step).unwrap_or_default();
-    let data_path = shared.dir.join(data_name(step));
+    let data_path = shared.disk_dir.join(data_name(step));
+    let stored_data = shared.dir.join(data_name(step));
     let mut file = mine.file.clone();
     let mut here = Vec::with_capacity(info.blocks.len());
     let mut buf = Vec::new();
@@ -261,12 +281,12 @@ fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo
             Some(&(len, sum)) => len == b.len && sum == b.sum,
             // Not written by this session: check what the file holds.
             None => {
-                if file.is_none() && data_path.exists() {
-                    file = Some(Arc::new(open_data(&data_path)?));
+                if file.is_none() && shared.store.stat(&stored_data).is_ok() {
+                    file = Some(shared.open_data(step)?);
                 }
                 file.as_ref().is_some_and(|f| {
                     buf.resize(b.len as usize, 0);
-                    f.read_exact_at(&mut buf, b.offset).is_ok() && block_sum(&buf) == b.sum
+                    storage::read_block(f.as_ref(), &mut buf, b.offset).is_ok_and(|(n, sum)| n == buf.len() && sum == b.sum)
                 })
             }
         };
@@ -282,16 +302,19 @@ fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo
         // cut to its size in case an older, longer file was there.
         let f = match file {
             Some(f) => f,
-            None => Arc::new(open_data(&data_path)?),
+            None => shared.open_data(step)?,
         };
         f.set_len(info.bytes).map_err(|e| Error::io(data_path.display().to_string(), &e))?;
     }
     let manifest = manifest_json(cfg, producer, shared.block_size, &info, &here, complete, &data_path);
-    let path = shared.dir.join(manifest_name(step));
+    let stored = shared.dir.join(manifest_name(step));
     let tmp = shared.dir.join(format!(".{}.tmp", manifest_name(step)));
-    let text = serde_json::to_string_pretty(&manifest).expect("JSON values always serialize");
-    std::fs::write(&tmp, text + "\n").map_err(|e| Error::io(tmp.display().to_string(), &e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| Error::io(path.display().to_string(), &e))?;
+    let path = shared.disk_dir.join(manifest_name(step));
+    let text = serde_json::to_string_pretty(&manifest).expect("JSON values always serialize") + "\n";
+    let err = |e: std::io::Error| Error::io(path.display().to_string(), &e);
+    let f = shared.store.create(&tmp).map_err(err)?;
+    f.write_all_at(text.as_bytes(), 0).map_err(err)?;
+    shared.store.commit(f.as_ref(), &tmp, &stored, Some(&Attrs { mode: 0o644, mtime: None })).map_err(err)?;
     log::info!("{producer} step {step}: {} bytes, {}", info.bytes, if complete { "complete" } else { "partly elsewhere" });
     Ok((complete, path))
 }

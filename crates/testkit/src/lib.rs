@@ -9,9 +9,13 @@
 //!   test process and stopped when it exits;
 //! * [`needs_root`] and [`skip`]: a test that needs root or a kernel feature
 //!   says so on the terminal and skips only where it is truly missing; under
-//!   CI (`CI=true`) it fails instead.
+//!   CI (`CI=true`) it fails instead;
+//! * [`storage::run`]: the conformance suite every `Storage` implementation
+//!   of the engine must pass.
 //!
 //! This crate is the one place that knows where the tools are.
+
+pub mod storage;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

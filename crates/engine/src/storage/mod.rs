@@ -109,7 +109,7 @@ pub trait WriteFile: ReadFile {
 /// A tree of files under a root. Paths are relative to the root (a local
 /// storage also takes absolute paths); the empty path is the root itself.
 /// Nothing here follows a symlink inside a confined storage.
-pub trait Storage: Send + Sync {
+pub trait Storage: Send + Sync + std::fmt::Debug {
     /// Whether paths are confined beneath the root (an export).
     fn is_confined(&self) -> bool;
     /// How to name `path` in messages: `EXPORT/path`, or the local path.

@@ -20,7 +20,7 @@ use rustix::io::Errno;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -111,12 +111,14 @@ impl Posix {
         let mut parent: Option<OwnedFd> = None;
         for d in dirs {
             let at = parent.as_ref().map(|p| p.as_fd()).unwrap_or(root.as_fd());
-            let fd = rustix::fs::openat(at, *d, OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
-                .map_err(refusal)?;
+            let fd = open_subdir(at, d)?;
             parent = Some(fd);
         }
         let at = parent.as_ref().map(|p| p.as_fd()).unwrap_or(root.as_fd());
-        Ok(rustix::fs::openat(at, *last, flags | OFlags::NOFOLLOW, mode).map_err(refusal)?)
+        match rustix::fs::openat(at, *last, flags | OFlags::NOFOLLOW, mode) {
+            Err(Errno::NOTDIR) if is_symlink_at(at, last) => Err(Refused::io(NOT_BENEATH)),
+            r => r.map_err(refusal),
+        }
     }
 
     /// The parent directory of `path`, open, and the name within it.
@@ -145,6 +147,21 @@ impl Posix {
     fn open_dir(&self, dir: &Path) -> io::Result<OwnedFd> {
         self.open_at(dir, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
     }
+}
+
+/// Opens the directory `name` in `dir`, refusing a symlink there.
+fn open_subdir(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
+    match rustix::fs::openat(dir, name, OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty()) {
+        Ok(fd) => Ok(fd),
+        // With O_PATH, a symlink is not a directory: say which it was.
+        Err(Errno::NOTDIR) if is_symlink_at(dir, name) => Err(Refused::io(NOT_BENEATH)),
+        Err(e) => Err(refusal(e)),
+    }
+}
+
+/// Whether `name` in `dir` is a symlink.
+fn is_symlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> bool {
+    rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW).is_ok_and(|s| rustix::fs::FileType::from_raw_mode(s.st_mode) == rustix::fs::FileType::Symlink)
 }
 
 /// A refusal where the kernel met a symlink or a path leading out;
@@ -263,9 +280,7 @@ impl Storage for Posix {
                 Ok(()) | Err(Errno::EXIST) => {}
                 Err(e) => return Err(e.into()),
             }
-            let fd = rustix::fs::openat(parent, name, OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
-                .map_err(|e| if e == Errno::NOTDIR { Refused::io(NOT_BENEATH) } else { refusal(e) })?;
-            at = Some(fd);
+            at = Some(open_subdir(parent, name)?);
         }
         Ok(())
     }

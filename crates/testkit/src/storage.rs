@@ -1,0 +1,305 @@
+//! The conformance suite every [`Storage`] implementation must pass.
+//!
+//! [`run`] gives each check a fresh, empty storage from the caller's
+//! factory and reports every check that failed, by name. The checks use
+//! the interface alone, except those on confinement: a storage backed by a
+//! directory on disk ([`Subject::disk`]) and confined to it is also tried
+//! with symlinks and hard links planted on the disk, leading out.
+
+use dmover_engine::error::classify;
+use dmover_engine::storage::{self, Attrs, Kind, Storage, Store};
+use dmover_proto::ErrorKind;
+use std::io;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+
+/// A storage under test.
+pub struct Subject {
+    pub store: Store,
+    /// Prefix of every path the checks use: empty for a storage whose
+    /// paths are relative to its root, an empty directory for a local one.
+    pub base: PathBuf,
+    /// The directory on disk the storage's root is, if it is one; the
+    /// confinement checks plant links there.
+    pub disk: Option<PathBuf>,
+    /// A directory outside the storage, on the same disk, holding a file
+    /// `secret`: nothing may read it or write next to it through a confined storage.
+    pub outside: PathBuf,
+    /// Kept alive while the check runs (temporary directories).
+    pub keep: Vec<Box<dyn std::any::Any>>,
+}
+
+impl Subject {
+    fn p(&self, rel: &str) -> PathBuf {
+        self.base.join(rel)
+    }
+
+    fn s(&self) -> &dyn Storage {
+        self.store.as_ref()
+    }
+}
+
+type Check = fn(&Subject);
+
+/// Runs every check, each on a fresh subject; panics listing the checks
+/// that failed and why.
+pub fn run(make: &dyn Fn() -> Subject) {
+    let checks: &[(&str, Check)] = &[
+        ("the root is an empty directory", root_is_empty_dir),
+        ("make_dirs makes every level and may run again", make_dirs_every_level),
+        ("create, write at offsets, read back", write_and_read_back),
+        ("create replaces what had the name, owner-only", create_replaces),
+        ("reopen finds a file created earlier, and nothing else", reopen_finds_own_files),
+        ("commit sets attributes and renames into place", commit_renames),
+        ("commit replaces an existing file", commit_replaces),
+        ("remove and remove_dir", removes),
+        ("make_dir sets its mode and refuses a file in the way", make_dir_modes),
+        ("list names every entry with its kind and size", lists),
+        ("read_all stops at its limit", read_all_limit),
+        ("missing paths are NotFound", missing_is_not_found),
+        ("writes from several threads at once", parallel_writes),
+        ("digest_of reads the whole file", digests),
+        ("confined: '..' and absolute paths are refused", refuses_leaving_paths),
+        ("confined: a directory symlink leads nowhere", dir_symlink_leads_nowhere),
+        ("confined: a file symlink is never read or written through", file_symlink_not_followed),
+        ("confined: a hard link is not taken up as our own", hard_link_not_reopened),
+    ];
+    let mut failed = Vec::new();
+    for (name, check) in checks {
+        let subject = make();
+        if let Err(e) = catch_unwind(AssertUnwindSafe(|| check(&subject))) {
+            let why = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            failed.push(format!("{name}: {why}"));
+        }
+    }
+    assert!(failed.is_empty(), "{} of {} storage checks failed:\n{}", failed.len(), checks.len(), failed.join("\n"));
+}
+
+fn write_file(t: &Subject, rel: &str, data: &[u8]) {
+    let f = t.s().create(&t.p(rel)).unwrap_or_else(|e| panic!("create {rel}: {e}"));
+    f.write_all_at(data, 0).unwrap();
+}
+
+fn read(t: &Subject, rel: &str) -> Vec<u8> {
+    t.s().read_all(&t.p(rel), 1 << 30).unwrap_or_else(|e| panic!("read {rel}: {e}"))
+}
+
+fn refused(r: io::Result<impl Sized>, what: &str) {
+    match r {
+        Ok(_) => panic!("{what}: allowed, should be refused"),
+        Err(e) => assert_eq!(classify(&e), ErrorKind::Refused, "{what}: {e}"),
+    }
+}
+
+fn root_is_empty_dir(t: &Subject) {
+    assert_eq!(t.s().stat(&t.p("")).unwrap().kind, Kind::Dir);
+    assert!(t.s().list(&t.p("")).unwrap().is_empty());
+}
+
+fn make_dirs_every_level(t: &Subject) {
+    t.s().make_dirs(&t.p("a/b/c")).unwrap();
+    t.s().make_dirs(&t.p("a/b/c")).unwrap();
+    for d in ["a", "a/b", "a/b/c"] {
+        assert!(t.s().stat(&t.p(d)).unwrap().is_dir(), "{d} is not a directory");
+    }
+}
+
+fn write_and_read_back(t: &Subject) {
+    t.s().make_dirs(&t.p("d")).unwrap();
+    let f = t.s().create(&t.p("d/f")).unwrap();
+    f.write_all_at(b"world", 6).unwrap();
+    f.write_all_at(b"hello ", 0).unwrap();
+    let mut buf = [0u8; 11];
+    assert_eq!(f.read_at(&mut buf, 0).unwrap(), 11);
+    assert_eq!(&buf, b"hello world");
+    assert_eq!(f.stat().unwrap().size, 11);
+    drop(f);
+    assert_eq!(read(t, "d/f"), b"hello world");
+    let r = t.s().open(&t.p("d/f")).unwrap();
+    let mut tail = [0u8; 16];
+    assert_eq!(r.read_at(&mut tail, 6).unwrap(), 5, "a read past the end returns what is there");
+    assert_eq!(r.read_at(&mut tail, 11).unwrap(), 0, "a read at the end returns 0");
+    let w = t.s().reopen(&t.p("d/f")).unwrap().expect("reopen");
+    w.set_len(5).unwrap();
+    assert_eq!(read(t, "d/f"), b"hello");
+}
+
+fn create_replaces(t: &Subject) {
+    write_file(t, "f", b"old content");
+    let f = t.s().create(&t.p("f")).unwrap();
+    assert_eq!(f.stat().unwrap().size, 0, "create must start an empty file");
+    assert_eq!(f.stat().unwrap().mode & 0o077, 0, "a new file is readable by its owner only");
+}
+
+fn reopen_finds_own_files(t: &Subject) {
+    assert!(t.s().reopen(&t.p("nothing")).unwrap().is_none());
+    write_file(t, "f", b"abc");
+    let f = t.s().reopen(&t.p("f")).unwrap().expect("a file created earlier");
+    f.write_all_at(b"d", 3).unwrap();
+    assert_eq!(read(t, "f"), b"abcd");
+    t.s().make_dirs(&t.p("dir")).unwrap();
+    assert!(t.s().reopen(&t.p("dir")).map(|f| f.is_none()).unwrap_or(true), "a directory is not a file to write");
+}
+
+fn commit_renames(t: &Subject) {
+    t.s().make_dirs(&t.p("d")).unwrap();
+    let f = t.s().create(&t.p("d/.f.part")).unwrap();
+    f.write_all_at(b"data", 0).unwrap();
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)) };
+    t.s().commit(f.as_ref(), &t.p("d/.f.part"), &t.p("d/f"), Some(&attrs)).unwrap();
+    drop(f);
+    let s = t.s().stat(&t.p("d/f")).unwrap();
+    assert_eq!((s.kind, s.size, s.mode, s.mtime), (Kind::File, 4, 0o640, (1_000_000_000, 123_456_789)));
+    assert_eq!(t.s().stat(&t.p("d/.f.part")).unwrap_err().kind(), io::ErrorKind::NotFound);
+    // Across directories too.
+    t.s().make_dirs(&t.p("e")).unwrap();
+    let g = t.s().create(&t.p("d/g")).unwrap();
+    t.s().commit(g.as_ref(), &t.p("d/g"), &t.p("e/g"), None).unwrap();
+    assert!(t.s().stat(&t.p("e/g")).unwrap().is_file());
+}
+
+fn commit_replaces(t: &Subject) {
+    write_file(t, "f", b"old old old");
+    let f = t.s().create(&t.p(".f.part")).unwrap();
+    f.write_all_at(b"new", 0).unwrap();
+    t.s().commit(f.as_ref(), &t.p(".f.part"), &t.p("f"), None).unwrap();
+    assert_eq!(read(t, "f"), b"new");
+}
+
+fn removes(t: &Subject) {
+    t.s().remove(&t.p("never-there")).unwrap();
+    t.s().make_dirs(&t.p("d")).unwrap();
+    write_file(t, "d/f", b"x");
+    assert!(t.s().remove_dir(&t.p("d")).is_err(), "a directory with a file in it is not removed");
+    t.s().remove(&t.p("d/f")).unwrap();
+    assert_eq!(t.s().stat(&t.p("d/f")).unwrap_err().kind(), io::ErrorKind::NotFound);
+    t.s().remove_dir(&t.p("d")).unwrap();
+    assert_eq!(t.s().stat(&t.p("d")).unwrap_err().kind(), io::ErrorKind::NotFound);
+}
+
+fn make_dir_modes(t: &Subject) {
+    t.s().make_dir(&t.p("d"), 0o750).unwrap();
+    assert_eq!(t.s().stat(&t.p("d")).unwrap().mode, 0o750);
+    t.s().make_dir(&t.p("d"), 0o705).unwrap();
+    assert_eq!(t.s().stat(&t.p("d")).unwrap().mode, 0o705, "an existing directory takes the new mode");
+    write_file(t, "f", b"x");
+    assert!(t.s().make_dir(&t.p("f"), 0o755).is_err(), "a file in the way is an error");
+    assert!(t.s().stat(&t.p("f")).unwrap().is_file(), "and stays a file");
+}
+
+fn lists(t: &Subject) {
+    t.s().make_dirs(&t.p("d/sub")).unwrap();
+    write_file(t, "d/a", b"12345");
+    let mut got: Vec<(String, Kind, u64)> = t
+        .s()
+        .list(&t.p("d"))
+        .unwrap()
+        .into_iter()
+        .map(|e| {
+            let s = e.stat.unwrap();
+            (e.name.to_string_lossy().into_owned(), s.kind, if s.is_file() { s.size } else { 0 })
+        })
+        .collect();
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(got, vec![("a".to_string(), Kind::File, 5), ("sub".to_string(), Kind::Dir, 0)]);
+}
+
+fn read_all_limit(t: &Subject) {
+    write_file(t, "f", &[7; 100]);
+    assert_eq!(t.s().read_all(&t.p("f"), 100).unwrap().len(), 100);
+    assert!(t.s().read_all(&t.p("f"), 99).is_err(), "a file over the limit is not read");
+}
+
+fn missing_is_not_found(t: &Subject) {
+    let nf = io::ErrorKind::NotFound;
+    assert_eq!(t.s().stat(&t.p("nope")).unwrap_err().kind(), nf);
+    assert_eq!(t.s().open(&t.p("nope")).err().expect("open of a missing file").kind(), nf);
+    assert_eq!(t.s().list(&t.p("nope")).unwrap_err().kind(), nf);
+    assert_eq!(t.s().create(&t.p("nope/f")).err().expect("create in a missing directory").kind(), nf);
+}
+
+fn parallel_writes(t: &Subject) {
+    const PART: usize = 64 * 1024;
+    let f = t.s().create(&t.p("f")).unwrap();
+    std::thread::scope(|sc| {
+        for i in 0..8u8 {
+            let f = &f;
+            sc.spawn(move || f.write_all_at(&vec![i; PART], i as u64 * PART as u64).unwrap());
+        }
+    });
+    let all = read(t, "f");
+    assert_eq!(all.len(), 8 * PART);
+    for (i, part) in all.chunks(PART).enumerate() {
+        assert!(part.iter().all(|b| *b == i as u8), "part {i} was not written whole");
+    }
+}
+
+fn digests(t: &Subject) {
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 31 % 251) as u8).collect();
+    write_file(t, "f", &data);
+    let sums: Vec<_> = data.chunks(65536).map(dmover_proto::digest::block_sum).collect();
+    let want = dmover_proto::digest::file_digest(&sums);
+    assert_eq!(storage::digest_of(t.s(), &t.p("f"), 65536).unwrap(), want);
+}
+
+/// The subject's disk directory, if the confinement checks apply to it.
+fn confined_disk(t: &Subject) -> Option<&Path> {
+    t.disk.as_deref().filter(|_| t.s().is_confined())
+}
+
+fn refuses_leaving_paths(t: &Subject) {
+    if !t.s().is_confined() {
+        return;
+    }
+    refused(t.s().stat(Path::new("../x")), "stat ../x");
+    refused(t.s().open(Path::new("/etc/passwd")), "open /etc/passwd");
+    refused(t.s().create(Path::new("a/../../x")), "create a/../../x");
+    refused(t.s().make_dirs(Path::new("../x")), "make_dirs ../x");
+}
+
+fn dir_symlink_leads_nowhere(t: &Subject) {
+    let Some(disk) = confined_disk(t) else { return };
+    std::os::unix::fs::symlink(&t.outside, disk.join("l")).unwrap();
+    let s = t.s();
+    assert_eq!(s.stat(Path::new("l")).unwrap().kind, Kind::Symlink);
+    refused(s.stat(Path::new("l/secret")), "stat through a symlink");
+    refused(s.open(Path::new("l/secret")), "open through a symlink");
+    refused(s.list(Path::new("l")), "list a symlink");
+    refused(s.create(Path::new("l/new")), "create through a symlink");
+    refused(s.make_dirs(Path::new("l/sub")), "make_dirs through a symlink");
+    refused(s.make_dirs(Path::new("l")), "make_dirs onto a symlink");
+    refused(s.remove(Path::new("l/secret")), "remove through a symlink");
+    assert!(s.reopen(Path::new("l/secret")).is_err(), "reopen through a symlink");
+    s.make_dirs(Path::new("d")).unwrap();
+    let f = s.create(Path::new("d/.f")).unwrap();
+    refused(s.commit(f.as_ref(), Path::new("d/.f"), Path::new("l/f"), None), "commit through a symlink");
+    let outside: Vec<_> = std::fs::read_dir(&t.outside).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(outside, ["secret"], "something was written outside");
+    assert!(t.outside.join("secret").exists(), "the secret outside was removed");
+}
+
+fn file_symlink_not_followed(t: &Subject) {
+    let Some(disk) = confined_disk(t) else { return };
+    let secret = t.outside.join("secret");
+    let before = std::fs::read(&secret).unwrap();
+    std::os::unix::fs::symlink(&secret, disk.join("lf")).unwrap();
+    let s = t.s();
+    refused(s.open(Path::new("lf")), "open a symlink");
+    assert!(s.reopen(Path::new("lf")).unwrap().is_none(), "a symlink is not a file of ours");
+    assert!(s.read_all(Path::new("lf"), 1 << 20).is_err(), "read_all of a symlink");
+    let f = s.create(Path::new("lf")).unwrap();
+    f.write_all_at(b"mine", 0).unwrap();
+    assert_eq!(s.stat(Path::new("lf")).unwrap().kind, Kind::File, "create replaces the symlink");
+    assert_eq!(std::fs::read(&secret).unwrap(), before, "the file the symlink led to changed");
+}
+
+fn hard_link_not_reopened(t: &Subject) {
+    let Some(disk) = confined_disk(t) else { return };
+    let target = disk.join("target");
+    std::fs::write(&target, b"other file").unwrap();
+    std::fs::hard_link(&target, disk.join("hl")).unwrap();
+    assert!(t.s().reopen(Path::new("hl")).unwrap().is_none(), "a file with another name is not taken up");
+    let f = t.s().create(Path::new("hl")).unwrap();
+    f.write_all_at(b"mine", 0).unwrap();
+    assert_eq!(std::fs::read(&target).unwrap(), b"other file", "written through a hard link");
+}
