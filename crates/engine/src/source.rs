@@ -150,27 +150,21 @@ fn walk_dir(
                 }
             };
             let matched = take_all || glob.is_some_and(|(g, _)| g.is_match(&child));
-            match st.kind {
-                Kind::Symlink => {
-                    if matched && !emit(Event::SkippedLink(child)) {
-                        return false;
-                    }
-                }
+            let go_on = match st.kind {
+                Kind::Symlink => !matched || emit(Event::SkippedLink(child)),
+                Kind::Dir if fname == STATE_DIR => true,
                 Kind::Dir => {
-                    if fname == STATE_DIR {
-                        continue;
-                    }
                     let deeper = glob.is_some_and(|(_, d)| depth + 1 < d);
                     if matched || deeper {
                         stack.push((path, child, depth + 1, matched));
                     }
+                    true
                 }
-                Kind::File if matched && !fname.ends_with(PART_SUFFIX) => {
-                    if !emit(Event::File(entry(path, child, &st))) {
-                        return false;
-                    }
-                }
-                _ => {}
+                Kind::File if matched && !fname.ends_with(PART_SUFFIX) => emit(Event::File(entry(path, child, &st))),
+                _ => true,
+            };
+            if !go_on {
+                return false;
             }
         }
         // An empty directory is sent as itself, so that it exists at the destination.
