@@ -50,6 +50,11 @@ pub struct CpArgs {
     /// With --sync: compare content checksums instead of modification times.
     #[arg(short = 'c', long, requires = "sync")]
     pub checksum: bool,
+    /// Confirm files without making them durable first (scratch space):
+    /// faster for many small files, but a crash of the destination's machine
+    /// can lose files the report counted.
+    #[arg(long)]
+    pub no_fsync: bool,
     /// Limit the sending rate, in bytes per second (e.g. 10M).
     #[arg(long, value_name = "RATE", default_value = "0", value_parser = parse_size)]
     pub bwlimit: u64,
@@ -150,6 +155,9 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     }
     if a.checksum {
         flags |= TransferOptions::CHECKSUM;
+    }
+    if a.no_fsync {
+        flags |= TransferOptions::NO_FSYNC;
     }
     let mut plan = Plan {
         options: TransferOptions {

@@ -11,7 +11,12 @@
 //!   checks its checksum (a bad block is asked for again) and queues it;
 //! * writer threads write blocks at their offsets into the file's temporary
 //!   name, journal them and, when the last block and the sender's digest are
-//!   in, verify the digest, set mode and mtime and rename the file into place.
+//!   in, verify the digest and hand the file to the committer;
+//! * the committer thread takes verified files in batches: it sets each
+//!   one's mode and mtime, makes their data durable, renames them into place,
+//!   makes the names durable, and only then confirms them (`Done`). One
+//!   file-system sync per step serves the whole batch, so many small files
+//!   cost a few syncs, not one each (`--no-fsync` skips the syncs).
 //!
 //! Staging blocks come from one pool, so a slow disk stalls the network
 //! readers (and through TCP, the sender) instead of growing memory. Each
@@ -93,6 +98,10 @@ const POLL: Duration = Duration::from_millis(50);
 pub const MAX_DAMAGED: u32 = 8;
 /// Blocks waiting for one writer, at most.
 pub const WRITE_QUEUE: usize = 4;
+/// Verified files the committer makes durable and renames together, at
+/// most: enough that small files share their syncs, few enough that the
+/// first of them is confirmed without a long wait.
+const COMMIT_BATCH: usize = 256;
 
 /// Flag in [`TransferOptions::flags`]: the sources are one file or one
 /// directory; if `dest` is not an existing directory, a lone file (a path
@@ -165,6 +174,8 @@ struct RecvFile {
     journal: Option<Journal>,
     /// Truncate the temporary file when first opened.
     fresh: bool,
+    /// Its digest matched; the committer has it.
+    verified: bool,
     done: bool,
 }
 
@@ -187,9 +198,17 @@ impl RecvFile {
             file: None,
             journal: None,
             fresh: true,
+            verified: false,
             done: false,
         }
     }
+}
+
+/// A file whose digest matched, to be committed.
+struct Verified {
+    id: u64,
+    file: Arc<Mutex<RecvFile>>,
+    digest: Sum,
 }
 
 struct WriteJob {
@@ -202,6 +221,8 @@ struct WriteJob {
 
 struct Shared {
     options: TransferOptions,
+    /// Verified files, for the committer; writers and the control thread send.
+    commits: Sender<Verified>,
     block_size: u64,
     store: Store,
     /// The destination as the user named it (for messages).
@@ -433,8 +454,10 @@ impl Prepared {
         let block_size = opts.block_size as u64;
         control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(control.peer(), &e))?;
         let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(control.peer(), &e))?)));
+        let (commits, verified) = crossbeam_channel::unbounded::<Verified>();
         let sh = Arc::new(Shared {
             options: opts,
+            commits,
             block_size,
             store: cfg.store,
             dest_label: cfg.dest.clone(),
@@ -464,6 +487,10 @@ impl Prepared {
             wtx.push(tx);
             let sh = sh.clone();
             threads.push(std::thread::spawn(move || writer(&sh, rx)));
+        }
+        {
+            let sh = sh.clone();
+            threads.push(std::thread::spawn(move || committer(&sh, &verified)));
         }
         let wtx: Arc<[Sender<WriteJob>]> = wtx.into();
         {
@@ -534,7 +561,7 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                     let mut g = f.lock().expect("file lock");
                     g.end = Some(digest);
                     if g.missing == 0 {
-                        finalize(sh, id, &mut g);
+                        finalize(sh, id, &f, &mut g);
                     }
                 }
             }
@@ -860,7 +887,7 @@ fn mark_written(sh: &Arc<Shared>, id: u64, file: &Arc<Mutex<RecvFile>>, block: u
         }
     }
     if g.missing == 0 && g.end.is_some() {
-        finalize(sh, id, &mut g);
+        finalize(sh, id, file, &mut g);
     }
 }
 
@@ -919,9 +946,9 @@ fn remove_partial(sh: &Shared, g: &RecvFile) {
     }
 }
 
-/// Verifies a complete file and moves it into place.
-fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
-    if g.done {
+/// Verifies a complete file and hands it to the committer.
+fn finalize(sh: &Arc<Shared>, id: u64, file: &Arc<Mutex<RecvFile>>, g: &mut RecvFile) {
+    if g.done || g.verified {
         return;
     }
     let digest = file_digest(&g.sums);
@@ -951,11 +978,17 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
         }
         return file_failed(sh, id, g, Error::new(ErrorKind::Verify, "", "checksum mismatch"));
     }
-    if !sh.discard() {
-        if let Err(e) = commit(sh, g) {
-            return file_failed(sh, id, g, Error::io("", &e));
-        }
+    if sh.discard() {
+        confirm(sh, id, g, digest);
+        return sh.flush();
     }
+    g.verified = true;
+    // The committer lives as long as the session, so the channel is open.
+    let _ = sh.commits.send(Verified { id, file: file.clone(), digest });
+}
+
+/// Counts a committed file and confirms it to the sender.
+fn confirm(sh: &Shared, id: u64, g: &mut RecvFile, digest: Sum) {
     g.done = true;
     sh.files.lock().expect("files lock").remove(&id);
     let mut t = sh.totals.lock().expect("totals lock");
@@ -963,26 +996,96 @@ fn finalize(sh: &Arc<Shared>, id: u64, g: &mut RecvFile) {
     t.bytes += g.meta.size;
     t.set.add(&g.meta.path, g.meta.size, &digest);
     drop(t);
-    sh.reply(&Msg::Done { id, digest });
+    sh.queue(&Msg::Done { id, digest });
 }
 
-/// Sets mode and mtime on the temporary file and renames it to its final name.
-/// A file none of whose blocks were written in this run (an empty file, or
-/// one resumed with every block already on disk) is opened here: afresh
-/// only if it is fresh, so a resumed file keeps its blocks.
-fn commit(sh: &Shared, g: &mut RecvFile) -> std::io::Result<()> {
-    if g.file.is_none() {
-        open_temp(sh, g)?;
+/// Commits verified files in batches until the session stops (and what was
+/// verified before it stopped).
+fn committer(sh: &Arc<Shared>, verified: &Receiver<Verified>) {
+    loop {
+        let first = match verified.recv_timeout(POLL) {
+            Ok(v) => v,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) if !verified.is_empty() => continue,
+            Err(_) => return,
+        };
+        let mut batch = vec![first];
+        batch.extend(verified.try_iter().take(COMMIT_BATCH - 1));
+        commit_batch(sh, batch);
     }
-    let f = g.file.take().expect("opened above");
-    let attrs = Attrs { mode: g.meta.mode, mtime: Some((g.meta.mtime_s, g.meta.mtime_ns)) };
-    g.journal = None;
-    sh.store.commit(f.as_ref(), &g.temp_path, &g.final_path, Some(&attrs))?;
-    log::debug!("{}: committed", g.final_path.display());
-    if let Some(j) = &g.journal_path {
-        let _ = sh.store.remove(j);
+}
+
+/// Commits a batch of verified files: mode and mtime on each temporary
+/// file, their data made durable, the renames, the names made durable;
+/// then each is confirmed. A file none of whose blocks were written in this
+/// run (an empty file, or one resumed with every block already on disk) is
+/// opened here: afresh only if it is fresh, so a resumed file keeps its blocks.
+fn commit_batch(sh: &Arc<Shared>, batch: Vec<Verified>) {
+    // The state directory is beside the files (the destination directory,
+    // or the directory of a lone destination file).
+    let state_dir = sh.layout.lock().expect("layout lock").as_ref().map(|l| l.state_dir.clone());
+    let durable = !sh.options.has(TransferOptions::NO_FSYNC);
+    let mut ready = Vec::with_capacity(batch.len());
+    for v in batch {
+        let mut g = v.file.lock().expect("file lock");
+        if g.done {
+            continue;
+        }
+        let attrs = Attrs { mode: g.meta.mode, mtime: Some((g.meta.mtime_s, g.meta.mtime_ns)) };
+        match open_temp(sh, &mut g).and_then(|f| f.set_attrs(&attrs).map(|()| f)) {
+            Ok(f) => {
+                drop(g);
+                ready.push((v, f));
+            }
+            Err(e) => file_failed(sh, v.id, &mut g, Error::io("", &e)),
+        }
     }
-    Ok(())
+    if ready.is_empty() {
+        return;
+    }
+    let synced = |ready: &mut Vec<(Verified, Arc<dyn WriteFile>)>, step: &str| {
+        if !durable {
+            return true;
+        }
+        match sh.store.sync(state_dir.as_deref().unwrap_or(&sh.dest_dir)) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!("{}: cannot make {step} durable: {e}", sh.name(""));
+                for (v, _) in ready.drain(..) {
+                    let mut g = v.file.lock().expect("file lock");
+                    file_failed(sh, v.id, &mut g, Error::io("", &e));
+                }
+                false
+            }
+        }
+    };
+    if !synced(&mut ready, "the files' data") {
+        return;
+    }
+    ready.retain(|(v, f)| {
+        let mut g = v.file.lock().expect("file lock");
+        g.file = None;
+        g.journal = None;
+        match sh.store.commit(f.as_ref(), &g.temp_path, &g.final_path, None) {
+            Ok(()) => true,
+            Err(e) => {
+                file_failed(sh, v.id, &mut g, Error::io("", &e));
+                false
+            }
+        }
+    });
+    if !synced(&mut ready, "the files' names") {
+        return;
+    }
+    for (v, _) in ready {
+        let mut g = v.file.lock().expect("file lock");
+        log::debug!("{}: committed", g.final_path.display());
+        if let Some(j) = &g.journal_path {
+            let _ = sh.store.remove(j);
+        }
+        confirm(sh, v.id, &mut g, v.digest);
+    }
+    sh.flush();
 }
 
 #[cfg(test)]

@@ -119,6 +119,9 @@ impl TransferOptions {
     pub const DISCARD: u32 = 4;
     /// The sender generates data instead of reading files (benchmark).
     pub const GENERATE: u32 = 8;
+    /// The receiver confirms files without making them durable first
+    /// (scratch space): no file-system sync before a file is confirmed.
+    pub const NO_FSYNC: u32 = 32;
 
     pub fn has(&self, flag: u32) -> bool {
         self.flags & flag != 0

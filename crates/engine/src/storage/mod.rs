@@ -138,6 +138,9 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>>;
     /// Sets `attrs` on `file` (written at `from`) and renames it to `to`.
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
+    /// Makes everything written below `dir` so far durable: file data,
+    /// attributes and names (a file-system sync: one call serves many files).
+    fn sync(&self, dir: &Path) -> io::Result<()>;
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// Removes an empty directory.

@@ -345,6 +345,12 @@ impl Storage for Posix {
         Ok(rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name)?)
     }
 
+    fn sync(&self, dir: &Path) -> io::Result<()> {
+        // syncfs needs a descriptor opened for reading, not an O_PATH one.
+        let fd = self.open_dir(dir)?;
+        Ok(rustix::fs::syncfs(&fd)?)
+    }
+
     fn remove(&self, path: &Path) -> io::Result<()> {
         let (parent, name) = self.parent(path)?;
         match rustix::fs::unlinkat(&parent, name, AtFlags::empty()) {
