@@ -55,7 +55,7 @@ pub fn run(a: LsArgs) -> Result<i32> {
 
 /// `drwxr-xr-x` style permissions, size and path.
 fn line(m: &FileMeta) -> String {
-    let kind = if m.mode & dmover_engine::recv::MODE_TYPE == dmover_engine::recv::MODE_DIR { 'd' } else { '-' };
+    let kind = if m.is_dir() { 'd' } else { '-' };
     let mut perms = String::from(kind);
     for shift in [6, 3, 0] {
         let b = (m.mode >> shift) & 7;

@@ -87,10 +87,6 @@ pub struct RecvConfig {
     pub intake: Arc<Intake>,
 }
 
-/// File type bits of a mode, and the type of a directory (as in st_mode).
-pub const MODE_TYPE: u32 = 0o170000;
-pub const MODE_DIR: u32 = 0o040000;
-
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 /// Times one block may arrive damaged before its file fails verification:
@@ -674,7 +670,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         },
     };
     let look = sh.options.has(TransferOptions::SYNC) || resuming;
-    if meta.mode & MODE_TYPE == MODE_DIR {
+    if meta.is_dir() {
         return make_dir(sh, id, &meta, &final_path, look);
     }
     // Already there?

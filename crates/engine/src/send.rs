@@ -329,19 +329,6 @@ impl Shared {
         }
     }
 
-    /// Sends an `Echo` probe to `host`, unless the transfer is ending:
-    /// nothing may follow `Finish` on a control connection.
-    pub(crate) fn probe(&self, host: usize, stamp: u64) {
-        let mut w = self.ctl[host].lock().expect("control lock");
-        if self.finishing.load(Ordering::SeqCst) {
-            return;
-        }
-        if let Err(e) = w.send(&Msg::Echo { stamp, received: 0, staged: 0, server_received: 0, transfers: 0 }) {
-            drop(w);
-            self.fail(e);
-        }
-    }
-
     pub(crate) fn tell(&self, host: usize, m: &Msg) {
         let sent = self.ctl[host].lock().expect("control lock").send(m);
         if let Err(e) = sent {
@@ -349,32 +336,8 @@ impl Shared {
         }
     }
 
-    /// Whether no block waits for `host`'s streams.
-    pub(crate) fn starved(&self, host: usize) -> bool {
-        self.data_tx[host].is_empty()
-    }
-
-    /// What one data connection to `host` can have in flight (W).
-    pub(crate) fn window(&self, host: usize) -> u64 {
-        let w = self.data_conns.lock().expect("conns lock").values().find(|c| c.0 == host).map_or(0, |c| c.1.send_window());
-        match self.options.tcp_buffer {
-            0 => w,
-            b if w == 0 => b as u64,
-            b => w.min(b as u64),
-        }
-    }
-
     pub(crate) fn can_add_streams(&self, host: usize) -> bool {
         self.streams[host].connect.is_some()
-    }
-
-    /// Opens or drops streams to `host` until `n` are wanted.
-    pub(crate) fn set_streams(self: &Arc<Self>, host: usize, n: usize) {
-        let hs = &self.streams[host];
-        if hs.connect.is_none() {
-            return;
-        }
-        resize(&mut hs.retire.lock().expect("streams lock"), n, |flag| self.start_stream(host, None, flag));
     }
 
     /// Runs a data stream to `host` in its own thread, on `conn` or on a new connection.
@@ -413,11 +376,6 @@ impl Shared {
         self.workers.lock().expect("workers lock").push(t);
     }
 
-    /// Reader threads running or wanted.
-    pub(crate) fn readers(&self) -> usize {
-        self.readers.lock().expect("readers lock").len()
-    }
-
     /// Starts or stops reader threads until `n` are wanted.
     pub(crate) fn set_readers(self: &Arc<Self>, n: usize) {
         resize(&mut self.readers.lock().expect("readers lock"), n, |flag| {
@@ -448,6 +406,78 @@ impl Shared {
         log::info!("{path}: {message}");
         let e = FileError { path, kind, message };
         self.settle(f, Settled::Failed(&e), |t| t.errors.push(e.clone()));
+    }
+}
+
+impl tuning::Tunable for Arc<Shared> {
+    fn hosts(&self) -> usize {
+        self.streams.len()
+    }
+
+    fn can_add_streams(&self, host: usize) -> bool {
+        Shared::can_add_streams(self, host)
+    }
+
+    fn open_streams(&self, host: usize) -> usize {
+        self.streams[host].open.load(Ordering::SeqCst) as usize
+    }
+
+    /// Opens or drops streams to `host` until `n` are wanted.
+    fn set_streams(&self, host: usize, n: usize) {
+        let hs = &self.streams[host];
+        if hs.connect.is_none() {
+            return;
+        }
+        resize(&mut hs.retire.lock().expect("streams lock"), n, |flag| self.start_stream(host, None, flag));
+    }
+
+    /// Reader threads running or wanted.
+    fn readers(&self) -> usize {
+        self.readers.lock().expect("readers lock").len()
+    }
+
+    fn set_readers(&self, n: usize) {
+        Shared::set_readers(self, n)
+    }
+
+    fn stopped(&self) -> bool {
+        Shared::stopped(self)
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Sends an `Echo` probe to `host`, unless the transfer is ending:
+    /// nothing may follow `Finish` on a control connection.
+    fn probe(&self, host: usize, stamp: u64) {
+        let mut w = self.ctl[host].lock().expect("control lock");
+        if self.finishing.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Err(e) = w.send(&Msg::Echo { stamp, received: 0, staged: 0, server_received: 0, transfers: 0 }) {
+            drop(w);
+            self.fail(e);
+        }
+    }
+
+    /// Whether no block waits for `host`'s streams.
+    fn starved(&self, host: usize) -> bool {
+        self.data_tx[host].is_empty()
+    }
+
+    /// What one data connection to `host` can have in flight (W).
+    fn window(&self, host: usize) -> u64 {
+        let w = self.data_conns.lock().expect("conns lock").values().find(|c| c.0 == host).map_or(0, |c| c.1.send_window());
+        match self.options.tcp_buffer {
+            0 => w,
+            b if w == 0 => b as u64,
+            b => w.min(b as u64),
+        }
+    }
+
+    fn meter(&self, host: usize) -> &Meter {
+        &self.meters[host]
     }
 }
 

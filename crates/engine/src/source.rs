@@ -9,7 +9,6 @@
 //! skipped), and dmover's own partial files are never sent.
 
 use crate::error::Error;
-use crate::recv::MODE_DIR;
 use crate::storage::{self, Kind, Stat, Storage};
 use dmover_proto::frame::FileMeta;
 use dmover_proto::ErrorKind;
@@ -172,7 +171,7 @@ fn walk_dir(
             let ev = match store.stat(&dir) {
                 Ok(m) => {
                     let e = entry(dir, name, &m);
-                    Event::File(Entry { meta: FileMeta { size: 0, mode: MODE_DIR | m.mode, ..e.meta }, ..e })
+                    Event::File(Entry { meta: FileMeta { size: 0, mode: FileMeta::DIR | m.mode, ..e.meta }, ..e })
                 }
                 Err(e) => Event::Error(Error::io(store.display(&dir), &e)),
             };

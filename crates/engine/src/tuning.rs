@@ -11,12 +11,10 @@
 //! the source holds it back. Every decision, and a point every second, goes
 //! into the timeline of the report.
 
-use crate::send::Shared;
 use dmover_proto::frame::TunePoint;
 use dmover_tune::readers::{self, Readers};
 use dmover_tune::{Observation, RttWindow, ServerLoad, Tuner};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// How often the tuner measures.
@@ -57,6 +55,33 @@ impl Meter {
     }
 }
 
+/// What the tuning thread needs of a sending transfer.
+pub(crate) trait Tunable {
+    /// Destination hosts, by index.
+    fn hosts(&self) -> usize;
+    /// Whether streams to `host` can be opened and dropped.
+    fn can_add_streams(&self, host: usize) -> bool;
+    /// Data streams to `host` running now.
+    fn open_streams(&self, host: usize) -> usize;
+    /// Opens or drops streams to `host` until `n` are wanted.
+    fn set_streams(&self, host: usize, n: usize);
+    /// Reader threads running or wanted.
+    fn readers(&self) -> usize;
+    /// Starts or stops reader threads until `n` are wanted.
+    fn set_readers(&self, n: usize);
+    fn stopped(&self) -> bool;
+    /// Time since the transfer started.
+    fn elapsed(&self) -> Duration;
+    /// Sends an `Echo` probe stamped `stamp` (µs since the start) to `host`.
+    fn probe(&self, host: usize, stamp: u64);
+    /// Whether no block waits for `host`'s streams.
+    fn starved(&self, host: usize) -> bool;
+    /// What one data connection to `host` can have in flight (W).
+    fn window(&self, host: usize) -> u64;
+    /// `host`'s measurements from its `Echo` answers.
+    fn meter(&self, host: usize) -> &Meter;
+}
+
 struct Host {
     index: usize,
     tuner: Box<dyn Tuner>,
@@ -67,8 +92,8 @@ struct Host {
 }
 
 /// Tunes every host that can open streams until the transfer stops; returns the timeline.
-pub(crate) fn run(sh: &Arc<Shared>, make: &(dyn Fn() -> Box<dyn Tuner> + Send + Sync)) -> Vec<TunePoint> {
-    let mut hosts: Vec<Host> = (0..sh.streams.len())
+pub(crate) fn run(sh: &dyn Tunable, make: &(dyn Fn() -> Box<dyn Tuner> + Send + Sync)) -> Vec<TunePoint> {
+    let mut hosts: Vec<Host> = (0..sh.hosts())
         .filter(|&h| sh.can_add_streams(h))
         .map(|index| Host { index, tuner: make(), starved: [false; STARVED_TICKS], tick: 0, last_point: (Duration::ZERO, 0) })
         .collect();
@@ -79,20 +104,20 @@ pub(crate) fn run(sh: &Arc<Shared>, make: &(dyn Fn() -> Box<dyn Tuner> + Send + 
     let mut readers = Readers::new(sh.readers(), readers::Params::default());
     while !sh.stopped() {
         std::thread::sleep(TICK);
-        let now = sh.started.elapsed();
+        let now = sh.elapsed();
         let mut whole: Option<Observation> = None;
         for h in &mut hosts {
             sh.probe(h.index, now.as_micros() as u64);
             h.starved[h.tick % STARVED_TICKS] = sh.starved(h.index);
             h.tick += 1;
             let (o, fresh) = {
-                let mut m = sh.meters[h.index].state.lock().expect("meter lock");
+                let mut m = sh.meter(h.index).state.lock().expect("meter lock");
                 let o = Observation {
                     now: m.at,
                     delivered: m.delivered,
                     rtt: m.rtt.mean(),
                     window: sh.window(h.index),
-                    streams: sh.streams[h.index].open.load(Ordering::SeqCst) as usize,
+                    streams: sh.open_streams(h.index),
                     starved: h.starved.iter().filter(|s| **s).count() as f64 / STARVED_TICKS as f64,
                     staged: m.staged as f64 / 100.0,
                     server: m.server,

@@ -14,7 +14,6 @@ use crate::channel::{Failure, FileResult, WorkItem};
 use crate::jobfile::AgentCommand;
 use crate::Plan;
 use crossbeam_channel::Sender;
-use dmover_engine::recv::{MODE_DIR, MODE_TYPE};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::process::{Command, Stdio};
@@ -66,7 +65,7 @@ fn copy_one(plan: &Plan, cmd: &AgentCommand, item: &WorkItem, host: &str) -> Res
     let dst = format!("{}/{}", plan.dest.trim_end_matches('/'), item.path);
     let local = !cmd.uses_host();
     let io = |e: std::io::Error| Error::io(dst.as_str(), &e);
-    if item.mode & MODE_TYPE == MODE_DIR {
+    if item.mode & dmover_proto::frame::FileMeta::TYPE == dmover_proto::frame::FileMeta::DIR {
         if !local {
             return Err(Error::new(ErrorKind::Usage, &item.path, "an empty directory cannot be sent by a command agent with {host}"));
         }

@@ -147,7 +147,20 @@ pub struct FileMeta {
     pub size: u64,
     pub mtime_s: i64,
     pub mtime_ns: u32,
+    /// Permission bits, and [`FileMeta::DIR`] for an empty directory.
     pub mode: u32,
+}
+
+impl FileMeta {
+    /// File type bits of a mode (as in st_mode).
+    pub const TYPE: u32 = 0o170000;
+    /// The type of a directory: an announced empty directory carries it.
+    pub const DIR: u32 = 0o040000;
+
+    /// Whether this announces an (empty) directory rather than a file.
+    pub fn is_dir(&self) -> bool {
+        self.mode & Self::TYPE == Self::DIR
+    }
 }
 
 /// A destination host of a third-party transfer, with the ticket that

@@ -165,31 +165,6 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Why a path was refused: it leaves a confined storage or meets a symlink
-/// on the way. Carried inside an `io::Error`; [`crate::error::classify`]
-/// makes it [`ErrorKind::Refused`].
-#[derive(Debug)]
-pub struct Refused(pub &'static str);
-
-impl std::fmt::Display for Refused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "path refused: {}", self.0)
-    }
-}
-
-impl std::error::Error for Refused {}
-
-impl Refused {
-    pub fn io(why: &'static str) -> io::Error {
-        io::Error::other(Refused(why))
-    }
-
-    /// Whether `e` is a refusal.
-    pub fn is(e: &io::Error) -> bool {
-        e.get_ref().is_some_and(|x| x.is::<Refused>())
-    }
-}
-
 /// The local file system, paths used as given.
 pub fn local() -> Store {
     Arc::new(posix::Posix::local())

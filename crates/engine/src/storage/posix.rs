@@ -14,7 +14,8 @@
 //! relative to the working directory, and follows symlinks the user names;
 //! only the final name of a file it creates is never followed.
 
-use super::{Attrs, DirEntry, Kind, ReadFile, Refused, Stat, Storage, WriteFile};
+use super::{Attrs, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
+use crate::error::Refused;
 use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, Timespec, Timestamps, CWD};
 use rustix::io::Errno;
 use std::ffi::OsStr;
