@@ -1,6 +1,7 @@
 //! A file is confirmed only once it is durable: the receiving server makes
 //! a batch's data durable before it renames the files into place, and the
-//! names durable after, before it confirms them. Seen from outside through
+//! names durable after, before it confirms them (one sync serves a batch's
+//! data and the names of the batch before it). Seen from outside through
 //! strace, as the order of the server's `syncfs` and rename calls.
 
 mod util;
@@ -56,16 +57,12 @@ fn files_are_synced_before_and_after_their_rename_and_no_fsync_skips_it() {
     let seq = upload_traced(&[]);
     let renames = seq.matches('R').count();
     assert_eq!(renames, FILES, "every file is renamed into place once: {seq}");
-    // Each batch: one sync of the data, its renames, one sync of the names.
-    let mut rest = seq.as_str();
-    let mut batches = 0;
-    while !rest.is_empty() {
-        let batch = rest.strip_prefix('S').unwrap_or_else(|| panic!("a rename without a sync of the data before it: {seq}"));
-        let n = batch.len() - batch.trim_start_matches('R').len();
-        assert!(n > 0, "a sync with no rename after it: {seq}");
-        rest = batch[n..].strip_prefix('S').unwrap_or_else(|| panic!("renames without a sync of the names after them: {seq}"));
-        batches += 1;
-    }
+    // Every batch of renames has a sync before it (of its data) and after it
+    // (of the names): S R…R S R…R S … S.
+    assert!(seq.starts_with('S'), "a rename without a sync of the data before it: {seq}");
+    assert!(seq.ends_with('S'), "renames without a sync of the names after them: {seq}");
+    let batches = seq.split('S').filter(|b| !b.is_empty()).count();
+    assert!(batches < FILES, "no two files shared a sync: {seq}");
     eprintln!("{FILES} files committed in {batches} batches");
 
     let seq = upload_traced(&["--no-fsync"]);

@@ -15,8 +15,11 @@
 //! * the committer thread takes verified files in batches: it sets each
 //!   one's mode and mtime, makes their data durable, renames them into place,
 //!   makes the names durable, and only then confirms them (`Done`). One
-//!   file-system sync per step serves the whole batch, so many small files
-//!   cost a few syncs, not one each (`--no-fsync` skips the syncs).
+//!   file-system sync serves a whole batch's data and the names of the batch
+//!   before it, so many small files cost a few syncs, not two each
+//!   (`--no-fsync` skips the syncs). The writers have the kernel start
+//!   writing each block back as soon as it is written, so a sync finds
+//!   little left to do.
 //!
 //! Staging blocks come from one pool, so a slow disk stalls the network
 //! readers (and through TCP, the sender) instead of growing memory. Each
@@ -98,6 +101,10 @@ pub const WRITE_QUEUE: usize = 4;
 /// most: enough that small files share their syncs, few enough that the
 /// first of them is confirmed without a long wait.
 const COMMIT_BATCH: usize = 256;
+/// How long renamed files wait for the next batch, so that one sync makes
+/// their names and the next batch's data durable, before they are synced
+/// on their own.
+const SYNC_MERGE: Duration = Duration::from_millis(2);
 
 /// Flag in [`TransferOptions::flags`]: the sources are one file or one
 /// directory; if `dest` is not an existing directory, a lone file (a path
@@ -834,7 +841,16 @@ fn writer(sh: &Arc<Shared>, rx: Receiver<WriteJob>) {
             }
         };
         let off = job.block * sh.block_size;
-        if let Err(e) = handle.write_all_at(&job.data, off) {
+        let written = handle.write_all_at(&job.data, off).and_then(|()| {
+            // Durable files are synced before they are confirmed: have the
+            // kernel start on it now, while the rest of the data arrives.
+            if sh.options.has(TransferOptions::NO_FSYNC) {
+                Ok(())
+            } else {
+                handle.write_back(off, job.data.len() as u64)
+            }
+        });
+        if let Err(e) = written {
             let mut g = job.file.lock().expect("file lock");
             let e = Error::io("", &e);
             file_failed(sh, job.id, &mut g, e);
@@ -996,31 +1012,59 @@ fn confirm(sh: &Shared, id: u64, g: &mut RecvFile, digest: Sum) {
 }
 
 /// Commits verified files in batches until the session stops (and what was
-/// verified before it stopped).
+/// verified before it stopped), as a pipeline with one file-system sync per
+/// batch: a batch's files get their mode and mtime, then the sync makes
+/// their data durable (and the names of the batch renamed before it, which
+/// are confirmed now), then they are renamed into place and wait for the
+/// next sync. A batch waits for the next one at most [`SYNC_MERGE`]; then
+/// a sync of their names follows.
 fn committer(sh: &Arc<Shared>, verified: &Receiver<Verified>) {
+    // Without syncs there is nothing to merge: confirm at once.
+    let merge = if sh.options.has(TransferOptions::NO_FSYNC) { Duration::ZERO } else { SYNC_MERGE };
+    let mut renamed: Vec<Verified> = Vec::new();
     loop {
-        let first = match verified.recv_timeout(POLL) {
-            Ok(v) => v,
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) if !verified.is_empty() => continue,
-            Err(_) => return,
+        let first = if renamed.is_empty() {
+            match verified.recv_timeout(POLL) {
+                Ok(v) => Some(v),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !verified.is_empty() => continue,
+                Err(_) => return,
+            }
+        } else {
+            verified.recv_timeout(merge).ok()
         };
-        let mut batch = vec![first];
-        batch.extend(verified.try_iter().take(COMMIT_BATCH - 1));
-        commit_batch(sh, batch);
+        let batch: Vec<Verified> = first.into_iter().chain(verified.try_iter()).take(COMMIT_BATCH).collect();
+        let ready = prepare_commit(sh, batch);
+        if let Err(e) = sync(sh) {
+            log::warn!("{}: cannot make the received files durable: {e}", sh.name(""));
+            for v in renamed.drain(..).chain(ready.into_iter().map(|(v, _)| v)) {
+                let mut g = v.file.lock().expect("file lock");
+                file_failed(sh, v.id, &mut g, Error::io("", &e));
+            }
+            continue;
+        }
+        for v in renamed.drain(..) {
+            let mut g = v.file.lock().expect("file lock");
+            if g.done {
+                continue; // aborted by the sender meanwhile: it counts the file as failed
+            }
+            log::debug!("{}: committed", g.final_path.display());
+            if let Some(j) = &g.journal_path {
+                let _ = sh.store.remove(j);
+            }
+            confirm(sh, v.id, &mut g, v.digest);
+        }
+        sh.flush();
+        renamed = rename_into_place(sh, ready);
     }
 }
 
-/// Commits a batch of verified files: mode and mtime on each temporary
-/// file, their data made durable, the renames, the names made durable;
-/// then each is confirmed. A file none of whose blocks were written in this
-/// run (an empty file, or one resumed with every block already on disk) is
-/// opened here: afresh only if it is fresh, so a resumed file keeps its blocks.
-fn commit_batch(sh: &Arc<Shared>, batch: Vec<Verified>) {
-    // The state directory is beside the files (the destination directory,
-    // or the directory of a lone destination file).
-    let state_dir = sh.layout.lock().expect("layout lock").as_ref().map(|l| l.state_dir.clone());
-    let durable = !sh.options.has(TransferOptions::NO_FSYNC);
+/// Sets mode and mtime on each file of a batch (opening, first, a file
+/// none of whose blocks were written in this run: an empty file, or one
+/// resumed with every block already on disk; afresh only if it is fresh,
+/// so a resumed file keeps its blocks). Returns the files ready for their
+/// data to be made durable.
+fn prepare_commit(sh: &Arc<Shared>, batch: Vec<Verified>) -> Vec<(Verified, Arc<dyn WriteFile>)> {
     let mut ready = Vec::with_capacity(batch.len());
     for v in batch {
         let mut g = v.file.lock().expect("file lock");
@@ -1036,52 +1080,36 @@ fn commit_batch(sh: &Arc<Shared>, batch: Vec<Verified>) {
             Err(e) => file_failed(sh, v.id, &mut g, Error::io("", &e)),
         }
     }
-    if ready.is_empty() {
-        return;
+    ready
+}
+
+/// Makes everything written so far durable, unless the transfer asked not to.
+fn sync(sh: &Shared) -> std::io::Result<()> {
+    if sh.options.has(TransferOptions::NO_FSYNC) {
+        return Ok(());
     }
-    let synced = |ready: &mut Vec<(Verified, Arc<dyn WriteFile>)>, step: &str| {
-        if !durable {
-            return true;
-        }
-        match sh.store.sync(state_dir.as_deref().unwrap_or(&sh.dest_dir)) {
-            Ok(()) => true,
-            Err(e) => {
-                log::warn!("{}: cannot make {step} durable: {e}", sh.name(""));
-                for (v, _) in ready.drain(..) {
-                    let mut g = v.file.lock().expect("file lock");
-                    file_failed(sh, v.id, &mut g, Error::io("", &e));
-                }
-                false
-            }
-        }
-    };
-    if !synced(&mut ready, "the files' data") {
-        return;
-    }
-    ready.retain(|(v, f)| {
+    // The state directory is beside the files (the destination directory,
+    // or the directory of a lone destination file).
+    let state_dir = sh.layout.lock().expect("layout lock").as_ref().map(|l| l.state_dir.clone());
+    sh.store.sync(state_dir.as_deref().unwrap_or(&sh.dest_dir))
+}
+
+/// Renames each file of a batch into place; returns those renamed.
+fn rename_into_place(sh: &Arc<Shared>, ready: Vec<(Verified, Arc<dyn WriteFile>)>) -> Vec<Verified> {
+    let mut renamed = Vec::with_capacity(ready.len());
+    for (v, f) in ready {
         let mut g = v.file.lock().expect("file lock");
         g.file = None;
         g.journal = None;
         match sh.store.commit(f.as_ref(), &g.temp_path, &g.final_path, None) {
-            Ok(()) => true,
-            Err(e) => {
-                file_failed(sh, v.id, &mut g, Error::io("", &e));
-                false
+            Ok(()) => {
+                drop(g);
+                renamed.push(v);
             }
+            Err(e) => file_failed(sh, v.id, &mut g, Error::io("", &e)),
         }
-    });
-    if !synced(&mut ready, "the files' names") {
-        return;
     }
-    for (v, _) in ready {
-        let mut g = v.file.lock().expect("file lock");
-        log::debug!("{}: committed", g.final_path.display());
-        if let Some(j) = &g.journal_path {
-            let _ = sh.store.remove(j);
-        }
-        confirm(sh, v.id, &mut g, v.digest);
-    }
-    sh.flush();
+    renamed
 }
 
 #[cfg(test)]

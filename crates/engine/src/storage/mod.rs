@@ -104,6 +104,11 @@ pub trait WriteFile: ReadFile {
     fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
     fn set_len(&self, len: u64) -> io::Result<()>;
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()>;
+    /// Starts writing `len` bytes from `off` to stable storage without
+    /// waiting, so that a later [`Storage::sync`] finds little left to do.
+    fn write_back(&self, _off: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A tree of files under a root. Paths are relative to the root (a local

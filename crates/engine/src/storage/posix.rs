@@ -21,7 +21,7 @@ use rustix::io::Errno;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -226,6 +226,16 @@ impl WriteFile for PosixFile {
             rustix::fs::futimens(&self.0, &times)?;
         }
         Ok(())
+    }
+
+    fn write_back(&self, off: u64, len: u64) -> io::Result<()> {
+        // SAFETY: the descriptor is open for the call; the range is plain numbers.
+        let r = unsafe { libc::sync_file_range(self.0.as_raw_fd(), off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 }
 
