@@ -280,7 +280,7 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
     state.clear_report();
     let earlier = state.load_done()?;
     let token: [u8; 32] = dmover_engine::handshake::random();
-    let token: Vec<u8> = token.iter().map(|b| format!("{b:02x}")).collect::<String>().into_bytes();
+    let token = hex::encode(token).into_bytes();
     let (tx, listed) = crossbeam_channel::bounded::<WorkItem>(LIST_AHEAD);
     let report = JobReport {
         state: JobState::Running,
