@@ -12,7 +12,7 @@ use dmover_engine::{Error, Result};
 use dmover_job::agent::{self, AgentSpec};
 use dmover_job::jobfile::{self, JobFile};
 use dmover_job::manager::{self, Launch};
-use dmover_job::state::StateDir;
+use dmover_job::state::{JobState, StateDir};
 use dmover_job::{sbatch, Plan};
 use dmover_proto::ErrorKind;
 use std::path::{Path, PathBuf};
@@ -210,7 +210,7 @@ pub fn status(a: StatusArgs) -> Result<i32> {
             println!("  {}{id}: {} after {:.1} s, {} files sent{next}", i + 1, run.state, run.seconds, run.files);
         }
     }
-    if r.state == "running" {
+    if r.state == JobState::Running {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let age = now.saturating_sub(r.updated_unix);
         if age > 10 {

@@ -107,7 +107,7 @@ fn write_token(file: &std::path::Path) -> Result<(), Error> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let bytes: [u8; 32] = dmover_engine::handshake::random();
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = hex::encode(bytes);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)

@@ -32,10 +32,8 @@ pub struct TunePointReport {
 #[derive(Serialize)]
 pub struct ErrorReport {
     pub path: String,
-    pub kind: &'static str,
+    pub kind: ErrorKind,
     pub message: String,
-    #[serde(skip)]
-    pub code: ErrorKind,
 }
 
 #[derive(Serialize)]
@@ -75,11 +73,7 @@ impl Report {
             retries: s.retries,
             resent_blocks: s.resent_blocks,
             hosts: s.hosts.iter().map(|h| HostReport { host: h.host.clone(), files: h.files, bytes: h.bytes }).collect(),
-            errors: s
-                .errors
-                .iter()
-                .map(|e| ErrorReport { path: e.path.clone(), kind: e.kind.name(), message: e.message.clone(), code: e.kind })
-                .collect(),
+            errors: s.errors.iter().map(|e| ErrorReport { path: e.path.clone(), kind: e.kind, message: e.message.clone() }).collect(),
             check,
             timeline: s
                 .timeline
@@ -103,7 +97,7 @@ impl Report {
     /// The exit code: the first file error's class, or 10 if the check failed.
     pub fn exit_code(&self) -> i32 {
         if let Some(e) = self.errors.first() {
-            return e.code as i32;
+            return e.kind as i32;
         }
         if !self.check.passed {
             return ErrorKind::Verify as i32;
@@ -140,7 +134,7 @@ impl Report {
 pub fn failure_json(e: &dmover_engine::Error) -> String {
     let v = serde_json::json!({
         "ok": false,
-        "error": { "kind": e.kind.name(), "subject": e.subject, "message": e.message, "exit_code": e.kind as i32 },
+        "error": { "kind": e.kind, "subject": e.subject, "message": e.message, "exit_code": e.kind as i32 },
     });
     serde_json::to_string_pretty(&v).expect("a report serializes")
 }

@@ -65,10 +65,6 @@ fn read_json(p: &Path) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// Checks every block of every step against what was written, where the
 /// producer's manifest says it is (`sinks`: address → the sink's directory).
 fn check_delivery(report: &Report, written: &[Vec<u8>], sinks: &HashMap<String, PathBuf>) -> Value {
@@ -98,7 +94,7 @@ fn check_manifest(manifest: &Path, written: &[Vec<u8>], sinks: &HashMap<String, 
             let file = sinks[at].join(PRODUCER).join(format!("step-{step:06}.dat"));
             let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
             let got = &bytes[off..off + len];
-            assert_eq!(b["xxh3"], hex(&block_sum(got)), "step {step} block at {off} in {}", file.display());
+            assert_eq!(b["xxh3"], hex::encode(block_sum(got)), "step {step} block at {off} in {}", file.display());
             assert!(got == &want[off..off + len], "step {step} block at {off} differs from what was written");
         }
         assert_eq!(covered, want.len(), "step {step}");

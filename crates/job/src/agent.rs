@@ -159,7 +159,7 @@ fn open_session(plan: &Plan, book: &Arc<Book>) -> Result<Session> {
         let (skipped, error) = match how {
             Settled::Sent => (false, None),
             Settled::Skipped => (true, None),
-            Settled::Failed(e) => (false, Some(Failure { code: e.kind as u8, message: format!("{}: {}", e.path, e.message) })),
+            Settled::Failed(e) => (false, Some(Failure { kind: e.kind, message: format!("{}: {}", e.path, e.message) })),
         };
         h.results.push(FileResult { path: meta.path.clone(), host: hosts.get(host).cloned(), skipped, error });
         drop(h);

@@ -54,20 +54,32 @@ pub struct FileResult {
     pub error: Option<Failure>,
 }
 
-/// A failure: its class (an exit code, as `ErrorKind`) and a message.
+/// A failure: its class and a message. The class crosses the channel as
+/// its exit code (`"code": 10`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Failure {
-    pub code: u8,
+    #[serde(rename = "code", with = "kind_code")]
+    pub kind: ErrorKind,
     pub message: String,
 }
 
 impl Failure {
     pub fn of(e: &Error) -> Failure {
-        Failure { code: e.kind as u8, message: e.to_string() }
+        Failure { kind: e.kind, message: e.to_string() }
+    }
+}
+
+/// An [`ErrorKind`] as its number; an unknown number is an internal error.
+mod kind_code {
+    use dmover_proto::ErrorKind;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(k: &ErrorKind, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u8(*k as u8)
     }
 
-    pub fn kind(&self) -> ErrorKind {
-        ErrorKind::from_u8(self.code)
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ErrorKind, D::Error> {
+        u8::deserialize(d).map(ErrorKind::from_u8)
     }
 }
 
@@ -215,6 +227,19 @@ mod tests {
         let e = Channel::connect(&addr, b"another-token-entirely").err().expect("refused");
         assert_eq!(e.kind, ErrorKind::Auth);
         assert_eq!(server.join().unwrap(), Some(ErrorKind::Auth));
+    }
+
+    #[test]
+    fn a_failure_crosses_as_its_exit_code() {
+        let r = FileResult {
+            path: "a".into(),
+            host: None,
+            skipped: false,
+            error: Some(Failure { kind: ErrorKind::Permission, message: "m".into() }),
+        };
+        let line = serde_json::to_string(&r).unwrap();
+        assert_eq!(line, r#"{"path":"a","host":null,"skipped":false,"error":{"code":4,"message":"m"}}"#);
+        assert_eq!(serde_json::from_str::<FileResult>(&line).unwrap(), r);
     }
 
     #[test]

@@ -31,7 +31,7 @@
 use crate::agent::{self, AgentSpec};
 use crate::channel::{Channel, FileResult, ToAgent, ToManager, WorkItem};
 use crate::jobfile::spec_path;
-use crate::state::{AgentReport, Check, DoneList, FailureReport, JobReport, RunRecord, Share, StateDir};
+use crate::state::{AgentReport, AgentState, Check, DoneList, FailureReport, JobReport, JobState, RunRecord, Share, StateDir};
 use crate::Plan;
 use crossbeam_channel::{Receiver, TryRecvError};
 use dmover_engine::source::{self, Event};
@@ -82,16 +82,9 @@ struct Pending {
     avoid: Option<u32>,
 }
 
-#[derive(PartialEq, Clone, Copy)]
-enum AgentState {
-    Running,
-    Finished,
-    Lost,
-}
-
 struct AgentBook {
+    /// Its counts and its state.
     report: AgentReport,
-    state: AgentState,
     /// Files it holds, by path.
     held: HashMap<String, Pending>,
 }
@@ -128,7 +121,7 @@ impl Book {
     }
 
     fn running_agents(&self) -> usize {
-        self.agents.iter().filter(|a| a.state == AgentState::Running).count()
+        self.agents.iter().filter(|a| a.report.state == AgentState::Running).count()
     }
 
     /// Up to `want` files for agent `id`: files to retry first (not ones it
@@ -137,7 +130,7 @@ impl Book {
         if self.draining {
             return Vec::new();
         }
-        let others = self.agents.iter().any(|a| a.report.id != id && a.state == AgentState::Running);
+        let others = self.agents.iter().any(|a| a.report.id != id && a.report.state == AgentState::Running);
         let mut out = Vec::new();
         let mut i = 0;
         while out.len() < want && i < self.retry.len() {
@@ -209,7 +202,7 @@ impl Book {
                         self.report.failed_files += 1;
                         self.report.failures.push(FailureReport {
                             path: p.item.path,
-                            kind: f.kind().name().into(),
+                            kind: f.kind,
                             message: f.message,
                             attempts: p.attempts,
                         });
@@ -222,11 +215,10 @@ impl Book {
     /// Agent `id` is gone: its files go back to the queue.
     fn lose(&mut self, id: u32) {
         let a = &mut self.agents[id as usize];
-        if a.state != AgentState::Running {
+        if a.report.state != AgentState::Running {
             return;
         }
-        a.state = AgentState::Lost;
-        a.report.state = "lost".into();
+        a.report.state = AgentState::Lost;
         let held: Vec<Pending> = a.held.drain().map(|(_, p)| p).collect();
         log::warn!("agent {id} on {} lost with {} files; giving them to the others", a.report.node, held.len());
         self.report.requeued_files += held.len() as u64;
@@ -254,10 +246,10 @@ impl Manager {
     }
 
     /// The report as of now.
-    fn snapshot(&self, b: &Book, state: &str) -> JobReport {
+    fn snapshot(&self, b: &Book, state: JobState) -> JobReport {
         let seconds = self.started.elapsed().as_secs_f64();
         let mut r = b.report.clone();
-        r.state = state.into();
+        r.state = state;
         r.updated_unix = now_unix();
         r.seconds = seconds;
         r.walk_done = b.walk_done;
@@ -288,10 +280,10 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
     state.clear_report();
     let earlier = state.load_done()?;
     let token: [u8; 32] = dmover_engine::handshake::random();
-    let token: Vec<u8> = token.iter().map(|b| format!("{b:02x}")).collect::<String>().into_bytes();
+    let token = hex::encode(token).into_bytes();
     let (tx, listed) = crossbeam_channel::bounded::<WorkItem>(LIST_AHEAD);
     let report = JobReport {
-        state: "running".into(),
+        state: JobState::Running,
         job: plan.job.display().to_string(),
         slurm_job_id: std::env::var("SLURM_JOB_ID").ok(),
         started_unix: now_unix(),
@@ -337,9 +329,9 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
     let mut agents = start_agents(&mgr, &launch, &addr)?;
     let outcome = supervise(&mgr, &state, &mut agents, checkpoint);
     let final_state = match &outcome {
-        Ok(Ended::Finished) => "finished",
-        Ok(Ended::Checkpointed) => "checkpointed",
-        Err(_) => "failed",
+        Ok(Ended::Finished) => JobState::Finished,
+        Ok(Ended::Checkpointed) => JobState::Checkpointed,
+        Err(_) => JobState::Failed,
     };
     let mut b = mgr.lock();
     if let Err(e) = b.done.flush() {
@@ -351,11 +343,11 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
     if let Err(e) = &outcome {
         r.error = Some(e.to_string());
     }
-    if !r.check.passed && r.state == "finished" {
-        r.state = "failed".into();
+    if !r.check.passed && r.state == JobState::Finished {
+        r.state = JobState::Failed;
     }
     agents.end();
-    if r.state == "checkpointed" && mgr.plan.resubmit {
+    if r.state == JobState::Checkpointed && mgr.plan.resubmit {
         match state.script() {
             Some(script) => match crate::sbatch::submit(&script) {
                 Ok(id) => {
@@ -371,7 +363,7 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
     }
     state.add_run(&RunRecord {
         slurm_job_id: r.slurm_job_id.clone(),
-        state: r.state.clone(),
+        state: r.state,
         seconds: r.seconds,
         files: sent.0,
         bytes: sent.1,
@@ -448,7 +440,7 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
             log::warn!("{e}");
             let mut b = mgr.lock();
             b.report.failed_files += 1;
-            b.report.failures.push(FailureReport { path: e.subject.clone(), kind: e.kind.name().into(), message: e.message, attempts: 0 });
+            b.report.failures.push(FailureReport { path: e.subject.clone(), kind: e.kind, message: e.message, attempts: 0 });
             true
         }
         Event::SkippedLink(p) => {
@@ -494,8 +486,7 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
             let id = b.agents.len() as u32;
             log::info!("agent {id}: task {task} on {node}, pid {pid}");
             b.agents.push(AgentBook {
-                report: AgentReport { id, node, task, pid, state: "running".into(), files: 0, bytes: 0 },
-                state: AgentState::Running,
+                report: AgentReport { id, node, task, pid, state: AgentState::Running, files: 0, bytes: 0 },
                 held: HashMap::new(),
             });
             id
@@ -531,8 +522,7 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
                 b.digests_match &= digests_match;
                 let a = &mut b.agents[id as usize];
                 if a.held.is_empty() {
-                    a.state = AgentState::Finished;
-                    a.report.state = "finished".into();
+                    a.report.state = AgentState::Finished;
                 } else {
                     b.lose(id);
                 }
@@ -631,7 +621,7 @@ fn supervise(mgr: &Manager, state: &StateDir, agents: &mut Agents, checkpoint: O
             if let Err(e) = b.done.flush() {
                 log::warn!("{e}");
             }
-            let r = mgr.snapshot(&b, "running");
+            let r = mgr.snapshot(&b, JobState::Running);
             if let Err(e) = state.write_progress(&r) {
                 log::warn!("{e}");
             }
@@ -700,8 +690,8 @@ mod tests {
 
     fn add_agent(b: &mut Book, node: &str) -> u32 {
         let id = b.agents.len() as u32;
-        let report = AgentReport { id, node: node.into(), task: id, pid: 1, state: "running".into(), files: 0, bytes: 0 };
-        b.agents.push(AgentBook { report, state: AgentState::Running, held: HashMap::new() });
+        let report = AgentReport { id, node: node.into(), task: id, pid: 1, state: AgentState::Running, files: 0, bytes: 0 };
+        b.agents.push(AgentBook { report, held: HashMap::new() });
         id
     }
 
@@ -710,7 +700,12 @@ mod tests {
     }
 
     fn failed(p: &str) -> FileResult {
-        FileResult { path: p.into(), host: None, skipped: false, error: Some(Failure { code: 10, message: "damaged".into() }) }
+        FileResult {
+            path: p.into(),
+            host: None,
+            skipped: false,
+            error: Some(Failure { kind: ErrorKind::Verify, message: "damaged".into() }),
+        }
     }
 
     #[test]
@@ -727,7 +722,7 @@ mod tests {
         b.apply(y, vec![failed("a")], 2);
         assert_eq!(b.report.failed_files, 1, "two attempts used up");
         assert_eq!(b.report.failures[0].attempts, 2);
-        assert_eq!(b.report.failures[0].kind, "verify-failed");
+        assert_eq!(b.report.failures[0].kind, ErrorKind::Verify);
         b.apply(x, vec![ok("b")], 2);
         assert!(b.finished());
         assert_eq!((b.report.done_files, b.nodes["n1"].files, b.hosts["h1"].files), (1, 1, 1));

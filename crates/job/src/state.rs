@@ -2,7 +2,7 @@
 //!
 //! * `progress.json` — rewritten (atomically) about twice a second while
 //!   the job runs, and once more at the end: a [`JobReport`] with
-//!   `state = "running"`;
+//!   `state = "running"` ([`JobState::Running`]);
 //! * `done.list` — one JSON string per line, the path of every file
 //!   confirmed at the destination, appended as they are confirmed; a re-run
 //!   of the job never sends these again;
@@ -20,6 +20,7 @@ use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
+use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -30,12 +31,47 @@ pub const REPORT: &str = "report.json";
 pub const SUMMARY: &str = "report.txt";
 pub const RUNS: &str = "runs.jsonl";
 
+/// Where a job stands: running, or how its run ended. Reports spell it in
+/// lower case (`"running"`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    #[default]
+    Running,
+    /// Every file confirmed at the destination.
+    Finished,
+    /// Stopped before the time limit; a later run sends the rest.
+    Checkpointed,
+    Failed,
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            JobState::Running => "running",
+            JobState::Finished => "finished",
+            JobState::Checkpointed => "checkpointed",
+            JobState::Failed => "failed",
+        })
+    }
+}
+
+/// Where a transfer agent stands. Reports spell it in lower case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AgentState {
+    Running,
+    Finished,
+    /// Its connection ended before the job did.
+    Lost,
+}
+
 /// One run of a job, as `runs.jsonl` records it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct RunRecord {
     pub slurm_job_id: Option<String>,
-    /// `finished`, `checkpointed` or `failed`.
-    pub state: String,
+    /// How the run ended: finished, checkpointed or failed.
+    pub state: JobState,
     pub seconds: f64,
     /// Files this run confirmed at the destination.
     pub files: u64,
@@ -59,8 +95,7 @@ pub struct AgentReport {
     /// Its Slurm task number (SLURM_PROCID), or its thread number.
     pub task: u32,
     pub pid: u32,
-    /// `running`, `finished` or `lost` (its connection ended before the job did).
-    pub state: String,
+    pub state: AgentState,
     pub files: u64,
     pub bytes: u64,
 }
@@ -69,7 +104,7 @@ pub struct AgentReport {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct FailureReport {
     pub path: String,
-    pub kind: String,
+    pub kind: ErrorKind,
     pub message: String,
     /// Agents that tried it.
     pub attempts: u32,
@@ -78,8 +113,7 @@ pub struct FailureReport {
 /// Progress while the job runs, and its report at the end.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct JobReport {
-    /// `running`, `finished` (every file confirmed) or `failed`.
-    pub state: String,
+    pub state: JobState,
     pub job: String,
     pub slurm_job_id: Option<String>,
     /// Unix time the run started and the report was written.
@@ -122,11 +156,11 @@ impl JobReport {
     /// The exit code: 0 when the check passed, else the first failure's
     /// class, else 10 (verification failed).
     pub fn exit_code(&self) -> i32 {
-        if self.check.passed || (self.state == "checkpointed" && self.resubmitted_as.is_some()) {
+        if self.check.passed || (self.state == JobState::Checkpointed && self.resubmitted_as.is_some()) {
             return 0;
         }
         if let Some(f) = self.failures.first() {
-            return kind_code(&f.kind);
+            return f.kind as i32;
         }
         ErrorKind::Verify as i32
     }
@@ -172,13 +206,13 @@ impl JobReport {
         if !self.hosts.is_empty() {
             s += &shares("destination hosts", &self.hosts);
         }
-        let lost: Vec<&AgentReport> = self.agents.iter().filter(|a| a.state == "lost").collect();
+        let lost: Vec<&AgentReport> = self.agents.iter().filter(|a| a.state == AgentState::Lost).collect();
         s += &format!("\nagents: {} ({} lost)", self.agents.len(), lost.len());
         for a in lost {
             s += &format!("\n  lost: agent {} on {} (task {}, pid {}) after {} files", a.id, a.node, a.task, a.pid, a.files);
         }
         for f in self.failures.iter().take(20) {
-            s += &format!("\nfailed: {} ({}, {} attempts): {}", f.path, f.kind, f.attempts, f.message);
+            s += &format!("\nfailed: {} ({}, {} attempts): {}", f.path, f.kind.name(), f.attempts, f.message);
         }
         if self.failures.len() > 20 {
             s += &format!("\n  ... and {} more failures (see report.json)", self.failures.len() - 20);
@@ -186,7 +220,7 @@ impl JobReport {
         if let Some(e) = &self.error {
             s += &format!("\nstopped: {e}");
         }
-        if self.state == "checkpointed" {
+        if self.state == JobState::Checkpointed {
             let left = self.total_files.saturating_sub(self.done_files + self.failed_files);
             s += &format!("\ncheckpointed before the time limit with {left} files left");
             s += &match &self.resubmitted_as {
@@ -194,7 +228,7 @@ impl JobReport {
                 None => "; run the job again to send them".into(),
             };
         }
-        if self.state != "running" && self.state != "checkpointed" {
+        if !matches!(self.state, JobState::Running | JobState::Checkpointed) {
             s += if self.check.passed {
                 "\ncheck: passed (every file verified at the destination)"
             } else {
@@ -203,11 +237,6 @@ impl JobReport {
         }
         s
     }
-}
-
-/// The exit code of an error class by its report name.
-pub fn kind_code(name: &str) -> i32 {
-    (1..=10u8).map(ErrorKind::from_u8).find(|k| k.name() == name).unwrap_or(ErrorKind::Internal) as i32
 }
 
 /// The state directory of a job.
@@ -363,15 +392,37 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let s = StateDir::new(t.path());
         assert_eq!(s.read().unwrap_err().kind, ErrorKind::NotFound);
-        let mut r = JobReport { state: "running".into(), ..Default::default() };
+        let mut r = JobReport { state: JobState::Running, ..Default::default() };
         s.write_progress(&r).unwrap();
-        assert_eq!(s.read().unwrap().state, "running");
-        r.state = "failed".into();
-        r.failures.push(FailureReport { path: "x".into(), kind: "permission-denied".into(), message: "m".into(), attempts: 3 });
+        assert_eq!(s.read().unwrap().state, JobState::Running);
+        r.state = JobState::Failed;
+        r.failures.push(FailureReport { path: "x".into(), kind: ErrorKind::Permission, message: "m".into(), attempts: 3 });
         s.write_report(&r).unwrap();
+        let text = fs::read_to_string(t.path().join(REPORT)).unwrap();
+        assert!(text.contains(r#""state": "failed""#) && text.contains(r#""kind": "permission-denied""#), "{text}");
         let back = s.read().unwrap();
         assert_eq!(back, r);
         assert_eq!(back.exit_code(), 4);
         assert!(fs::read_to_string(t.path().join(SUMMARY)).unwrap().contains("check: FAILED"));
+    }
+
+    #[test]
+    fn states_are_spelled_as_reports_always_spelled_them() {
+        for (state, name) in [
+            (JobState::Running, "running"),
+            (JobState::Finished, "finished"),
+            (JobState::Checkpointed, "checkpointed"),
+            (JobState::Failed, "failed"),
+        ] {
+            assert_eq!(serde_json::to_value(state).unwrap(), name);
+            assert_eq!(state.to_string(), name);
+        }
+        for (state, name) in [(AgentState::Running, "running"), (AgentState::Finished, "finished"), (AgentState::Lost, "lost")] {
+            assert_eq!(serde_json::to_value(state).unwrap(), name);
+        }
+        let line = r#"{"slurm_job_id":"7","state":"checkpointed","seconds":1.5,"files":2,"bytes":3,"resubmitted_as":"8"}"#;
+        let run: RunRecord = serde_json::from_str(line).unwrap();
+        assert_eq!(run.state, JobState::Checkpointed);
+        assert_eq!(serde_json::to_string(&run).unwrap(), line);
     }
 }

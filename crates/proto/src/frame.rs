@@ -42,19 +42,30 @@ pub enum DecodeError {
 }
 
 /// Error classes shared by both ends. The numeric value is also the exit
-/// code of `dmover cp` for that class.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// code of `dmover cp` for that class; reports (serde) spell it by
+/// [`ErrorKind::name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[repr(u8)]
 pub enum ErrorKind {
+    #[serde(rename = "internal")]
     Internal = 1,
+    #[serde(rename = "usage")]
     Usage = 2,
+    #[serde(rename = "not-found")]
     NotFound = 3,
+    #[serde(rename = "permission-denied")]
     Permission = 4,
+    #[serde(rename = "no-space")]
     NoSpace = 5,
+    #[serde(rename = "unreachable")]
     Unreachable = 6,
+    #[serde(rename = "auth-failed")]
     Auth = 7,
+    #[serde(rename = "refused")]
     Refused = 8,
+    #[serde(rename = "source-changed")]
     SourceChanged = 9,
+    #[serde(rename = "verify-failed")]
     Verify = 10,
 }
 

@@ -19,3 +19,19 @@ pub mod frame;
 pub mod path;
 
 pub use frame::{DataHeader, DecodeError, ErrorKind, Msg};
+
+#[cfg(test)]
+mod tests {
+    use super::ErrorKind;
+
+    #[test]
+    fn error_kinds_are_spelled_by_their_name_in_reports() {
+        for code in 1..=10u8 {
+            let k = ErrorKind::from_u8(code);
+            assert_eq!(k as u8, code);
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(json, format!("\"{}\"", k.name()));
+            assert_eq!(serde_json::from_str::<ErrorKind>(&json).unwrap(), k);
+        }
+    }
+}

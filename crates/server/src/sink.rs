@@ -28,7 +28,8 @@ use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
 use dmover_proto::digest::Sum;
 use dmover_proto::frame::{StepInfo, MAX_BLOCK};
 use dmover_proto::{ErrorKind, Msg};
-use std::collections::HashMap;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -96,6 +97,78 @@ pub fn data_name(step: u64) -> String {
 /// The file name of a step's manifest.
 pub fn manifest_name(step: u64) -> String {
     format!("step-{step:06}.json")
+}
+
+/// A step's manifest (`step-NNNNNN.json`), as the sink writes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepManifest {
+    pub producer: String,
+    pub step: u64,
+    pub bytes: u64,
+    pub block_size: u32,
+    /// XXH3-128 of the block checksums in offset order, in hex.
+    #[serde(with = "hex::serde")]
+    pub digest: Sum,
+    /// Every block is in this sink's data file.
+    pub complete: bool,
+    /// This sink's name.
+    pub sink: String,
+    /// The data file on disk.
+    pub data: PathBuf,
+    /// The producer's key/value pairs.
+    pub metadata: BTreeMap<String, String>,
+    /// Each write of the step.
+    pub records: Vec<Record>,
+    pub blocks: Vec<ManifestBlock>,
+}
+
+/// One write of a step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// One block of a step, and where it is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ManifestBlock {
+    pub offset: u64,
+    pub len: u32,
+    #[serde(with = "hex::serde")]
+    pub xxh3: Sum,
+    /// In this sink's data file.
+    pub here: bool,
+    /// The sink that holds it: this one, or another if the producer failed
+    /// over in the middle of the step.
+    pub at: String,
+}
+
+impl StepManifest {
+    /// The manifest of a step whose blocks are `here` or not.
+    fn new(cfg: &SinkConfig, producer: &str, block_size: u32, info: &StepInfo, here: &[bool], complete: bool, data: &Path) -> StepManifest {
+        let blocks = info
+            .blocks
+            .iter()
+            .zip(here)
+            .map(|(b, &here)| {
+                let at = if here || b.at.is_empty() { &cfg.name } else { &b.at };
+                ManifestBlock { offset: b.offset, len: b.len, xxh3: b.sum, here, at: at.clone() }
+            })
+            .collect();
+        StepManifest {
+            producer: producer.to_string(),
+            step: info.step,
+            bytes: info.bytes,
+            block_size,
+            digest: info.digest,
+            complete,
+            sink: cfg.name.clone(),
+            data: data.to_path_buf(),
+            metadata: info.metadata.iter().cloned().collect(),
+            records: info.records.iter().map(|&(offset, len)| Record { offset, len }).collect(),
+            blocks,
+        }
+    }
 }
 
 /// Blocks of one step written by this session.
@@ -306,56 +379,17 @@ fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo
         };
         f.set_len(info.bytes).map_err(|e| Error::io(data_path.display().to_string(), &e))?;
     }
-    let manifest = manifest_json(cfg, producer, shared.block_size, &info, &here, complete, &data_path);
+    let manifest = StepManifest::new(cfg, producer, shared.block_size, &info, &here, complete, &data_path);
     let stored = shared.dir.join(manifest_name(step));
     let tmp = shared.dir.join(format!(".{}.tmp", manifest_name(step)));
     let path = shared.disk_dir.join(manifest_name(step));
-    let text = serde_json::to_string_pretty(&manifest).expect("JSON values always serialize") + "\n";
+    let text = serde_json::to_string_pretty(&manifest).expect("a manifest serializes") + "\n";
     let err = |e: std::io::Error| Error::io(path.display().to_string(), &e);
     let f = shared.store.create(&tmp).map_err(err)?;
     f.write_all_at(text.as_bytes(), 0).map_err(err)?;
     shared.store.commit(f.as_ref(), &tmp, &stored, Some(&Attrs { mode: 0o644, mtime: None })).map_err(err)?;
     log::info!("{producer} step {step}: {} bytes, {}", info.bytes, if complete { "complete" } else { "partly elsewhere" });
     Ok((complete, path))
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn manifest_json(
-    cfg: &SinkConfig,
-    producer: &str,
-    block_size: u32,
-    info: &StepInfo,
-    here: &[bool],
-    complete: bool,
-    data_path: &Path,
-) -> serde_json::Value {
-    let metadata: serde_json::Map<String, serde_json::Value> = info.metadata.iter().map(|(k, v)| (k.clone(), v.clone().into())).collect();
-    let blocks: Vec<serde_json::Value> = info
-        .blocks
-        .iter()
-        .zip(here)
-        .map(|(b, &h)| {
-            let at = if h || b.at.is_empty() { cfg.name.as_str() } else { b.at.as_str() };
-            serde_json::json!({ "offset": b.offset, "len": b.len, "xxh3": hex(&b.sum), "here": h, "at": at })
-        })
-        .collect();
-    let records: Vec<serde_json::Value> = info.records.iter().map(|(o, l)| serde_json::json!({ "offset": o, "len": l })).collect();
-    serde_json::json!({
-        "producer": producer,
-        "step": info.step,
-        "bytes": info.bytes,
-        "block_size": block_size,
-        "digest": hex(&info.digest),
-        "complete": complete,
-        "sink": cfg.name,
-        "data": data_path,
-        "metadata": metadata,
-        "records": records,
-        "blocks": blocks,
-    })
 }
 
 /// Runs the hook for one manifest; its output goes to the sink's own.
@@ -372,5 +406,36 @@ fn run_hook(cmd: &str, manifest: &Path) {
         Ok(s) if s.success() => log::info!("hook done for {}", manifest.display()),
         Ok(s) => log::warn!("hook for {} failed: {s}", manifest.display()),
         Err(e) => log::warn!("cannot run the hook for {}: {e}", manifest.display()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_manifest_reads_back_with_its_field_names_and_hex_checksums() {
+        let m = StepManifest {
+            producer: "gtc-1".into(),
+            step: 3,
+            bytes: 10,
+            block_size: 4096,
+            digest: [0xab; 16],
+            complete: true,
+            sink: "ana-1".into(),
+            data: "/d/gtc-1/step-000003.dat".into(),
+            metadata: [("time".to_string(), "0.5".to_string())].into(),
+            records: vec![Record { offset: 0, len: 10 }],
+            blocks: vec![ManifestBlock { offset: 0, len: 10, xxh3: [1; 16], here: true, at: "ana-1".into() }],
+        };
+        let v = serde_json::to_value(&m).unwrap();
+        assert_eq!(v["digest"], "ab".repeat(16));
+        assert_eq!(v["blocks"][0]["xxh3"], "01".repeat(16));
+        assert_eq!(v["records"][0], serde_json::json!({ "offset": 0, "len": 10 }));
+        assert_eq!(v["metadata"], serde_json::json!({ "time": "0.5" }));
+        let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+        let want = ["block_size", "blocks", "bytes", "complete", "data", "digest", "metadata", "producer", "records", "sink", "step"];
+        assert_eq!(keys, want);
+        assert_eq!(serde_json::from_value::<StepManifest>(v).unwrap(), m);
     }
 }

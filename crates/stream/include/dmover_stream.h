@@ -18,46 +18,109 @@
  * dms_last_error() gives the calling thread's last error message.
  * Threads: one handle is used by one thread at a time.
  */
+
 #ifndef DMOVER_STREAM_H
 #define DMOVER_STREAM_H
+
+/* Generated from src/ffi.rs by cbindgen (cbindgen.toml): edit those, not this file. */
 
 #include <stddef.h>
 #include <stdint.h>
 
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-/* Error classes (the same numbers as the dmover command's exit codes). */
+/**
+ * Success.
+ */
 #define DMS_OK 0
-#define DMS_EINTERNAL 1    /* a bug: please report it */
-#define DMS_EUSAGE 2       /* a bad argument or configuration */
-#define DMS_ENOTFOUND 3    /* e.g. the spill directory does not exist */
-#define DMS_EPERMISSION 4  /* permission denied (spill directory) */
-#define DMS_ENOSPACE 5     /* the spill directory is full */
-#define DMS_EUNREACHABLE 6 /* no sink reachable, or blocks left undelivered */
-#define DMS_EAUTH 7        /* the sinks do not know this token */
-#define DMS_EREFUSED 8     /* a sink refused the stream */
-#define DMS_EVERIFY 10     /* data read back damaged */
 
-/* An open stream; opaque. */
-typedef struct DmsStream dms_stream;
+/**
+ * A bug: please report it.
+ */
+#define DMS_EINTERNAL 1
 
-/* What dms_close reports. */
+/**
+ * A bad argument or configuration.
+ */
+#define DMS_EUSAGE 2
+
+/**
+ * E.g. the spill directory does not exist.
+ */
+#define DMS_ENOTFOUND 3
+
+/**
+ * Permission denied (spill directory).
+ */
+#define DMS_EPERMISSION 4
+
+/**
+ * The spill directory is full.
+ */
+#define DMS_ENOSPACE 5
+
+/**
+ * No sink reachable, or blocks left undelivered.
+ */
+#define DMS_EUNREACHABLE 6
+
+/**
+ * The sinks do not know this token.
+ */
+#define DMS_EAUTH 7
+
+/**
+ * A sink refused the stream.
+ */
+#define DMS_EREFUSED 8
+
+/**
+ * Data read back damaged.
+ */
+#define DMS_EVERIFY 10
+
+/**
+ * An open stream; opaque.
+ */
+typedef struct dms_stream dms_stream;
+
+/**
+ * What dms_close reports.
+ */
 typedef struct dms_report {
     uint64_t steps;
-    uint64_t bytes;              /* bytes written by the producer */
+    /**
+     * Bytes written by the producer.
+     */
+    uint64_t bytes;
     uint64_t blocks;
-    uint64_t spilled_blocks;     /* blocks that overflowed the buffer to disk */
+    /**
+     * Blocks that overflowed the buffer to disk.
+     */
+    uint64_t spilled_blocks;
     uint64_t spilled_bytes;
-    uint64_t resent_blocks;      /* sent again after a failover or damage */
-    uint64_t failovers;          /* times a sink failed and the next took over */
-    uint64_t undelivered_blocks; /* left in the spill file at close */
-    uint32_t max_streams;        /* most data connections used at once */
+    /**
+     * Sent again after a failover or damage.
+     */
+    uint64_t resent_blocks;
+    /**
+     * Times a sink failed and the next took over.
+     */
+    uint64_t failovers;
+    /**
+     * Left in the spill file at close.
+     */
+    uint64_t undelivered_blocks;
+    /**
+     * Most data connections used at once.
+     */
+    uint32_t max_streams;
     double seconds;
 } dms_report;
 
-/*
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+/**
  * Opens a stream and connects to the first sink that accepts it.
  *   producer      this producer's name: 1-64 of [A-Za-z0-9._-], e.g. "gtc-17"
  *   destinations  sinks as "host:port,host:port,...", in order of preference
@@ -66,31 +129,61 @@ typedef struct dms_report {
  *   block_bytes   block size, 4 KiB to 64 MiB (0: 1 MiB)
  *   max_wait_ms   longest a write waits for room before spilling (0: never waits)
  *   out           receives the handle; the caller owns it until dms_close
+ *
+ * # Safety
+ * String arguments are valid NUL-terminated strings (or NULL, refused);
+ * out is valid for one pointer write.
  */
-int dms_open(const char *producer, const char *destinations, const char *spill_dir, uint64_t buffer_bytes,
-             uint64_t block_bytes, uint32_t max_wait_ms, dms_stream **out);
+int dms_open(const char *producer,
+             const char *destinations,
+             const char *spill_dir,
+             uint64_t buffer_bytes,
+             uint64_t block_bytes,
+             uint32_t max_wait_ms,
+             struct dms_stream **out);
 
-/* Copies len bytes into the buffer and returns (the data is not retained). */
-int dms_write(dms_stream *h, const void *data, size_t len);
+/**
+ * Copies len bytes into the buffer and returns (the data is not retained).
+ *
+ * # Safety
+ * h is a live handle; data is valid for reads of len bytes.
+ */
+int dms_write(struct dms_stream *h, const void *data, size_t len);
 
-/* Attaches key=value to the current step (e.g. "var"="phi", "dims"="64,64"). */
-int dms_write_metadata(dms_stream *h, const char *key, const char *value);
+/**
+ * Attaches key=value to the current step (e.g. "var"="phi", "dims"="64,64").
+ *
+ * # Safety
+ * h is a live handle; key and value are valid NUL-terminated strings.
+ */
+int dms_write_metadata(struct dms_stream *h, const char *key, const char *value);
 
-/* Ends the current time step. */
-int dms_end_step(dms_stream *h);
+/**
+ * Ends the current time step.
+ *
+ * # Safety
+ * h is a live handle.
+ */
+int dms_end_step(struct dms_stream *h);
 
-/*
+/**
  * Ends the current step if anything was written to it, sends everything
  * left, writes SPILL_DIR/PRODUCER.manifest.json, fills *report (if not
  * NULL) and frees the handle, even when it returns an error.
+ *
+ * # Safety
+ * h is NULL or a live handle, which is invalid afterwards; report is
+ * NULL or valid for one write.
  */
-int dms_close(dms_stream *h, dms_report *report);
+int dms_close(struct dms_stream *h, struct dms_report *report);
 
-/* The calling thread's last error message ("" if none); valid until its next call. */
+/**
+ * The calling thread's last error message ("" if none); valid until its next call.
+ */
 const char *dms_last_error(void);
 
 #ifdef __cplusplus
-}
-#endif
+}  // extern "C"
+#endif  // __cplusplus
 
-#endif
+#endif  /* DMOVER_STREAM_H */

@@ -1,35 +1,67 @@
-//! The C ABI (`include/dmover_stream.h`): opaque handles, integer error
-//! codes, and a per-thread message for the last error.
+//! The C ABI: opaque handles, integer error codes, and a per-thread
+//! message for the last error.
 //!
 //! Every function returns 0 on success or a dmover error class (the same
 //! numbers as `dmover`'s exit codes, `DMS_E*` in the header); the message
 //! of the last failure on the calling thread is `dms_last_error()`.
 //! `dms_open` gives the caller a handle that only `dms_close` frees.
 //! Panics never cross the boundary: they become `DMS_EINTERNAL`.
+//!
+//! `include/dmover_stream.h` is generated from this file by cbindgen
+//! (`cbindgen.toml`); the doc comments here are the header's. The test
+//! `tests/header.rs` fails when the header differs from what this file
+//! gives, and rewrites it when run with `DMOVER_BLESS=1`.
 
 use crate::{token_from_env, Config, Report, Stream};
 use dmover_engine::error::Error;
 use dmover_proto::ErrorKind;
 use std::cell::RefCell;
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-/// An open stream, as C sees it.
+/// Success.
+pub const DMS_OK: c_int = 0;
+/// A bug: please report it.
+pub const DMS_EINTERNAL: c_int = 1;
+/// A bad argument or configuration.
+pub const DMS_EUSAGE: c_int = 2;
+/// E.g. the spill directory does not exist.
+pub const DMS_ENOTFOUND: c_int = 3;
+/// Permission denied (spill directory).
+pub const DMS_EPERMISSION: c_int = 4;
+/// The spill directory is full.
+pub const DMS_ENOSPACE: c_int = 5;
+/// No sink reachable, or blocks left undelivered.
+pub const DMS_EUNREACHABLE: c_int = 6;
+/// The sinks do not know this token.
+pub const DMS_EAUTH: c_int = 7;
+/// A sink refused the stream.
+pub const DMS_EREFUSED: c_int = 8;
+/// Data read back damaged.
+pub const DMS_EVERIFY: c_int = 10;
+
+/// An open stream; opaque.
 pub struct DmsStream(Stream);
 
-/// What `dms_close` reports (mirrors [`Report`]).
+/// What dms_close reports.
 #[repr(C)]
 #[derive(Default)]
 pub struct DmsReport {
     pub steps: u64,
+    /// Bytes written by the producer.
     pub bytes: u64,
     pub blocks: u64,
+    /// Blocks that overflowed the buffer to disk.
     pub spilled_blocks: u64,
     pub spilled_bytes: u64,
+    /// Sent again after a failover or damage.
     pub resent_blocks: u64,
+    /// Times a sink failed and the next took over.
     pub failovers: u64,
+    /// Left in the spill file at close.
     pub undelivered_blocks: u64,
+    /// Most data connections used at once.
     pub max_streams: u32,
     pub seconds: f64,
 }
@@ -47,7 +79,7 @@ fn set_error(e: &Error) -> c_int {
 /// Runs `f`, turning errors and panics into codes.
 fn guard(f: impl FnOnce() -> Result<(), Error>) -> c_int {
     match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => 0,
+        Ok(Ok(())) => DMS_OK,
         Ok(Err(e)) => set_error(&e),
         Err(_) => set_error(&Error::internal("dmover-stream panicked")),
     }
@@ -70,11 +102,18 @@ unsafe fn string(p: *const c_char, what: &str) -> Result<String, Error> {
     s.to_str().map(str::to_string).map_err(|_| usage(&format!("{what} is not UTF-8")))
 }
 
-/// Opens a stream. See `dms_open` in the header.
+/// Opens a stream and connects to the first sink that accepts it.
+///   producer      this producer's name: 1-64 of [A-Za-z0-9._-], e.g. "gtc-17"
+///   destinations  sinks as "host:port,host:port,...", in order of preference
+///   spill_dir     an existing directory for overflow and the manifest
+///   buffer_bytes  circular buffer size (0: 80 MiB)
+///   block_bytes   block size, 4 KiB to 64 MiB (0: 1 MiB)
+///   max_wait_ms   longest a write waits for room before spilling (0: never waits)
+///   out           receives the handle; the caller owns it until dms_close
 ///
 /// # Safety
 /// String arguments are valid NUL-terminated strings (or NULL, refused);
-/// `out` is valid for one pointer write.
+/// out is valid for one pointer write.
 #[no_mangle]
 pub unsafe extern "C" fn dms_open(
     producer: *const c_char,
@@ -117,12 +156,12 @@ unsafe fn handle<'a>(h: *mut DmsStream) -> Result<&'a mut Stream, Error> {
     unsafe { h.as_mut() }.map(|h| &mut h.0).ok_or_else(|| usage("the stream handle is NULL"))
 }
 
-/// Copies `len` bytes into the stream's buffer.
+/// Copies len bytes into the buffer and returns (the data is not retained).
 ///
 /// # Safety
-/// `h` is a live handle; `data` is valid for reads of `len` bytes.
+/// h is a live handle; data is valid for reads of len bytes.
 #[no_mangle]
-pub unsafe extern "C" fn dms_write(h: *mut DmsStream, data: *const u8, len: usize) -> c_int {
+pub unsafe extern "C" fn dms_write(h: *mut DmsStream, data: *const c_void, len: usize) -> c_int {
     guard(|| {
         // SAFETY: per the contract above.
         let s = unsafe { handle(h)? };
@@ -133,14 +172,14 @@ pub unsafe extern "C" fn dms_write(h: *mut DmsStream, data: *const u8, len: usiz
             return Err(usage("data is NULL"));
         }
         // SAFETY: the caller gives `len` readable bytes at `data`.
-        s.write(unsafe { std::slice::from_raw_parts(data, len) })
+        s.write(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) })
     })
 }
 
-/// Attaches a key/value pair to the current step.
+/// Attaches key=value to the current step (e.g. "var"="phi", "dims"="64,64").
 ///
 /// # Safety
-/// `h` is a live handle; `key` and `value` are valid NUL-terminated strings.
+/// h is a live handle; key and value are valid NUL-terminated strings.
 #[no_mangle]
 pub unsafe extern "C" fn dms_write_metadata(h: *mut DmsStream, key: *const c_char, value: *const c_char) -> c_int {
     guard(|| {
@@ -150,21 +189,22 @@ pub unsafe extern "C" fn dms_write_metadata(h: *mut DmsStream, key: *const c_cha
     })
 }
 
-/// Ends the current step.
+/// Ends the current time step.
 ///
 /// # Safety
-/// `h` is a live handle.
+/// h is a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn dms_end_step(h: *mut DmsStream) -> c_int {
     // SAFETY: per the contract above.
     guard(|| unsafe { handle(h)? }.end_step())
 }
 
-/// Sends everything left, writes the manifest, fills `report` (if not
-/// NULL) and frees the handle, whatever the outcome.
+/// Ends the current step if anything was written to it, sends everything
+/// left, writes SPILL_DIR/PRODUCER.manifest.json, fills *report (if not
+/// NULL) and frees the handle, even when it returns an error.
 ///
 /// # Safety
-/// `h` is NULL or a live handle, which is invalid afterwards; `report` is
+/// h is NULL or a live handle, which is invalid afterwards; report is
 /// NULL or valid for one write.
 #[no_mangle]
 pub unsafe extern "C" fn dms_close(h: *mut DmsStream, report: *mut DmsReport) -> c_int {
@@ -204,8 +244,7 @@ pub unsafe extern "C" fn dms_close(h: *mut DmsStream, report: *mut DmsReport) ->
     })
 }
 
-/// The message of the last failure on this thread ("" if none). Valid
-/// until the next dmover-stream call on this thread.
+/// The calling thread's last error message ("" if none); valid until its next call.
 #[no_mangle]
 pub extern "C" fn dms_last_error() -> *const c_char {
     LAST_ERROR.with(|l| l.borrow().as_ptr())

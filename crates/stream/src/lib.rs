@@ -20,6 +20,7 @@
 //!   destination that takes them (a `dmover sink`), keeps each block until
 //!   it is acknowledged, fails over to the next destination when a sink
 //!   dies, and records where every block is in a manifest written at close.
+//! * [`manifest`] — that manifest, which [`drain`] reads.
 //! * [`ffi`] — the C ABI (`include/dmover_stream.h`), used from C, C++ and
 //!   Fortran.
 //!
@@ -29,6 +30,7 @@
 
 pub mod ffi;
 pub mod manager;
+pub mod manifest;
 pub mod policy;
 pub mod ring;
 pub mod spill;
@@ -372,20 +374,14 @@ impl Stream {
 pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<Report> {
     let subject = manifest.display().to_string();
     let text = std::fs::read_to_string(manifest).map_err(|e| Error::io(&subject, &e))?;
-    let m: serde_json::Value =
+    let m: manifest::Manifest =
         serde_json::from_str(&text).map_err(|e| Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest: {e}")))?;
-    let field = |k: &str| m[k].as_str().map(str::to_string).ok_or_else(|| Error::new(ErrorKind::Usage, &subject, format!("no {k}")));
-    let producer = field("producer")?;
-    let dests: Vec<String> = m["destinations"].as_array().into_iter().flatten().filter_map(|d| d.as_str().map(str::to_string)).collect();
     let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let mut cfg = Config::new(&producer, &dests.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
-    cfg.block_size = m["block_size"].as_u64().unwrap_or(DEFAULT_BLOCK as u64) as u32;
+    let mut cfg = Config::new(&m.producer, &m.destinations.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
+    cfg.block_size = m.block_size;
     cfg.close_timeout = close_timeout;
     cfg.check()?;
-    let spill = match m["spill"].as_str() {
-        Some(p) => Spill::open(Path::new(p)).map_err(|e| Error::io(p, &e))?,
-        None => Spill::new(dir, &producer),
-    };
+    let spill = Spill::open(&m.spill).map_err(|e| Error::io(m.spill.display().to_string(), &e))?;
     let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
     let (events, rx) = crossbeam_channel::unbounded();
     let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m)?;

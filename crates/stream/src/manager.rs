@@ -25,7 +25,7 @@
 use crate::policy::{Decision, Observation, Policy, State};
 use crate::ring::{Ring, Slot};
 use crate::spill::Spill;
-use crate::{Config, DestinationReport, Report};
+use crate::{manifest, Config, DestinationReport, Report};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_engine::error::{Error, Result};
 use dmover_engine::session::{Conn, Credential};
@@ -224,48 +224,36 @@ impl Manager {
     /// blocks in the spill file go to the destinations, and the steps whose
     /// manifest no sink saved get their `StepEnd` (`drain`). It runs as if
     /// the writer had closed.
-    pub fn resume(mut self, manifest: &serde_json::Value) -> Result<Manager> {
-        let producer = self.cfg.producer.clone();
-        let bad = |what: &str| Error::new(ErrorKind::Usage, &producer, format!("the manifest is damaged: {what}"));
-        let steps = manifest["steps"].as_array().ok_or_else(|| bad("no steps"))?;
-        for s in steps {
-            let step = s["step"].as_u64().ok_or_else(|| bad("a step without a number"))?;
+    pub fn resume(mut self, manifest: &manifest::Manifest) -> Result<Manager> {
+        for s in &manifest.steps {
+            let step = s.step;
             let mut st = StepState::default();
-            for b in s["blocks"].as_array().ok_or_else(|| bad("a step without blocks"))? {
-                let offset = b["offset"].as_u64().ok_or_else(|| bad("a block without an offset"))?;
-                let len = b["len"].as_u64().ok_or_else(|| bad("a block without a length"))? as u32;
-                let hex = b["xxh3"].as_str().filter(|h| h.len() == 32).ok_or_else(|| bad("a block without a checksum"))?;
-                let mut sum = [0u8; 16];
-                for (i, x) in sum.iter_mut().enumerate() {
-                    *x = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad("a checksum that is not hex"))?;
-                }
-                let place = if let Some(addr) = b["at"].as_str() {
-                    Place::At(self.dest_index(addr))
-                } else if let Some(at) = b["spill_offset"].as_u64() {
-                    self.spilled.push_back((step, offset));
-                    Place::Spilled(at)
-                } else {
-                    let msg = format!("step {step}: the block at {offset} was neither delivered nor spilled");
-                    return Err(Error::new(ErrorKind::Verify, &self.cfg.producer, msg));
+            for b in &s.blocks {
+                let place = match &b.place {
+                    manifest::Place::At { at } => Place::At(self.dest_index(at)),
+                    manifest::Place::Spilled { spill_offset, .. } => {
+                        self.spilled.push_back((step, b.offset));
+                        Place::Spilled(*spill_offset)
+                    }
+                    manifest::Place::Undelivered { .. } => {
+                        let msg = format!("step {step}: the block at {} was neither delivered nor spilled", b.offset);
+                        return Err(Error::new(ErrorKind::Verify, &self.cfg.producer, msg));
+                    }
                 };
-                st.blocks.insert(offset, BlockRec { len, sum, place });
+                st.blocks.insert(b.offset, BlockRec { len: b.len, sum: b.xxh3, place });
             }
-            let pairs = |v: &serde_json::Value| -> Vec<(u64, u64)> {
-                v.as_array().into_iter().flatten().filter_map(|p| Some((p[0].as_u64()?, p[1].as_u64()?))).collect()
-            };
-            let metadata = s["metadata"].as_object().into_iter().flatten();
             st.end = Some(StepEnd {
-                bytes: s["bytes"].as_u64().unwrap_or(0),
+                bytes: s.bytes,
                 blocks: st.blocks.len() as u64,
-                metadata: metadata.map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string())).collect(),
-                records: pairs(&s["records"]),
+                metadata: s.metadata.clone().into_iter().collect(),
+                records: s.records.clone(),
             });
-            st.saved = s["manifest_at"].as_str().map(|a| self.dest_index(a));
+            st.saved = s.manifest_at.as_deref().map(|a| self.dest_index(a));
             if st.saved.is_none() {
                 self.unsent.insert(step);
             }
             self.report.steps += 1;
-            self.report.bytes += st.end.as_ref().map_or(0, |e| e.bytes);
+            self.report.bytes += s.bytes;
             self.report.blocks += st.blocks.len() as u64;
             self.steps.insert(step, st);
         }
@@ -650,58 +638,46 @@ impl Manager {
         self.report.seconds = self.start.elapsed().as_secs_f64();
         self.report.destinations =
             self.dests.iter().map(|d| DestinationReport { addr: d.addr.clone(), blocks: d.blocks, bytes: d.bytes }).collect();
-        let path = self.cfg.spill_dir.join(format!("{}.manifest.json", self.cfg.producer));
-        let text = serde_json::to_string_pretty(&self.manifest()).expect("JSON values always serialize");
+        let path = self.cfg.spill_dir.join(manifest::file_name(&self.cfg.producer));
+        let text = serde_json::to_string_pretty(&self.manifest()).expect("a manifest serializes");
         std::fs::write(&path, text + "\n").map_err(|e| Error::io(path.display().to_string(), &e))?;
         self.report.manifest = path;
         Ok(self.report)
     }
 
     /// Where every block of every step is.
-    fn manifest(&self) -> serde_json::Value {
-        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-        let steps: Vec<serde_json::Value> = self
+    fn manifest(&self) -> manifest::Manifest {
+        let steps = self
             .steps
             .iter()
-            .map(|(step, s)| {
-                let blocks: Vec<serde_json::Value> = s
+            .map(|(&step, s)| {
+                let blocks = s
                     .blocks
                     .iter()
-                    .map(|(offset, b)| {
-                        let mut v = serde_json::json!({ "offset": offset, "len": b.len, "xxh3": hex(&b.sum) });
-                        match b.place {
-                            Place::At(d) => v["at"] = self.dests[d].addr.clone().into(),
-                            Place::Spilled(at) => {
-                                v["spill"] = self.spill.path().display().to_string().into();
-                                v["spill_offset"] = at.into();
-                            }
-                            Place::Memory => v["undelivered"] = true.into(),
-                        }
-                        v
+                    .map(|(&offset, b)| {
+                        let place = match b.place {
+                            Place::At(d) => manifest::Place::At { at: self.dests[d].addr.clone() },
+                            Place::Spilled(at) => manifest::Place::Spilled { spill: self.spill.path().to_path_buf(), spill_offset: at },
+                            Place::Memory => manifest::Place::Undelivered { undelivered: true },
+                        };
+                        manifest::Block { offset, len: b.len, xxh3: b.sum, place }
                     })
                     .collect();
-                let (bytes, metadata) = match &s.end {
-                    Some(e) => (e.bytes, e.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::from(v.clone()))).collect()),
-                    None => (0, serde_json::Map::new()),
+                let (bytes, metadata, records) = match &s.end {
+                    Some(e) => (e.bytes, e.metadata.iter().cloned().collect(), e.records.clone()),
+                    None => Default::default(),
                 };
-                let records: Vec<(u64, u64)> = s.end.as_ref().map(|e| e.records.clone()).unwrap_or_default();
-                serde_json::json!({
-                    "step": step,
-                    "bytes": bytes,
-                    "metadata": metadata,
-                    "records": records,
-                    "manifest_at": s.saved.map(|d| self.dests[d].addr.clone()),
-                    "blocks": blocks,
-                })
+                let manifest_at = s.saved.map(|d| self.dests[d].addr.clone());
+                manifest::Step { step, bytes, metadata, records, manifest_at, blocks }
             })
             .collect();
-        serde_json::json!({
-            "producer": self.cfg.producer,
-            "block_size": self.cfg.block_size,
-            "destinations": self.cfg.destinations,
-            "spill": self.spill.path(),
-            "steps": steps,
-        })
+        manifest::Manifest {
+            producer: self.cfg.producer.clone(),
+            block_size: self.cfg.block_size,
+            destinations: self.cfg.destinations.clone(),
+            spill: self.spill.path().to_path_buf(),
+            steps,
+        }
     }
 }
 
