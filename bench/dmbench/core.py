@@ -35,6 +35,7 @@ class Context:
     dmover: Path
     repo: Path
     wanem_dir: Path
+    baseline: Path | None = None   # a second dmover build, measured beside `dmover`
     cold_cache: bool = True
     timeout: float = 900    # per command
     profile: bool = True    # profile dmover where a peer is faster
@@ -61,6 +62,19 @@ class Context:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+
+# The name of the baseline build's tools: "dmover-baseline", or with
+# settings after it ("dmover-baseline --streams 4") like dmover's own.
+BASELINE = "dmover-baseline"
+
+
+def measured_name(name: str) -> str | None:
+    """The measured build's counterpart of a baseline tool's name
+    ("dmover-baseline --streams 4" -> "dmover --streams 4"), else None."""
+    if name == BASELINE or name.startswith(BASELINE + " "):
+        return "dmover" + name[len(BASELINE):]
+    return None
 
 
 class Tool:
@@ -354,7 +368,7 @@ def rotated(items: list, k: int) -> list:
 def _measure_once(ctx: Context, tool: Tool, run_no: int, res: WorkloadResult) -> str | None:
     """One timed run of `tool`; its figures go to `res`. Returns the error
     it added to `res`, if it failed."""
-    print(f"   run {run_no}/{ctx.runs} {tool.name:<14}", end=" ", flush=True)
+    print(f"   run {run_no}/{ctx.runs} {tool.name:<15}", end=" ", flush=True)
     try:
         fig = tool.measure(ctx, run_no)
     except Exception as exc:  # noqa: BLE001

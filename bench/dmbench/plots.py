@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .core import WorkloadResult
+from .core import BASELINE, WorkloadResult
 
 
 def _pyplot():
@@ -53,7 +53,7 @@ def _streams(sweeps: list[WorkloadResult], path: Path) -> None:
         for name, points in series.items():
             points.sort()
             n = [p[0] for p in points]
-            style = "-o" if name == "dmover" else "--s"
+            style = {"dmover": "-o", BASELINE: ":^"}.get(name, "--s")
             for ax, div in ((agg, [1] * len(n)), (per, n)):
                 med = [p[1].median / d for p, d in zip(points, div)]
                 err = [[(p[1].median - p[1].lo) / d for p, d in zip(points, div)],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from .core import Row, WorkloadResult
+from .core import Row, WorkloadResult, measured_name
 
 
 def fmt(x: float | None) -> str:
@@ -73,6 +73,11 @@ def _header(meta: dict) -> str:
         f"- **machine**: {meta['nproc']} CPUs ({meta['cpu']}), {meta['memory_gib']} GiB memory, "
         f"kernel {meta['kernel']}",
         f"- **dmover measured**: `{meta['dmover_build']}` (`{meta['dmover_path']} --version`)",
+        *([f"- **baseline**: `{meta['baseline_build']}` (`{meta['baseline_path']} --version`), "
+           "the tool `dmover-baseline`: the same commands run by this build against a "
+           "`dmover serve` of its own, interleaved with the others and checked the same way; "
+           "rows against it give the measured build's figure ÷ the baseline's"]
+          if meta.get("baseline_build") else []),
         f"- **load average at start**: {meta['loadavg_at_start']} — the machine may be shared "
         "with other jobs, so absolute figures are noisy",
         f"- **TCP congestion control**: {meta['tcp_congestion_control']}",
@@ -187,25 +192,35 @@ def _figures_table(res: WorkloadResult) -> list[str]:
     return lines + ["", "Median (min – max) of the runs.", ""]
 
 
+def _ratio_pairs(res: WorkloadResult) -> list[tuple[str, str]]:
+    """(tool, reference) of each line of the ratio table: the measured
+    build's tools ÷ the baseline build's twins first, then every other
+    tool ÷ dmover and ÷ the limit."""
+    measured = [(new, tool) for tool in res.figures
+                if (new := measured_name(tool)) in res.figures]
+    refs = [r for r in ("dmover", res.limit) if r and res.stat(r, "seconds")]
+    return measured + [(tool, ref) for tool in res.figures for ref in refs
+                       if tool != ref and not (ref == "dmover" and measured_name(tool))]
+
+
 def _ratio_table(res: WorkloadResult) -> list[str]:
     metrics = _metrics(res)
-    refs = [r for r in ("dmover", res.limit) if r and res.stat(r, "seconds")]
-    if not metrics or not refs or len(res.figures) < 2:
+    pairs = _ratio_pairs(res)
+    if not metrics or not pairs:
         return []
     lines = ["| tool | ÷ | " + " | ".join(h for _, h in metrics) + " |",
              "|---|---|" + "---|" * len(metrics)]
-    for tool in res.figures:
-        for ref in refs:
-            if tool == ref:
-                continue
-            cells = []
-            for key, _ in metrics:
-                own, base = res.stat(tool, key), res.stat(ref, key)
-                cells.append(f"{own.median / base.median:.2f}" if own and base and base.median
-                             else "–")
-            lines.append(f"| {tool} | {ref} | " + " | ".join(cells) + " |")
-    return lines + ["", "Ratios of medians: the tool's figure divided by dmover's, and by the "
-                    "limit's.", ""]
+    for tool, ref in pairs:
+        cells = []
+        for key, _ in metrics:
+            own, base = res.stat(tool, key), res.stat(ref, key)
+            cells.append(f"{own.median / base.median:.2f}" if own and base and base.median
+                         else "–")
+        lines.append(f"| {tool} | {ref} | " + " | ".join(cells) + " |")
+    caption = "Ratios of medians: the tool's figure divided by dmover's, and by the limit's"
+    if any(measured_name(ref) for _, ref in pairs):
+        caption += "; the measured build's divided by the baseline build's (`dmover-baseline`)"
+    return lines + ["", caption + ".", ""]
 
 
 def _verdict_table(res: WorkloadResult) -> list[str]:

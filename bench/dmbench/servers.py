@@ -54,15 +54,16 @@ class Server:
 
 
 class DmoverServer(Server):
-    """`dmover serve` with one export."""
+    """`dmover serve` with one export, run by the binary `binary` (the
+    measured build's by default; the baseline's serves its own client)."""
 
     label = "dmover serve"
     grace = 40
     EXPORT = "bench"
 
-    def __init__(self, ctx: Context, export_dir: Path, **kw):
+    def __init__(self, ctx: Context, export_dir: Path, binary: Path | None = None, **kw):
         super().__init__(ctx, **kw)
-        self.export_dir = export_dir
+        self.export_dir, self.binary = export_dir, binary or ctx.dmover
 
     def url(self, path: str = "") -> str:
         return f"dmover://{self.host}:{self.port}/{self.EXPORT}" + (f"/{path}" if path else "")
@@ -72,7 +73,7 @@ class DmoverServer(Server):
         self.export_dir.mkdir(parents=True)
 
     def argv(self) -> list[str]:
-        return [str(self.ctx.dmover), "serve", "--listen", f"{self.host}:{self.port}",
+        return [str(self.binary), "serve", "--listen", f"{self.host}:{self.port}",
                 "--export", f"{self.EXPORT}={self.export_dir}",
                 "--token-file", str(self.ctx.token())]
 

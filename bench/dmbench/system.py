@@ -367,7 +367,9 @@ def dmover_build(dmover: Path) -> str:
     return line
 
 
-def machine_info(dmover: Path) -> dict:
+def machine_info(dmover: Path, baseline: Path | None = None) -> dict:
+    """The machine, the peers' versions, and the build of `dmover` (and of
+    the `baseline` binary, if any) by their own `--version`."""
     try:
         cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     except OSError:
@@ -382,6 +384,8 @@ def machine_info(dmover: Path) -> dict:
         "tcp_congestion_control": cc,
         "dmover_build": dmover_build(dmover),
         "dmover_path": shown(str(dmover)),
+        **({"baseline_build": dmover_build(baseline), "baseline_path": shown(str(baseline))}
+           if baseline else {}),
         "versions": {
             "iperf3": first_line(["iperf3", "--version"]),
             "rsync": first_line(["rsync", "--version"]),

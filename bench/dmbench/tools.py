@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from . import profile
-from .core import Context, Tool
+from .core import BASELINE, Context, Tool
 from .datasets import Dataset, verify_copy
 from .servers import DmoverServer, GridftpServer, Iperf3Server, RsyncDaemon, Server
 from .system import BenchError, Result, drop_caches, in_netns, remove_tree, run
@@ -91,19 +91,31 @@ class MeasuredTool(Tool):
 # memory to memory and the network limit
 # --------------------------------------------------------------------------
 
-class DmoverBench(MeasuredTool):
+class DmoverBuild:
+    """Mixin of the tools that run dmover: `baseline` picks the baseline
+    build (`--baseline`, tool name "dmover-baseline") instead of the
+    measured one, for the client and for the `dmover serve` it talks to."""
+
+    baseline = False
+
+    def binary(self, ctx: Context) -> Path:
+        return ctx.baseline if self.baseline else ctx.dmover
+
+
+class DmoverBench(DmoverBuild, MeasuredTool):
     """`dmover bench`: memory to memory through a dmover server."""
 
-    def __init__(self, size: str, streams: int, name: str = "dmover"):
-        self.size, self.streams, self.name = size, streams, name
+    def __init__(self, size: str, streams: int, baseline: bool = False):
+        self.size, self.streams, self.baseline = size, streams, baseline
+        self.name = BASELINE if baseline else "dmover"
         self.options = ("--streams", str(streams))
 
     def session(self, ctx: Context) -> DmoverServer:
-        self.server = DmoverServer(ctx, ctx.work / "export-bench")
+        self.server = DmoverServer(ctx, ctx.work / f"export-{self.name}", self.binary(ctx))
         return self.server
 
     def measure(self, ctx: Context, run_no: int) -> dict:
-        argv = [str(ctx.dmover), "bench", *self.options, "--size", self.size,
+        argv = [str(self.binary(ctx)), "bench", *self.options, "--size", self.size,
                 "--json", "--token-file", str(ctx.token()), self.server.url()]
         res, fig = self.execute(ctx, argv)
         rep = parse_json_report(res)
@@ -330,23 +342,31 @@ class GlobusUrlCopy(ServerCopyTool):
                 self.server.url(f"{dest}/")]
 
 
-class DmoverCopy(ServerCopyTool):
-    """`dmover cp` into a dmover server (loopback, or across a netns link);
-    it keeps permissions and modification times."""
+class DmoverCopy(DmoverBuild, ServerCopyTool):
+    """`dmover cp` into a dmover server of the same build (loopback, or
+    across a netns link); it keeps permissions and modification times.
+    With `baseline` the name starts with "dmover-baseline" instead of
+    "dmover"."""
 
-    name = "dmover"
     preserves = ("mode", "mtime")
 
+    def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), *,
+                 baseline: bool = False, name: str = "dmover", **where):
+        if baseline:
+            name = BASELINE + name.removeprefix("dmover")
+        super().__init__(dataset, options, name=name, **where)
+        self.baseline = baseline
+
     def session(self, ctx: Context) -> DmoverServer:
-        self.server = DmoverServer(ctx, ctx.work / f"export-{self.slug()}", host=self.host,
-                                   netns=self.server_netns)
+        self.server = DmoverServer(ctx, ctx.work / f"export-{self.slug()}", self.binary(ctx),
+                                   host=self.host, netns=self.server_netns)
         return self.server
 
     def dest(self, ctx, run_no):
         return self.server.export_dir / f"dst-{run_no}"
 
     def command(self, ctx, src, dest, run_no):
-        return [str(ctx.dmover), "cp", "--json", *self.options, "--token-file",
+        return [str(self.binary(ctx)), "cp", "--json", *self.options, "--token-file",
                 str(ctx.token()), f"{src}/", self.server.url(f"dst-{run_no}/")]
 
     def parse(self, ctx, res):

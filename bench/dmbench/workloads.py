@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .core import Context, Row, Target, Workload
+from .core import BASELINE, Context, Row, Target, Workload
 from .datasets import Dataset
 from .system import BenchError
 from .tools import (Cp, DmoverBench, DmoverCopy, Fio, GlobusUrlCopy, GridftpMemory, Iperf3,
@@ -23,6 +23,25 @@ STREAMS = (1, 2, 4, 8, 16)
 
 def pick(ctx: Context, full, quick):
     return quick if ctx.quick else full
+
+
+def dmovers(ctx: Context, make) -> list:
+    """dmover's tool `make(baseline=False)` and, with `--baseline`, the
+    baseline build's twin `make(baseline=True)` right after it."""
+    return [make(baseline=False)] + ([make(baseline=True)] if ctx.baseline else [])
+
+
+# What the measured build must reach against the baseline build.
+NO_SLOWER = Target(">=", 0.95, "≥ 95 % of the baseline")
+
+
+def against_baseline(ctx: Context, measure: str, key: str, tool: str = "dmover",
+                     target: Target | None = NO_SLOWER) -> list[Row]:
+    """With `--baseline`, the row comparing `tool` with the baseline build's
+    twin on `key` (its ratio is new ÷ baseline); else none."""
+    if ctx.baseline is None:
+        return []
+    return [Row(measure, tool, key, BASELINE + tool.removeprefix("dmover"), target)]
 
 
 def small(ctx):
@@ -68,13 +87,14 @@ class MemToMem(Workload):
 
     def tools(self, ctx):
         nbytes, secs = self.params(ctx)
-        return [DmoverBench(str(nbytes), self.STREAMS), GridftpMemory(nbytes),
-                Iperf3(self.STREAMS, secs)]
+        return [*dmovers(ctx, lambda **b: DmoverBench(str(nbytes), self.STREAMS, **b)),
+                GridftpMemory(nbytes), Iperf3(self.STREAMS, secs)]
 
     def rows(self, ctx):
         return [Row("throughput (Gbit/s)", "dmover", "gbit_per_s", "iperf3",
                     Target(">=", 0.90, "≥ 90 % of iperf3")),
-                Row("throughput (Gbit/s)", "dmover", "gbit_per_s", "globus-url-copy")]
+                Row("throughput (Gbit/s)", "dmover", "gbit_per_s", "globus-url-copy"),
+                *against_baseline(ctx, "throughput (Gbit/s)", "gbit_per_s")]
 
 
 class DiskCopy(Workload):
@@ -83,6 +103,7 @@ class DiskCopy(Workload):
 
     limit = "fio"
     targets: dict[str, tuple[str, Target]] = {}
+    baseline_key = "mb_per_s"     # the figure compared with the baseline build
 
     def dataset(self, ctx) -> Dataset:
         raise NotImplementedError
@@ -99,7 +120,8 @@ class DiskCopy(Workload):
 
     def tools(self, ctx):
         ds = self.dataset(ctx)
-        return [DmoverCopy(ds), GlobusUrlCopy(ds), Rsync(ds), Rclone(ds), Cp(ds),
+        return [*dmovers(ctx, lambda **b: DmoverCopy(ds, **b)),
+                GlobusUrlCopy(ds), Rsync(ds), Rclone(ds), Cp(ds),
                 Fio(pick(ctx, "1G", "64M"))]
 
     def rows(self, ctx):
@@ -108,7 +130,8 @@ class DiskCopy(Workload):
             key, target = self.targets.get(peer, ("mb_per_s", None))
             measure = "files/s" if key == "files_per_s" else "MB/s"
             rows.append(Row(measure, "dmover", key, peer, target))
-        return rows
+        measure = "files/s" if self.baseline_key == "files_per_s" else "MB/s"
+        return rows + against_baseline(ctx, measure, self.baseline_key)
 
 
 class SmallFiles(DiskCopy):
@@ -117,6 +140,7 @@ class SmallFiles(DiskCopy):
     beat = Target(">", 1.0, "more files/s than the peer")
     targets = {"rsync": ("files_per_s", beat), "rclone": ("files_per_s", beat),
                "globus-url-copy": ("files_per_s", None)}
+    baseline_key = "files_per_s"
 
     def dataset(self, ctx):
         return small(ctx)
@@ -213,7 +237,7 @@ class Wan(Workload):
         ds, b_ip = self.dataset(ctx), f"10.250.{self.SUBNET}.2"
         ends = dict(server_netns=self.NS_B, client_netns=self.NS_A, link=self.link(ctx))
         return [Iperf3(4, self.iperf_seconds(ctx), host=b_ip, **ends),
-                DmoverCopy(ds, host=b_ip, **ends),
+                *dmovers(ctx, lambda **b: DmoverCopy(ds, host=b_ip, **ends, **b)),
                 GlobusUrlCopy(ds, host=b_ip, **ends),
                 Rsync(ds, daemon_host=b_ip, **ends)]
 
@@ -221,7 +245,7 @@ class Wan(Workload):
         rows = [Row(f"goodput (% of {self.rate_mbit} Mbit/s)", "dmover", "goodput_pct", peer)
                 for peer in ("iperf3", "globus-url-copy", "rsync")]
         rows[0] = Row(rows[0].measure, "dmover", "goodput_pct", "iperf3", self.target)
-        return rows
+        return rows + against_baseline(ctx, rows[0].measure, "goodput_pct")
 
 
 
@@ -270,13 +294,15 @@ class PeakRss(Workload):
         return [self.dataset(ctx)]
 
     def tools(self, ctx):
-        return [DmoverCopy(self.dataset(ctx), ("--streams", "8"))]
+        return dmovers(ctx, lambda **b: DmoverCopy(self.dataset(ctx), ("--streams", "8"), **b))
 
     def rows(self, ctx):
         return [Row("client peak RSS (MiB)", "dmover", "client_rss_mib",
                     target=Target("<=", 128, "≤ 128 MiB", on="value", stat="max")),
                 Row("server peak RSS (MiB)", "dmover", "server_rss_mib",
-                    target=Target("<=", 128, "≤ 128 MiB", on="value", stat="max"))]
+                    target=Target("<=", 128, "≤ 128 MiB", on="value", stat="max")),
+                *against_baseline(ctx, "client peak RSS (MiB)", "client_rss_mib", target=None),
+                *against_baseline(ctx, "server peak RSS (MiB)", "server_rss_mib", target=None)]
 
 
 class Streams(Workload):
@@ -300,13 +326,16 @@ class Streams(Workload):
         ds = self.dataset(ctx)
         tools = []
         for n in STREAMS:
-            tools += [DmoverCopy(ds, ("--streams", str(n)), name=f"dmover --streams {n}"),
+            tools += [*dmovers(ctx, lambda **b: DmoverCopy(ds, ("--streams", str(n)),
+                                                           name=f"dmover --streams {n}", **b)),
                       GlobusUrlCopy(ds, ("-fast", "-pp", "-cc", str(n)),
                                     name=f"globus-url-copy -cc {n}")]
         return tools
 
     def rows(self, ctx):
-        return []
+        return [row for n in STREAMS
+                for row in against_baseline(ctx, f"MB/s, {n} streams", "mb_per_s",
+                                            tool=f"dmover --streams {n}")]
 
 
 class StreamsSmall(Streams):

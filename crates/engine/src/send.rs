@@ -34,7 +34,7 @@ use crate::progress::Progress;
 use crate::recv::{ping_interval, Pinger};
 use crate::source::{self, Entry, Event};
 use crate::storage::{self, digest_of, read_block, ReadFile, Store};
-use crate::transport::Transport;
+use crate::transport::{Layers, Transport};
 use crate::tuning::{self, Meter};
 use crate::wire::{FrameReader, FrameWriter};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -234,9 +234,8 @@ pub(crate) struct Shared {
     /// Told of each settled file (fed transfers).
     settled: Option<SettleHook>,
     sent: AtomicU64,
-    /// Bytes that have been given a time slot under the bandwidth limit.
-    paced: AtomicU64,
-    bwlimit: u64,
+    /// Put on every data connection as its stream starts.
+    layers: Layers,
     pub(crate) started: Instant,
 }
 
@@ -357,6 +356,7 @@ impl Shared {
                     }
                 },
             };
+            let conn = sh.layers.wrap(conn);
             let id = sh.next_stream.fetch_add(1, Ordering::Relaxed);
             match conn.split() {
                 Ok(c) => {
@@ -564,8 +564,7 @@ pub fn send(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result<Stats
         workers: Mutex::new(Vec::new()),
         ping_every: ping_interval(cfg.idle_timeout),
         sent: AtomicU64::new(0),
-        paced: AtomicU64::new(0),
-        bwlimit: cfg.bwlimit,
+        layers: Layers::new(cfg.bwlimit),
         started,
     });
 
@@ -984,20 +983,6 @@ fn unchanged(file: &dyn ReadFile, f: &SendFile) -> std::result::Result<(), (Erro
     Ok(())
 }
 
-/// With a bandwidth limit, waits until sending `n` more bytes keeps the
-/// transfer's average rate under it.
-fn pace(sh: &Shared, n: u64) {
-    if sh.bwlimit == 0 {
-        return;
-    }
-    let total = sh.paced.fetch_add(n, Ordering::Relaxed) + n;
-    let due = Duration::from_secs_f64(total as f64 / sh.bwlimit as f64);
-    let now = sh.started.elapsed();
-    if due > now {
-        std::thread::sleep(due - now);
-    }
-}
-
 fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: &AtomicBool) {
     let rx = &sh.data_rx[host];
     let mut w = FrameWriter::new(conn);
@@ -1013,7 +998,6 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
         match rx.recv_timeout(POLL) {
             Ok(mut o) => {
                 sh.streams[host].took_one();
-                pace(sh, o.header.len as u64);
                 let damaged = crate::fault::corrupt_in_flight(&mut o.data);
                 let r = match &o.file {
                     Some(f) if o.header.len >= SENDFILE_MIN && !damaged => match f.as_file() {

@@ -1,17 +1,40 @@
-//! Transports: the one small interface every byte stream implements.
+//! Transports: the one small interface every byte stream implements, and
+//! the layers stacked on it.
 //!
 //! A [`Transport`] is a reliable, ordered byte stream that can be split into a
-//! reading half and a writing half and shut down from any thread. TCP is the
-//! network transport; a Unix socket pair connects two engines in one process
-//! (local-to-local copies). Encryption or rate limits would be layers that
-//! wrap a `Transport`.
+//! reading half and a writing half and shut down from any thread. A
+//! connection is a stack of transports:
+//!
+//! ```text
+//!   frames (wire::FrameReader / FrameWriter)
+//!   ─────────────────────────────────────────
+//!   layers: each a Transport wrapping the one below
+//!     Paced            --bwlimit: writes wait for a transfer-wide rate
+//!   ─────────────────────────────────────────
+//!   one byte stream: TcpStream (the network)
+//!                    or UnixStream (a socket pair: two engines in one process)
+//! ```
+//!
+//! At the bottom is exactly one byte stream: TCP between hosts, or one end
+//! of a Unix socket pair for a local copy. Every layer above is itself a
+//! `Transport` that holds the one below and passes on what it does not
+//! change (splitting, closing, socket options, the peer's name), so the
+//! code that reads and writes frames never knows how many layers there
+//! are. [`Layers`] is what the sender puts on each of its data connections;
+//! today the only layer is the rate limit ([`Paced`]). Encryption will be
+//! the next one, wrapping the byte stream below the rate limit.
 
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::unix::io::{AsRawFd, RawFd};
+use std::os::unix::io::AsFd;
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustix::io::Errno;
+use rustix::net::{sockopt, SendFlags};
 
 /// A byte stream between two dmover endpoints.
 pub trait Transport: Read + Write + Send + Sync + 'static {
@@ -55,23 +78,15 @@ pub struct SocketOptions {
     pub congestion: String,
 }
 
-fn setsockopt(fd: RawFd, level: libc::c_int, name: libc::c_int, value: &[u8]) -> io::Result<()> {
-    // SAFETY: `value` is valid for reads of its length during the call.
-    let r = unsafe { libc::setsockopt(fd, level, name, value.as_ptr().cast(), value.len() as libc::socklen_t) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn set_socket_options(fd: RawFd, o: &SocketOptions) -> io::Result<()> {
+/// Sets the socket buffers and the congestion control `o` asks for.
+fn set_socket_options(fd: impl AsFd, o: &SocketOptions) -> io::Result<()> {
     if o.buffer > 0 {
-        let v = (o.buffer as libc::c_int).to_ne_bytes();
-        setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, &v)?;
-        setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &v)?;
+        sockopt::set_socket_send_buffer_size(&fd, o.buffer as usize)?;
+        sockopt::set_socket_recv_buffer_size(&fd, o.buffer as usize)?;
     }
     if !o.congestion.is_empty() {
-        setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_CONGESTION, o.congestion.as_bytes()).map_err(|e| {
+        sockopt::set_tcp_congestion(&fd, &o.congestion).map_err(|e| {
+            let e = io::Error::from(e);
             io::Error::new(
                 e.kind(),
                 format!(
@@ -86,53 +101,34 @@ fn set_socket_options(fd: RawFd, o: &SocketOptions) -> io::Result<()> {
 
 /// Half of SO_SNDBUF: Linux doubles the size asked for and counts its own
 /// bookkeeping in it, so about half carries data.
-fn socket_send_window(fd: RawFd) -> u64 {
-    let mut v: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `v` and `len` are valid for writes and describe an int.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut v as *mut libc::c_int).cast(), &mut len) };
-    if r < 0 {
-        return 0;
-    }
-    v.max(0) as u64 / 2
+fn socket_send_window(fd: impl AsFd) -> u64 {
+    sockopt::socket_send_buffer_size(fd).map_or(0, |v| v as u64 / 2)
 }
 
 /// `send_file` for sockets: the head with MSG_MORE (so it shares a packet
 /// with the data), then sendfile(2), which hands page-cache pages to the
 /// socket.
-fn socket_send_file(fd: RawFd, head: &[u8], file: &File, offset: u64, len: usize) -> io::Result<usize> {
+fn socket_send_file(fd: impl AsFd, head: &[u8], file: &File, offset: u64, len: usize) -> io::Result<usize> {
     let mut sent = 0;
     while sent < head.len() {
-        let rest = &head[sent..];
-        // SAFETY: `rest` is valid for reads of its length during the call.
-        let n = unsafe { libc::send(fd, rest.as_ptr().cast(), rest.len(), libc::MSG_MORE | libc::MSG_NOSIGNAL) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
+        match rustix::net::send(&fd, &head[sent..], SendFlags::MORE | SendFlags::NOSIGNAL) {
+            Ok(n) => sent += n,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
         }
-        sent += n as usize;
     }
-    let mut off = offset as libc::off_t;
+    let mut off = offset;
     let end = offset + len as u64;
-    while (off as u64) < end {
-        let want = (end - off as u64) as usize;
-        // SAFETY: both descriptors are open; `off` is a valid pointer the kernel advances.
-        let n = unsafe { libc::sendfile(fd, file.as_raw_fd(), &mut off, want) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            break; // the file shrank
+    while off < end {
+        let want = (end - off) as usize;
+        match rustix::fs::sendfile(&fd, file, Some(&mut off), want) {
+            Ok(0) => break, // the file shrank
+            Ok(_) => {}
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
         }
     }
-    Ok((off as u64 - offset) as usize)
+    Ok((off - offset) as usize)
 }
 
 /// The methods every socket type implements the same way.
@@ -159,13 +155,13 @@ impl Transport for TcpStream {
         self.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into())
     }
     fn send_file(&mut self, head: &[u8], file: &File, offset: u64, len: usize) -> Option<io::Result<usize>> {
-        Some(socket_send_file(self.as_raw_fd(), head, file, offset, len))
+        Some(socket_send_file(&*self, head, file, offset, len))
     }
     fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
-        set_socket_options(self.as_raw_fd(), o)
+        set_socket_options(self, o)
     }
     fn send_window(&self) -> u64 {
-        socket_send_window(self.as_raw_fd())
+        socket_send_window(self)
     }
 }
 
@@ -174,6 +170,146 @@ impl Transport for UnixStream {
     socket_transport!(UnixStream);
     fn peer(&self) -> String {
         "local".into()
+    }
+}
+
+/// A transfer-wide rate limit: every connection paced by one `Pacer` waits
+/// so that the bytes they have all written, counted from the pacer's
+/// creation, stay within `rate` bytes per second on average.
+pub struct Pacer {
+    /// Bytes per second.
+    rate: u64,
+    started: Instant,
+    /// Bytes that have been given a time slot.
+    granted: AtomicU64,
+}
+
+impl Pacer {
+    /// A pacer for `rate` bytes per second (more than 0), counting from now.
+    pub fn new(rate: u64) -> Pacer {
+        assert!(rate > 0, "a pacer needs a rate");
+        Pacer { rate, started: Instant::now(), granted: AtomicU64::new(0) }
+    }
+
+    /// Waits until `n` more bytes keep the average rate under the limit,
+    /// and counts them as sent.
+    fn take(&self, n: u64) {
+        let total = self.granted.fetch_add(n, Ordering::Relaxed) + n;
+        let due = Duration::from_secs_f64(total as f64 / self.rate as f64);
+        let now = self.started.elapsed();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+    }
+
+    /// Gives back `n` bytes taken and not sent after all.
+    fn give_back(&self, n: u64) {
+        self.granted.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Waits for `n` bytes as [`take`](Pacer::take) does, runs `write`
+    /// (which sends at most `n`) and gives back what it did not send.
+    fn write(&self, n: usize, write: impl FnOnce() -> io::Result<usize>) -> io::Result<usize> {
+        self.take(n as u64);
+        let r = write();
+        let sent = r.as_ref().map_or(0, |&k| k.min(n));
+        self.give_back((n - sent) as u64);
+        r
+    }
+}
+
+/// A layer that paces what is written through it against a [`Pacer`],
+/// which may be shared with other connections (`--bwlimit` is the rate of
+/// a whole transfer, whatever the number of its streams). Reads pass
+/// through unpaced.
+pub struct Paced {
+    inner: Box<dyn Transport>,
+    pacer: Arc<Pacer>,
+}
+
+impl Paced {
+    /// `inner` with its writes paced by `pacer`.
+    pub fn new(inner: Box<dyn Transport>, pacer: Arc<Pacer>) -> Paced {
+        Paced { inner, pacer }
+    }
+}
+
+impl Read for Paced {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl Write for Paced {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.pacer.write(buf.len(), || self.inner.write(buf))
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let n = bufs.iter().map(|b| b.len()).sum();
+        self.pacer.write(n, || self.inner.write_vectored(bufs))
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl Transport for Paced {
+    fn split(&self) -> io::Result<Box<dyn Transport>> {
+        Ok(Box::new(Paced::new(self.inner.split()?, self.pacer.clone())))
+    }
+    fn close(&self) {
+        self.inner.close()
+    }
+    fn close_write(&self) {
+        self.inner.close_write()
+    }
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.inner.set_read_timeout(t)
+    }
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+    fn send_file(&mut self, head: &[u8], file: &File, offset: u64, len: usize) -> Option<io::Result<usize>> {
+        let n = head.len() + len;
+        self.pacer.take(n as u64);
+        let r = self.inner.send_file(head, file, offset, len);
+        // What did not go is written next, and paced then.
+        let went = match &r {
+            Some(Ok(sent)) => head.len() + sent,
+            _ => 0,
+        };
+        self.pacer.give_back((n - went) as u64);
+        r
+    }
+    fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
+        self.inner.set_options(o)
+    }
+    fn send_window(&self) -> u64 {
+        self.inner.send_window()
+    }
+}
+
+/// The layers a sender puts on each of its data connections, the same for
+/// all connections of one transfer (those it starts with and those it
+/// opens while sending).
+pub struct Layers {
+    /// Paces every data connection of the transfer together (none: no limit).
+    pacer: Option<Arc<Pacer>>,
+}
+
+impl Layers {
+    /// Layers for a transfer limited to `bwlimit` bytes per second over all
+    /// its data connections (0: no limit). The rate counts from now.
+    pub fn new(bwlimit: u64) -> Layers {
+        Layers { pacer: (bwlimit > 0).then(|| Arc::new(Pacer::new(bwlimit))) }
+    }
+
+    /// `t` with the layers on top.
+    pub fn wrap(&self, t: Box<dyn Transport>) -> Box<dyn Transport> {
+        match &self.pacer {
+            Some(p) => Box::new(Paced::new(t, p.clone())),
+            None => t,
+        }
     }
 }
 
@@ -210,4 +346,102 @@ pub fn linger(t: &dyn Transport) {
     let deadline = std::time::Instant::now() + LINGER;
     let mut buf = [0u8; 16 * 1024];
     while std::time::Instant::now() < deadline && matches!(r.read(&mut buf), Ok(n) if n > 0) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A connected pair of TCP sockets on loopback.
+    fn tcp_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = connect_tcp(&l.local_addr().unwrap().to_string()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    /// Reads `t` to its end in another thread; the join gives the bytes.
+    fn drain(mut t: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            t.read_to_end(&mut v).unwrap();
+            v
+        })
+    }
+
+    #[test]
+    fn paced_connections_share_one_transfer_wide_rate() {
+        const RATE: u64 = 4 << 20;
+        let layers = Layers::new(RATE);
+        let started = Instant::now();
+        let mut writers = Vec::new();
+        let mut readers = Vec::new();
+        for _ in 0..2 {
+            let (a, b) = UnixStream::pair().unwrap();
+            readers.push(drain(b));
+            let mut w = layers.wrap(Box::new(a));
+            writers.push(std::thread::spawn(move || {
+                for _ in 0..16 {
+                    w.write_all(&[7u8; 64 << 10]).unwrap();
+                }
+                w.close_write();
+            }));
+        }
+        writers.into_iter().for_each(|w| w.join().unwrap());
+        let took = started.elapsed();
+        let got: usize = readers.into_iter().map(|r| r.join().unwrap().len()).sum();
+        assert_eq!(got, 2 << 20);
+        // 2 MiB at 4 MiB/s: the last write may start at 0.5 s, not before.
+        assert!(took >= Duration::from_millis(490), "2 MiB in {took:?} at {RATE} B/s");
+        assert!(took < Duration::from_secs(3), "2 MiB in {took:?} at {RATE} B/s");
+    }
+
+    #[test]
+    fn without_a_limit_there_is_no_layer() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let t: Box<dyn Transport> = Box::new(a);
+        let bottom = &*t as *const dyn Transport as *const u8;
+        let t = Layers::new(0).wrap(t);
+        assert_eq!(&*t as *const dyn Transport as *const u8, bottom);
+    }
+
+    #[test]
+    fn a_file_the_layer_below_cannot_send_is_paced_when_written() {
+        let pacer = Arc::new(Pacer::new(1 << 30));
+        let (a, _b) = UnixStream::pair().unwrap();
+        let mut t = Paced::new(Box::new(a), pacer.clone());
+        let f = tempfile::tempfile().unwrap();
+        assert!(t.send_file(b"head", &f, 0, 100).is_none());
+        assert_eq!(pacer.granted.load(Ordering::Relaxed), 0);
+        t.write_all(b"abc").unwrap();
+        assert_eq!(pacer.granted.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn send_file_sends_the_head_then_the_file_through_the_layers() {
+        let (a, b) = tcp_pair();
+        let reader = drain(b);
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(b"0123456789").unwrap();
+        let pacer = Arc::new(Pacer::new(1 << 30));
+        let mut t = Paced::new(Box::new(a), pacer.clone());
+        assert_eq!(t.send_file(b"head:", &f, 2, 5).unwrap().unwrap(), 5);
+        // The file is shorter than asked for: what went is said.
+        assert_eq!(t.send_file(b"|", &f, 8, 10).unwrap().unwrap(), 2);
+        assert_eq!(pacer.granted.load(Ordering::Relaxed), 13);
+        t.close();
+        assert_eq!(reader.join().unwrap(), b"head:23456|89");
+    }
+
+    #[test]
+    fn socket_options_are_set_and_refused_by_name() {
+        let (a, _b) = tcp_pair();
+        let t: Box<dyn Transport> = Layers::new(1 << 20).wrap(Box::new(a));
+        t.set_options(&SocketOptions { buffer: 64 << 10, congestion: String::new() }).unwrap();
+        // Linux doubles the size asked for; half of it is the window.
+        assert_eq!(t.send_window(), 64 << 10);
+        let e = t.set_options(&SocketOptions { buffer: 0, congestion: "no-such-algorithm".into() }).unwrap_err();
+        assert!(e.to_string().contains("congestion control 'no-such-algorithm' is not available here"), "{e}");
+    }
 }
