@@ -356,3 +356,43 @@ fn planted_hard_links_in_the_destination_are_not_written_through() {
     }
     assert_same_tree(&src, &export.join("in/src"));
 }
+
+/// Regression: an `Announce` of 2^60 bytes made the server abort while
+/// allocating the file's block map, and one of 2^64-1 bytes in 1-byte
+/// blocks panicked the connection thread, which then kept its connection
+/// slot for good. Now a size is checked against the most blocks a file may
+/// have before anything is sized from it, and the file is refused.
+#[test]
+fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost_slot() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--max-connections".into(), "4".into()];
+    let mut srv = Server::start(spec);
+    let addr = srv.addr();
+    let token = env.token_str();
+    let cases = [(u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (1 << 60, 1 << 20), (u64::MAX, 64 << 20)];
+    for (i, (size, block_size)) in cases.into_iter().enumerate() {
+        let mut c = Raw::control(&addr, token.as_bytes());
+        let opts = TransferOptions { transfer_id: [20 + i as u8; 16], block_size, flags: 0, tcp_buffer: 0 };
+        c.send(&Msg::Receive { dest: "e/in".into(), options: opts });
+        assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })), "case {i}: no session:\n{}", srv.log());
+        let meta = FileMeta { path: "huge.dat".into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        c.send(&Msg::Announce { id: 1, meta, digest: None });
+        match c.read() {
+            Some(Msg::Failed { id: 1, kind: ErrorKind::Refused, message, .. }) => {
+                assert!(message.contains("--block-size"), "case {i}: the refusal does not say what to do: {message}")
+            }
+            m => panic!("case {i}: {size} bytes in blocks of {block_size} were not refused, got {m:?}:\n{}", srv.log()),
+        }
+        c.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
+        assert!(matches!(c.read(), Some(Msg::Finished { files: 0, .. })), "case {i}:\n{}", srv.log());
+    }
+    assert!(srv.running(), "{}", srv.log());
+    assert!(!export.join("in/huge.dat").exists());
+    let src = env.path("src");
+    make_tree(&src, 7, 5);
+    env.cp([src.display().to_string(), srv.url("e"), "-p".into(), "2".into()]).run().assert_ok();
+    assert_same_tree(&src, &export.join("src"));
+    assert!(!srv.log().contains("panicked"), "{}", srv.log());
+}

@@ -617,7 +617,10 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
     if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
         return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
     }
-    let blocks = meta.size.div_ceil(sh.block_size);
+    let blocks = match dmover_proto::frame::file_blocks(meta.size, sh.block_size) {
+        Ok(b) => b,
+        Err(e) => return fail(sh.name(&meta.path), Error::new(ErrorKind::Refused, "", e)),
+    };
     if sh.discard() {
         return plan(sh, id, RecvFile::new(meta, blocks));
     }

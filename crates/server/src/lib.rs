@@ -146,15 +146,14 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
             continue;
         }
         let _ = stream.set_nodelay(true);
-        srv.active.fetch_add(1, Ordering::SeqCst);
-        let srv = srv.clone();
+        let slot = ConnectionSlot::take(srv.clone());
         std::thread::spawn(move || {
-            match serve(&srv, Box::new(stream)) {
+            let srv = &slot.0;
+            match serve(srv, Box::new(stream)) {
                 Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
                 Err(e) => log::warn!("{e}"),
                 Ok(()) => {}
             }
-            srv.active.fetch_sub(1, Ordering::SeqCst);
         });
     }
     log::info!("shutting down: waiting up to {:?} for {} connection(s)", srv.cfg.grace, srv.active.load(Ordering::SeqCst));
@@ -163,6 +162,26 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
+}
+
+/// A connection's place in [`Server::active`], given back when dropped, so
+/// that a connection thread that panics does not keep its slot.
+struct ConnectionSlot(Arc<Server>);
+
+impl ConnectionSlot {
+    fn take(srv: Arc<Server>) -> ConnectionSlot {
+        srv.active.fetch_add(1, Ordering::SeqCst);
+        ConnectionSlot(srv)
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            log::error!("a connection thread panicked; its connection slot is released");
+        }
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// What a connection may do, by how it authenticated.
