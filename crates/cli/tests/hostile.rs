@@ -162,17 +162,18 @@ fn slowloris_trickling_its_handshake_is_cut_off_after_the_handshake_timeout() {
     assert!(n >= 32, "only {n} of 32 slow connections were logged:\n{log}");
 }
 
-/// Every connection slot taken by silent peers: an honest client is told
-/// the server is busy, retries, and gets through once the silent ones
-/// are cut off.
+/// Every connection slot taken by silent authenticated peers: an honest
+/// client is told the server is busy, retries, and gets through once the
+/// silent ones are cut off by the idle timeout.
 #[test]
 fn all_slots_taken_by_idle_peers_an_honest_client_gets_through_after_the_timeout() {
     let env = Env::new();
     let export = env.mkdir("export");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
-    spec.extra = vec!["--max-connections".into(), "8".into()];
+    spec.extra = ["--max-connections", "8", "--idle-timeout", "3"].map(Into::into).to_vec();
     let srv = Server::start(spec);
-    let idle: Vec<Raw> = (0..8).map(|_| Raw::connect(&srv.addr())).collect();
+    let token = env.token_str();
+    let idle: Vec<Raw> = (0..8).map(|_| Raw::control(&srv.addr(), token.as_bytes())).collect();
     std::thread::sleep(Duration::from_millis(300));
     let src = env.path("src");
     make_tree(&src, 5, 5);
@@ -395,4 +396,47 @@ fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost
     env.cp([src.display().to_string(), srv.url("e"), "-p".into(), "2".into()]).run().assert_ok();
     assert_same_tree(&src, &export.join("src"));
     assert!(!srv.log().contains("panicked"), "{}", srv.log());
+}
+
+/// Regression: connections that never authenticate counted against
+/// `--max-connections`, so 300 silent TCP connections, opened again as the
+/// server cut them, kept an honest client out for as long as they liked.
+/// Now they have their own budget (in all and per address), and the oldest
+/// of them makes room for a new connection.
+#[test]
+fn three_hundred_idle_unauthenticated_connections_do_not_lock_out_an_honest_client() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let addr = srv.addr();
+    let stop = AtomicBool::new(false);
+    let src = env.path("src");
+    make_tree(&src, 8, 10);
+    let r = std::thread::scope(|s| {
+        // The attacker: 300 connections that send nothing, each opened again once the server closes it.
+        s.spawn(|| {
+            let mut conns: Vec<std::net::TcpStream> = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                conns.retain(|c| {
+                    c.set_nonblocking(true).unwrap();
+                    matches!(c.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                });
+                while conns.len() < 300 {
+                    match std::net::TcpStream::connect(&addr) {
+                        Ok(c) => conns.push(c),
+                        Err(_) => break,
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(1500));
+        let r = env.cp([src.display().to_string(), srv.url("e")]).timeout(Duration::from_secs(40)).run();
+        stop.store(true, Ordering::SeqCst);
+        r
+    });
+    r.assert_ok();
+    assert!(r.elapsed < Duration::from_secs(8), "the honest copy took {:?} while idle connections held the port", r.elapsed);
+    assert_same_tree(&src, &export.join("src"));
 }

@@ -25,9 +25,9 @@ use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::TOKEN_KEY_ID;
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -55,6 +55,15 @@ pub struct Config {
 
 /// Time a client has to authenticate, however its bytes are spread over it.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections that may be authenticating at once. They do not count
+/// against `max_connections`, which is for authenticated connections only;
+/// when this budget is full, the oldest of them is closed to make room for
+/// a new one (an honest handshake takes one round trip, so connections
+/// that hold it open cannot keep others out).
+const MAX_HANDSHAKES: usize = 256;
+/// Connections from one address that may be authenticating at once; a new
+/// one beyond it closes the oldest from the same address.
+const MAX_HANDSHAKES_PER_ADDR: usize = 128;
 /// How long a data connection may wait for its session to appear.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -98,8 +107,10 @@ struct Server {
     /// Open transfer sessions by id; control threads insert and remove, data connections look up.
     sessions: Mutex<HashMap<[u8; 16], Slot>>,
     tickets: Tickets,
-    /// Connections being served.
+    /// Authenticated connections being served.
     active: AtomicUsize,
+    /// Connections still authenticating, oldest first.
+    handshakes: Mutex<VecDeque<Handshaking>>,
     /// What all receiving sessions take in, for the senders' tuners.
     intake: Arc<recv::Intake>,
 }
@@ -112,8 +123,10 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
         sessions: Mutex::new(HashMap::new()),
         tickets: Tickets::default(),
         active: AtomicUsize::new(0),
+        handshakes: Mutex::new(VecDeque::new()),
         intake: Arc::default(),
     });
+    let mut next_id = 0u64;
     let mut fds = [
         libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         libc::pollfd { fd: shutdown.rx.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -139,21 +152,20 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
                 continue;
             }
         };
-        if srv.active.load(Ordering::SeqCst) >= srv.cfg.max_connections {
-            log::warn!("refused {peer}: too many connections (--max-connections {})", srv.cfg.max_connections);
-            let mut w = FrameWriter::new(Box::new(stream));
-            let _ = w.send(&Msg::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
-            continue;
+        next_id += 1;
+        match stream.try_clone() {
+            Ok(c) => srv.admit(next_id, peer.ip(), Box::new(c)),
+            Err(e) => {
+                log::warn!("cannot serve {peer}: {e}");
+                continue;
+            }
         }
         let _ = stream.set_nodelay(true);
-        let slot = ConnectionSlot::take(srv.clone());
-        std::thread::spawn(move || {
-            let srv = &slot.0;
-            match serve(srv, Box::new(stream)) {
-                Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
-                Err(e) => log::warn!("{e}"),
-                Ok(()) => {}
-            }
+        let handshake = HandshakeGuard { srv: srv.clone(), id: next_id };
+        std::thread::spawn(move || match serve(&handshake, Box::new(stream)) {
+            Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
+            Err(e) => log::warn!("{e}"),
+            Ok(()) => {}
         });
     }
     log::info!("shutting down: waiting up to {:?} for {} connection(s)", srv.cfg.grace, srv.active.load(Ordering::SeqCst));
@@ -164,18 +176,63 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
     Ok(())
 }
 
-/// A connection's place in [`Server::active`], given back when dropped, so
-/// that a connection thread that panics does not keep its slot.
-struct ConnectionSlot(Arc<Server>);
+/// A connection that has not authenticated yet.
+struct Handshaking {
+    id: u64,
+    addr: IpAddr,
+    since: Instant,
+    /// To close it when it must make room.
+    conn: Box<dyn Transport>,
+}
 
-impl ConnectionSlot {
-    fn take(srv: Arc<Server>) -> ConnectionSlot {
-        srv.active.fetch_add(1, Ordering::SeqCst);
-        ConnectionSlot(srv)
+impl Server {
+    /// Counts a new connection among those authenticating, within
+    /// [`MAX_HANDSHAKES`] and [`MAX_HANDSHAKES_PER_ADDR`]: when a budget is
+    /// full, its oldest connection is closed.
+    fn admit(&self, id: u64, addr: IpAddr, conn: Box<dyn Transport>) {
+        let mut hs = self.handshakes.lock().expect("handshakes lock");
+        let per_addr = hs.iter().filter(|h| h.addr == addr).count() >= MAX_HANDSHAKES_PER_ADDR;
+        if per_addr || hs.len() >= MAX_HANDSHAKES {
+            let budget = if per_addr {
+                format!("{MAX_HANDSHAKES_PER_ADDR} connections from {addr} are authenticating")
+            } else {
+                format!("{MAX_HANDSHAKES} connections are authenticating")
+            };
+            if let Some(old) = hs.iter().position(|h| !per_addr || h.addr == addr).and_then(|i| hs.remove(i)) {
+                log::warn!("closed {}: not authenticated after {:?}, and {budget}", old.conn.peer(), old.since.elapsed());
+                old.conn.close();
+            }
+        }
+        hs.push_back(Handshaking { id, addr, since: Instant::now(), conn });
     }
 }
 
-impl Drop for ConnectionSlot {
+/// A connection's place among those authenticating, given up when it has
+/// authenticated or failed to (or its thread panicked).
+struct HandshakeGuard {
+    srv: Arc<Server>,
+    id: u64,
+}
+
+impl Drop for HandshakeGuard {
+    fn drop(&mut self) {
+        self.srv.handshakes.lock().expect("handshakes lock").retain(|h| h.id != self.id);
+    }
+}
+
+/// An authenticated connection's place in [`Server::active`], given back
+/// when dropped, so that a connection thread that panics does not keep it.
+struct ConnectionSlot<'a>(&'a Server);
+
+impl ConnectionSlot<'_> {
+    /// A place, if fewer than `max_connections` are taken.
+    fn take(srv: &Server) -> Option<ConnectionSlot<'_>> {
+        let max = srv.cfg.max_connections;
+        srv.active.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < max).then_some(n + 1)).ok().map(|_| ConnectionSlot(srv))
+    }
+}
+
+impl Drop for ConnectionSlot<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             log::error!("a connection thread panicked; its connection slot is released");
@@ -221,7 +278,8 @@ impl Watchdog {
     }
 }
 
-fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
+fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
+    let srv = &handshake.srv;
     let peer = t.peer();
     let net = |e: std::io::Error| Error::network(&peer, &e);
     let mut r = FrameReader::new(t.split().map_err(net)?);
@@ -233,7 +291,13 @@ fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
         let message = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
         return Err(Error::new(ErrorKind::Refused, &peer, message));
     }
+    srv.handshakes.lock().expect("handshakes lock").retain(|h| h.id != handshake.id);
     let (key_id, skey) = authenticated?;
+    let Some(_slot) = ConnectionSlot::take(srv) else {
+        let max = srv.cfg.max_connections;
+        let _ = w.send(&Msg::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
+        return Err(Error::new(ErrorKind::Refused, &peer, format!("too many connections (--max-connections {max})")));
+    };
     // An authenticated client may take a while to say what the connection
     // is for (a data connection waits for its session to be set up).
     t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
