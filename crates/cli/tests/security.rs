@@ -7,7 +7,8 @@ mod util;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::unix::fs::symlink;
+use std::os::unix::fs::{symlink, PermissionsExt};
+use std::path::Path;
 use std::time::Duration;
 use util::*;
 
@@ -325,4 +326,57 @@ fn sigterm_lets_a_running_transfer_finish() {
     assert_same_tree(&src, &export.join("src"));
     let st = srv.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| panic!("the server did not exit after the transfer:\n{}", srv.log()));
     assert_eq!(st.code(), Some(0), "{}", srv.log());
+}
+
+/// Files and empty directories with setuid, setgid and sticky bits, and
+/// the modes a receiver must give them (their permission bits alone).
+fn special_modes(root: &Path) -> Vec<(&'static str, u32)> {
+    let entries = [
+        ("suid", 0o4755, false),
+        ("sgid", 0o2755, false),
+        ("all", 0o6777, false),
+        ("sgid-dir", 0o2777, true),
+        ("sticky-dir", 0o1777, true),
+    ];
+    for (name, mode, dir) in entries {
+        let p = root.join(name);
+        if dir {
+            fs::create_dir_all(&p).unwrap();
+        } else {
+            write_random(&p, 3000, mode as u64);
+        }
+        chmod(&p, mode);
+    }
+    entries.iter().map(|(name, mode, _)| (*name, mode & 0o777)).collect()
+}
+
+#[track_caller]
+fn assert_modes(root: &Path, expected: &[(&str, u32)]) {
+    for (name, mode) in expected {
+        let got = fs::symlink_metadata(root.join(name)).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(got, *mode, "{name} landed with mode {got:o}, not {mode:o}");
+    }
+}
+
+/// Regression: announced modes were applied whole, so a file of mode 4755
+/// uploaded to a server running as root landed setuid root, directories
+/// kept setgid and sticky bits, and a server could plant setuid files in a
+/// root client's download. Now a receiver applies the permission bits alone.
+#[test]
+fn setuid_setgid_and_sticky_bits_are_dropped_on_upload_and_download() {
+    if !dmover_testkit::needs_root("files owned by root with setuid bits") {
+        return;
+    }
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    let expected = special_modes(&src);
+    env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+    assert_modes(&export.join("src"), &expected);
+
+    special_modes(&export.join("planted"));
+    let down = env.mkdir("down");
+    env.cp([srv.url("e/planted"), down.display().to_string()]).run().assert_ok();
+    assert_modes(&down.join("planted"), &expected);
 }

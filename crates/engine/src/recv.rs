@@ -946,7 +946,7 @@ fn already_there(sh: &Arc<Shared>, id: u64, meta: &FileMeta) {
 /// `look` (`--sync`, or a resumed run) and it is already there with that
 /// mode, it is skipped like an unchanged file, untouched.
 fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path, look: bool) {
-    let mode = meta.mode & 0o7777;
+    let mode = dmover_proto::frame::permission_bits(meta.mode);
     if look && fs::symlink_metadata(path).is_ok_and(|m| m.is_dir() && m.mode() & 0o7777 == mode) {
         return already_there(sh, id, meta);
     }
@@ -1032,7 +1032,7 @@ fn commit(g: &mut RecvFile, block_size: u32) -> std::io::Result<()> {
         open_temp(g, block_size)?;
     }
     let f = g.file.take().expect("opened above");
-    f.set_permissions(fs::Permissions::from_mode(g.meta.mode))?;
+    f.set_permissions(fs::Permissions::from_mode(dmover_proto::frame::permission_bits(g.meta.mode)))?;
     let times = [
         libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT },
         libc::timespec { tv_sec: g.meta.mtime_s as libc::time_t, tv_nsec: g.meta.mtime_ns as libc::c_long },
