@@ -228,6 +228,7 @@ fn recv_config(p: &Plan) -> RecvConfig {
         writers: WRITERS,
         idle_timeout: IDLE_TIMEOUT,
         intake: Default::default(),
+        accept: None,
     }
 }
 
@@ -286,7 +287,8 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     a.net.untunable("downloads")?;
     let socket = a.net.socket()?;
     with_retries(a.retries, |_| {
-        let prepared = recv::prepare(recv_config(p))?;
+        let cfg = RecvConfig { accept: Some(crate::names::expected(&specs(p))), ..recv_config(p) };
+        let prepared = recv::prepare(cfg)?;
         let started = session::start_streams(host, &cred, a.net.fixed() as usize, &socket);
         let mut c = Conn::control(host, &cred)?;
         let m = c.request(&Msg::Send { sources: specs(p), options: p.options, params: p.params })?;

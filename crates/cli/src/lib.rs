@@ -19,6 +19,7 @@ mod drain;
 mod job;
 mod location;
 mod ls;
+mod names;
 mod report;
 mod serve;
 mod sink;

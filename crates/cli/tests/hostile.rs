@@ -15,6 +15,7 @@ use std::fs;
 use std::io::Write;
 use std::net::Shutdown;
 use std::os::unix::fs::symlink;
+use std::path::Path;
 use std::time::{Duration, Instant};
 use util::*;
 
@@ -439,4 +440,140 @@ fn three_hundred_idle_unauthenticated_connections_do_not_lock_out_an_honest_clie
     r.assert_ok();
     assert!(r.elapsed < Duration::from_secs(8), "the honest copy took {:?} while idle connections held the port", r.elapsed);
     assert_same_tree(&src, &export.join("src"));
+}
+
+/// Plays a malicious server for one download of `spec` (`EXPORT/path`)
+/// into `dest`: it knows the token, so the client trusts it; it answers
+/// `Send` with a session, takes one data connection and announces `files`
+/// (name, size, mode), all empty whatever size they claim, whatever was
+/// asked. Returns the client's run and its last word on each file (`Done`,
+/// `Failed`, or nothing if it hung up).
+fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u32)]) -> (Run, Vec<Option<Msg>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let key = Key::from_secret(env.token_str().as_bytes());
+    let client = env
+        .cp([format!("dmover://{addr}/{spec}"), format!("{}/", dest.display()), "-p".into(), "1".into(), "--retries".into(), "0".into()])
+        .spawn();
+    // Each connection authenticates in its own thread: the client opens its
+    // data connection and its control connection at once.
+    let (tx, rx) = std::sync::mpsc::channel();
+    for _ in 0..2 {
+        let (s, _) = listener.accept().unwrap();
+        let (key, tx) = (key.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let mut c = Raw { s };
+            c.s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let Some(Msg::Hello { nonce: cn, .. }) = c.read() else { panic!("no hello") };
+            let sn = [9u8; 32];
+            c.send(&Msg::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) });
+            assert!(matches!(c.read(), Some(Msg::Proof { .. })), "no proof");
+            c.send(&Msg::Welcome);
+            let control = match c.read() {
+                Some(Msg::OpenData { session, .. }) => {
+                    c.send(&Msg::SessionOpened { session });
+                    false
+                }
+                Some(Msg::OpenControl) => {
+                    assert!(matches!(c.read(), Some(Msg::Send { .. })), "the client did not ask for a send");
+                    c.send(&Msg::SessionOpened { session: [9; 16] });
+                    assert!(matches!(c.read(), Some(Msg::Ready)), "the client did not say it is ready");
+                    true
+                }
+                m => panic!("expected a connection type, got {m:?}"),
+            };
+            tx.send((control, c)).unwrap();
+        });
+    }
+    let (mut controls, data): (Vec<_>, Vec<_>) =
+        (0..2).map(|_| rx.recv_timeout(Duration::from_secs(20)).expect("the client did not connect")).partition(|(control, _)| *control);
+    let mut ctl = controls.pop().expect("no control connection").1;
+    let next = |c: &mut Raw| loop {
+        match c.read() {
+            Some(Msg::Ping) => continue,
+            m => return m,
+        }
+    };
+    for (i, (name, size, mode)) in files.iter().enumerate() {
+        let meta = FileMeta { path: name.to_string(), size: *size, mtime_s: 0, mtime_ns: 0, mode: *mode };
+        ctl.send(&Msg::Announce { id: i as u64, meta, digest: None });
+    }
+    let mut last: Vec<Option<Msg>> = vec![None; files.len()];
+    let mut open = files.len();
+    while open > 0 {
+        match next(&mut ctl) {
+            Some(Msg::Plan { id, .. }) => ctl.send(&Msg::FileEnd { id, digest: dmover_proto::digest::file_digest(&[]) }),
+            Some(m @ (Msg::Done { .. } | Msg::Failed { .. })) => {
+                let (Msg::Done { id, .. } | Msg::Failed { id, .. }) = m else { unreachable!() };
+                last[id as usize] = Some(m);
+                open -= 1;
+            }
+            _ => break, // the client hung up, or said why it gave up
+        }
+    }
+    ctl.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
+    if let Some(Msg::Finished { .. }) = next(&mut ctl) {
+        ctl.send(&Msg::Report(Default::default()));
+    }
+    // Hang up, as a server does after its report.
+    drop((ctl, data));
+    (client.wait(), last)
+}
+
+/// Regression: a download of one file from a malicious server also wrote
+/// `.bashrc`, `.ssh/authorized_keys`, names with terminal escapes and
+/// names in dmover's own state into the destination. Now a client takes
+/// only names its request can produce.
+#[test]
+fn a_malicious_server_cannot_write_names_the_download_did_not_ask_for() {
+    let env = Env::new();
+    let cases: [(&str, &[&str], &[&str]); 2] = [
+        (
+            "e/data/report.pdf",
+            &["report.pdf"],
+            &[
+                ".bashrc",
+                ".ssh/authorized_keys",
+                "report.pdfx",
+                "evil\x1b]0;owned\x07",
+                "a\nb",
+                ".dmover-partial/transfer-00",
+                ".x.dmover-part",
+            ],
+        ),
+        ("e/data/*.h5", &["a.h5", "b.h5"], &["c.txt", "sub/d.h5", ".bashrc"]),
+    ];
+    for (i, (spec, asked, planted)) in cases.into_iter().enumerate() {
+        let dest = env.mkdir(&format!("down{i}"));
+        let files: Vec<(&str, u64, u32)> = asked.iter().chain(planted).map(|n| (*n, 0, 0o644)).collect();
+        let (r, last) = malicious_download(&env, spec, &dest, &files);
+        for (n, (name, _, _)) in files.iter().enumerate() {
+            let took = matches!(last[n], Some(Msg::Done { .. }));
+            if n < asked.len() {
+                assert!(took, "{spec}: {name:?}, which was asked for, was not taken: {:?}\n{}", last[n], r.stderr);
+            } else {
+                assert!(!took, "{spec}: the client took {name:?}, which it never asked for");
+                assert!(matches!(&last[n], Some(Msg::Failed { kind: ErrorKind::Refused, .. })), "{spec}: {name:?}: {:?}", last[n]);
+            }
+        }
+        let got: Vec<String> = list_tree(&dest).into_keys().collect();
+        assert_eq!(got, asked, "{spec}: the destination holds other names");
+        assert!(r.code < 128, "{spec}: the client died: {}", r.stderr);
+    }
+}
+
+/// Regression: a malicious server announcing a file of 2^60 bytes made a
+/// downloading client abort. Now the client refuses the file and goes on.
+#[test]
+fn a_malicious_server_announcing_a_huge_file_does_not_crash_the_client() {
+    let env = Env::new();
+    let dest = env.mkdir("down");
+    let (r, last) = malicious_download(&env, "e/data/", &dest, &[("huge.dat", 1 << 60, 0o644), ("ok.dat", 0, 0o644)]);
+    match &last[0] {
+        Some(Msg::Failed { kind: ErrorKind::Refused, message, .. }) => assert!(message.contains("--block-size"), "{message}"),
+        m => panic!("the client did not refuse a file of 2^60 bytes: {m:?}\n{}", r.stderr),
+    }
+    assert!(matches!(last[1], Some(Msg::Done { .. })), "{:?}\n{}", last[1], r.stderr);
+    assert!(r.code < 128, "the client died: {}", r.stderr);
+    assert_eq!(list_tree(&dest).into_keys().collect::<Vec<_>>(), ["ok.dat"]);
 }

@@ -82,7 +82,12 @@ pub struct RecvConfig {
     /// The intake of the server this session belongs to (a fresh one for a
     /// receiver of its own).
     pub intake: Arc<Intake>,
+    /// Which announced names to take (None: any that stays below `dest`).
+    pub accept: Option<NameCheck>,
 }
+
+/// Says why an announced name is not taken, if it is not.
+pub type NameCheck = Arc<dyn Fn(&str) -> std::result::Result<(), String> + Send + Sync>;
 
 /// File type bits of a mode, and the type of a directory (as in st_mode).
 pub const MODE_TYPE: u32 = 0o170000;
@@ -233,6 +238,7 @@ struct Shared {
     received: AtomicU64,
     /// Counts this session in its server's intake while it runs.
     receiving: Receiving,
+    accept: Option<NameCheck>,
 }
 
 impl Shared {
@@ -453,6 +459,7 @@ impl Prepared {
             conns: Mutex::new(Vec::new()),
             received: AtomicU64::new(0),
             receiving: Receiving::new(cfg.intake),
+            accept: cfg.accept,
         });
         let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
         // One queue per writer, and a file's blocks always go to the same
@@ -616,6 +623,9 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
     };
     if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
         return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
+    }
+    if let Some(Err(e)) = sh.accept.as_ref().map(|accept| accept(&meta.path)) {
+        return fail(meta.path.escape_debug().to_string(), Error::new(ErrorKind::Refused, "", e));
     }
     let blocks = match dmover_proto::frame::file_blocks(meta.size, sh.block_size) {
         Ok(b) => b,

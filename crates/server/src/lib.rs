@@ -482,6 +482,7 @@ fn control(
                     writers: srv.cfg.writers,
                     idle_timeout: srv.cfg.idle_timeout,
                     intake: srv.intake.clone(),
+                    accept: None,
                 };
                 let prepared = match recv::prepare(cfg) {
                     Ok(p) => p,
