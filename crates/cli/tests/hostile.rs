@@ -9,7 +9,7 @@
 mod util;
 
 use dmover_proto::auth::{Key, TOKEN_KEY_ID};
-use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::io::Write;
@@ -373,7 +373,7 @@ fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost
     let mut srv = Server::start(spec);
     let addr = srv.addr();
     let token = env.token_str();
-    let cases = [(u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (1 << 60, 1 << 20), (u64::MAX, 64 << 20)];
+    let cases = [(u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (1 << 60, 1 << 20), (u64::MAX, 16 << 20)];
     for (i, (size, block_size)) in cases.into_iter().enumerate() {
         let mut c = Raw::control(&addr, token.as_bytes());
         let opts = TransferOptions { transfer_id: [20 + i as u8; 16], block_size, flags: 0, tcp_buffer: 0 };
@@ -576,4 +576,106 @@ fn a_malicious_server_announcing_a_huge_file_does_not_crash_the_client() {
     assert!(matches!(last[1], Some(Msg::Done { .. })), "{:?}\n{}", last[1], r.stderr);
     assert!(r.code < 128, "the client died: {}", r.stderr);
     assert_eq!(list_tree(&dest).into_keys().collect::<Vec<_>>(), ["ok.dat"]);
+}
+
+/// Regression: one small `Push` naming thousands of hosts made the server
+/// open thousands of connections to an address of the client's choosing,
+/// and a `Push` naming none panicked its connection thread. Now a push may
+/// have the server open at most 64 data connections in all, and must name a host.
+#[test]
+fn a_push_naming_thousands_of_hosts_makes_the_server_open_no_connections() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/a.dat"), 1000, 1);
+    let mut srv = env.serve(&[("e", &export)]);
+    let token = env.token_str();
+    // The target of the amplification: it counts the connections it gets.
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target.local_addr().unwrap().to_string();
+    target.set_nonblocking(true).unwrap();
+    let reached = AtomicUsize::new(0);
+    let opts = TransferOptions { transfer_id: [30; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let host = TicketedHost { addr: target_addr, key_id: [1; 16], wrapped_secret: [0; 32] };
+    let cases = [(2000, 4), (2, 64), (0, 4)];
+    for (n, streams) in cases {
+        let mut c = Raw::control(&srv.addr(), token.as_bytes());
+        let params = EngineParams { streams, concurrency: 8, staging: 64 << 20, retries: 0, bwlimit: 0 };
+        let hosts = vec![host.clone(); n];
+        c.send(&Msg::Push { sources: vec!["e/src".into()], dest: "x/in".into(), hosts, options: opts, params });
+        let answer = c.read();
+        while let Ok((_conn, _)) = target.accept() {
+            reached.fetch_add(1, Ordering::SeqCst);
+        }
+        match answer {
+            Some(Msg::Error { message, .. }) if n > 0 => {
+                assert!(message.contains("at most 64"), "{n} hosts × {streams} streams: {message}")
+            }
+            Some(Msg::Error { message, .. }) => assert!(message.contains("no destination host"), "{message}"),
+            m => panic!(
+                "a push to {n} hosts × {streams} streams was not refused: {m:?}; the target got {} connections",
+                reached.load(Ordering::SeqCst)
+            ),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    while let Ok((_conn, _)) = target.accept() {
+        reached.fetch_add(1, Ordering::SeqCst);
+    }
+    assert_eq!(reached.load(Ordering::SeqCst), 0, "the server connected to the push's target");
+    assert!(srv.running(), "{}", srv.log());
+    assert!(!srv.log().contains("panicked"), "{}", srv.log());
+}
+
+/// Regression: a download asking for 1 GiB of staging and 64 MiB blocks,
+/// whose data was never read, made the server hold as much as it asked
+/// for. Now a request gets at most the server's own staging (`--staging`,
+/// 8 MiB here), and blocks that do not fit in it are refused.
+#[test]
+fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_staging() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    for i in 0..64 {
+        write_random(&export.join(format!("big/{i:02}.dat")), 4 << 20, i);
+    }
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--staging".into(), "8M".into()];
+    let srv = Server::start(spec);
+    let addr = srv.addr();
+    let token = env.token_str();
+    let greedy = EngineParams { streams: 1, concurrency: 64, staging: 1 << 30, retries: 0, bwlimit: 0 };
+    let send = |block_size: u32| Msg::Send {
+        sources: vec!["e/big/".into()],
+        options: TransferOptions { transfer_id: [31; 16], block_size, flags: 0, tcp_buffer: 0 },
+        params: greedy,
+    };
+
+    // Blocks of 64 MiB do not fit in the server's 8 MiB of staging.
+    let mut c = Raw::control(&addr, token.as_bytes());
+    match c.read_after(&send(64 << 20)) {
+        Some(Msg::Error { kind: ErrorKind::Usage, message }) => assert!(message.contains("--block-size"), "{message}"),
+        m => panic!("a download in blocks of 64 MiB was not refused: {m:?}"),
+    }
+    let o = TransferOptions { transfer_id: [32; 16], block_size: 64 << 20, flags: 0, tcp_buffer: 0 };
+    c.refused(&Msg::Receive { dest: "e/in".into(), options: o }, ErrorKind::Usage);
+
+    // 1 GiB of staging asked for, and the data never read: the server reads
+    // ahead no more than its own staging.
+    let before = proc_status(srv.pid(), "VmRSS:");
+    let Some(Msg::SessionOpened { session }) = c.read_after(&send(1 << 20)) else { panic!("no session:\n{}", srv.log()) };
+    let (mut d, _, _) = Raw::handshake(&addr, token.as_bytes());
+    assert_eq!(d.read(), Some(Msg::Welcome));
+    d.send(&Msg::OpenData { session, index: 0 });
+    assert!(matches!(d.read(), Some(Msg::SessionOpened { .. })));
+    c.send(&Msg::Ready);
+    c.s.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(5) {
+        if let Some(Msg::Announce { id, meta, .. }) = c.read() {
+            c.send(&Msg::Plan { id, skip: false, ranges: vec![(0, meta.size.div_ceil(1 << 20))] });
+        }
+    }
+    let during = proc_status(srv.pid(), "VmRSS:");
+    eprintln!("server RSS: {before} KiB before, {during} KiB with a download of 256 MiB never read");
+    assert!(during < before + 40 * 1024, "the server's memory grew from {before} to {during} KiB for one download never read");
 }

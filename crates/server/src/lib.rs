@@ -64,6 +64,9 @@ const MAX_HANDSHAKES: usize = 256;
 /// Connections from one address that may be authenticating at once; a new
 /// one beyond it closes the oldest from the same address.
 const MAX_HANDSHAKES_PER_ADDR: usize = 128;
+/// Data connections one request may have this server hold or open, in all
+/// (a `Send`'s streams; a `Push`'s hosts times its streams per host).
+const MAX_STREAMS: u64 = 64;
 /// How long a data connection may wait for its session to appear.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -418,11 +421,13 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
     }
     Ok(match m {
         Msg::Receive { dest, options } => {
+            blocks_fit(srv, options.block_size, 0)?;
             let (root, rest) = locate(srv, &dest)?;
             root.resolve(rest)?;
             Action::Receive { root: root.clone(), dest: rest.to_string(), options }
         }
         Msg::Send { sources, options, params } => {
+            let params = limit(srv, options.block_size, params.streams as u64, params)?;
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Send { root, specs, options, params }
         }
@@ -433,6 +438,11 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
             Action::Reply(Msg::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })
         }
         Msg::Push { sources, dest, hosts, options, params } => {
+            if hosts.is_empty() {
+                return Err(Error::new(ErrorKind::Usage, dest, "a push names no destination host"));
+            }
+            let streams = hosts.len() as u64 * params.streams.clamp(1, MAX_STREAMS as u32) as u64;
+            let params = limit(srv, options.block_size, streams, params)?;
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Push { root, specs, dest, hosts, options, params }
         }
@@ -451,6 +461,38 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
         Msg::Ping => Action::Nothing,
         m => return Err(Error::protocol("", format!("unexpected request {m:?}"))),
     })
+}
+
+/// Checks that `streams` data connections fit in [`MAX_STREAMS`] and that
+/// blocks of `block_size` for them, and at least one file being read (or
+/// the receiving pool's four blocks), fit in this server's staging.
+/// Returns how many blocks fit.
+fn blocks_fit(srv: &Server, block_size: u32, streams: u64) -> Result<u64> {
+    if streams > MAX_STREAMS {
+        let message = format!("{streams} data connections asked for; this server opens or holds at most {MAX_STREAMS} for one request (fewer streams, -p, or fewer hosts)");
+        return Err(Error::new(ErrorKind::Usage, "", message));
+    }
+    let fits = srv.cfg.staging / (block_size as u64).max(1);
+    let need = (streams + 1).max(dmover_engine::pool::MIN_BLOCKS as u64);
+    if fits < need {
+        let fewer = if streams > 0 { " or fewer streams (-p)" } else { "" };
+        let message = format!(
+            "{need} blocks of {block_size} bytes do not fit in this server's staging ({} bytes); use a smaller --block-size{fewer}",
+            srv.cfg.staging
+        );
+        return Err(Error::new(ErrorKind::Usage, "", message));
+    }
+    Ok(fits)
+}
+
+/// Holds a sending request's engine parameters to this server's limits: no
+/// more staging than its own, and no more files read at once than fit in
+/// it beside one block per stream, so that whatever a client asks for, a
+/// request holds at most the server's staging.
+fn limit(srv: &Server, block_size: u32, streams: u64, p: EngineParams) -> Result<EngineParams> {
+    let fits = blocks_fit(srv, block_size, streams)?;
+    let concurrency = (p.concurrency as u64).clamp(1, 64).min(fits - streams) as u32;
+    Ok(EngineParams { staging: p.staging.min(srv.cfg.staging), concurrency, ..p })
 }
 
 /// Serves requests on a control connection until it ends or becomes a transfer.
