@@ -90,8 +90,17 @@ impl TokenArgs {
 }
 
 /// Reads a token file (surrounding white space is not part of the token).
+/// A file that group or others can read is refused, as ssh refuses such keys.
 pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>, Error> {
-    let s = std::fs::read(f).map_err(|e| Error::new(ErrorKind::Usage, f.display().to_string(), format!("cannot read token file: {e}")))?;
+    use std::os::unix::fs::PermissionsExt;
+    let subject = f.display().to_string();
+    let unreadable = |e: std::io::Error| Error::new(ErrorKind::Usage, &subject, format!("cannot read token file: {e}"));
+    let mode = std::fs::metadata(f).map_err(unreadable)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        let msg = format!("token file can be read by group or others (mode {:o}); run `chmod 600 {subject}`", mode & 0o777);
+        return Err(Error::new(ErrorKind::Usage, &subject, msg));
+    }
+    let s = std::fs::read(f).map_err(unreadable)?;
     let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
     if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
         let msg = format!(

@@ -78,17 +78,28 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
     env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
 }
 
+/// Regression: a token file anyone could read was accepted with a warning.
+/// Now both ends refuse it, saying how to fix it.
 #[test]
-fn serve_warns_about_a_token_file_others_can_read() {
+fn a_token_file_group_or_others_can_read_is_refused_at_both_ends() {
     let env = Env::new();
     let export = env.mkdir("export");
-    chmod(&env.token, 0o644);
     let srv = env.serve(&[("e", &export)]);
-    assert!(
-        wait_until(Duration::from_secs(10), || srv.log().contains("readable")),
-        "no warning about the token file's mode:\n{}",
-        srv.log()
-    );
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 4);
+    let fix = format!("chmod 600 {}", env.token.display());
+    for mode in [0o644, 0o640, 0o604] {
+        chmod(&env.token, mode);
+        let r = dmover(["serve", "--listen", "127.0.0.1:0", "--export"])
+            .arg(format!("e={}", export.display()))
+            .arg("--token-file")
+            .arg(&env.token)
+            .timeout(Duration::from_secs(20))
+            .run();
+        r.assert_fails(2, &[&fix]);
+        env.cp([src.display().to_string(), srv.url("e")]).run().assert_fails(2, &[&fix]);
+    }
+    assert!(!export.join("src").exists());
 }
 
 #[test]
