@@ -18,6 +18,7 @@ use dmover_engine::transport::Transport;
 use dmover_engine::wire::FrameReader;
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
+use dmover_proto::path::printable;
 use dmover_proto::{ErrorKind, Msg};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -125,7 +126,7 @@ fn copy(a: &CpArgs) -> Result<i32> {
         eprintln!("{}", r.summary());
     }
     for e in &stats.errors {
-        eprintln!("dmover: error: {}: {}", e.path, e.message);
+        eprintln!("dmover: error: {}: {}", printable(&e.path), printable(&e.message));
     }
     Ok(r.exit_code())
 }

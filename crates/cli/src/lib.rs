@@ -28,7 +28,9 @@ mod streams;
 
 use clap::{Args, Parser, Subcommand};
 use dmover_engine::Error;
+use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
+use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -138,7 +140,9 @@ pub fn main() -> ! {
         }
     };
     let level = if matches!(cli.cmd, Cmd::Serve(_) | Cmd::Sink(_)) { "info" } else { "warn" };
-    env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level)).format_target(false).init();
+    env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level))
+        .format(|buf, r| writeln!(buf, "[{} {:<5}] {}", buf.timestamp(), r.level(), printable(&r.args().to_string())))
+        .init();
     raise_fd_limit();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
@@ -156,7 +160,7 @@ pub fn main() -> ! {
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("dmover: error: {e} ({})", e.hint());
+            eprintln!("dmover: error: {}", printable(&format!("{e} ({})", e.hint())));
             std::process::exit(e.kind as i32);
         }
     }

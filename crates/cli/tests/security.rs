@@ -391,3 +391,34 @@ fn setuid_setgid_and_sticky_bits_are_dropped_on_upload_and_download() {
     env.cp([srv.url("e/planted"), down.display().to_string()]).run().assert_ok();
     assert_modes(&down.join("planted"), &expected);
 }
+
+/// Regression: names with terminal escapes and newlines were printed raw by
+/// `dmover ls` and logged raw, so a file name could clear a terminal or
+/// forge a log line. Now control characters are escaped (`\u{1b}`, `\n`).
+#[test]
+fn names_with_escapes_and_newlines_are_escaped_by_ls_and_in_logs() {
+    use dmover_proto::frame::{FileMeta, TransferOptions};
+    use dmover_proto::Msg;
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("d/evil\x1b[2Jname"), 10, 1);
+    write_random(&export.join("d/two\n[2026-01-01T00:00:00Z INFO ] forged"), 10, 2);
+    let srv = env.serve(&[("e", &export)]);
+    let r = dmover(["ls", "--token-file"]).arg(&env.token).arg(srv.url("e/d/")).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(!r.stdout.contains('\x1b'), "ls printed an escape character:\n{:?}", r.stdout);
+    assert_eq!(r.stdout.lines().count(), 2, "ls printed a name over two lines:\n{}", r.stdout);
+    assert!(r.stdout.contains("evil\\u{1b}[2Jname") && r.stdout.contains("two\\n[2026"), "{}", r.stdout);
+
+    // A name refused at the server is logged escaped.
+    let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
+    let options = TransferOptions { transfer_id: [40; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    c.send(&Msg::Receive { dest: "e/in".into(), options });
+    assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
+    let meta = FileMeta { path: "../\x1b[2J\n[2026-01-01T00:00:00Z INFO ] forged".into(), size: 1, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+    c.send(&Msg::Announce { id: 1, meta, digest: None });
+    assert!(matches!(c.read(), Some(Msg::Failed { .. })));
+    let log = srv.log();
+    assert!(log.contains("\\u{1b}[2J\\n"), "the refusal was not logged escaped:\n{log}");
+    assert!(!log.contains('\x1b') && !log.lines().any(|l| l.starts_with("[2026-01-01")), "a name was logged raw:\n{log}");
+}
