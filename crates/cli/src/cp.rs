@@ -18,6 +18,7 @@ use dmover_engine::transport::Transport;
 use dmover_engine::wire::FrameReader;
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
+use dmover_proto::path::printable;
 use dmover_proto::{ErrorKind, Msg};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -130,7 +131,7 @@ fn copy(a: &CpArgs) -> Result<i32> {
         eprintln!("{}", r.summary());
     }
     for e in &stats.errors {
-        eprintln!("dmover: error: {}: {}", e.path, e.message);
+        eprintln!("dmover: error: {}: {}", printable(&e.path), printable(&e.message));
     }
     Ok(r.exit_code())
 }
@@ -236,6 +237,7 @@ fn recv_config(p: &Plan) -> RecvConfig {
         writers: WRITERS,
         idle_timeout: IDLE_TIMEOUT,
         intake: Default::default(),
+        accept: None,
     }
 }
 
@@ -294,7 +296,8 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     a.net.untunable("downloads")?;
     let socket = a.net.socket()?;
     with_retries(a.retries, |_| {
-        let prepared = recv::prepare(recv_config(p))?;
+        let cfg = RecvConfig { accept: Some(crate::names::expected(&specs(p))), ..recv_config(p) };
+        let prepared = recv::prepare(cfg)?;
         let started = session::start_streams(host, &cred, a.net.fixed() as usize, &socket);
         let mut c = Conn::control(host, &cred)?;
         let m = c.request(&Msg::Send { sources: specs(p), options: p.options, params: p.params })?;

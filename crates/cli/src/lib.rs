@@ -19,6 +19,7 @@ mod drain;
 mod job;
 mod location;
 mod ls;
+mod names;
 mod report;
 mod serve;
 mod sink;
@@ -27,7 +28,9 @@ mod streams;
 
 use clap::{Args, Parser, Subcommand};
 use dmover_engine::Error;
+use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
+use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -89,8 +92,17 @@ impl TokenArgs {
 }
 
 /// Reads a token file (surrounding white space is not part of the token).
+/// A file that group or others can read is refused, as ssh refuses such keys.
 pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>, Error> {
-    let s = std::fs::read(f).map_err(|e| Error::new(ErrorKind::Usage, f.display().to_string(), format!("cannot read token file: {e}")))?;
+    use std::os::unix::fs::PermissionsExt;
+    let subject = f.display().to_string();
+    let unreadable = |e: std::io::Error| Error::new(ErrorKind::Usage, &subject, format!("cannot read token file: {e}"));
+    let mode = std::fs::metadata(f).map_err(unreadable)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        let msg = format!("token file can be read by group or others (mode {:o}); run `chmod 600 {subject}`", mode & 0o777);
+        return Err(Error::new(ErrorKind::Usage, &subject, msg));
+    }
+    let s = std::fs::read(f).map_err(unreadable)?;
     let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
     if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
         let msg = format!(
@@ -128,7 +140,9 @@ pub fn main() -> ! {
         }
     };
     let level = if matches!(cli.cmd, Cmd::Serve(_) | Cmd::Sink(_)) { "info" } else { "warn" };
-    env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level)).format_target(false).init();
+    env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level))
+        .format(|buf, r| writeln!(buf, "[{} {:<5}] {}", buf.timestamp(), r.level(), printable(&r.args().to_string())))
+        .init();
     raise_fd_limit();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve::run(a),
@@ -146,7 +160,7 @@ pub fn main() -> ! {
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("dmover: error: {e} ({})", e.hint());
+            eprintln!("dmover: error: {}", printable(&format!("{e} ({})", e.hint())));
             std::process::exit(e.kind as i32);
         }
     }

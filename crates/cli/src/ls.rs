@@ -53,7 +53,7 @@ pub fn run(a: LsArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// `drwxr-xr-x` style permissions, size and path.
+/// `drwxr-xr-x` style permissions, size and path (control characters escaped).
 fn line(m: &FileMeta) -> String {
     let kind = if m.is_dir() { 'd' } else { '-' };
     let mut perms = String::from(kind);
@@ -63,5 +63,5 @@ fn line(m: &FileMeta) -> String {
         perms.push(if b & 2 != 0 { 'w' } else { '-' });
         perms.push(if b & 1 != 0 { 'x' } else { '-' });
     }
-    format!("{perms} {:>14} {:>12} {}", m.size, m.mtime_s, m.path)
+    format!("{perms} {:>14} {:>12} {}", m.size, m.mtime_s, dmover_proto::path::printable(&m.path))
 }

@@ -43,11 +43,9 @@ pub struct DaemonArgs {
 }
 
 impl DaemonArgs {
-    /// The token, checked, with a warning if others can read its file.
+    /// The token, checked.
     pub fn token(&self) -> Result<Vec<u8>> {
-        let token = crate::read_token(&self.token_file)?;
-        warn_if_readable(&self.token_file);
-        Ok(token)
+        crate::read_token(&self.token_file)
     }
 
     /// A server configuration with these flags and no exports.
@@ -110,13 +108,4 @@ pub fn run_server(listener: std::net::TcpListener, cfg: dmover_server::Config) -
     dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");
     Ok(0)
-}
-
-fn warn_if_readable(f: &std::path::Path) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Ok(m) = std::fs::metadata(f) {
-        if m.permissions().mode() & 0o077 != 0 {
-            log::warn!("{}: token file is readable by others; chmod 600 it", f.display());
-        }
-    }
 }

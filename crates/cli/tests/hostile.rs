@@ -9,12 +9,13 @@
 mod util;
 
 use dmover_proto::auth::{Key, TOKEN_KEY_ID};
-use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::io::Write;
 use std::net::Shutdown;
 use std::os::unix::fs::symlink;
+use std::path::Path;
 use std::time::{Duration, Instant};
 use util::*;
 
@@ -162,17 +163,18 @@ fn slowloris_trickling_its_handshake_is_cut_off_after_the_handshake_timeout() {
     assert!(n >= 32, "only {n} of 32 slow connections were logged:\n{log}");
 }
 
-/// Every connection slot taken by silent peers: an honest client is told
-/// the server is busy, retries, and gets through once the silent ones
-/// are cut off.
+/// Every connection slot taken by silent authenticated peers: an honest
+/// client is told the server is busy, retries, and gets through once the
+/// silent ones are cut off by the idle timeout.
 #[test]
 fn all_slots_taken_by_idle_peers_an_honest_client_gets_through_after_the_timeout() {
     let env = Env::new();
     let export = env.mkdir("export");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
-    spec.extra = vec!["--max-connections".into(), "8".into()];
+    spec.extra = ["--max-connections", "8", "--idle-timeout", "3"].map(Into::into).to_vec();
     let srv = Server::start(spec);
-    let idle: Vec<Raw> = (0..8).map(|_| Raw::connect(&srv.addr())).collect();
+    let token = env.token_str();
+    let idle: Vec<Raw> = (0..8).map(|_| Raw::control(&srv.addr(), token.as_bytes())).collect();
     std::thread::sleep(Duration::from_millis(300));
     let src = env.path("src");
     make_tree(&src, 5, 5);
@@ -355,4 +357,325 @@ fn planted_hard_links_in_the_destination_are_not_written_through() {
         assert!(fs::read(outside.join(format!("victim{}", i + 1))).unwrap() == *b, "victim{} outside the export was written", i + 1);
     }
     assert_same_tree(&src, &export.join("in/src"));
+}
+
+/// Regression: an `Announce` of 2^60 bytes made the server abort while
+/// allocating the file's block map, and one of 2^64-1 bytes in 1-byte
+/// blocks panicked the connection thread, which then kept its connection
+/// slot for good. Now a size is checked against the most blocks a file may
+/// have before anything is sized from it, and the file is refused.
+#[test]
+fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost_slot() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--max-connections".into(), "4".into()];
+    let mut srv = Server::start(spec);
+    let addr = srv.addr();
+    let token = env.token_str();
+    let cases = [(u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (1 << 60, 1 << 20), (u64::MAX, 16 << 20)];
+    for (i, (size, block_size)) in cases.into_iter().enumerate() {
+        let mut c = Raw::control(&addr, token.as_bytes());
+        let opts = TransferOptions { transfer_id: [20 + i as u8; 16], block_size, flags: 0, tcp_buffer: 0 };
+        c.send(&Msg::Receive { dest: "e/in".into(), options: opts });
+        assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })), "case {i}: no session:\n{}", srv.log());
+        let meta = FileMeta { path: "huge.dat".into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        c.send(&Msg::Announce { id: 1, meta, digest: None });
+        match c.read() {
+            Some(Msg::Failed { id: 1, kind: ErrorKind::Refused, message, .. }) => {
+                assert!(message.contains("--block-size"), "case {i}: the refusal does not say what to do: {message}")
+            }
+            m => panic!("case {i}: {size} bytes in blocks of {block_size} were not refused, got {m:?}:\n{}", srv.log()),
+        }
+        c.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
+        assert!(matches!(c.read(), Some(Msg::Finished { files: 0, .. })), "case {i}:\n{}", srv.log());
+    }
+    assert!(srv.running(), "{}", srv.log());
+    assert!(!export.join("in/huge.dat").exists());
+    let src = env.path("src");
+    make_tree(&src, 7, 5);
+    env.cp([src.display().to_string(), srv.url("e"), "-p".into(), "2".into()]).run().assert_ok();
+    assert_same_tree(&src, &export.join("src"));
+    assert!(!srv.log().contains("panicked"), "{}", srv.log());
+}
+
+/// Regression: connections that never authenticate counted against
+/// `--max-connections`, so 300 silent TCP connections, opened again as the
+/// server cut them, kept an honest client out for as long as they liked.
+/// Now they have their own budget (in all and per address), and the oldest
+/// of them makes room for a new connection.
+#[test]
+fn three_hundred_idle_unauthenticated_connections_do_not_lock_out_an_honest_client() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let addr = srv.addr();
+    let stop = AtomicBool::new(false);
+    let src = env.path("src");
+    make_tree(&src, 8, 10);
+    let r = std::thread::scope(|s| {
+        // The attacker: 300 connections that send nothing, each opened again once the server closes it.
+        s.spawn(|| {
+            let mut conns: Vec<std::net::TcpStream> = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                conns.retain(|c| {
+                    c.set_nonblocking(true).unwrap();
+                    matches!(c.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                });
+                while conns.len() < 300 {
+                    match std::net::TcpStream::connect(&addr) {
+                        Ok(c) => conns.push(c),
+                        Err(_) => break,
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(1500));
+        let r = env.cp([src.display().to_string(), srv.url("e")]).timeout(Duration::from_secs(40)).run();
+        stop.store(true, Ordering::SeqCst);
+        r
+    });
+    r.assert_ok();
+    assert!(r.elapsed < Duration::from_secs(8), "the honest copy took {:?} while idle connections held the port", r.elapsed);
+    assert_same_tree(&src, &export.join("src"));
+}
+
+/// Plays a malicious server for one download of `spec` (`EXPORT/path`)
+/// into `dest`: it knows the token, so the client trusts it; it answers
+/// `Send` with a session, takes one data connection and announces `files`
+/// (name, size, mode), all empty whatever size they claim, whatever was
+/// asked. Returns the client's run and its last word on each file (`Done`,
+/// `Failed`, or nothing if it hung up).
+fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u32)]) -> (Run, Vec<Option<Msg>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let key = Key::from_secret(env.token_str().as_bytes());
+    let client = env
+        .cp([format!("dmover://{addr}/{spec}"), format!("{}/", dest.display()), "-p".into(), "1".into(), "--retries".into(), "0".into()])
+        .spawn();
+    // Each connection authenticates in its own thread: the client opens its
+    // data connection and its control connection at once.
+    let (tx, rx) = std::sync::mpsc::channel();
+    for _ in 0..2 {
+        let (s, _) = listener.accept().unwrap();
+        let (key, tx) = (key.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let mut c = Raw { s };
+            c.s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let Some(Msg::Hello { nonce: cn, .. }) = c.read() else { panic!("no hello") };
+            let sn = [9u8; 32];
+            c.send(&Msg::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) });
+            assert!(matches!(c.read(), Some(Msg::Proof { .. })), "no proof");
+            c.send(&Msg::Welcome);
+            let control = match c.read() {
+                Some(Msg::OpenData { session, .. }) => {
+                    c.send(&Msg::SessionOpened { session });
+                    false
+                }
+                Some(Msg::OpenControl) => {
+                    assert!(matches!(c.read(), Some(Msg::Send { .. })), "the client did not ask for a send");
+                    c.send(&Msg::SessionOpened { session: [9; 16] });
+                    assert!(matches!(c.read(), Some(Msg::Ready)), "the client did not say it is ready");
+                    true
+                }
+                m => panic!("expected a connection type, got {m:?}"),
+            };
+            tx.send((control, c)).unwrap();
+        });
+    }
+    let (mut controls, data): (Vec<_>, Vec<_>) =
+        (0..2).map(|_| rx.recv_timeout(Duration::from_secs(20)).expect("the client did not connect")).partition(|(control, _)| *control);
+    let mut ctl = controls.pop().expect("no control connection").1;
+    let next = |c: &mut Raw| loop {
+        match c.read() {
+            Some(Msg::Ping) => continue,
+            m => return m,
+        }
+    };
+    for (i, (name, size, mode)) in files.iter().enumerate() {
+        let meta = FileMeta { path: name.to_string(), size: *size, mtime_s: 0, mtime_ns: 0, mode: *mode };
+        ctl.send(&Msg::Announce { id: i as u64, meta, digest: None });
+    }
+    let mut last: Vec<Option<Msg>> = vec![None; files.len()];
+    let mut open = files.len();
+    while open > 0 {
+        match next(&mut ctl) {
+            Some(Msg::Plan { id, .. }) => ctl.send(&Msg::FileEnd { id, digest: dmover_proto::digest::file_digest(&[]) }),
+            Some(m @ (Msg::Done { .. } | Msg::Failed { .. })) => {
+                let (Msg::Done { id, .. } | Msg::Failed { id, .. }) = m else { unreachable!() };
+                last[id as usize] = Some(m);
+                open -= 1;
+            }
+            _ => break, // the client hung up, or said why it gave up
+        }
+    }
+    ctl.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
+    if let Some(Msg::Finished { .. }) = next(&mut ctl) {
+        ctl.send(&Msg::Report(Default::default()));
+    }
+    // Hang up, as a server does after its report.
+    drop((ctl, data));
+    (client.wait(), last)
+}
+
+/// Regression: a download of one file from a malicious server also wrote
+/// `.bashrc`, `.ssh/authorized_keys`, names with terminal escapes and
+/// names in dmover's own state into the destination. Now a client takes
+/// only names its request can produce.
+#[test]
+fn a_malicious_server_cannot_write_names_the_download_did_not_ask_for() {
+    let env = Env::new();
+    let cases: [(&str, &[&str], &[&str]); 2] = [
+        (
+            "e/data/report.pdf",
+            &["report.pdf"],
+            &[
+                ".bashrc",
+                ".ssh/authorized_keys",
+                "report.pdfx",
+                "evil\x1b]0;owned\x07",
+                "a\nb",
+                ".dmover-partial/transfer-00",
+                ".x.dmover-part",
+            ],
+        ),
+        ("e/data/*.h5", &["a.h5", "b.h5"], &["c.txt", "sub/d.h5", ".bashrc"]),
+    ];
+    for (i, (spec, asked, planted)) in cases.into_iter().enumerate() {
+        let dest = env.mkdir(&format!("down{i}"));
+        let files: Vec<(&str, u64, u32)> = asked.iter().chain(planted).map(|n| (*n, 0, 0o644)).collect();
+        let (r, last) = malicious_download(&env, spec, &dest, &files);
+        for (n, (name, _, _)) in files.iter().enumerate() {
+            let took = matches!(last[n], Some(Msg::Done { .. }));
+            if n < asked.len() {
+                assert!(took, "{spec}: {name:?}, which was asked for, was not taken: {:?}\n{}", last[n], r.stderr);
+            } else {
+                assert!(!took, "{spec}: the client took {name:?}, which it never asked for");
+                assert!(matches!(&last[n], Some(Msg::Failed { kind: ErrorKind::Refused, .. })), "{spec}: {name:?}: {:?}", last[n]);
+            }
+        }
+        let got: Vec<String> = list_tree(&dest).into_keys().collect();
+        assert_eq!(got, asked, "{spec}: the destination holds other names");
+        assert!(r.code < 128, "{spec}: the client died: {}", r.stderr);
+    }
+}
+
+/// Regression: a malicious server announcing a file of 2^60 bytes made a
+/// downloading client abort. Now the client refuses the file and goes on.
+#[test]
+fn a_malicious_server_announcing_a_huge_file_does_not_crash_the_client() {
+    let env = Env::new();
+    let dest = env.mkdir("down");
+    let (r, last) = malicious_download(&env, "e/data/", &dest, &[("huge.dat", 1 << 60, 0o644), ("ok.dat", 0, 0o644)]);
+    match &last[0] {
+        Some(Msg::Failed { kind: ErrorKind::Refused, message, .. }) => assert!(message.contains("--block-size"), "{message}"),
+        m => panic!("the client did not refuse a file of 2^60 bytes: {m:?}\n{}", r.stderr),
+    }
+    assert!(matches!(last[1], Some(Msg::Done { .. })), "{:?}\n{}", last[1], r.stderr);
+    assert!(r.code < 128, "the client died: {}", r.stderr);
+    assert_eq!(list_tree(&dest).into_keys().collect::<Vec<_>>(), ["ok.dat"]);
+}
+
+/// Regression: one small `Push` naming thousands of hosts made the server
+/// open thousands of connections to an address of the client's choosing,
+/// and a `Push` naming none panicked its connection thread. Now a push may
+/// have the server open at most 64 data connections in all, and must name a host.
+#[test]
+fn a_push_naming_thousands_of_hosts_makes_the_server_open_no_connections() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/a.dat"), 1000, 1);
+    let mut srv = env.serve(&[("e", &export)]);
+    let token = env.token_str();
+    // The target of the amplification: it counts the connections it gets.
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target.local_addr().unwrap().to_string();
+    target.set_nonblocking(true).unwrap();
+    let reached = AtomicUsize::new(0);
+    let opts = TransferOptions { transfer_id: [30; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let host = TicketedHost { addr: target_addr, key_id: [1; 16], wrapped_secret: [0; 32] };
+    let cases = [(2000, 4), (2, 64), (0, 4)];
+    for (n, streams) in cases {
+        let mut c = Raw::control(&srv.addr(), token.as_bytes());
+        let params = EngineParams { streams, concurrency: 8, staging: 64 << 20, retries: 0, bwlimit: 0 };
+        let hosts = vec![host.clone(); n];
+        c.send(&Msg::Push { sources: vec!["e/src".into()], dest: "x/in".into(), hosts, options: opts, params });
+        let answer = c.read();
+        while let Ok((_conn, _)) = target.accept() {
+            reached.fetch_add(1, Ordering::SeqCst);
+        }
+        match answer {
+            Some(Msg::Error { message, .. }) if n > 0 => {
+                assert!(message.contains("at most 64"), "{n} hosts × {streams} streams: {message}")
+            }
+            Some(Msg::Error { message, .. }) => assert!(message.contains("no destination host"), "{message}"),
+            m => panic!(
+                "a push to {n} hosts × {streams} streams was not refused: {m:?}; the target got {} connections",
+                reached.load(Ordering::SeqCst)
+            ),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    while let Ok((_conn, _)) = target.accept() {
+        reached.fetch_add(1, Ordering::SeqCst);
+    }
+    assert_eq!(reached.load(Ordering::SeqCst), 0, "the server connected to the push's target");
+    assert!(srv.running(), "{}", srv.log());
+    assert!(!srv.log().contains("panicked"), "{}", srv.log());
+}
+
+/// Regression: a download asking for 1 GiB of staging and 64 MiB blocks,
+/// whose data was never read, made the server hold as much as it asked
+/// for. Now a request gets at most the server's own staging (`--staging`,
+/// 8 MiB here), and blocks that do not fit in it are refused.
+#[test]
+fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_staging() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    for i in 0..64 {
+        write_random(&export.join(format!("big/{i:02}.dat")), 4 << 20, i);
+    }
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--staging".into(), "8M".into()];
+    let srv = Server::start(spec);
+    let addr = srv.addr();
+    let token = env.token_str();
+    let greedy = EngineParams { streams: 1, concurrency: 64, staging: 1 << 30, retries: 0, bwlimit: 0 };
+    let send = |block_size: u32| Msg::Send {
+        sources: vec!["e/big/".into()],
+        options: TransferOptions { transfer_id: [31; 16], block_size, flags: 0, tcp_buffer: 0 },
+        params: greedy,
+    };
+
+    // Blocks of 64 MiB do not fit in the server's 8 MiB of staging.
+    let mut c = Raw::control(&addr, token.as_bytes());
+    match c.read_after(&send(64 << 20)) {
+        Some(Msg::Error { kind: ErrorKind::Usage, message }) => assert!(message.contains("--block-size"), "{message}"),
+        m => panic!("a download in blocks of 64 MiB was not refused: {m:?}"),
+    }
+    let o = TransferOptions { transfer_id: [32; 16], block_size: 64 << 20, flags: 0, tcp_buffer: 0 };
+    c.refused(&Msg::Receive { dest: "e/in".into(), options: o }, ErrorKind::Usage);
+
+    // 1 GiB of staging asked for, and the data never read: the server reads
+    // ahead no more than its own staging.
+    let before = proc_status(srv.pid(), "VmRSS:");
+    let Some(Msg::SessionOpened { session }) = c.read_after(&send(1 << 20)) else { panic!("no session:\n{}", srv.log()) };
+    let (mut d, _, _) = Raw::handshake(&addr, token.as_bytes());
+    assert_eq!(d.read(), Some(Msg::Welcome));
+    d.send(&Msg::OpenData { session, index: 0 });
+    assert!(matches!(d.read(), Some(Msg::SessionOpened { .. })));
+    c.send(&Msg::Ready);
+    c.s.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(5) {
+        if let Some(Msg::Announce { id, meta, .. }) = c.read() {
+            c.send(&Msg::Plan { id, skip: false, ranges: vec![(0, meta.size.div_ceil(1 << 20))] });
+        }
+    }
+    let during = proc_status(srv.pid(), "VmRSS:");
+    eprintln!("server RSS: {before} KiB before, {during} KiB with a download of 256 MiB never read");
+    assert!(during < before + 40 * 1024, "the server's memory grew from {before} to {during} KiB for one download never read");
 }

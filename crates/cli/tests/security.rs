@@ -7,7 +7,8 @@ mod util;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::unix::fs::symlink;
+use std::os::unix::fs::{symlink, PermissionsExt};
+use std::path::Path;
 use std::time::Duration;
 use util::*;
 
@@ -77,17 +78,28 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
     env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
 }
 
+/// Regression: a token file anyone could read was accepted with a warning.
+/// Now both ends refuse it, saying how to fix it.
 #[test]
-fn serve_warns_about_a_token_file_others_can_read() {
+fn a_token_file_group_or_others_can_read_is_refused_at_both_ends() {
     let env = Env::new();
     let export = env.mkdir("export");
-    chmod(&env.token, 0o644);
     let srv = env.serve(&[("e", &export)]);
-    assert!(
-        wait_until(Duration::from_secs(10), || srv.log().contains("readable")),
-        "no warning about the token file's mode:\n{}",
-        srv.log()
-    );
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 1000, 4);
+    let fix = format!("chmod 600 {}", env.token.display());
+    for mode in [0o644, 0o640, 0o604] {
+        chmod(&env.token, mode);
+        let r = dmover(["serve", "--listen", "127.0.0.1:0", "--export"])
+            .arg(format!("e={}", export.display()))
+            .arg("--token-file")
+            .arg(&env.token)
+            .timeout(Duration::from_secs(20))
+            .run();
+        r.assert_fails(2, &[&fix]);
+        env.cp([src.display().to_string(), srv.url("e")]).run().assert_fails(2, &[&fix]);
+    }
+    assert!(!export.join("src").exists());
 }
 
 #[test]
@@ -325,4 +337,88 @@ fn sigterm_lets_a_running_transfer_finish() {
     assert_same_tree(&src, &export.join("src"));
     let st = srv.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| panic!("the server did not exit after the transfer:\n{}", srv.log()));
     assert_eq!(st.code(), Some(0), "{}", srv.log());
+}
+
+/// Files and empty directories with setuid, setgid and sticky bits, and
+/// the modes a receiver must give them (their permission bits alone).
+fn special_modes(root: &Path) -> Vec<(&'static str, u32)> {
+    let entries = [
+        ("suid", 0o4755, false),
+        ("sgid", 0o2755, false),
+        ("all", 0o6777, false),
+        ("sgid-dir", 0o2777, true),
+        ("sticky-dir", 0o1777, true),
+    ];
+    for (name, mode, dir) in entries {
+        let p = root.join(name);
+        if dir {
+            fs::create_dir_all(&p).unwrap();
+        } else {
+            write_random(&p, 3000, mode as u64);
+        }
+        chmod(&p, mode);
+    }
+    entries.iter().map(|(name, mode, _)| (*name, mode & 0o777)).collect()
+}
+
+#[track_caller]
+fn assert_modes(root: &Path, expected: &[(&str, u32)]) {
+    for (name, mode) in expected {
+        let got = fs::symlink_metadata(root.join(name)).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(got, *mode, "{name} landed with mode {got:o}, not {mode:o}");
+    }
+}
+
+/// Regression: announced modes were applied whole, so a file of mode 4755
+/// uploaded to a server running as root landed setuid root, directories
+/// kept setgid and sticky bits, and a server could plant setuid files in a
+/// root client's download. Now a receiver applies the permission bits alone.
+#[test]
+fn setuid_setgid_and_sticky_bits_are_dropped_on_upload_and_download() {
+    if !dmover_testkit::needs_root("files owned by root with setuid bits") {
+        return;
+    }
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    let expected = special_modes(&src);
+    env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+    assert_modes(&export.join("src"), &expected);
+
+    special_modes(&export.join("planted"));
+    let down = env.mkdir("down");
+    env.cp([srv.url("e/planted"), down.display().to_string()]).run().assert_ok();
+    assert_modes(&down.join("planted"), &expected);
+}
+
+/// Regression: names with terminal escapes and newlines were printed raw by
+/// `dmover ls` and logged raw, so a file name could clear a terminal or
+/// forge a log line. Now control characters are escaped (`\u{1b}`, `\n`).
+#[test]
+fn names_with_escapes_and_newlines_are_escaped_by_ls_and_in_logs() {
+    use dmover_proto::frame::{FileMeta, TransferOptions};
+    use dmover_proto::Msg;
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("d/evil\x1b[2Jname"), 10, 1);
+    write_random(&export.join("d/two\n[2026-01-01T00:00:00Z INFO ] forged"), 10, 2);
+    let srv = env.serve(&[("e", &export)]);
+    let r = dmover(["ls", "--token-file"]).arg(&env.token).arg(srv.url("e/d/")).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(!r.stdout.contains('\x1b'), "ls printed an escape character:\n{:?}", r.stdout);
+    assert_eq!(r.stdout.lines().count(), 2, "ls printed a name over two lines:\n{}", r.stdout);
+    assert!(r.stdout.contains("evil\\u{1b}[2Jname") && r.stdout.contains("two\\n[2026"), "{}", r.stdout);
+
+    // A name refused at the server is logged escaped.
+    let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
+    let options = TransferOptions { transfer_id: [40; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    c.send(&Msg::Receive { dest: "e/in".into(), options });
+    assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
+    let meta = FileMeta { path: "../\x1b[2J\n[2026-01-01T00:00:00Z INFO ] forged".into(), size: 1, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+    c.send(&Msg::Announce { id: 1, meta, digest: None });
+    assert!(matches!(c.read(), Some(Msg::Failed { .. })));
+    let log = srv.log();
+    assert!(log.contains("\\u{1b}[2J\\n"), "the refusal was not logged escaped:\n{log}");
+    assert!(!log.contains('\x1b') && !log.lines().any(|l| l.starts_with("[2026-01-01")), "a name was logged raw:\n{log}");
 }

@@ -88,7 +88,12 @@ pub struct RecvConfig {
     /// The intake of the server this session belongs to (a fresh one for a
     /// receiver of its own).
     pub intake: Arc<Intake>,
+    /// Which announced names to take (None: any that stays below `dest`).
+    pub accept: Option<NameCheck>,
 }
+
+/// Says why an announced name is not taken, if it is not.
+pub type NameCheck = Arc<dyn Fn(&str) -> std::result::Result<(), String> + Send + Sync>;
 
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
@@ -255,6 +260,7 @@ struct Shared {
     received: AtomicU64,
     /// Counts this session in its server's intake while it runs.
     receiving: Receiving,
+    accept: Option<NameCheck>,
 }
 
 impl Shared {
@@ -479,6 +485,7 @@ impl Prepared {
             conns: Mutex::new(Vec::new()),
             received: AtomicU64::new(0),
             receiving: Receiving::new(cfg.intake),
+            accept: cfg.accept,
         });
         let _pinger = Pinger::start(ctl, ping_interval(cfg.idle_timeout));
         // One queue per writer, and a file's blocks always go to the same
@@ -647,7 +654,13 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
     if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
         return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
     }
-    let blocks = meta.size.div_ceil(sh.block_size);
+    if let Some(Err(e)) = sh.accept.as_ref().map(|accept| accept(&meta.path)) {
+        return fail(meta.path.escape_debug().to_string(), Error::new(ErrorKind::Refused, "", e));
+    }
+    let blocks = match dmover_proto::frame::file_blocks(meta.size, sh.block_size) {
+        Ok(b) => b,
+        Err(e) => return fail(sh.name(&meta.path), Error::new(ErrorKind::Refused, "", e)),
+    };
     if sh.discard() {
         return plan(sh, id, RecvFile::new(meta, blocks));
     }
@@ -934,7 +947,7 @@ fn already_there(sh: &Arc<Shared>, id: u64, meta: &FileMeta) {
 /// `look` (`--sync`, or a resumed run) and it is already there with that
 /// mode, it is skipped like an unchanged file, untouched.
 fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path, look: bool) {
-    let mode = meta.mode & 0o7777;
+    let mode = dmover_proto::frame::permission_bits(meta.mode);
     if look && sh.store.stat(path).is_ok_and(|m| m.is_dir() && m.mode == mode) {
         return already_there(sh, id, meta);
     }
@@ -1071,7 +1084,7 @@ fn prepare_commit(sh: &Arc<Shared>, batch: Vec<Verified>) -> Vec<(Verified, Arc<
         if g.done {
             continue;
         }
-        let attrs = Attrs { mode: g.meta.mode, mtime: Some((g.meta.mtime_s, g.meta.mtime_ns)) };
+        let attrs = Attrs { mode: dmover_proto::frame::permission_bits(g.meta.mode), mtime: Some((g.meta.mtime_s, g.meta.mtime_ns)) };
         match open_temp(sh, &mut g).and_then(|f| f.set_attrs(&attrs).map(|()| f)) {
             Ok(f) => {
                 drop(g);

@@ -122,6 +122,7 @@ fn recv_config(dest: &Path) -> RecvConfig {
         writers: 2,
         idle_timeout: Duration::from_secs(30),
         intake: Default::default(),
+        accept: None,
     }
 }
 

@@ -19,6 +19,26 @@ pub const MAX_CONTROL_BODY: u32 = 1 << 20;
 /// Largest block a data frame may carry.
 pub const MAX_BLOCK: u32 = 64 << 20;
 
+/// Most blocks one file may have. A receiver keeps a flag and a 16-byte
+/// checksum per block of each file it receives (70 MiB for a file this
+/// large), so an announced size is checked against this before anything is
+/// sized from it: 4 TiB files at the default 1 MiB blocks, 256 TiB at
+/// [`MAX_BLOCK`].
+pub const MAX_FILE_BLOCKS: u64 = 1 << 22;
+
+/// The number of blocks of `block_size` bytes in a file of `size` bytes, or
+/// why a receiver refuses such a file (more than [`MAX_FILE_BLOCKS`]).
+pub fn file_blocks(size: u64, block_size: u64) -> Result<u64, String> {
+    let blocks = size.div_ceil(block_size.max(1));
+    if blocks > MAX_FILE_BLOCKS {
+        return Err(format!(
+            "{size} bytes make {blocks} blocks of {block_size} bytes, more than the {MAX_FILE_BLOCKS} a file may have; \
+             send it with a larger --block-size (at most 64M)"
+        ));
+    }
+    Ok(blocks)
+}
+
 /// Frame kind of a data frame.
 pub const KIND_DATA: u8 = 64;
 
@@ -172,6 +192,13 @@ impl FileMeta {
     pub fn is_dir(&self) -> bool {
         self.mode & Self::TYPE == Self::DIR
     }
+}
+
+/// The part of an announced mode a receiver applies: the permission bits
+/// alone, so that a peer cannot plant setuid, setgid or sticky files or
+/// directories.
+pub fn permission_bits(mode: u32) -> u32 {
+    mode & 0o777
 }
 
 /// A destination host of a third-party transfer, with the ticket that
@@ -946,6 +973,16 @@ pub fn decode(buf: &[u8]) -> Result<Option<(Frame<'_>, usize)>, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn file_blocks_are_bounded() {
+        assert_eq!(file_blocks(0, 1 << 20), Ok(0));
+        assert_eq!(file_blocks((1 << 20) + 1, 1 << 20), Ok(2));
+        assert_eq!(file_blocks(MAX_FILE_BLOCKS << 20, 1 << 20), Ok(MAX_FILE_BLOCKS));
+        assert!(file_blocks((MAX_FILE_BLOCKS << 20) + 1, 1 << 20).is_err());
+        assert!(file_blocks(u64::MAX, 1).is_err());
+        assert!(file_blocks(u64::MAX, MAX_BLOCK as u64).is_err());
+    }
 
     fn samples() -> Vec<Msg> {
         let meta = FileMeta { path: "d/ü.dat".into(), size: 5, mtime_s: -3, mtime_ns: 7, mode: 0o644 };

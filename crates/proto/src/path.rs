@@ -53,6 +53,17 @@ pub fn check_relative(p: &str) -> Result<(), PathError> {
     Ok(())
 }
 
+/// `s` with its control characters (escape, newline, ...) escaped as in
+/// Rust (`\u{1b}`, `\n`), for printing or logging a name that came from a
+/// peer or a file system: it cannot move the cursor, clear a terminal or
+/// forge a log line.
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return s.into();
+    }
+    s.chars().map(|c| if c.is_control() { c.escape_debug().to_string() } else { c.to_string() }).collect::<String>().into()
+}
+
 /// Joins two relative paths with `/`.
 pub fn join(a: &str, b: &str) -> String {
     match (a.is_empty(), b.is_empty()) {
@@ -65,6 +76,12 @@ pub fn join(a: &str, b: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printable_escapes_control_characters_only() {
+        assert_eq!(printable("a b/é.dat"), "a b/é.dat");
+        assert_eq!(printable("a\x1b[2J\nb\t'c'"), "a\\u{1b}[2J\\nb\\t'c'");
+    }
 
     #[test]
     fn refuses_escapes() {

@@ -25,9 +25,9 @@ use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::TOKEN_KEY_ID;
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -55,6 +55,18 @@ pub struct Config {
 
 /// Time a client has to authenticate, however its bytes are spread over it.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections that may be authenticating at once. They do not count
+/// against `max_connections`, which is for authenticated connections only;
+/// when this budget is full, the oldest of them is closed to make room for
+/// a new one (an honest handshake takes one round trip, so connections
+/// that hold it open cannot keep others out).
+const MAX_HANDSHAKES: usize = 256;
+/// Connections from one address that may be authenticating at once; a new
+/// one beyond it closes the oldest from the same address.
+const MAX_HANDSHAKES_PER_ADDR: usize = 128;
+/// Data connections one request may have this server hold or open, in all
+/// (a `Send`'s streams; a `Push`'s hosts times its streams per host).
+const MAX_STREAMS: u64 = 64;
 /// How long a data connection may wait for its session to appear.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -98,8 +110,10 @@ struct Server {
     /// Open transfer sessions by id; control threads insert and remove, data connections look up.
     sessions: Mutex<HashMap<[u8; 16], Slot>>,
     tickets: Tickets,
-    /// Connections being served.
+    /// Authenticated connections being served.
     active: AtomicUsize,
+    /// Connections still authenticating, oldest first.
+    handshakes: Mutex<VecDeque<Handshaking>>,
     /// What all receiving sessions take in, for the senders' tuners.
     intake: Arc<recv::Intake>,
 }
@@ -112,8 +126,10 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
         sessions: Mutex::new(HashMap::new()),
         tickets: Tickets::default(),
         active: AtomicUsize::new(0),
+        handshakes: Mutex::new(VecDeque::new()),
         intake: Arc::default(),
     });
+    let mut next_id = 0u64;
     let mut fds = [
         libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         libc::pollfd { fd: shutdown.rx.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -139,22 +155,20 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
                 continue;
             }
         };
-        if srv.active.load(Ordering::SeqCst) >= srv.cfg.max_connections {
-            log::warn!("refused {peer}: too many connections (--max-connections {})", srv.cfg.max_connections);
-            let mut w = FrameWriter::new(Box::new(stream));
-            let _ = w.send(&Msg::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
-            continue;
+        next_id += 1;
+        match stream.try_clone() {
+            Ok(c) => srv.admit(next_id, peer.ip(), Box::new(c)),
+            Err(e) => {
+                log::warn!("cannot serve {peer}: {e}");
+                continue;
+            }
         }
         let _ = stream.set_nodelay(true);
-        srv.active.fetch_add(1, Ordering::SeqCst);
-        let srv = srv.clone();
-        std::thread::spawn(move || {
-            match serve(&srv, Box::new(stream)) {
-                Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
-                Err(e) => log::warn!("{e}"),
-                Ok(()) => {}
-            }
-            srv.active.fetch_sub(1, Ordering::SeqCst);
+        let handshake = HandshakeGuard { srv: srv.clone(), id: next_id };
+        std::thread::spawn(move || match serve(&handshake, Box::new(stream)) {
+            Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
+            Err(e) => log::warn!("{e}"),
+            Ok(()) => {}
         });
     }
     log::info!("shutting down: waiting up to {:?} for {} connection(s)", srv.cfg.grace, srv.active.load(Ordering::SeqCst));
@@ -163,6 +177,71 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
+}
+
+/// A connection that has not authenticated yet.
+struct Handshaking {
+    id: u64,
+    addr: IpAddr,
+    since: Instant,
+    /// To close it when it must make room.
+    conn: Box<dyn Transport>,
+}
+
+impl Server {
+    /// Counts a new connection among those authenticating, within
+    /// [`MAX_HANDSHAKES`] and [`MAX_HANDSHAKES_PER_ADDR`]: when a budget is
+    /// full, its oldest connection is closed.
+    fn admit(&self, id: u64, addr: IpAddr, conn: Box<dyn Transport>) {
+        let mut hs = self.handshakes.lock().expect("handshakes lock");
+        let per_addr = hs.iter().filter(|h| h.addr == addr).count() >= MAX_HANDSHAKES_PER_ADDR;
+        if per_addr || hs.len() >= MAX_HANDSHAKES {
+            let budget = if per_addr {
+                format!("{MAX_HANDSHAKES_PER_ADDR} connections from {addr} are authenticating")
+            } else {
+                format!("{MAX_HANDSHAKES} connections are authenticating")
+            };
+            if let Some(old) = hs.iter().position(|h| !per_addr || h.addr == addr).and_then(|i| hs.remove(i)) {
+                log::warn!("closed {}: not authenticated after {:?}, and {budget}", old.conn.peer(), old.since.elapsed());
+                old.conn.close();
+            }
+        }
+        hs.push_back(Handshaking { id, addr, since: Instant::now(), conn });
+    }
+}
+
+/// A connection's place among those authenticating, given up when it has
+/// authenticated or failed to (or its thread panicked).
+struct HandshakeGuard {
+    srv: Arc<Server>,
+    id: u64,
+}
+
+impl Drop for HandshakeGuard {
+    fn drop(&mut self) {
+        self.srv.handshakes.lock().expect("handshakes lock").retain(|h| h.id != self.id);
+    }
+}
+
+/// An authenticated connection's place in [`Server::active`], given back
+/// when dropped, so that a connection thread that panics does not keep it.
+struct ConnectionSlot<'a>(&'a Server);
+
+impl ConnectionSlot<'_> {
+    /// A place, if fewer than `max_connections` are taken.
+    fn take(srv: &Server) -> Option<ConnectionSlot<'_>> {
+        let max = srv.cfg.max_connections;
+        srv.active.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < max).then_some(n + 1)).ok().map(|_| ConnectionSlot(srv))
+    }
+}
+
+impl Drop for ConnectionSlot<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            log::error!("a connection thread panicked; its connection slot is released");
+        }
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// What a connection may do, by how it authenticated.
@@ -202,7 +281,8 @@ impl Watchdog {
     }
 }
 
-fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
+fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
+    let srv = &handshake.srv;
     let peer = t.peer();
     let net = |e: std::io::Error| Error::network(&peer, &e);
     let mut r = FrameReader::new(t.split().map_err(net)?);
@@ -214,7 +294,13 @@ fn serve(srv: &Arc<Server>, t: Box<dyn Transport>) -> Result<()> {
         let message = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
         return Err(Error::new(ErrorKind::Refused, &peer, message));
     }
+    srv.handshakes.lock().expect("handshakes lock").retain(|h| h.id != handshake.id);
     let (key_id, skey) = authenticated?;
+    let Some(_slot) = ConnectionSlot::take(srv) else {
+        let max = srv.cfg.max_connections;
+        let _ = w.send(&Msg::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
+        return Err(Error::new(ErrorKind::Refused, &peer, format!("too many connections (--max-connections {max})")));
+    };
     // An authenticated client may take a while to say what the connection
     // is for (a data connection waits for its session to be set up).
     t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
@@ -335,11 +421,13 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
     }
     Ok(match m {
         Msg::Receive { dest, options } => {
+            blocks_fit(srv, options.block_size, 0)?;
             let (root, rest) = locate(srv, &dest)?;
             storage::check_path(root.as_ref(), rest)?;
             Action::Receive { root: root.clone(), dest: rest.to_string(), options }
         }
         Msg::Send { sources, options, params } => {
+            let params = limit(srv, options.block_size, params.streams as u64, params)?;
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Send { root, specs, options, params }
         }
@@ -350,6 +438,11 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
             Action::Reply(Msg::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })
         }
         Msg::Push { sources, dest, hosts, options, params } => {
+            if hosts.is_empty() {
+                return Err(Error::new(ErrorKind::Usage, dest, "a push names no destination host"));
+            }
+            let streams = hosts.len() as u64 * params.streams.clamp(1, MAX_STREAMS as u32) as u64;
+            let params = limit(srv, options.block_size, streams, params)?;
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Push { root, specs, dest, hosts, options, params }
         }
@@ -368,6 +461,38 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
         Msg::Ping => Action::Nothing,
         m => return Err(Error::protocol("", format!("unexpected request {m:?}"))),
     })
+}
+
+/// Checks that `streams` data connections fit in [`MAX_STREAMS`] and that
+/// blocks of `block_size` for them, and at least one file being read (or
+/// the receiving pool's four blocks), fit in this server's staging.
+/// Returns how many blocks fit.
+fn blocks_fit(srv: &Server, block_size: u32, streams: u64) -> Result<u64> {
+    if streams > MAX_STREAMS {
+        let message = format!("{streams} data connections asked for; this server opens or holds at most {MAX_STREAMS} for one request (fewer streams, -p, or fewer hosts)");
+        return Err(Error::new(ErrorKind::Usage, "", message));
+    }
+    let fits = srv.cfg.staging / (block_size as u64).max(1);
+    let need = (streams + 1).max(dmover_engine::pool::MIN_BLOCKS as u64);
+    if fits < need {
+        let fewer = if streams > 0 { " or fewer streams (-p)" } else { "" };
+        let message = format!(
+            "{need} blocks of {block_size} bytes do not fit in this server's staging ({} bytes); use a smaller --block-size{fewer}",
+            srv.cfg.staging
+        );
+        return Err(Error::new(ErrorKind::Usage, "", message));
+    }
+    Ok(fits)
+}
+
+/// Holds a sending request's engine parameters to this server's limits: no
+/// more staging than its own, and no more files read at once than fit in
+/// it beside one block per stream, so that whatever a client asks for, a
+/// request holds at most the server's staging.
+fn limit(srv: &Server, block_size: u32, streams: u64, p: EngineParams) -> Result<EngineParams> {
+    let fits = blocks_fit(srv, block_size, streams)?;
+    let concurrency = (p.concurrency as u64).clamp(1, 64).min(fits - streams) as u32;
+    Ok(EngineParams { staging: p.staging.min(srv.cfg.staging), concurrency, ..p })
 }
 
 /// Serves requests on a control connection until it ends or becomes a transfer.
@@ -399,6 +524,7 @@ fn control(
                     writers: srv.cfg.writers,
                     idle_timeout: srv.cfg.idle_timeout,
                     intake: srv.intake.clone(),
+                    accept: None,
                 };
                 let prepared = match recv::prepare(cfg) {
                     Ok(p) => p,

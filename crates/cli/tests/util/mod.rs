@@ -1114,6 +1114,12 @@ impl Raw {
         c
     }
 
+    /// Sends a request and reads the answer.
+    pub fn read_after(&mut self, m: &Msg) -> Option<Msg> {
+        self.send(m);
+        self.read()
+    }
+
     /// Sends a request and expects a refusal of `kind`.
     #[track_caller]
     pub fn refused(&mut self, m: &Msg, kind: ErrorKind) {
