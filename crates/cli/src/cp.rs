@@ -19,7 +19,8 @@ use dmover_engine::wire::FrameReader;
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
 use dmover_proto::path::printable;
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::phase::{Attached, RemoteReport, Request};
+use dmover_proto::ErrorKind;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -300,12 +301,9 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
         let prepared = recv::prepare(cfg)?;
         let started = session::start_streams(host, &cred, a.net.fixed() as usize, &socket);
         let mut c = Conn::control(host, &cred)?;
-        let m = c.request(&Msg::Send { sources: specs(p), options: p.options, params: p.params })?;
-        let Msg::SessionOpened { session } = m else {
-            return Err(Error::protocol(host, format!("expected a session, got {m:?}")));
-        };
+        let session = session::expect_session(host, c.request(Request::Send { sources: specs(p), options: p.options, params: p.params })?)?;
         let data = session::attach_streams(started, session)?;
-        c.send(&Msg::Ready)?;
+        c.send(Attached::Ready {})?;
         let control = c.into_transport();
         let after = control.split().map_err(|e| Error::network(host, &e))?;
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -318,27 +316,26 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
         // pinger may still send until then).
         let mut r = FrameReader::new(after);
         let report = loop {
-            match r.read_msg() {
-                Ok(Msg::Ping) => continue,
-                other => break other,
-            }
+            break match r.read_msg::<RemoteReport>() {
+                Ok(RemoteReport::Ping {}) => continue,
+                Ok(RemoteReport::Report { stats }) => Ok(stats),
+                Ok(RemoteReport::Progress { .. }) => Err(Error::protocol(host, "expected a report, got progress")),
+                Ok(RemoteReport::Error { kind, message }) => Err(Error::new(kind, host, message)),
+                Err(e) => Err(e),
+            };
         };
         summary?;
-        match report? {
-            Msg::Report(s) => {
-                progress.set(&dmover_engine::progress::Snapshot {
-                    total_files: s.files,
-                    total_bytes: s.bytes,
-                    walk_done: true,
-                    done_files: s.dest_files,
-                    done_bytes: s.dest_bytes,
-                    sent_bytes: s.sent_bytes,
-                });
-                let hosts = s.hosts.into_iter().map(|h| dmover_proto::frame::HostShare { host: host.clone(), ..h }).collect();
-                Ok(Stats { hosts, ..s })
-            }
-            m => Err(Error::protocol(host, format!("expected a report, got {m:?}"))),
-        }
+        let s = report?;
+        progress.set(&dmover_engine::progress::Snapshot {
+            total_files: s.files,
+            total_bytes: s.bytes,
+            walk_done: true,
+            done_files: s.dest_files,
+            done_bytes: s.dest_bytes,
+            sent_bytes: s.sent_bytes,
+        });
+        let hosts = s.hosts.into_iter().map(|h| dmover_proto::frame::HostShare { host: host.clone(), ..h }).collect();
+        Ok(Stats { hosts, ..s })
     })
 }
 
@@ -364,20 +361,22 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
                 wrapped_secret: c.session_key.wrap(key_id, secret),
             })
             .collect();
-        c.send(&Msg::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params: p.params })?;
+        c.send(Request::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params: p.params })?;
         loop {
-            match c.read_msg()? {
-                Msg::Progress { files, bytes, total_files, total_bytes, walk_done } => progress.set(&dmover_engine::progress::Snapshot {
-                    total_files,
-                    total_bytes,
-                    walk_done,
-                    done_files: files,
-                    done_bytes: bytes,
-                    sent_bytes: 0,
-                }),
-                Msg::Report(s) => return Ok(s),
-                Msg::Ping => {}
-                m => return Err(Error::protocol(src, format!("expected progress, got {m:?}"))),
+            match c.read_msg::<RemoteReport>()? {
+                RemoteReport::Progress { files, bytes, total_files, total_bytes, walk_done } => {
+                    progress.set(&dmover_engine::progress::Snapshot {
+                        total_files,
+                        total_bytes,
+                        walk_done,
+                        done_files: files,
+                        done_bytes: bytes,
+                        sent_bytes: 0,
+                    })
+                }
+                RemoteReport::Report { stats } => return Ok(stats),
+                RemoteReport::Ping {} => {}
+                RemoteReport::Error { kind, message } => return Err(Error::new(kind, src, message)),
             }
         }
     })

@@ -7,7 +7,8 @@ use clap::Args;
 use dmover_engine::session::{Conn, Credential};
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::FileMeta;
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::phase::{ListReply, Request};
+use dmover_proto::ErrorKind;
 
 #[derive(Args)]
 pub struct LsArgs {
@@ -26,11 +27,11 @@ pub fn run(a: LsArgs) -> Result<i32> {
     };
     let host = &hosts[0];
     let mut c = Conn::control(host, &Credential::token(&a.token.token()?))?;
-    c.send(&Msg::List { path })?;
+    c.send(Request::List { path })?;
     let mut all = Vec::new();
     loop {
-        match c.read_msg()? {
-            Msg::Listing { entries, done } => {
+        match c.read_msg::<ListReply>()? {
+            ListReply::Listing { entries, done } => {
                 if a.json {
                     all.extend(entries);
                 } else {
@@ -40,7 +41,7 @@ pub fn run(a: LsArgs) -> Result<i32> {
                     break;
                 }
             }
-            m => return Err(Error::protocol(host, format!("expected a listing, got {m:?}"))),
+            ListReply::Error { kind, message } => return Err(Error::new(kind, host, message)),
         }
     }
     if a.json {

@@ -323,7 +323,7 @@ fn forged_missing_and_replayed_handshakes_are_refused() {
 
     let log = srv.log();
     assert!(log.lines().filter(|l| l.contains("refused") && l.contains("authentication failed")).count() >= 3, "{log}");
-    assert!(log.contains("expected a proof"), "{log}");
+    assert!(log.contains("unexpected OpenControl in the client's handshake"), "{log}");
     let src = env.path("src");
     make_tree(&src, 6, 3);
     env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
@@ -513,7 +513,7 @@ fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u
     }
     ctl.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
     if let Some(Msg::Finished { .. }) = next(&mut ctl) {
-        ctl.send(&Msg::Report(Default::default()));
+        ctl.send(&Msg::Report { stats: Default::default() });
     }
     // Hang up, as a server does after its report.
     drop((ctl, data));

@@ -48,7 +48,8 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
     // A tuner may add a stream just as its transfer ends; the server must not
     // keep that connection (and so the client) waiting for the session.
     use dmover_engine::session::{Conn, Credential};
-    use dmover_proto::frame::{Msg, TransferOptions};
+    use dmover_proto::frame::TransferOptions;
+    use dmover_proto::phase::{Open, Reply, Request};
     use std::time::Instant;
 
     let env = Env::new();
@@ -57,8 +58,8 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
     let cred = Credential::token(env.token_str().as_bytes());
     let mut control = Conn::control(&srv.addr(), &cred).unwrap();
     let options = TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
-    let session = match control.request(&Msg::Receive { dest: "e/in".into(), options }).unwrap() {
-        Msg::SessionOpened { session } => session,
+    let session = match control.request(Request::Receive { dest: "e/in".into(), options }).unwrap() {
+        Reply::SessionOpened { session } => session,
         m => panic!("expected a session, got {m:?}"),
     };
     drop(control);
@@ -66,8 +67,8 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
 
     let started = Instant::now();
     let mut late = Conn::open(&srv.addr(), &cred).unwrap();
-    late.send(&Msg::OpenData { session, index: 0 }).unwrap();
-    let reply = late.read_msg();
+    late.send(Open::OpenData { session, index: 0 }).unwrap();
+    let reply = late.read_msg::<Reply>();
     assert!(started.elapsed() < Duration::from_secs(5), "the refusal took {:?}", started.elapsed());
     let refusal = format!("{reply:?}");
     assert!(refusal.contains("ended"), "expected a refusal naming the ended session, got {refusal}");

@@ -3,7 +3,8 @@
 use crate::error::{Error, Result};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{mac_eq, Key, KeyId, Nonce, SessionKey};
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::phase::{ClientHello, ServerHello};
+use dmover_proto::ErrorKind;
 
 /// A fresh random nonce or identifier.
 pub fn random<const N: usize>() -> [u8; N] {
@@ -18,16 +19,17 @@ pub fn random<const N: usize>() -> [u8; N] {
 pub fn client(r: &mut FrameReader, w: &mut FrameWriter, key_id: KeyId, secret: &[u8]) -> Result<SessionKey> {
     let key = Key::from_secret(secret);
     let cn: Nonce = random();
-    w.send(&Msg::Hello { key_id, nonce: cn })?;
-    let (sn, proof) = match r.read_msg()? {
-        Msg::Challenge { nonce, proof } => (nonce, proof),
-        m => return Err(Error::protocol(r.peer(), format!("expected a challenge, got {m:?}"))),
+    w.send(ClientHello::Hello { key_id, nonce: cn })?;
+    let (sn, proof) = match r.read_msg::<ServerHello>()? {
+        ServerHello::Challenge { nonce, proof } => (nonce, proof),
+        ServerHello::Welcome {} => return Err(Error::protocol(r.peer(), "expected a challenge, got a welcome")),
+        ServerHello::Error { kind, message } => return Err(Error::new(kind, r.peer(), message)),
     };
     if !mac_eq(&proof, &key.server_proof(&cn, &sn)) {
         let msg = "authentication failed: the server does not know our token (wrong token or not a dmover server)";
         return Err(Error::new(ErrorKind::Auth, r.peer(), msg));
     }
-    w.send(&Msg::Proof { proof: key.client_proof(&cn, &sn) })?;
+    w.send(ClientHello::Proof { proof: key.client_proof(&cn, &sn) })?;
     Ok(key.session_key(&cn, &sn))
 }
 
@@ -35,9 +37,10 @@ pub fn client(r: &mut FrameReader, w: &mut FrameWriter, key_id: KeyId, secret: &
 /// after its proof and read the welcome before the answer: the server
 /// handles frames in order, so this saves a round trip.
 pub fn expect_welcome(r: &mut FrameReader) -> Result<()> {
-    match r.read_msg()? {
-        Msg::Welcome => Ok(()),
-        m => Err(Error::protocol(r.peer(), format!("expected welcome, got {m:?}"))),
+    match r.read_msg::<ServerHello>()? {
+        ServerHello::Welcome {} => Ok(()),
+        ServerHello::Challenge { .. } => Err(Error::protocol(r.peer(), "expected a welcome, got a second challenge")),
+        ServerHello::Error { kind, message } => Err(Error::new(kind, r.peer(), message)),
     }
 }
 
@@ -51,18 +54,18 @@ pub const HANDSHAKE_BODY: u32 = 256;
 /// client has been told why.
 pub fn server(r: &mut FrameReader, w: &mut FrameWriter, lookup: impl Fn(&KeyId) -> Option<Vec<u8>>) -> Result<(KeyId, SessionKey)> {
     r.limit(HANDSHAKE_BODY);
-    let (key_id, cn) = match r.read_msg()? {
-        Msg::Hello { key_id, nonce } => (key_id, nonce),
-        m => return Err(Error::protocol(r.peer(), format!("expected hello, got {m:?}"))),
+    let (key_id, cn) = match r.read_msg::<ClientHello>()? {
+        ClientHello::Hello { key_id, nonce } => (key_id, nonce),
+        ClientHello::Proof { .. } => return Err(Error::protocol(r.peer(), "expected hello, got a proof")),
     };
     // An unknown key id still gets a challenge, under a random key, so that
     // a client cannot tell unknown tickets from wrong secrets.
     let secret = lookup(&key_id);
     let key = Key::from_secret(secret.as_deref().unwrap_or(&random::<32>()));
     let sn: Nonce = random();
-    w.send(&Msg::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) })?;
-    let proof = match r.read_msg() {
-        Ok(Msg::Proof { proof }) => proof,
+    w.send(ServerHello::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) })?;
+    let proof = match r.read_msg::<ClientHello>() {
+        Ok(ClientHello::Proof { proof }) => proof,
         Err(e) if e.kind == ErrorKind::Unreachable => {
             // A client that does not like our proof hangs up here.
             return Err(Error::new(
@@ -72,14 +75,14 @@ pub fn server(r: &mut FrameReader, w: &mut FrameWriter, lookup: impl Fn(&KeyId) 
             ));
         }
         Err(e) => return Err(e),
-        Ok(m) => return Err(Error::protocol(r.peer(), format!("expected a proof, got {m:?}"))),
+        Ok(ClientHello::Hello { .. }) => return Err(Error::protocol(r.peer(), "expected a proof, got a second hello")),
     };
     if secret.is_none() || !mac_eq(&proof, &key.client_proof(&cn, &sn)) {
         let message = "authentication failed: wrong token".to_string();
-        let _ = w.send(&Msg::Error { kind: ErrorKind::Auth, message: message.clone() });
+        let _ = w.send(ServerHello::Error { kind: ErrorKind::Auth, message: message.clone() });
         return Err(Error::new(ErrorKind::Auth, r.peer(), message));
     }
-    w.send(&Msg::Welcome)?;
+    w.send(ServerHello::Welcome {})?;
     r.limit(dmover_proto::frame::MAX_CONTROL_BODY);
     Ok((key_id, key.session_key(&cn, &sn)))
 }

@@ -38,6 +38,7 @@ use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, Sender};
 use dmover_proto::digest::{file_digest, SetDigest, Sum};
 use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::phase::{OnData, ToReceiver, ToSender};
 use dmover_proto::{ErrorKind, Msg};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -140,7 +141,7 @@ impl Pinger {
             loop {
                 let (g, _) = cv.wait_timeout(stopped, every).expect("pinger lock");
                 stopped = g;
-                if *stopped || ctl.lock().expect("control lock").send(&Msg::Ping).is_err() {
+                if *stopped || ctl.lock().expect("control lock").send(Msg::Ping).is_err() {
                     return;
                 }
             }
@@ -268,7 +269,7 @@ impl Shared {
     // takes it again to say why, so it must be released first (a guard
     // kept alive through `if let` deadlocked the session when a reply
     // failed on a lost connection).
-    fn reply(&self, m: &Msg) {
+    fn reply(&self, m: ToSender) {
         let sent = self.ctl.lock().expect("control lock").send(m);
         if let Err(e) = sent {
             self.fail(e);
@@ -276,7 +277,7 @@ impl Shared {
     }
 
     /// A reply from the control thread, which flushes when its input runs dry.
-    fn queue(&self, m: &Msg) {
+    fn queue(&self, m: ToSender) {
         let queued = self.ctl.lock().expect("control lock").queue(m);
         if let Err(e) = queued {
             self.fail(e);
@@ -312,7 +313,7 @@ impl Shared {
                 // Say why, and leave the connection readable: closing it
                 // with the sender's messages unread would reset it and could
                 // destroy our message before the sender reads it.
-                let _ = w.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+                let _ = w.send(ToSender::Error { kind: e.kind, message: e.to_string() });
                 w.close_write();
             } else {
                 w.close();
@@ -558,14 +559,14 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
         if r.buffered() == 0 {
             sh.flush();
         }
-        let m = match r.read() {
+        let m = match r.read::<ToReceiver>() {
             Ok(Incoming::Msg(m)) => m,
             Ok(Incoming::Data(_)) => return Err(Error::protocol(r.peer(), "data frame on the control connection")),
             Err(e) => return Err(e),
         };
         match m {
-            Msg::Announce { id, meta, digest } => announce(sh, id, meta, digest),
-            Msg::FileEnd { id, digest } => {
+            ToReceiver::Announce { id, meta, digest } => announce(sh, id, meta, digest),
+            ToReceiver::FileEnd { id, digest } => {
                 let f = sh.files.lock().expect("files lock").get(&id).cloned();
                 if let Some(f) = f {
                     let mut g = f.lock().expect("file lock");
@@ -575,7 +576,7 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                     }
                 }
             }
-            Msg::Abort { id, .. } => {
+            ToReceiver::Abort { id, .. } => {
                 // Take the file out before locking it: the lock order is file, then files.
                 let f = sh.files.lock().expect("files lock").remove(&id);
                 if let Some(f) = f {
@@ -584,7 +585,7 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                     remove_partial(sh, &g);
                 }
             }
-            Msg::Finish { .. } => {
+            ToReceiver::Finish { .. } => {
                 // A sender that lost its data connections to our failure
                 // may still say it has finished: the transfer is not
                 // complete, and its resume state stays.
@@ -597,13 +598,13 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                     let _ = sh.store.remove_dir(&l.state_dir);
                 }
                 let t = *sh.totals.lock().expect("totals lock");
-                sh.ctl.lock().expect("control lock").send(&Msg::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
+                sh.ctl.lock().expect("control lock").send(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
                 return Ok(t);
             }
-            Msg::Ping => {}
-            Msg::Echo { stamp, .. } => {
+            ToReceiver::Ping {} => {}
+            ToReceiver::Echo { stamp, .. } => {
                 let intake = &sh.receiving.0;
-                sh.queue(&Msg::Echo {
+                sh.queue(ToSender::Echo {
                     stamp,
                     received: sh.received.load(Ordering::Relaxed),
                     staged: (sh.queued.load(Ordering::Relaxed) * 100 / sh.queue_capacity).min(100) as u8,
@@ -611,8 +612,7 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
                     transfers: intake.transfers.load(Ordering::Relaxed),
                 });
             }
-            Msg::Error { kind, message } => return Err(Error::new(kind, r.peer(), message)),
-            m => return Err(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
+            ToReceiver::Error { kind, message } => return Err(Error::new(kind, r.peer(), message)),
         }
         if let Some(e) = sh.fatal.lock().expect("fatal lock").take() {
             return Err(e);
@@ -649,7 +649,7 @@ fn announce(sh: &Arc<Shared>, id: u64, meta: FileMeta, digest: Option<Sum>) {
         if e.kind == ErrorKind::Refused {
             log::warn!("refused {subject}: {}", e.message);
         }
-        sh.queue(&Msg::Failed { id, kind: e.kind, subject, message: e.message })
+        sh.queue(ToSender::Failed { id, kind: e.kind, subject, message: e.message })
     };
     if let Err(e) = dmover_proto::path::check_relative(&meta.path) {
         return fail(meta.path.clone(), Error::new(ErrorKind::Refused, "", format!("path refused: {e}")));
@@ -747,7 +747,7 @@ fn is_own_partial(sh: &Shared, temp: &Path) -> bool {
 fn plan(sh: &Arc<Shared>, id: u64, f: RecvFile) {
     let ranges = missing_ranges(&f.have);
     sh.files.lock().expect("files lock").insert(id, Arc::new(Mutex::new(f)));
-    sh.queue(&Msg::Plan { id, skip: false, ranges });
+    sh.queue(ToSender::Plan { id, skip: false, ranges });
 }
 
 /// Resolves `rel`'s final path and makes its parent directory exist, with
@@ -769,11 +769,10 @@ fn prepare_parent(sh: &Shared, rel: &str) -> Result<PathBuf> {
 fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<WriteJob>]>) {
     let mut r = FrameReader::new(conn);
     loop {
-        let h = match r.read() {
+        let h = match r.read::<OnData>() {
             Ok(Incoming::Data(h)) => h,
-            Ok(Incoming::Msg(Msg::Ping)) => continue,
-            Ok(Incoming::Msg(Msg::StreamEnd)) => return,
-            Ok(Incoming::Msg(m)) => return sh.fail(Error::protocol(r.peer(), format!("unexpected {m:?} on a data stream"))),
+            Ok(Incoming::Msg(OnData::Ping {})) => continue,
+            Ok(Incoming::Msg(OnData::StreamEnd {})) => return,
             Err(e) => {
                 if !sh.stop.load(Ordering::SeqCst) {
                     sh.fail(e);
@@ -820,7 +819,7 @@ fn data_stream(sh: &Arc<Shared>, conn: Box<dyn Transport>, wtx: Arc<[Sender<Writ
             }
             drop(g);
             log::warn!("damaged block {block} of file {} from {}; asking again", h.file, r.peer());
-            sh.reply(&Msg::Nack { id: h.file, block });
+            sh.reply(ToSender::Nack { id: h.file, block });
             continue;
         }
         if sh.discard() {
@@ -928,7 +927,7 @@ fn file_failed(sh: &Arc<Shared>, id: u64, g: &mut RecvFile, e: Error) {
     if e.kind == ErrorKind::NoSpace {
         return sh.fail(Error { subject, ..e });
     }
-    sh.reply(&Msg::Failed { id, kind: e.kind, subject, message: e.message });
+    sh.reply(ToSender::Failed { id, kind: e.kind, subject, message: e.message });
 }
 
 /// Tells the sender to skip a file (or empty directory) the destination
@@ -940,7 +939,7 @@ fn already_there(sh: &Arc<Shared>, id: u64, meta: &FileMeta) {
     t.bytes += meta.size;
     t.set.add(&meta.path, meta.size, &[0; 16]);
     drop(t);
-    sh.queue(&Msg::Plan { id, skip: true, ranges: vec![] });
+    sh.queue(ToSender::Plan { id, skip: true, ranges: vec![] });
 }
 
 /// Creates a directory that was empty at the source, with its mode. When
@@ -952,14 +951,14 @@ fn make_dir(sh: &Arc<Shared>, id: u64, meta: &FileMeta, path: &Path, look: bool)
         return already_there(sh, id, meta);
     }
     if let Err(e) = sh.store.make_dir(path, mode) {
-        return sh.queue(&Msg::Failed { id, kind: crate::error::classify(&e), subject: sh.name(&meta.path), message: e.to_string() });
+        return sh.queue(ToSender::Failed { id, kind: crate::error::classify(&e), subject: sh.name(&meta.path), message: e.to_string() });
     }
     let digest = file_digest(&[]);
     let mut t = sh.totals.lock().expect("totals lock");
     t.files += 1;
     t.set.add(&meta.path, 0, &digest);
     drop(t);
-    sh.queue(&Msg::Done { id, digest });
+    sh.queue(ToSender::Done { id, digest });
 }
 
 fn remove_partial(sh: &Shared, g: &RecvFile) {
@@ -997,7 +996,7 @@ fn finalize(sh: &Arc<Shared>, id: u64, file: &Arc<Mutex<RecvFile>>, g: &mut Recv
                 }
             }
             for b in suspects {
-                sh.reply(&Msg::Nack { id, block: b });
+                sh.reply(ToSender::Nack { id, block: b });
             }
             return;
         }
@@ -1021,7 +1020,7 @@ fn confirm(sh: &Shared, id: u64, g: &mut RecvFile, digest: Sum) {
     t.bytes += g.meta.size;
     t.set.add(&g.meta.path, g.meta.size, &digest);
     drop(t);
-    sh.queue(&Msg::Done { id, digest });
+    sh.queue(ToSender::Done { id, digest });
 }
 
 /// Commits verified files in batches until the session stops (and what was

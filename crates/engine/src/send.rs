@@ -40,6 +40,7 @@ use crate::wire::{FrameReader, FrameWriter};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
 use dmover_proto::frame::{DataHeader, FileError, FileMeta, HostShare, Stats, TransferOptions};
+use dmover_proto::phase::{ToReceiver, ToSender};
 use dmover_proto::{ErrorKind, Msg};
 use dmover_tune::ServerLoad;
 use std::collections::HashMap;
@@ -321,14 +322,14 @@ impl Shared {
         self.stop.load(Ordering::SeqCst)
     }
 
-    fn queue(&self, host: usize, m: &Msg) {
+    fn queue(&self, host: usize, m: ToReceiver) {
         let queued = self.ctl[host].lock().expect("control lock").queue(m);
         if let Err(e) = queued {
             self.fail(e);
         }
     }
 
-    pub(crate) fn tell(&self, host: usize, m: &Msg) {
+    pub(crate) fn tell(&self, host: usize, m: ToReceiver) {
         let sent = self.ctl[host].lock().expect("control lock").send(m);
         if let Err(e) = sent {
             self.fail(e);
@@ -455,7 +456,7 @@ impl tuning::Tunable for Arc<Shared> {
         if self.finishing.load(Ordering::SeqCst) {
             return;
         }
-        if let Err(e) = w.send(&Msg::Echo { stamp, received: 0, staged: 0, server_received: 0, transfers: 0 }) {
+        if let Err(e) = w.send(ToReceiver::Echo { stamp, received: 0, staged: 0, server_received: 0, transfers: 0 }) {
             drop(w);
             self.fail(e);
         }
@@ -729,7 +730,7 @@ fn announce_all(sh: &Arc<Shared>, files: Files) -> Result<()> {
                     None
                 };
                 sh.files.lock().expect("files lock").insert(f.id, f.clone());
-                sh.queue(host, &Msg::Announce { id: f.id, meta: f.meta.clone(), digest });
+                sh.queue(host, ToReceiver::Announce { id: f.id, meta: f.meta.clone(), digest });
                 queued[host] = true;
             }
             Event::Error(e) => {
@@ -788,7 +789,7 @@ fn finish(sh: &Arc<Shared>) -> Result<()> {
             let t = sh.tally.lock().expect("tally lock");
             (t.shares[host].files, t.shares[host].bytes, t.sets[host])
         };
-        sh.tell(host, &Msg::Finish { files, bytes, set_digest: set.0 });
+        sh.tell(host, ToReceiver::Finish { files, bytes, set_digest: set.0 });
     }
     let mut t = sh.tally.lock().expect("tally lock");
     while !sh.stopped() && t.finished.iter().any(Option::is_none) {
@@ -799,7 +800,7 @@ fn finish(sh: &Arc<Shared>) -> Result<()> {
 
 fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
     loop {
-        let m = match r.read_msg() {
+        let m = match r.read_msg::<ToSender>() {
             Ok(m) => m,
             Err(e) => {
                 let finished = sh.tally.lock().expect("tally lock").finished[host].is_some();
@@ -812,7 +813,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
         };
         let lookup = |id: &u64| sh.files.lock().expect("files lock").get(id).cloned();
         match m {
-            Msg::Plan { id, skip, ranges } => {
+            ToSender::Plan { id, skip, ranges } => {
                 let Some(f) = lookup(&id) else { continue };
                 if skip {
                     Progress::add(&sh.progress.done_files, 1);
@@ -836,7 +837,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                     st.chunks_left = chunks;
                 }
                 if chunks == 0 {
-                    sh.tell(host, &Msg::FileEnd { id, digest: file_digest(&[]) });
+                    sh.tell(host, ToReceiver::FileEnd { id, digest: file_digest(&[]) });
                     continue;
                 }
                 let send = Arc::new(ranges);
@@ -846,7 +847,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                     let _ = sh.jobs_tx.send(Job { file: f.clone(), first, end, send: send.clone(), resend: false });
                 }
             }
-            Msg::Nack { id, block } => {
+            ToSender::Nack { id, block } => {
                 let Some(f) = lookup(&id) else { continue };
                 if block >= f.blocks {
                     return sh.fail(Error::protocol(r.peer(), "request for a block past the end of a file"));
@@ -855,7 +856,7 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                 let send = Arc::new(vec![(block, block + 1)]);
                 let _ = sh.jobs_tx.send(Job { file: f, first: block, end: block + 1, send, resend: true });
             }
-            Msg::Done { id, digest } => {
+            ToSender::Done { id, digest } => {
                 let Some(f) = lookup(&id) else { continue };
                 let ours = file_digest(&f.st.lock().expect("file lock").sums);
                 if ours != digest {
@@ -870,24 +871,24 @@ fn control_reader(sh: &Arc<Shared>, host: usize, mut r: FrameReader) {
                     t.sets[f.host].add(&f.meta.path, f.meta.size, &digest);
                 });
             }
-            Msg::Failed { id, kind, subject, message } => {
+            ToSender::Failed { id, kind, subject, message } => {
                 let Some(f) = lookup(&id) else { continue };
                 f.st.lock().expect("file lock").aborted = true;
                 sh.file_error(&f, subject, kind, message);
             }
-            Msg::Finished { files, bytes, set_digest } => {
+            ToSender::Finished { files, bytes, set_digest } => {
                 let mut t = sh.tally.lock().expect("tally lock");
                 t.finished[host] = Some((files, bytes, set_digest));
                 drop(t);
                 sh.changed.notify_all();
                 return;
             }
-            Msg::Ping => {}
-            Msg::Echo { stamp, received, staged, server_received, transfers } => {
+            ToSender::Ping {} => {}
+            ToSender::Echo { stamp, received, staged, server_received, transfers } => {
                 let server = ServerLoad { delivered: server_received, transfers: transfers as usize };
                 sh.meters[host].echo(sh.started.elapsed(), stamp, received, staged, server)
             }
-            m => return sh.fail(Error::protocol(r.peer(), format!("unexpected {m:?}"))),
+            ToSender::Error { kind, message } => return sh.fail(Error::new(kind, r.peer(), message)),
         }
     }
 }
@@ -909,7 +910,7 @@ fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
                 !std::mem::replace(&mut st.aborted, true)
             };
             if first {
-                sh.tell(f.host, &Msg::Abort { id: f.id, kind, message: message.clone() });
+                sh.tell(f.host, ToReceiver::Abort { id: f.id, kind, message: message.clone() });
                 sh.file_error(f, f.label.clone(), kind, message);
             }
         }
@@ -967,7 +968,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         }
         file_digest(&st.sums)
     };
-    sh.tell(f.host, &Msg::FileEnd { id: f.id, digest });
+    sh.tell(f.host, ToReceiver::FileEnd { id: f.id, digest });
     Ok(())
 }
 
@@ -990,7 +991,7 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
     loop {
         if retire.load(Ordering::SeqCst) {
             // Dropped by the tuner: nothing more comes on this connection.
-            if w.send(&Msg::StreamEnd).is_ok() {
+            if w.send(Msg::StreamEnd).is_ok() {
                 w.close_write();
             }
             return;
@@ -1020,7 +1021,7 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
             Err(RecvTimeoutError::Timeout) if sh.stopped() => return,
             Err(RecvTimeoutError::Timeout) => {
                 if last.elapsed() >= sh.ping_every {
-                    if w.send(&Msg::Ping).is_err() {
+                    if w.send(Msg::Ping).is_err() {
                         return;
                     }
                     last = Instant::now();

@@ -8,7 +8,8 @@ use crate::transport::{connect_tcp, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
 use dmover_proto::frame::TransferOptions;
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::phase::{Open, Reply, Request};
+use dmover_proto::{ErrorKind, Msg, Phase};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,8 +60,9 @@ impl Conn {
         Ok(Conn { host: host.to_string(), reader, welcome_pending: true, writer, transport: t, session_key })
     }
 
-    /// Reads the next message (a server's `Error` becomes `Err`).
-    pub fn read_msg(&mut self) -> Result<Msg> {
+    /// Reads the next message, of the phase `P` (a server's `Error`
+    /// becomes `Err` where `P` has none).
+    pub fn read_msg<P: Phase>(&mut self) -> Result<P> {
         let host = &self.host;
         let named = |e: Error| Error { subject: if e.subject.is_empty() { host.clone() } else { e.subject }, ..e };
         if std::mem::take(&mut self.welcome_pending) {
@@ -70,12 +72,12 @@ impl Conn {
     }
 
     /// Sends a request and reads the answer.
-    pub fn request(&mut self, m: &Msg) -> Result<Msg> {
+    pub fn request<P: Phase>(&mut self, m: impl Into<Msg>) -> Result<P> {
         self.writer.send(m)?;
         self.read_msg()
     }
 
-    pub fn send(&mut self, m: &Msg) -> Result<()> {
+    pub fn send(&mut self, m: impl Into<Msg>) -> Result<()> {
         self.writer.send(m)
     }
 
@@ -90,15 +92,17 @@ impl Conn {
     /// Opens a control connection.
     pub fn control(host: &str, cred: &Credential) -> Result<Conn> {
         let mut c = Conn::open(host, cred)?;
-        c.send(&Msg::OpenControl)?;
+        c.send(Open::OpenControl {})?;
         Ok(c)
     }
 }
 
-fn expect_session(host: &str, m: Msg) -> Result<[u8; 16]> {
+/// The session a request opened.
+pub fn expect_session(host: &str, m: Reply) -> Result<[u8; 16]> {
     match m {
-        Msg::SessionOpened { session } => Ok(session),
-        m => Err(Error::protocol(host, format!("expected a session, got {m:?}"))),
+        Reply::SessionOpened { session } => Ok(session),
+        Reply::Ticket { .. } => Err(Error::protocol(host, "expected a session, got a ticket")),
+        Reply::Error { kind, message } => Err(Error::new(kind, host, message)),
     }
 }
 
@@ -123,7 +127,7 @@ pub fn start_streams(host: &str, cred: &Credential, n: usize, socket: &SocketOpt
 pub fn attach_streams(started: std::thread::JoinHandle<Result<Vec<Conn>>>, session: [u8; 16]) -> Result<Vec<Box<dyn Transport>>> {
     let mut conns = started.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))?;
     for (i, c) in conns.iter_mut().enumerate() {
-        c.send(&Msg::OpenData { session, index: i as u32 })?;
+        c.send(Open::OpenData { session, index: i as u32 })?;
     }
     conns
         .into_iter()
@@ -147,13 +151,13 @@ pub fn receive_link(
 ) -> Result<HostLink> {
     let started = start_streams(host, cred, streams, socket);
     let mut c = Conn::control(host, cred)?;
-    let m = c.request(&Msg::Receive { dest: dest.to_string(), options })?;
+    let m = c.request(Request::Receive { dest: dest.to_string(), options })?;
     let session = expect_session(host, m)?;
     let data = attach_streams(started, session)?;
     let (name, cred, socket) = (host.to_string(), cred.clone(), socket.clone());
     let connect: Connector = Arc::new(move || {
         let mut c = Conn::open_with(&name, &cred, &socket)?;
-        c.send(&Msg::OpenData { session, index: 0 })?;
+        c.send(Open::OpenData { session, index: 0 })?;
         let m = c.read_msg()?;
         expect_session(&name, m)?;
         Ok(c.into_transport())
@@ -182,8 +186,9 @@ pub fn receive_links(
 /// Asks `host` for a ticket to receive into `dest`, for a third party.
 pub fn grant(host: &str, cred: &Credential, dest: &str) -> Result<(KeyId, [u8; 32])> {
     let mut c = Conn::control(host, cred)?;
-    match c.request(&Msg::Grant { dest: dest.to_string() })? {
-        Msg::Ticket { key_id, wrapped_secret } => Ok((key_id, c.session_key.wrap(&key_id, &wrapped_secret))),
-        m => Err(Error::protocol(host, format!("expected a ticket, got {m:?}"))),
+    match c.request(Request::Grant { dest: dest.to_string() })? {
+        Reply::Ticket { key_id, wrapped_secret } => Ok((key_id, c.session_key.wrap(&key_id, &wrapped_secret))),
+        Reply::SessionOpened { .. } => Err(Error::protocol(host, "expected a ticket, got a session")),
+        Reply::Error { kind, message } => Err(Error::new(kind, host, message)),
     }
 }

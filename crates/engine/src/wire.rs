@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::transport::Transport;
 use dmover_proto::digest::{BlockHasher, Sum};
 use dmover_proto::frame::{DataHeader, DecodeError, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA, MAX_CONTROL_BODY};
-use dmover_proto::Msg;
+use dmover_proto::{Msg, Phase};
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -17,11 +17,11 @@ const READ_BUFFER: usize = 256 * 1024;
 /// that each piece is checksummed while it is still in the CPU's cache.
 pub const PIECE: usize = 256 * 1024;
 
-/// What arrived: a control message, or a data header whose block must be
-/// read next with [`FrameReader::read_block`].
+/// What arrived: a control message of the phase `P`, or a data header
+/// whose block must be read next with [`FrameReader::read_block`].
 #[derive(Debug)]
-pub enum Incoming {
-    Msg(Msg),
+pub enum Incoming<P> {
+    Msg(P),
     Data(DataHeader),
 }
 
@@ -55,8 +55,31 @@ impl FrameReader {
         self.inner.buffer().len()
     }
 
-    /// The next frame; connection errors are `Unreachable`, bad frames `Internal`.
-    pub fn read(&mut self) -> Result<Incoming> {
+    /// The next frame, a message of the phase `P` or data; connection
+    /// errors are `Unreachable`, bad frames and messages that do not belong
+    /// to the phase `Internal`.
+    pub fn read<P: Phase>(&mut self) -> Result<Incoming<P>> {
+        match self.read_frame()? {
+            Incoming::Msg(m) => Ok(Incoming::Msg(self.expect(m)?)),
+            Incoming::Data(h) => Ok(Incoming::Data(h)),
+        }
+    }
+
+    /// The message as the phase `P`. Where `P` has no `Error`, an `Error`
+    /// from the peer is returned as the error it reports; any other kind
+    /// that does not belong to `P` is a protocol error naming both.
+    fn expect<P: Phase>(&self, m: Msg) -> Result<P> {
+        P::from_msg(m).map_err(|m| match m {
+            Msg::Error { kind, message } => Error::new(kind, &self.peer, message),
+            m => {
+                let mut shown = format!("{m:?}");
+                shown.truncate(120);
+                Error::protocol(&self.peer, format!("unexpected {shown} in {}", P::NAME))
+            }
+        })
+    }
+
+    fn read_frame(&mut self) -> Result<Incoming<Msg>> {
         let mut h = [0u8; HEADER_LEN];
         self.inner.read_exact(&mut h).map_err(|e| self.net(&e))?;
         let h = Header::parse(&h).map_err(|e| Error::protocol(&self.peer, e))?;
@@ -80,12 +103,11 @@ impl FrameReader {
         Ok(Incoming::Msg(m))
     }
 
-    /// The next frame, which must be a control message.
-    pub fn read_msg(&mut self) -> Result<Msg> {
-        match self.read()? {
-            Incoming::Msg(Msg::Error { kind, message }) => Err(Error::new(kind, &self.peer, message)),
-            Incoming::Msg(m) => Ok(m),
-            Incoming::Data(_) => Err(Error::protocol(&self.peer, "unexpected data frame")),
+    /// The next frame, which must be a control message of the phase `P`.
+    pub fn read_msg<P: Phase>(&mut self) -> Result<P> {
+        match self.read_frame()? {
+            Incoming::Msg(m) => self.expect(m),
+            Incoming::Data(_) => Err(Error::protocol(&self.peer, format!("unexpected data frame in {}", P::NAME))),
         }
     }
 
@@ -137,16 +159,16 @@ impl FrameWriter {
     }
 
     /// Sends one control message (after any queued ones).
-    pub fn send(&mut self, m: &Msg) -> Result<()> {
-        m.encode(&mut self.pending);
+    pub fn send(&mut self, m: impl Into<Msg>) -> Result<()> {
+        m.into().encode(&mut self.pending);
         self.flush()
     }
 
     /// Queues a message, to go with others in one write: at the next
     /// [`flush`](FrameWriter::flush) or `send`, or when the queue is full.
     /// Whoever queues must flush before waiting for an answer.
-    pub fn queue(&mut self, m: &Msg) -> Result<()> {
-        m.encode(&mut self.pending);
+    pub fn queue(&mut self, m: impl Into<Msg>) -> Result<()> {
+        m.into().encode(&mut self.pending);
         if self.pending.len() >= QUEUE_LIMIT {
             return self.flush();
         }

@@ -326,7 +326,7 @@ pub enum Msg {
     /// S→C during a push: running totals.
     Progress { files: u64, bytes: u64, total_files: u64, total_bytes: u64, walk_done: bool },
     /// S→C: the end of a push or send.
-    Report(Stats),
+    Report { stats: Stats },
     /// Tx→Rx: a file will be sent; `digest` is set for content comparison.
     Announce { id: u64, meta: FileMeta, digest: Option<Sum> },
     /// Rx→Tx: which blocks of file `id` to send (none and `skip` if present).
@@ -369,7 +369,7 @@ pub enum Msg {
     Acked { blocks: Vec<(u64, u64)> },
     /// C→S in a streaming session: a step is over and every block of it is
     /// acknowledged somewhere.
-    StepEnd(StepInfo),
+    StepEnd { info: StepInfo },
     /// S→C: the step's manifest is written; `complete` if every block is here.
     StepSaved { step: u64, complete: bool },
 }
@@ -511,7 +511,7 @@ impl Msg {
             Ticket { .. } => 19,
             Push { .. } => 20,
             Progress { .. } => 21,
-            Report(_) => 22,
+            Report { .. } => 22,
             Announce { .. } => 30,
             Plan { .. } => 31,
             FileEnd { .. } => 32,
@@ -528,7 +528,7 @@ impl Msg {
             Listing { .. } => 24,
             Stream { .. } => 42,
             Acked { .. } => 43,
-            StepEnd(_) => 44,
+            StepEnd { .. } => 44,
             StepSaved { .. } => 45,
         }
     }
@@ -598,7 +598,7 @@ impl Msg {
                     w.u64(*offset);
                 }
             }
-            StepEnd(s) => {
+            StepEnd { info: s } => {
                 w.u64(s.step);
                 w.u64(s.bytes);
                 w.bytes(&s.digest);
@@ -657,7 +657,7 @@ impl Msg {
                 w.u64(*total_bytes);
                 w.u8(*walk_done as u8);
             }
-            Report(s) => {
+            Report { stats: s } => {
                 for v in [
                     s.files,
                     s.bytes,
@@ -806,7 +806,7 @@ impl Msg {
                         rtt_us: r.u64()?,
                     });
                 }
-                Report(s)
+                Report { stats: s }
             }
             30 => {
                 let id = r.u64()?;
@@ -870,7 +870,7 @@ impl Msg {
                 for _ in 0..n {
                     s.blocks.push(StepBlock { offset: r.u64()?, len: r.u32()?, sum: r.arr()?, at: r.str()? });
                 }
-                StepEnd(s)
+                StepEnd { info: s }
             }
             45 => StepSaved { step: r.u64()?, complete: r.bool()? },
             k => return Err(DecodeError::UnknownKind(k)),
@@ -1015,14 +1015,16 @@ mod tests {
                 params: EngineParams::default(),
             },
             Msg::Progress { files: 1, bytes: 2, total_files: 3, total_bytes: 4, walk_done: true },
-            Msg::Report(Stats {
-                files: 1,
-                hosts: vec![HostShare { host: "h".into(), files: 1, bytes: 2 }],
-                errors: vec![FileError { path: "p".into(), kind: ErrorKind::NoSpace, message: "m".into() }],
-                digests_match: true,
-                timeline: vec![TunePoint { t_ms: 1, host: 0, streams: 4, concurrency: 8, goodput: 1 << 30, rtt_us: 20_000 }],
-                ..Stats::default()
-            }),
+            Msg::Report {
+                stats: Stats {
+                    files: 1,
+                    hosts: vec![HostShare { host: "h".into(), files: 1, bytes: 2 }],
+                    errors: vec![FileError { path: "p".into(), kind: ErrorKind::NoSpace, message: "m".into() }],
+                    digests_match: true,
+                    timeline: vec![TunePoint { t_ms: 1, host: 0, streams: 4, concurrency: 8, goodput: 1 << 30, rtt_us: 20_000 }],
+                    ..Stats::default()
+                },
+            },
             Msg::Announce { id: 11, meta: meta.clone(), digest: None },
             Msg::Announce { id: 12, meta, digest: Some([1; 16]) },
             Msg::Plan { id: 13, skip: false, ranges: vec![(0, 4), (9, 10)] },
@@ -1040,14 +1042,16 @@ mod tests {
             Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },
             Msg::Stream { producer: "gtc-0".into(), block_size: 1 << 20 },
             Msg::Acked { blocks: vec![(1, 0), (1, 1 << 20)] },
-            Msg::StepEnd(StepInfo {
-                step: 3,
-                bytes: 5,
-                digest: [4; 16],
-                metadata: vec![("var".into(), "phi".into()), ("dims".into(), "2,3".into())],
-                records: vec![(0, 2), (2, 3)],
-                blocks: vec![StepBlock { offset: 0, len: 5, sum: [5; 16], at: "h:1".into() }],
-            }),
+            Msg::StepEnd {
+                info: StepInfo {
+                    step: 3,
+                    bytes: 5,
+                    digest: [4; 16],
+                    metadata: vec![("var".into(), "phi".into()), ("dims".into(), "2,3".into())],
+                    records: vec![(0, 2), (2, 3)],
+                    blocks: vec![StepBlock { offset: 0, len: 5, sum: [5; 16], at: "h:1".into() }],
+                },
+            },
             Msg::StepSaved { step: 3, complete: true },
         ]
     }

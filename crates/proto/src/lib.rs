@@ -7,6 +7,8 @@
 //!
 //! * [`frame`] — headers, messages, encoding and decoding (decoding never
 //!   panics on hostile input; incomplete input is `Ok(None)`).
+//! * [`phase`] — the messages that may come at each point of a
+//!   conversation, one type per phase.
 //! * [`auth`] — the challenge–response handshake and session keys.
 //! * [`digest`] — block checksums and the per-file digest built from them.
 //! * [`path`] — the rules a relative path must follow to cross the wire.
@@ -17,8 +19,10 @@ pub mod auth;
 pub mod digest;
 pub mod frame;
 pub mod path;
+pub mod phase;
 
 pub use frame::{DataHeader, DecodeError, ErrorKind, Msg};
+pub use phase::Phase;
 
 #[cfg(test)]
 mod tests {

@@ -24,7 +24,8 @@ use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::TOKEN_KEY_ID;
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
+use dmover_proto::ErrorKind;
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener};
@@ -298,23 +299,22 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     let (key_id, skey) = authenticated?;
     let Some(_slot) = ConnectionSlot::take(srv) else {
         let max = srv.cfg.max_connections;
-        let _ = w.send(&Msg::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
+        let _ = w.send(Reply::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
         return Err(Error::new(ErrorKind::Refused, &peer, format!("too many connections (--max-connections {max})")));
     };
     // An authenticated client may take a while to say what the connection
     // is for (a data connection waits for its session to be set up).
     t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
     let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(srv.tickets.dest(&key_id).unwrap_or_default()) };
-    match r.read_msg()? {
-        Msg::OpenControl => control(srv, t, r, w, &grant, &skey),
-        Msg::OpenData { session, .. } => attach(srv, t, w, session),
-        m => Err(Error::protocol(&peer, format!("expected a connection type, got {m:?}"))),
+    match r.read_msg::<Open>()? {
+        Open::OpenControl {} => control(srv, t, r, w, &grant, &skey),
+        Open::OpenData { session, .. } => attach(srv, t, w, session),
     }
 }
 
 fn refuse(w: &mut FrameWriter, e: &Error) -> Result<()> {
     log::warn!("refused: {e}");
-    w.send(&Msg::Error { kind: e.kind, message: e.to_string() })
+    w.send(Reply::Error { kind: e.kind, message: e.to_string() })
 }
 
 /// Hands a data connection to its session.
@@ -332,7 +332,7 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
             // session sends nothing on it before the client's next request.)
             let _ = t.set_read_timeout(None);
             let _ = tx.send(t);
-            return w.send(&Msg::SessionOpened { session });
+            return w.send(Reply::SessionOpened { session });
         }
         if Instant::now() > deadline {
             return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "no such session"));
@@ -374,7 +374,7 @@ fn open_session(srv: &Server) -> (SessionGuard<'_>, crossbeam_channel::Receiver<
 /// What a request leads to, once it has been checked.
 enum Action {
     /// Answer and wait for the next request.
-    Reply(Msg),
+    Reply(Reply),
     /// Become the receiving end of a transfer into `dest` below `root`.
     Receive {
         root: Store,
@@ -413,31 +413,31 @@ enum Action {
 }
 
 /// Checks a request; an error here is a refusal the client is told about.
-fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::SessionKey) -> Result<Action> {
+fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::SessionKey) -> Result<Action> {
     if let Grant::Ticket(dest) = grant {
-        if !matches!(&m, Msg::Receive { dest: d, .. } if d == dest) {
+        if !matches!(&m, Request::Receive { dest: d, .. } if d == dest) {
             return Err(Error::new(ErrorKind::Refused, dest.clone(), "a ticket only allows receiving into its destination"));
         }
     }
     Ok(match m {
-        Msg::Receive { dest, options } => {
+        Request::Receive { dest, options } => {
             blocks_fit(srv, options.block_size, 0)?;
             let (root, rest) = locate(srv, &dest)?;
             storage::check_path(root.as_ref(), rest)?;
             Action::Receive { root: root.clone(), dest: rest.to_string(), options }
         }
-        Msg::Send { sources, options, params } => {
+        Request::Send { sources, options, params } => {
             let params = limit(srv, options.block_size, params.streams as u64, params)?;
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Send { root, specs, options, params }
         }
-        Msg::Grant { dest } => {
+        Request::Grant { dest } => {
             let (root, rest) = locate(srv, &dest)?;
             storage::check_path(root.as_ref(), rest)?;
             let (key_id, secret) = srv.tickets.issue(&dest);
-            Action::Reply(Msg::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })
+            Action::Reply(Reply::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })
         }
-        Msg::Push { sources, dest, hosts, options, params } => {
+        Request::Push { sources, dest, hosts, options, params } => {
             if hosts.is_empty() {
                 return Err(Error::new(ErrorKind::Usage, dest, "a push names no destination host"));
             }
@@ -446,11 +446,11 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Push { root, specs, dest, hosts, options, params }
         }
-        Msg::List { path } => {
+        Request::List { path } => {
             let (root, mut specs) = resolve_sources(srv, std::slice::from_ref(&path))?;
             Action::List { root, spec: specs.remove(0) }
         }
-        Msg::Stream { producer, block_size } => {
+        Request::Stream { producer, block_size } => {
             let Some(sink) = srv.cfg.sink.clone() else {
                 return Err(Error::new(ErrorKind::Refused, producer, "this server does not take streams; run `dmover sink` for that"));
             };
@@ -458,8 +458,7 @@ fn prepare(srv: &Server, m: Msg, grant: &Grant, skey: &dmover_proto::auth::Sessi
             let dir = sink::producer_dir(&sink, &producer)?;
             Action::Stream { sink, producer, dir, block_size }
         }
-        Msg::Ping => Action::Nothing,
-        m => return Err(Error::protocol("", format!("unexpected request {m:?}"))),
+        Request::Ping {} => Action::Nothing,
     })
 }
 
@@ -513,7 +512,7 @@ fn control(
         match prepare(srv, m, grant, skey) {
             Err(e) => refuse(&mut w, &e)?,
             Ok(Action::Nothing) => {}
-            Ok(Action::Reply(m)) => w.send(&m)?,
+            Ok(Action::Reply(m)) => w.send(m)?,
             Ok(Action::Receive { root, dest, options }) => {
                 let label = root.display(std::path::Path::new(&dest));
                 let cfg = RecvConfig {
@@ -534,7 +533,7 @@ fn control(
                     }
                 };
                 let (guard, rx) = open_session(srv);
-                w.send(&Msg::SessionOpened { session: guard.id })?;
+                w.send(Reply::SessionOpened { session: guard.id })?;
                 drop(r);
                 let s = prepared.run(t, rx)?;
                 log::info!("received {} files, {} bytes into {label}", s.files, s.bytes);
@@ -542,11 +541,8 @@ fn control(
             }
             Ok(Action::Send { root, specs, options, params }) => {
                 let (guard, rx) = open_session(srv);
-                w.send(&Msg::SessionOpened { session: guard.id })?;
-                match r.read_msg()? {
-                    Msg::Ready => {}
-                    m => return Err(Error::protocol(t.peer(), format!("expected ready, got {m:?}"))),
-                }
+                w.send(Reply::SessionOpened { session: guard.id })?;
+                let Attached::Ready {} = r.read_msg()?;
                 drop(r);
                 let data: Vec<Box<dyn Transport>> = rx.try_iter().collect();
                 if data.is_empty() || data.len() != params.streams as usize {
@@ -563,7 +559,7 @@ fn control(
             Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
             Ok(Action::Stream { sink, producer, dir, block_size }) => {
                 let (guard, rx) = open_session(srv);
-                w.send(&Msg::SessionOpened { session: guard.id })?;
+                w.send(Reply::SessionOpened { session: guard.id })?;
                 return sink::run(&sink, &producer, dir, block_size, t, r, w, rx);
             }
             Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
@@ -589,7 +585,7 @@ fn list(w: &mut FrameWriter, root: &Store, spec: &str) -> Result<()> {
                 batch.push(e.meta);
                 listed += 1;
                 if batch.len() == LISTING_BATCH {
-                    sent = w.send(&Msg::Listing { entries: std::mem::take(&mut batch), done: false });
+                    sent = w.send(ListReply::Listing { entries: std::mem::take(&mut batch), done: false });
                 }
             }
             dmover_engine::source::Event::Error(e) => {
@@ -603,16 +599,16 @@ fn list(w: &mut FrameWriter, root: &Store, spec: &str) -> Result<()> {
     sent?;
     match first_error {
         Some(e) if listed == 0 => refuse(w, &e),
-        _ => w.send(&Msg::Listing { entries: batch, done: true }),
+        _ => w.send(ListReply::Listing { entries: batch, done: true }),
     }
 }
 
 /// Ends a send or push with its report, or with the error that stopped it.
 fn finish_report(w: &mut FrameWriter, t: &dyn Transport, stats: Result<Stats>) -> Result<()> {
     match stats {
-        Ok(s) => w.send(&Msg::Report(s)),
+        Ok(s) => w.send(RemoteReport::Report { stats: s }),
         Err(e) => {
-            let _ = w.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+            let _ = w.send(RemoteReport::Error { kind: e.kind, message: e.to_string() });
             dmover_engine::transport::linger(t);
             Err(e)
         }
@@ -681,14 +677,14 @@ fn push(
             if last.elapsed() >= Duration::from_millis(500) {
                 last = Instant::now();
                 let p = progress.snapshot();
-                let m = Msg::Progress {
+                let m = RemoteReport::Progress {
                     files: p.done_files,
                     bytes: p.done_bytes,
                     total_files: p.total_files,
                     total_bytes: p.total_bytes,
                     walk_done: p.walk_done,
                 };
-                if w.send(&m).is_err() {
+                if w.send(m).is_err() {
                     break;
                 }
             }

@@ -27,7 +27,8 @@ use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
 use dmover_proto::digest::Sum;
 use dmover_proto::frame::{StepInfo, MAX_BLOCK};
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::phase::{FromSink, OnData, ToSink};
+use dmover_proto::ErrorKind;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -198,7 +199,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn send(&self, m: &Msg) -> Result<()> {
+    fn send(&self, m: FromSink) -> Result<()> {
         self.writer.lock().expect("writer lock").send(m)
     }
 
@@ -278,22 +279,21 @@ pub fn run(
     let (hooks, hook_rx) = crossbeam_channel::unbounded::<PathBuf>();
     let hook_thread = cfg.hook.clone().map(|cmd| std::thread::spawn(move || hook_rx.iter().for_each(|m| run_hook(&cmd, &m))));
     let result = (|| loop {
-        let m = match r.read_msg() {
+        let m = match r.read_msg::<ToSink>() {
             Ok(m) => m,
             Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()),
             Err(e) => return Err(e),
         };
         match m {
-            Msg::StepEnd(info) => {
+            ToSink::StepEnd { info } => {
                 let step = info.step;
                 let (complete, manifest) = finish_step(&shared, cfg, producer, info)?;
                 if complete && cfg.hook.is_some() {
                     let _ = hooks.send(manifest);
                 }
-                shared.send(&Msg::StepSaved { step, complete })?;
+                shared.send(FromSink::StepSaved { step, complete })?;
             }
-            Msg::Ping => {}
-            m => return Err(Error::protocol(control.peer(), format!("unexpected message in a stream: {m:?}"))),
+            ToSink::Ping {} => {}
         }
     })();
     over.store(true, Ordering::Relaxed);
@@ -304,7 +304,7 @@ pub fn run(
     }
     log::info!("stream from {producer} ended: {} bytes received", shared.received.load(Ordering::Relaxed));
     if let Err(e) = &result {
-        let _ = shared.send(&Msg::Error { kind: e.kind, message: e.to_string() });
+        let _ = shared.send(FromSink::Error { kind: e.kind, message: e.to_string() });
         dmover_engine::transport::linger(control.as_ref());
     }
     result
@@ -316,10 +316,10 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
     let mut r = FrameReader::new(t);
     let mut buf = vec![0u8; shared.block_size as usize];
     loop {
-        let h = match r.read() {
+        let h = match r.read::<OnData>() {
             Ok(Incoming::Data(h)) => h,
-            Ok(Incoming::Msg(Msg::StreamEnd)) => return Ok(()),
-            Ok(Incoming::Msg(m)) => return Err(Error::protocol(&peer, format!("unexpected message on a data connection: {m:?}"))),
+            Ok(Incoming::Msg(OnData::StreamEnd {})) => return Ok(()),
+            Ok(Incoming::Msg(OnData::Ping {})) => continue,
             Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()),
             Err(e) => return Err(e),
         };
@@ -329,13 +329,13 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
         let data = &mut buf[..h.len as usize];
         if r.read_block(data, &[&shared.received])? != h.sum {
             log::warn!("{peer}: step {} block at {} arrived damaged; asking again", h.file, h.offset);
-            shared.send(&Msg::Nack { id: h.file, block: h.offset / shared.block_size as u64 })?;
+            shared.send(FromSink::Nack { id: h.file, block: h.offset / shared.block_size as u64 })?;
             continue;
         }
         let f = shared.file(h.file)?;
         f.write_all_at(data, h.offset).map_err(|e| Error::io(shared.disk_dir.join(data_name(h.file)).display().to_string(), &e))?;
         shared.steps.lock().expect("steps lock").entry(h.file).or_default().blocks.insert(h.offset, (h.len, h.sum));
-        shared.send(&Msg::Acked { blocks: vec![(h.file, h.offset)] })?;
+        shared.send(FromSink::Acked { blocks: vec![(h.file, h.offset)] })?;
     }
 }
 

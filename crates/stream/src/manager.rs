@@ -28,12 +28,13 @@ use crate::spill::Spill;
 use crate::{manifest, Config, DestinationReport, Report};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_engine::error::{Error, Result};
-use dmover_engine::session::{Conn, Credential};
+use dmover_engine::session::{expect_session, Conn, Credential};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::digest::{block_sum, file_digest, Sum};
 use dmover_proto::frame::{DataHeader, StepBlock, StepInfo};
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::phase::{FromSink, OnData, Open, Request, ToSink};
+use dmover_proto::ErrorKind;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -405,7 +406,7 @@ impl Manager {
             }
             if l.last_control.elapsed() >= PING_EVERY {
                 l.last_control = Instant::now();
-                if let Err(e) = l.control.send(&Msg::Ping) {
+                if let Err(e) = l.control.send(ToSink::Ping {}) {
                     self.link_down(e);
                 }
             }
@@ -474,7 +475,7 @@ impl Manager {
                 records: end.records.clone(),
                 blocks,
             };
-            if let Err(e) = l.control.send(&Msg::StepEnd(info)) {
+            if let Err(e) = l.control.send(ToSink::StepEnd { info }) {
                 failed = Some(e);
                 break;
             }
@@ -570,10 +571,8 @@ impl Manager {
     fn open_link(&mut self, dest: usize) -> Result<()> {
         let addr = self.dests[dest].addr.clone();
         let mut c = Conn::control(&addr, &self.cred)?;
-        let session = match c.request(&Msg::Stream { producer: self.cfg.producer.clone(), block_size: self.cfg.block_size })? {
-            Msg::SessionOpened { session } => session,
-            m => return Err(Error::protocol(&addr, format!("expected a session, got {m:?}"))),
-        };
+        let session =
+            expect_session(&addr, c.request(Request::Stream { producer: self.cfg.producer.clone(), block_size: self.cfg.block_size })?)?;
         let t = c.into_transport();
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&addr, &e));
         let reader = FrameReader::new(split(t.as_ref())?);
@@ -684,12 +683,12 @@ impl Manager {
 /// Turns the sink's answers on a control connection into events.
 fn read_control(mut r: FrameReader, link: u64, block_size: u64, events: Sender<Event>) {
     loop {
-        let ev = match r.read_msg() {
-            Ok(Msg::Acked { blocks }) => Event::Acked { link, blocks },
-            Ok(Msg::Nack { id, block }) => Event::Nack { link, step: id, offset: block * block_size },
-            Ok(Msg::StepSaved { step, .. }) => Event::Saved { link, step },
-            Ok(Msg::Ping) => continue,
-            Ok(m) => Event::Down { link, error: Error::protocol(r.peer(), format!("unexpected message in a stream: {m:?}")) },
+        let ev = match r.read_msg::<FromSink>() {
+            Ok(FromSink::Acked { blocks }) => Event::Acked { link, blocks },
+            Ok(FromSink::Nack { id, block }) => Event::Nack { link, step: id, offset: block * block_size },
+            Ok(FromSink::StepSaved { step, .. }) => Event::Saved { link, step },
+            Ok(FromSink::Ping {}) => continue,
+            Ok(FromSink::Error { kind, message }) => Event::Down { link, error: Error::new(kind, r.peer(), message) },
             Err(error) => Event::Down { link, error },
         };
         let down = matches!(ev, Event::Down { .. });
@@ -723,10 +722,7 @@ impl StreamCtx {
 
     fn send_blocks(&self) -> Result<()> {
         let mut c = Conn::open(&self.addr, &self.cred)?;
-        match c.request(&Msg::OpenData { session: self.session, index: self.index })? {
-            Msg::SessionOpened { .. } => {}
-            m => return Err(Error::protocol(&self.addr, format!("expected a session, got {m:?}"))),
-        }
+        expect_session(&self.addr, c.request(Open::OpenData { session: self.session, index: self.index })?)?;
         let mut w = FrameWriter::new(c.into_transport());
         while !self.stop.load(Ordering::Relaxed) {
             match self.work.recv_timeout(WORK_WAIT) {
@@ -738,7 +734,7 @@ impl StreamCtx {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
-        let _ = w.send(&Msg::StreamEnd);
+        let _ = w.send(OnData::StreamEnd {});
         Ok(())
     }
 }
