@@ -291,6 +291,45 @@ pub struct Stats {
     pub timeline: Vec<TunePoint>,
 }
 
+/// The kind number of each control message, written once: encoding and
+/// decoding both use these.
+pub mod kind {
+    pub const HELLO: u8 = 1;
+    pub const CHALLENGE: u8 = 2;
+    pub const PROOF: u8 = 3;
+    pub const WELCOME: u8 = 4;
+    pub const ERROR: u8 = 5;
+    pub const OPEN_CONTROL: u8 = 10;
+    pub const OPEN_DATA: u8 = 11;
+    pub const RECEIVE: u8 = 14;
+    pub const SEND: u8 = 15;
+    pub const SESSION_OPENED: u8 = 16;
+    pub const READY: u8 = 17;
+    pub const GRANT: u8 = 18;
+    pub const TICKET: u8 = 19;
+    pub const PUSH: u8 = 20;
+    pub const PROGRESS: u8 = 21;
+    pub const REPORT: u8 = 22;
+    pub const LIST: u8 = 23;
+    pub const LISTING: u8 = 24;
+    pub const ANNOUNCE: u8 = 30;
+    pub const PLAN: u8 = 31;
+    pub const FILE_END: u8 = 32;
+    pub const ABORT: u8 = 33;
+    pub const NACK: u8 = 34;
+    pub const DONE: u8 = 35;
+    pub const FAILED: u8 = 36;
+    pub const FINISH: u8 = 37;
+    pub const FINISHED: u8 = 38;
+    pub const PING: u8 = 39;
+    pub const ECHO: u8 = 40;
+    pub const STREAM_END: u8 = 41;
+    pub const STREAM: u8 = 42;
+    pub const ACKED: u8 = 43;
+    pub const STEP_END: u8 = 44;
+    pub const STEP_SAVED: u8 = 45;
+}
+
 /// A control message. Comments give the direction: C client, S server,
 /// Tx the sending end of a transfer, Rx the receiving end.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -496,40 +535,40 @@ impl Msg {
     pub fn kind(&self) -> u8 {
         use Msg::*;
         match self {
-            Hello { .. } => 1,
-            Challenge { .. } => 2,
-            Proof { .. } => 3,
-            Welcome => 4,
-            Error { .. } => 5,
-            OpenControl => 10,
-            OpenData { .. } => 11,
-            Receive { .. } => 14,
-            Send { .. } => 15,
-            SessionOpened { .. } => 16,
-            Ready => 17,
-            Grant { .. } => 18,
-            Ticket { .. } => 19,
-            Push { .. } => 20,
-            Progress { .. } => 21,
-            Report { .. } => 22,
-            Announce { .. } => 30,
-            Plan { .. } => 31,
-            FileEnd { .. } => 32,
-            Abort { .. } => 33,
-            Nack { .. } => 34,
-            Done { .. } => 35,
-            Failed { .. } => 36,
-            Finish { .. } => 37,
-            Finished { .. } => 38,
-            Ping => 39,
-            Echo { .. } => 40,
-            StreamEnd => 41,
-            List { .. } => 23,
-            Listing { .. } => 24,
-            Stream { .. } => 42,
-            Acked { .. } => 43,
-            StepEnd { .. } => 44,
-            StepSaved { .. } => 45,
+            Hello { .. } => kind::HELLO,
+            Challenge { .. } => kind::CHALLENGE,
+            Proof { .. } => kind::PROOF,
+            Welcome => kind::WELCOME,
+            Error { .. } => kind::ERROR,
+            OpenControl => kind::OPEN_CONTROL,
+            OpenData { .. } => kind::OPEN_DATA,
+            Receive { .. } => kind::RECEIVE,
+            Send { .. } => kind::SEND,
+            SessionOpened { .. } => kind::SESSION_OPENED,
+            Ready => kind::READY,
+            Grant { .. } => kind::GRANT,
+            Ticket { .. } => kind::TICKET,
+            Push { .. } => kind::PUSH,
+            Progress { .. } => kind::PROGRESS,
+            Report { .. } => kind::REPORT,
+            Announce { .. } => kind::ANNOUNCE,
+            Plan { .. } => kind::PLAN,
+            FileEnd { .. } => kind::FILE_END,
+            Abort { .. } => kind::ABORT,
+            Nack { .. } => kind::NACK,
+            Done { .. } => kind::DONE,
+            Failed { .. } => kind::FAILED,
+            Finish { .. } => kind::FINISH,
+            Finished { .. } => kind::FINISHED,
+            Ping => kind::PING,
+            Echo { .. } => kind::ECHO,
+            StreamEnd => kind::STREAM_END,
+            List { .. } => kind::LIST,
+            Listing { .. } => kind::LISTING,
+            Stream { .. } => kind::STREAM,
+            Acked { .. } => kind::ACKED,
+            StepEnd { .. } => kind::STEP_END,
+            StepSaved { .. } => kind::STEP_SAVED,
         }
     }
 
@@ -741,25 +780,25 @@ impl Msg {
         let mut r = R { buf: body, kind };
         use Msg::*;
         let msg = match kind {
-            1 => {
+            kind::HELLO => {
                 if r.arr::<8>()? != MAGIC {
                     return Err(DecodeError::BadMagic);
                 }
                 Hello { key_id: r.arr()?, nonce: r.arr()? }
             }
-            2 => Challenge { nonce: r.arr()?, proof: r.arr()? },
-            3 => Proof { proof: r.arr()? },
-            4 => Welcome,
-            5 => Error { kind: r.kind()?, message: r.str()? },
-            10 => OpenControl,
-            11 => OpenData { session: r.arr()?, index: r.u32()? },
-            14 => Receive { dest: r.str()?, options: r.options()? },
-            15 => Send { sources: r.strs()?, options: r.options()?, params: r.params()? },
-            16 => SessionOpened { session: r.arr()? },
-            17 => Ready,
-            18 => Grant { dest: r.str()? },
-            19 => Ticket { key_id: r.arr()?, wrapped_secret: r.arr()? },
-            20 => {
+            kind::CHALLENGE => Challenge { nonce: r.arr()?, proof: r.arr()? },
+            kind::PROOF => Proof { proof: r.arr()? },
+            kind::WELCOME => Welcome,
+            kind::ERROR => Error { kind: r.kind()?, message: r.str()? },
+            kind::OPEN_CONTROL => OpenControl,
+            kind::OPEN_DATA => OpenData { session: r.arr()?, index: r.u32()? },
+            kind::RECEIVE => Receive { dest: r.str()?, options: r.options()? },
+            kind::SEND => Send { sources: r.strs()?, options: r.options()?, params: r.params()? },
+            kind::SESSION_OPENED => SessionOpened { session: r.arr()? },
+            kind::READY => Ready,
+            kind::GRANT => Grant { dest: r.str()? },
+            kind::TICKET => Ticket { key_id: r.arr()?, wrapped_secret: r.arr()? },
+            kind::PUSH => {
                 let sources = r.strs()?;
                 let dest = r.str()?;
                 let n = r.count(4 + 16 + 32)?;
@@ -769,8 +808,10 @@ impl Msg {
                 }
                 Push { sources, dest, hosts, options: r.options()?, params: r.params()? }
             }
-            21 => Progress { files: r.u64()?, bytes: r.u64()?, total_files: r.u64()?, total_bytes: r.u64()?, walk_done: r.bool()? },
-            22 => {
+            kind::PROGRESS => {
+                Progress { files: r.u64()?, bytes: r.u64()?, total_files: r.u64()?, total_bytes: r.u64()?, walk_done: r.bool()? }
+            }
+            kind::REPORT => {
                 let mut s = Stats::default();
                 for v in [
                     &mut s.files,
@@ -808,13 +849,13 @@ impl Msg {
                 }
                 Report { stats: s }
             }
-            30 => {
+            kind::ANNOUNCE => {
                 let id = r.u64()?;
                 let meta = FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()? };
                 let digest = if r.bool()? { Some(r.arr()?) } else { None };
                 Announce { id, meta, digest }
             }
-            31 => {
+            kind::PLAN => {
                 let id = r.u64()?;
                 let skip = r.bool()?;
                 let n = r.count(16)?;
@@ -828,18 +869,18 @@ impl Msg {
                 }
                 Plan { id, skip, ranges }
             }
-            32 => FileEnd { id: r.u64()?, digest: r.arr()? },
-            33 => Abort { id: r.u64()?, kind: r.kind()?, message: r.str()? },
-            34 => Nack { id: r.u64()?, block: r.u64()? },
-            35 => Done { id: r.u64()?, digest: r.arr()? },
-            36 => Failed { id: r.u64()?, kind: r.kind()?, subject: r.str()?, message: r.str()? },
-            37 => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
-            38 => Finished { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
-            39 => Ping,
-            40 => Echo { stamp: r.u64()?, received: r.u64()?, staged: r.u8()?, server_received: r.u64()?, transfers: r.u32()? },
-            41 => StreamEnd,
-            23 => List { path: r.str()? },
-            24 => {
+            kind::FILE_END => FileEnd { id: r.u64()?, digest: r.arr()? },
+            kind::ABORT => Abort { id: r.u64()?, kind: r.kind()?, message: r.str()? },
+            kind::NACK => Nack { id: r.u64()?, block: r.u64()? },
+            kind::DONE => Done { id: r.u64()?, digest: r.arr()? },
+            kind::FAILED => Failed { id: r.u64()?, kind: r.kind()?, subject: r.str()?, message: r.str()? },
+            kind::FINISH => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
+            kind::FINISHED => Finished { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
+            kind::PING => Ping,
+            kind::ECHO => Echo { stamp: r.u64()?, received: r.u64()?, staged: r.u8()?, server_received: r.u64()?, transfers: r.u32()? },
+            kind::STREAM_END => StreamEnd,
+            kind::LIST => List { path: r.str()? },
+            kind::LISTING => {
                 let n = r.count(4 + 8 + 8 + 4 + 4)?;
                 let mut entries = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -847,8 +888,8 @@ impl Msg {
                 }
                 Listing { entries, done: r.bool()? }
             }
-            42 => Stream { producer: r.str()?, block_size: r.u32()? },
-            43 => {
+            kind::STREAM => Stream { producer: r.str()?, block_size: r.u32()? },
+            kind::ACKED => {
                 let n = r.count(16)?;
                 let mut blocks = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -856,7 +897,7 @@ impl Msg {
                 }
                 Acked { blocks }
             }
-            44 => {
+            kind::STEP_END => {
                 let mut s = StepInfo { step: r.u64()?, bytes: r.u64()?, digest: r.arr()?, ..StepInfo::default() };
                 let n = r.count(8)?;
                 for _ in 0..n {
@@ -872,7 +913,7 @@ impl Msg {
                 }
                 StepEnd { info: s }
             }
-            45 => StepSaved { step: r.u64()?, complete: r.bool()? },
+            kind::STEP_SAVED => StepSaved { step: r.u64()?, complete: r.bool()? },
             k => return Err(DecodeError::UnknownKind(k)),
         };
         if !r.buf.is_empty() {
