@@ -5,31 +5,31 @@
 //! XXH3-128 of its block checksums in offset order, so both ends can build it
 //! from blocks that arrive in any order, with no second pass over the data.
 
-use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+use twox_hash::XxHash3_128;
 
 /// A 128-bit checksum, big-endian bytes.
 pub type Sum = [u8; 16];
 
 /// Checksum of one block.
 pub fn block_sum(data: &[u8]) -> Sum {
-    xxh3_128(data).to_be_bytes()
+    XxHash3_128::oneshot(data).to_be_bytes()
 }
 
 /// Checksum of one block fed in pieces as they are read, while each is
 /// still in the CPU's cache; equal to [`block_sum`] of the whole block.
-pub struct BlockHasher(Xxh3);
+pub struct BlockHasher(XxHash3_128);
 
 impl BlockHasher {
     pub fn new() -> BlockHasher {
-        BlockHasher(Xxh3::new())
+        BlockHasher(XxHash3_128::new())
     }
 
     pub fn update(&mut self, piece: &[u8]) {
-        self.0.update(piece);
+        self.0.write(piece);
     }
 
     pub fn finish(&self) -> Sum {
-        self.0.digest128().to_be_bytes()
+        self.0.finish_128().to_be_bytes()
     }
 }
 
@@ -41,11 +41,11 @@ impl Default for BlockHasher {
 
 /// The digest of a file from its block checksums, in offset order.
 pub fn file_digest<'a>(block_sums: impl IntoIterator<Item = &'a Sum>) -> Sum {
-    let mut h = Xxh3::new();
+    let mut h = XxHash3_128::new();
     for s in block_sums {
-        h.update(s);
+        h.write(s);
     }
-    h.digest128().to_be_bytes()
+    h.finish_128().to_be_bytes()
 }
 
 /// An order-independent summary of a set of files: the sum (mod 2^128) of a
@@ -56,12 +56,12 @@ pub struct SetDigest(pub u128);
 
 impl SetDigest {
     pub fn add(&mut self, path: &str, size: u64, digest: &Sum) {
-        let mut h = Xxh3::new();
-        h.update(&(path.len() as u64).to_be_bytes());
-        h.update(path.as_bytes());
-        h.update(&size.to_be_bytes());
-        h.update(digest);
-        self.0 = self.0.wrapping_add(h.digest128());
+        let mut h = XxHash3_128::new();
+        h.write(&(path.len() as u64).to_be_bytes());
+        h.write(path.as_bytes());
+        h.write(&size.to_be_bytes());
+        h.write(digest);
+        self.0 = self.0.wrapping_add(h.finish_128());
     }
 }
 
