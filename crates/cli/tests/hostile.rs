@@ -679,3 +679,100 @@ fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_sta
     eprintln!("server RSS: {before} KiB before, {during} KiB with a download of 256 MiB never read");
     assert!(during < before + 40 * 1024, "the server's memory grew from {before} to {during} KiB for one download never read");
 }
+
+/// A raw producer's streaming session with a sink: the control connection
+/// and one data connection attached to it.
+fn stream_session(sink: &Server, token: &[u8], producer: &str) -> (Raw, Raw) {
+    let mut ctl = Raw::control(&sink.addr(), token);
+    let Some(Msg::SessionOpened { session }) = ctl.read_after(&Msg::Stream { producer: producer.into(), block_size: 65536 }) else {
+        panic!("the sink did not open a stream")
+    };
+    let (mut data, _, _) = Raw::handshake(&sink.addr(), token);
+    assert_eq!(data.read(), Some(Msg::Welcome));
+    assert!(matches!(data.read_after(&Msg::OpenData { session, index: 0 }), Some(Msg::SessionOpened { .. })));
+    (ctl, data)
+}
+
+/// Sends block `offset` of `step` on a data connection.
+fn send_step_block(data: &mut Raw, step: u64, offset: u64, bytes: &[u8]) {
+    let h = dmover_proto::DataHeader { file: step, offset, sum: dmover_proto::digest::block_sum(bytes), len: bytes.len() as u32 };
+    data.raw(&h.encode());
+    data.raw(bytes);
+}
+
+/// A step of one block, as its producer announces its end.
+fn one_block_step(step: u64, bytes: &[u8]) -> Msg {
+    let sum = dmover_proto::digest::block_sum(bytes);
+    let block = dmover_proto::frame::StepBlock { offset: 0, len: bytes.len() as u32, sum, at: String::new() };
+    let info = dmover_proto::frame::StepInfo {
+        step,
+        bytes: bytes.len() as u64,
+        digest: dmover_proto::digest::file_digest(&[sum]),
+        metadata: vec![],
+        records: vec![(0, bytes.len() as u64)],
+        blocks: vec![block],
+    };
+    Msg::StepEnd { info }
+}
+
+#[test]
+fn a_step_end_naming_a_four_gigabyte_block_is_refused_without_allocating_it() {
+    let env = Env::new();
+    let out = env.mkdir("sink");
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let token = env.token_str();
+    let (mut ctl, mut data) = stream_session(&sink, token.as_bytes(), "p");
+    send_step_block(&mut data, 0, 0, &[5; 4096]);
+    assert!(matches!(ctl.read(), Some(Msg::Acked { .. })));
+    let Msg::StepEnd { mut info } = one_block_step(0, &[5; 4096]) else { unreachable!() };
+    info.blocks.push(dmover_proto::frame::StepBlock { offset: 65536, len: u32::MAX, sum: [1; 16], at: String::new() });
+    info.bytes += u32::MAX as u64;
+    match ctl.read_after(&Msg::StepEnd { info }) {
+        Some(Msg::Error { message, .. }) => assert!(message.contains("does not fit the block size"), "{message}"),
+        other => panic!("a block of 4 GiB in a step's end was not refused: {other:?}"),
+    }
+    let peak_kib = proc_status(sink.pid(), "VmHWM:");
+    assert!(peak_kib < 512 * 1024, "the sink grew to {peak_kib} KiB for one announced block");
+    let (mut ctl, mut data) = stream_session(&sink, token.as_bytes(), "q");
+    send_step_block(&mut data, 0, 0, &[6; 4096]);
+    assert!(matches!(ctl.read(), Some(Msg::Acked { .. })), "the sink stopped serving");
+    assert_eq!(ctl.read_after(&one_block_step(0, &[6; 4096])), Some(Msg::StepSaved { step: 0, complete: true }));
+}
+
+#[test]
+fn a_complete_step_is_never_rewritten_by_a_producer_claiming_the_same_name() {
+    let env = Env::new();
+    let out = env.mkdir("sink");
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let token = env.token_str();
+    let (mine, theirs) = (vec![1u8; 4096], vec![2u8; 4096]);
+
+    let (mut ctl, mut data) = stream_session(&sink, token.as_bytes(), "p");
+    send_step_block(&mut data, 0, 0, &mine);
+    assert!(matches!(ctl.read(), Some(Msg::Acked { .. })));
+    assert_eq!(ctl.read_after(&one_block_step(0, &mine)), Some(Msg::StepSaved { step: 0, complete: true }));
+    let manifest = fs::read(out.join("p/step-000000.json")).unwrap();
+
+    // Another producer under the same name: its block is not taken, and its
+    // version of the step is refused.
+    let (mut ctl, mut data) = stream_session(&sink, token.as_bytes(), "p");
+    send_step_block(&mut data, 0, 0, &theirs);
+    data.wait_closed();
+    match ctl.read_after(&one_block_step(0, &theirs)) {
+        Some(Msg::Error { kind, message }) => {
+            assert_eq!(kind, ErrorKind::Refused, "{message}");
+            assert!(message.contains("never rewritten"), "{message}");
+        }
+        other => panic!("another version of a complete step was not refused: {other:?}"),
+    }
+    assert_eq!(fs::read(out.join("p/step-000000.dat")).unwrap(), mine, "the complete step's data was rewritten");
+    assert_eq!(fs::read(out.join("p/step-000000.json")).unwrap(), manifest, "the complete step's manifest was rewritten");
+
+    // The producer itself repeating the same step (its answer lost) hears
+    // that it is complete, and its block is acknowledged without a write.
+    let (mut ctl, mut data) = stream_session(&sink, token.as_bytes(), "p");
+    send_step_block(&mut data, 0, 0, &mine);
+    assert!(matches!(ctl.read(), Some(Msg::Acked { .. })));
+    assert_eq!(ctl.read_after(&one_block_step(0, &mine)), Some(Msg::StepSaved { step: 0, complete: true }));
+    assert_eq!(fs::read(out.join("p/step-000000.json")).unwrap(), manifest);
+}

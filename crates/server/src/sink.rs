@@ -50,6 +50,9 @@ pub struct SinkConfig {
     pub name: String,
 }
 
+/// Largest manifest the sink reads back (to know whether a step is complete).
+const MAX_MANIFEST: u64 = 64 << 20;
+
 /// Smallest block a producer may use (the largest is a data frame's `MAX_BLOCK`).
 pub const MIN_BLOCK: u32 = 4096;
 
@@ -178,6 +181,9 @@ struct StepFiles {
     file: Option<Arc<dyn WriteFile>>,
     /// offset → (length, checksum)
     blocks: HashMap<u64, (u32, Sum)>,
+    /// The step was complete here before this session: its blocks are
+    /// compared with what is stored, never written.
+    sealed: bool,
 }
 
 /// What the data connections and the control connection of one session share.
@@ -203,16 +209,24 @@ impl Shared {
         self.writer.lock().expect("writer lock").send(m)
     }
 
-    /// The step's data file, created on first use.
-    fn file(&self, step: u64) -> Result<Arc<dyn WriteFile>> {
+    /// The step's data file, opened (or created) on first use, and whether
+    /// the step was complete here before this session.
+    fn file(&self, step: u64) -> Result<(Arc<dyn WriteFile>, bool)> {
         let mut steps = self.steps.lock().expect("steps lock");
         let s = steps.entry(step).or_default();
         if let Some(f) = &s.file {
-            return Ok(f.clone());
+            return Ok((f.clone(), s.sealed));
         }
+        s.sealed = self.complete_here(step).is_some();
         let f = self.open_data(step)?;
         s.file = Some(f.clone());
-        Ok(f)
+        Ok((f, s.sealed))
+    }
+
+    /// The manifest of `step`, if the step is complete here.
+    fn complete_here(&self, step: u64) -> Option<StepManifest> {
+        let text = self.store.read_all(&self.dir.join(manifest_name(step)), MAX_MANIFEST).ok()?;
+        serde_json::from_slice::<StepManifest>(&text).ok().filter(|m| m.complete)
     }
 
     /// A step's data file: the one an earlier session wrote, or a new one.
@@ -266,8 +280,13 @@ pub fn run(
                     }
                     let shared = shared.clone();
                     std::thread::spawn(move || {
+                        let closer = t.split();
                         if let Err(e) = receive_blocks(&shared, t) {
                             log::warn!("stream data connection: {e}");
+                            // Hang up on what was refused, now.
+                            if let Ok(c) = closer {
+                                c.close();
+                            }
                         }
                     });
                 }
@@ -332,17 +351,45 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
             shared.send(FromSink::Nack { id: h.file, block: h.offset / shared.block_size as u64 })?;
             continue;
         }
-        let f = shared.file(h.file)?;
-        f.write_all_at(data, h.offset).map_err(|e| Error::io(shared.disk_dir.join(data_name(h.file)).display().to_string(), &e))?;
+        let (f, sealed) = shared.file(h.file)?;
+        if sealed {
+            // A complete step is never rewritten: the same block again (a
+            // producer retrying) is acknowledged, any other is refused.
+            let mut stored = vec![0u8; data.len()];
+            let same = storage::read_block(f.as_ref(), &mut stored, h.offset).is_ok_and(|(n, sum)| n == data.len() && sum == h.sum);
+            if !same {
+                let msg = format!("step {} is complete here and is never rewritten; this block differs from it", h.file);
+                return Err(Error::new(ErrorKind::Refused, &peer, msg));
+            }
+        } else {
+            f.write_all_at(data, h.offset).map_err(|e| Error::io(shared.disk_dir.join(data_name(h.file)).display().to_string(), &e))?;
+        }
         shared.steps.lock().expect("steps lock").entry(h.file).or_default().blocks.insert(h.offset, (h.len, h.sum));
         shared.send(FromSink::Acked { blocks: vec![(h.file, h.offset)] })?;
     }
 }
 
 /// Checks that every block the producer says is here is here, writes the
-/// step's manifest, and says whether the whole step is here.
+/// step's manifest, and says whether the whole step is here, with the
+/// manifest's path.
 fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo) -> Result<(bool, PathBuf)> {
     let step = info.step;
+    let bs = shared.block_size;
+    if let Some(b) = info.blocks.iter().find(|b| b.len > bs || b.offset % bs as u64 != 0) {
+        let msg = format!("step {step}: a block of {} bytes at offset {} does not fit the block size of {bs} bytes", b.len, b.offset);
+        return Err(Error::protocol(producer, msg));
+    }
+    if let Some(m) = shared.complete_here(step) {
+        // Complete here already: a producer repeating the same step (its
+        // answer was lost, or it runs again) hears so again, and its hook
+        // runs again (hooks run at least once per complete step); another
+        // version is refused.
+        if m.digest == info.digest && m.bytes == info.bytes {
+            return Ok((true, shared.disk_dir.join(manifest_name(step))));
+        }
+        let msg = format!("step {step} is complete here and is never rewritten; this version differs from it");
+        return Err(Error::new(ErrorKind::Refused, producer, msg));
+    }
     let mine = shared.steps.lock().expect("steps lock").remove(&step).unwrap_or_default();
     let data_path = shared.disk_dir.join(data_name(step));
     let stored_data = shared.dir.join(data_name(step));
