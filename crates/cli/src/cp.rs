@@ -12,14 +12,12 @@ use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig, DEST_MAY_BE_FILE};
 use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
-use dmover_engine::session::{self, Conn, Credential};
+use dmover_engine::session::{self, Credential};
 use dmover_engine::storage;
 use dmover_engine::transport::Transport;
-use dmover_engine::wire::FrameReader;
 use dmover_engine::{Error, Result};
-use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
+use dmover_proto::frame::{EngineParams, Stats, TransferOptions};
 use dmover_proto::path::printable;
-use dmover_proto::phase::{Attached, RemoteReport, Request};
 use dmover_proto::ErrorKind;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -292,92 +290,20 @@ fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
 
 fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (hosts, _) = remote_parts(&p.sources[0]);
-    let host = &hosts[0];
     let cred = p.cred.clone().expect("remote needs a token");
     a.net.untunable("downloads")?;
     let socket = a.net.socket()?;
     with_retries(a.retries, |_| {
         let cfg = RecvConfig { accept: Some(crate::names::expected(&specs(p))), ..recv_config(p) };
-        let prepared = recv::prepare(cfg)?;
-        let started = session::start_streams(host, &cred, a.net.fixed() as usize, &socket);
-        let mut c = Conn::control(host, &cred)?;
-        let session = session::expect_session(host, c.request(Request::Send { sources: specs(p), options: p.options, params: p.params })?)?;
-        let data = session::attach_streams(started, session)?;
-        c.send(Attached::Ready {})?;
-        let control = c.into_transport();
-        let after = control.split().map_err(|e| Error::network(host, &e))?;
-        let (tx, rx) = crossbeam_channel::unbounded();
-        data.into_iter().for_each(|d| {
-            let _ = tx.send(d);
-        });
-        drop(tx);
-        let summary = prepared.run(control, rx);
-        // The sender's report follows its `Finish` (and pings, which its
-        // pinger may still send until then).
-        let mut r = FrameReader::new(after);
-        let report = loop {
-            break match r.read_msg::<RemoteReport>() {
-                Ok(RemoteReport::Ping {}) => continue,
-                Ok(RemoteReport::Report { stats }) => Ok(stats),
-                Ok(RemoteReport::Progress { .. }) => Err(Error::protocol(host, "expected a report, got progress")),
-                Ok(RemoteReport::Error { kind, message }) => Err(Error::new(kind, host, message)),
-                Err(e) => Err(e),
-            };
-        };
-        summary?;
-        let s = report?;
-        progress.set(&dmover_engine::progress::Snapshot {
-            total_files: s.files,
-            total_bytes: s.bytes,
-            walk_done: true,
-            done_files: s.dest_files,
-            done_bytes: s.dest_bytes,
-            sent_bytes: s.sent_bytes,
-        });
-        let hosts = s.hosts.into_iter().map(|h| dmover_proto::frame::HostShare { host: host.clone(), ..h }).collect();
-        Ok(Stats { hosts, ..s })
+        session::download(&hosts[0], &cred, specs(p), p.params, &socket, cfg, progress)
     })
 }
 
 fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (src_hosts, _) = remote_parts(&p.sources[0]);
     let (dest_hosts, _) = remote_parts(&p.dest);
-    let src = &src_hosts[0];
     let cred = p.cred.clone().expect("remote needs a token");
     a.net.untunable("third-party copies")?;
     // The source server retries its own connections; these retries cover ours.
-    with_retries(a.retries, |_| {
-        let mut tickets = Vec::new();
-        for h in dest_hosts {
-            let (key_id, secret) = session::grant(h, &cred, &p.dest_path)?;
-            tickets.push((h.clone(), key_id, secret));
-        }
-        let mut c = Conn::control(src, &cred)?;
-        let hosts = tickets
-            .iter()
-            .map(|(addr, key_id, secret)| TicketedHost {
-                addr: addr.clone(),
-                key_id: *key_id,
-                wrapped_secret: c.session_key.wrap(key_id, secret),
-            })
-            .collect();
-        c.send(Request::Push { sources: specs(p), dest: p.dest_path.clone(), hosts, options: p.options, params: p.params })?;
-        loop {
-            match c.read_msg::<RemoteReport>()? {
-                RemoteReport::Progress { files, bytes, total_files, total_bytes, walk_done } => {
-                    progress.set(&dmover_engine::progress::Snapshot {
-                        total_files,
-                        total_bytes,
-                        walk_done,
-                        done_files: files,
-                        done_bytes: bytes,
-                        sent_bytes: 0,
-                    })
-                }
-                RemoteReport::Report { stats } => return Ok(stats),
-                RemoteReport::Ping {} => {}
-                RemoteReport::Error { kind, message } => return Err(Error::new(kind, src, message)),
-            }
-        }
-    })
+    with_retries(a.retries, |_| session::push(&src_hosts[0], dest_hosts, &cred, specs(p), &p.dest_path, p.options, p.params, progress))
 }

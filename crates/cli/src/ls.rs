@@ -4,10 +4,9 @@
 use crate::location::Location;
 use crate::TokenArgs;
 use clap::Args;
-use dmover_engine::session::{Conn, Credential};
+use dmover_engine::session::{self, Credential};
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::FileMeta;
-use dmover_proto::phase::{ListReply, Request};
 use dmover_proto::ErrorKind;
 
 #[derive(Args)]
@@ -25,25 +24,14 @@ pub fn run(a: LsArgs) -> Result<i32> {
     let Location::Remote { hosts, path } = Location::parse(&a.url)? else {
         return Err(Error::new(ErrorKind::Usage, &a.url, "ls needs a dmover:// URL (use ls(1) for local paths)"));
     };
-    let host = &hosts[0];
-    let mut c = Conn::control(host, &Credential::token(&a.token.token()?))?;
-    c.send(Request::List { path })?;
     let mut all = Vec::new();
-    loop {
-        match c.read_msg::<ListReply>()? {
-            ListReply::Listing { entries, done } => {
-                if a.json {
-                    all.extend(entries);
-                } else {
-                    entries.iter().for_each(|m| println!("{}", line(m)));
-                }
-                if done {
-                    break;
-                }
-            }
-            ListReply::Error { kind, message } => return Err(Error::new(kind, host, message)),
+    session::list(&hosts[0], &Credential::token(&a.token.token()?), path, &mut |entries| {
+        if a.json {
+            all.extend(entries);
+        } else {
+            entries.iter().for_each(|m| println!("{}", line(m)));
         }
-    }
+    })?;
     if a.json {
         let v: Vec<_> = all
             .iter()

@@ -1,14 +1,19 @@
-//! The client's side of connection setup: connect, authenticate, and attach
-//! control and data connections to a session on a server.
+//! The client's side: connect, authenticate, attach control and data
+//! connections to a session on a server, and the client's part of each
+//! request a server serves — receive ([`receive_links`], an upload),
+//! send ([`download`]), push ([`push`], a third-party copy) and list
+//! ([`list`]). Retries are the caller's: each of these is one attempt.
 
 use crate::error::{Error, Result};
 use crate::handshake;
+use crate::progress::{Progress, Snapshot};
+use crate::recv::{self, RecvConfig};
 use crate::send::{Connector, HostLink};
 use crate::transport::{connect_tcp, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
-use dmover_proto::frame::TransferOptions;
-use dmover_proto::phase::{Open, Reply, Request};
+use dmover_proto::frame::{EngineParams, FileMeta, HostShare, Stats, TicketedHost, TransferOptions};
+use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::{ErrorKind, Msg, Phase};
 use std::sync::Arc;
 use std::time::Duration;
@@ -190,5 +195,116 @@ pub fn grant(host: &str, cred: &Credential, dest: &str) -> Result<(KeyId, [u8; 3
         Reply::Ticket { key_id, wrapped_secret } => Ok((key_id, c.session_key.wrap(&key_id, &wrapped_secret))),
         Reply::SessionOpened { .. } => Err(Error::protocol(host, "expected a ticket, got a session")),
         Reply::Error { kind, message } => Err(Error::new(kind, host, message)),
+    }
+}
+
+/// What a server sends while it works for a client (a download's sender,
+/// a push): progress, then its report. Progress goes to `progress`.
+fn remote_report(mut read: impl FnMut() -> Result<RemoteReport>, host: &str, progress: &Progress) -> Result<Stats> {
+    loop {
+        match read()? {
+            RemoteReport::Progress { files, bytes, total_files, total_bytes, walk_done } => {
+                progress.set(&Snapshot { total_files, total_bytes, walk_done, done_files: files, done_bytes: bytes, sent_bytes: 0 })
+            }
+            RemoteReport::Report { stats } => return Ok(stats),
+            RemoteReport::Ping {} => {}
+            RemoteReport::Error { kind, message } => return Err(Error::new(kind, host, message)),
+        }
+    }
+}
+
+/// One attempt at a download: asks `host` to send `sources` (specs below
+/// its exports) over `streams` data connections, and receives them with a
+/// receiving end prepared from `cfg`. Returns the server's report, each
+/// host share named by `host`.
+pub fn download(
+    host: &str,
+    cred: &Credential,
+    sources: Vec<String>,
+    params: EngineParams,
+    socket: &SocketOptions,
+    cfg: RecvConfig,
+    progress: &Progress,
+) -> Result<Stats> {
+    let options = cfg.options;
+    let prepared = recv::prepare(cfg)?;
+    let started = start_streams(host, cred, params.streams as usize, socket);
+    let mut c = Conn::control(host, cred)?;
+    let session = expect_session(host, c.request(Request::Send { sources, options, params })?)?;
+    let data = attach_streams(started, session)?;
+    c.send(Attached::Ready {})?;
+    let control = c.into_transport();
+    let after = control.split().map_err(|e| Error::network(host, &e))?;
+    let (tx, rx) = crossbeam_channel::unbounded();
+    data.into_iter().for_each(|d| {
+        let _ = tx.send(d);
+    });
+    drop(tx);
+    let summary = prepared.run(control, rx);
+    // The sender's report follows its `Finish` (and pings, which its
+    // pinger may still send until then).
+    let mut r = FrameReader::new(after);
+    let report = remote_report(|| r.read_msg(), host, progress);
+    summary?;
+    let s = report?;
+    progress.set(&Snapshot {
+        total_files: s.files,
+        total_bytes: s.bytes,
+        walk_done: true,
+        done_files: s.dest_files,
+        done_bytes: s.dest_bytes,
+        sent_bytes: s.sent_bytes,
+    });
+    let hosts = s.hosts.into_iter().map(|h| HostShare { host: host.to_string(), ..h }).collect();
+    Ok(Stats { hosts, ..s })
+}
+
+/// One attempt at a third-party copy: gets a ticket for `dest` from each of
+/// `dest_hosts` and asks `src` to send `sources` there, following its
+/// progress. Returns the source server's report.
+#[allow(clippy::too_many_arguments)]
+pub fn push(
+    src: &str,
+    dest_hosts: &[String],
+    cred: &Credential,
+    sources: Vec<String>,
+    dest: &str,
+    options: TransferOptions,
+    params: EngineParams,
+    progress: &Progress,
+) -> Result<Stats> {
+    let mut tickets = Vec::new();
+    for h in dest_hosts {
+        let (key_id, secret) = grant(h, cred, dest)?;
+        tickets.push((h.clone(), key_id, secret));
+    }
+    let mut c = Conn::control(src, cred)?;
+    let hosts = tickets
+        .iter()
+        .map(|(addr, key_id, secret)| TicketedHost {
+            addr: addr.clone(),
+            key_id: *key_id,
+            wrapped_secret: c.session_key.wrap(key_id, secret),
+        })
+        .collect();
+    c.send(Request::Push { sources, dest: dest.to_string(), hosts, options, params })?;
+    remote_report(|| c.read_msg(), src, progress)
+}
+
+/// Lists what `path` (a file, directory or glob below an export) names on
+/// `host`, handing each batch of entries to `emit` as it arrives.
+pub fn list(host: &str, cred: &Credential, path: String, emit: &mut dyn FnMut(Vec<FileMeta>)) -> Result<()> {
+    let mut c = Conn::control(host, cred)?;
+    c.send(Request::List { path })?;
+    loop {
+        match c.read_msg::<ListReply>()? {
+            ListReply::Listing { entries, done } => {
+                emit(entries);
+                if done {
+                    return Ok(());
+                }
+            }
+            ListReply::Error { kind, message } => return Err(Error::new(kind, host, message)),
+        }
     }
 }
