@@ -211,8 +211,8 @@ class CopyTool(MeasuredTool):
     afterwards the copy is checked against the source (every file's content,
     and the attributes in `preserves`: those the tool is asked to keep) and
     removed again. `seconds` is the wall time from spawn to exit;
-    `mb_per_s_with_sync` adds a `sync` after the command (write-back not
-    counted in `seconds`); `check_seconds` is the time the check took."""
+    `mb_per_s_with_sync` and `files_per_s_with_sync` add a `sync` after the
+    command (write-back not counted in `seconds`); `check_seconds` is the time the check took."""
 
     preserves: tuple[str, ...] = ()
 
@@ -248,7 +248,8 @@ class CopyTool(MeasuredTool):
         sync_s = time.monotonic() - t0
         rates(fig, ds.total_bytes, res.seconds, ds.files)
         fig.update(sync_seconds=sync_s,
-                   mb_per_s_with_sync=ds.total_bytes / MB / (res.seconds + sync_s))
+                   mb_per_s_with_sync=ds.total_bytes / MB / (res.seconds + sync_s),
+                   files_per_s_with_sync=ds.files / (res.seconds + sync_s))
         if self.link:
             fig["goodput_pct"] = 100 * ds.total_bytes * 8 / 1e6 / res.seconds / self.link.rate_mbit
         fig.update(self.parse(ctx, res))
