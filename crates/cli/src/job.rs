@@ -165,14 +165,14 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
     let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;
     let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm);
     if a.dry_run {
-        print!("{script}");
+        out!("{script}");
         return Ok(0);
     }
     StateDir::new(&plan.state_dir).create()?;
     let kept = plan.state_dir.join(sbatch::SCRIPT);
     std::fs::write(&kept, &script).map_err(|e| Error::io(kept.display().to_string(), &e))?;
     let id = sbatch::submit(&script)?;
-    println!("{id}");
+    outln!("{id}");
     eprintln!("dmover: submitted batch job {id}; follow it with `dmover status {}`", a.job.display());
     Ok(0)
 }
@@ -186,7 +186,7 @@ pub fn run(a: RunArgs) -> Result<i32> {
     };
     let report = manager::run(plan, launch)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
+        outln!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
     }
     eprintln!("{}", report.summary());
     Ok(report.exit_code())
@@ -197,24 +197,24 @@ pub fn status(a: StatusArgs) -> Result<i32> {
     let state = StateDir::new(&dir);
     let r = state.read()?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r).expect("a report serializes"));
+        outln!("{}", serde_json::to_string_pretty(&r).expect("a report serializes"));
         return Ok(0);
     }
-    println!("{}", r.summary());
+    outln!("{}", r.summary());
     let runs = state.runs();
     if runs.len() > 1 {
-        println!("runs:");
+        outln!("runs:");
         for (i, run) in runs.iter().enumerate() {
             let id = run.slurm_job_id.as_deref().map(|id| format!(" (Slurm job {id})")).unwrap_or_default();
             let next = run.resubmitted_as.as_deref().map(|id| format!("; resubmitted as {id}")).unwrap_or_default();
-            println!("  {}{id}: {} after {:.1} s, {} files sent{next}", i + 1, run.state, run.seconds, run.files);
+            outln!("  {}{id}: {} after {:.1} s, {} files sent{next}", i + 1, run.state, run.seconds, run.files);
         }
     }
     if r.state == JobState::Running {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let age = now.saturating_sub(r.updated_unix);
         if age > 10 {
-            println!("(last update {age} s ago: the manager may have stopped; `squeue` or slurm-*.out in {} say more)", dir.display());
+            outln!("(last update {age} s ago: the manager may have stopped; `squeue` or slurm-*.out in {} say more)", dir.display());
         }
     }
     Ok(0)

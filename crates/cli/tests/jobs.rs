@@ -599,3 +599,74 @@ fn a_job_with_the_wrong_token_is_refused_before_anything_runs() {
     assert!(!job.state.exists(), "a refused job created its state directory");
     assert!(list_tree(&out).is_empty(), "a refused job wrote to the destination: {:?}", list_tree(&out));
 }
+
+/// The writing end of a pipe whose reading end is already closed.
+fn closed_pipe() -> std::process::Stdio {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: pipe() fills both descriptors, which are then owned here.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
+    let (reader, writer) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(reader);
+    writer.into()
+}
+
+/// Runs `dmover ARGS` with its stdout a pipe whose reader has already gone
+/// (as `dmover status JOB | head -2` once `head` has its lines).
+fn run_with_stdout_closed<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> (i32, String) {
+    let out = std::process::Command::new(BIN)
+        .args(args)
+        .env_remove("DMOVER_TOKEN")
+        .stdin(std::process::Stdio::null())
+        .stdout(closed_pipe())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("spawn dmover");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn closed_stdout_ends_every_command_quietly() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 11, 20);
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "piped", &src, &[&srv], "");
+    let r = dmover(["run"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let token = env.token.display().to_string();
+    let job_path = job.path.display().to_string();
+    let down = env.mkdir("down").display().to_string();
+    let cases: Vec<Vec<String>> = vec![
+        vec!["status".into(), job_path.clone()],
+        vec!["status".into(), "--json".into(), job_path.clone()],
+        vec!["run".into(), "--json".into(), job_path.clone()],
+        vec!["submit".into(), "--dry-run".into(), job_path.clone()],
+        vec!["ls".into(), "--token-file".into(), token.clone(), srv.url("dst/in")],
+        vec!["ls".into(), "--json".into(), "--token-file".into(), token.clone(), srv.url("dst/in")],
+        vec!["cp".into(), "--json".into(), "-q".into(), "--token-file".into(), token.clone(), srv.url("dst/in/"), down],
+        vec!["bench".into(), "--json".into(), "--size".into(), "1M".into(), "--token-file".into(), token.clone(), srv.url("dst")],
+        vec!["--help".into()],
+        vec!["--version".into()],
+    ];
+    for args in cases {
+        let (code, stderr) = run_with_stdout_closed(&args);
+        assert_eq!(code, 0, "dmover {args:?} with stdout closed; stderr:\n{stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "dmover {args:?}: {stderr}");
+    }
+
+    // A server whose stdout is closed keeps serving.
+    let port = closed_port();
+    let listen = format!("127.0.0.1:{port}");
+    let export = format!("dst={}", out.display());
+    let mut serve = std::process::Command::new(BIN);
+    serve.args(["serve", "--listen", &listen, "--export", &export, "--token-file", &token]);
+    let mut serve = serve.stdout(closed_pipe()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let url = format!("dmover://{listen}/dst/in");
+    let serving = wait_until(Duration::from_secs(20), || dmover(["ls", "--token-file", &token, &url]).run().code == 0);
+    let exited = serve.try_wait().unwrap();
+    let _ = serve.kill();
+    let _ = serve.wait();
+    assert!(serving && exited.is_none(), "the server did not keep serving with its stdout closed (exit {exited:?})");
+}
