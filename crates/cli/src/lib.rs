@@ -110,18 +110,14 @@ pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>, Error> {
     let unreadable = |e: std::io::Error| Error::new(ErrorKind::Usage, &subject, format!("cannot read token file: {e}"));
     let mode = std::fs::metadata(f).map_err(unreadable)?.permissions().mode();
     if mode & 0o077 != 0 {
-        let msg = format!("token file can be read by group or others (mode {:o}); run `chmod 600 {subject}`", mode & 0o777);
-        return Err(Error::new(ErrorKind::Usage, &subject, msg));
+        let msg = format!("token file can be read by group or others (mode {:o})", mode & 0o777);
+        return Err(Error::new(ErrorKind::Usage, &subject, msg).advised(format!("run `chmod 600 {subject}`")));
     }
     let s = std::fs::read(f).map_err(unreadable)?;
     let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
     if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
-        let msg = format!(
-            "token is too short ({} bytes; at least {}): make one with `dmover token FILE`",
-            t.len(),
-            dmover_proto::auth::MIN_TOKEN_LEN
-        );
-        return Err(Error::new(ErrorKind::Usage, f.display().to_string(), msg));
+        let msg = format!("token is too short ({} bytes; at least {})", t.len(), dmover_proto::auth::MIN_TOKEN_LEN);
+        return Err(Error::new(ErrorKind::Usage, f.display().to_string(), msg).advised("make one with `dmover token FILE`"));
     }
     Ok(t)
 }

@@ -670,3 +670,37 @@ fn closed_stdout_ends_every_command_quietly() {
     let _ = serve.wait();
     assert!(serving && exited.is_none(), "the server did not keep serving with its stdout closed (exit {exited:?})");
 }
+
+#[test]
+fn job_errors_give_one_hint_and_point_to_the_job_docs() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let good = write_job(&env, "good", &src, &[&srv], "");
+    let base = std::fs::read_to_string(&good.path).unwrap();
+    let loose = env.path("loose-token");
+    std::fs::copy(&env.token, &loose).unwrap();
+    chmod(&loose, 0o644);
+    let cases = [
+        ("nomatch", base.replace("[\"**\"]", "[\"*.h5\"]"), 3, "check the pattern"),
+        ("noroot", base.replace(&src.display().to_string(), "/no/such/root"), 3, "check the path"),
+        ("unreachable", base.replace(&format!(":{}\"", srv.port), &format!(":{}\"", closed_port())), 6, "check that `dmover serve` runs"),
+        ("loose", base.replace(&env.token.display().to_string(), &loose.display().to_string()), 2, "chmod 600"),
+        ("unknown", format!("{base}[slurm]\nnodes = 2\ncpus = 4\n"), 2, "docs/CLI.md, section \"Batch jobs\""),
+        ("badsize", format!("{base}[transfer]\nstaging = \"lots\"\n"), 2, "docs/CLI.md, section \"Batch jobs\""),
+    ];
+    for (name, text, code, hint) in cases {
+        let p = env.path(&format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let r = dmover(["submit", "--dry-run"]).arg(&p).run();
+        r.assert_fails(code, &[hint]);
+        let line = r.error_lines()[0];
+        assert!(line.ends_with(')'), "{name}: the hint ends the line: {line}");
+        for twice in ["check", "run `", "re-run"] {
+            assert!(line.matches(twice).count() <= 1, "{name}: {twice:?} said more than once: {line}");
+        }
+        assert!(!line.contains("dmover --help"), "{name}: --help does not describe job files: {line}");
+    }
+}
