@@ -528,3 +528,38 @@ fn a_failing_hook_is_logged_and_later_steps_still_get_theirs() {
         assert!(wait_until(Duration::from_secs(20), || copy.is_file()), "no hook for step {step} of a later stream:\n{}", sink.log());
     }
 }
+
+/// A sink address without a port is a mistake in the call, refused before
+/// anything connects (Python: `ValueError`), not a connection to retry.
+#[test]
+fn a_sink_address_without_a_port_is_a_usage_error() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    for dests in [vec!["ana1".to_string()], vec![sink.addr(), "ana1".to_string()]] {
+        let dests: Vec<&str> = dests.iter().map(String::as_str).collect();
+        let e = Stream::open(config(&env, &dests, &spill)).err().expect("an address without a port must be refused");
+        assert_eq!(e.kind, dmover_proto::ErrorKind::Usage, "{dests:?}: {e}");
+        assert!(e.message.contains("\"ana1\"") && e.hint().contains("port"), "{dests:?}: {e} ({})", e.hint());
+    }
+    assert!(!out.join(PRODUCER).exists(), "a refused stream reached the sink");
+    let script = r#"
+import sys
+from dmover_stream import Stream
+for dests in (["ana1"], [sys.argv[1], "ana1"]):
+    try:
+        Stream("usage", dests, sys.argv[2])
+        raise AssertionError(f"{dests} was accepted")
+    except ValueError as e:
+        assert "ana1" in str(e) and "re-running" not in str(e), e
+print("ok")
+"#;
+    let r = Command::new("python3")
+        .args(["-c", script, &sink.addr(), spill.to_str().unwrap()])
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}

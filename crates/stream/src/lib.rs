@@ -115,6 +115,11 @@ impl Config {
         if self.destinations.is_empty() {
             return usage("no destination: give at least one sink as host:port".into());
         }
+        if let Some(d) = self.destinations.iter().find(|d| !is_host_port(d)) {
+            let msg = format!("sink address {d:?} is not host:port");
+            return Err(Error::new(ErrorKind::Usage, &self.producer, msg)
+                .advised("give every sink with its port, as `dmover sink --listen` shows it, e.g. \"ana1:7460\""));
+        }
         if !(4096..=dmover_proto::frame::MAX_BLOCK).contains(&self.block_size) {
             return usage(format!("block size {} is outside 4 KiB..64 MiB", self.block_size));
         }
@@ -125,6 +130,15 @@ impl Config {
             return Err(Error::new(ErrorKind::NotFound, self.spill_dir.display().to_string(), "the spill directory does not exist"));
         }
         Ok(())
+    }
+}
+
+/// Whether `addr` is `host:port` (`[v6]:port` for IPv6) with a port from 1
+/// to 65535: what a sink's address must be, there being no default port.
+fn is_host_port(addr: &str) -> bool {
+    match addr.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && !host.contains(['/', ' ']) && port.parse::<u16>().is_ok_and(|p| p > 0),
+        None => false,
     }
 }
 
@@ -413,6 +427,9 @@ mod tests {
             (Config { producer: ".hidden".into(), ..ok.clone() }, "name with a leading dot"),
             (Config { producer: String::new(), ..ok.clone() }, "empty name"),
             (Config { destinations: vec![], ..ok.clone() }, "no destination"),
+            (Config { destinations: vec!["ana1".into()], ..ok.clone() }, "address without a port"),
+            (Config { destinations: vec!["127.0.0.1:1".into(), "ana1:".into()], ..ok.clone() }, "alternate with an empty port"),
+            (Config { destinations: vec![":7460".into()], ..ok.clone() }, "address without a host"),
             (Config { block_size: 100, ..ok.clone() }, "tiny block"),
             (Config { buffer: DEFAULT_BLOCK as u64, ..ok.clone() }, "buffer of one block"),
             (Config { spill_dir: dir.path().join("missing"), ..ok.clone() }, "missing spill directory"),
