@@ -704,3 +704,35 @@ fn job_errors_give_one_hint_and_point_to_the_job_docs() {
         assert!(!line.contains("dmover --help"), "{name}: --help does not describe job files: {line}");
     }
 }
+
+#[test]
+fn server_logs_no_warnings_for_destination_checks_and_clients_that_hang_up() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "checked", &src, &[&srv], "");
+    for _ in 0..3 {
+        let r = dmover(["submit", "--dry-run"]).arg(&job.path).run();
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+    // A client that knows the token but hangs up after the challenge.
+    let mut c = Raw::connect(&srv.addr());
+    c.send(&dmover_proto::Msg::Hello { key_id: dmover_proto::auth::TOKEN_KEY_ID, nonce: [7; 32] });
+    assert!(matches!(c.read(), Some(dmover_proto::Msg::Challenge { .. })));
+    drop(c);
+    let hung_up = wait_until(Duration::from_secs(10), || srv.log().contains("hung up during the handshake"));
+    let log = srv.log();
+    assert!(hung_up, "the hang-up is not logged as one:\n{log}");
+    let noise: Vec<&str> = log.lines().filter(|l| l.contains("WARN") || l.contains("authentication failed")).collect();
+    assert!(noise.is_empty(), "checks and hang-ups logged as problems:\n{log}");
+
+    // A client with another token is still logged as an authentication failure.
+    let other = env.path("other-token");
+    assert_eq!(dmover(["token".as_ref(), other.as_os_str()]).run().code, 0);
+    let r = dmover(["ls", "--token-file"]).arg(&other).arg(srv.url("dst")).run();
+    assert_eq!(r.code, 7, "{}", r.stderr);
+    let refused = wait_until(Duration::from_secs(10), || srv.log().contains("token differs"));
+    assert!(refused, "a wrong token is not logged as such:\n{}", srv.log());
+}

@@ -24,6 +24,9 @@ pub fn client(r: &mut FrameReader, w: &mut FrameWriter, key_id: KeyId, secret: &
         m => return Err(Error::protocol(r.peer(), format!("expected a challenge, got {m:?}"))),
     };
     if !mac_eq(&proof, &key.server_proof(&cn, &sn)) {
+        // Say why before hanging up, so that the server's log can tell a
+        // token mismatch from a client that went away.
+        let _ = w.send(&Msg::Error { kind: ErrorKind::Auth, message: "the server's proof does not match our token".into() });
         let msg = "authentication failed: the server does not know our token (wrong token or not a dmover server)";
         return Err(Error::new(ErrorKind::Auth, r.peer(), msg));
     }
@@ -63,13 +66,14 @@ pub fn server(r: &mut FrameReader, w: &mut FrameWriter, lookup: impl Fn(&KeyId) 
     w.send(&Msg::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) })?;
     let proof = match r.read_msg() {
         Ok(Msg::Proof { proof }) => proof,
+        // A client that does not accept our proof says so (our token differs from its).
+        Err(e) if e.kind == ErrorKind::Auth => {
+            let message = "authentication failed: the client does not accept our proof (its token differs from ours)";
+            return Err(Error::new(ErrorKind::Auth, r.peer(), message));
+        }
         Err(e) if e.kind == ErrorKind::Unreachable => {
-            // A client that does not like our proof hangs up here.
-            return Err(Error::new(
-                ErrorKind::Auth,
-                r.peer(),
-                "authentication failed: the client hung up after our challenge (different tokens?)",
-            ));
+            let message = format!("the client hung up during the handshake, before proving it knows the token ({})", e.message);
+            return Err(Error::new(ErrorKind::Unreachable, r.peer(), message));
         }
         Err(e) => return Err(e),
         Ok(m) => return Err(Error::protocol(r.peer(), format!("expected a proof, got {m:?}"))),
