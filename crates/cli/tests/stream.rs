@@ -563,3 +563,29 @@ print("ok")
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
 }
+
+/// CLI.md "dmover drain": `--timeout` is how long it keeps trying, so a
+/// drain started while the sink is still down delivers once it is back.
+#[test]
+fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.close_timeout = Duration::from_secs(1);
+    let mut s = Stream::open(c).unwrap();
+    sink.kill9();
+    let written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    let report = s.close().unwrap();
+    assert!(report.undelivered_blocks > 0, "{report:?}");
+    let manifest = report.manifest.to_str().unwrap().to_string();
+    let drain = dmover(["drain", "--timeout", "60", "--token-file", env.token.to_str().unwrap(), &manifest]).spawn();
+    std::thread::sleep(Duration::from_secs(3));
+    sink.restart();
+    let r = drain.wait();
+    assert_eq!(r.code, 0, "drain gave up while the sink was down:\n{}\n{}", r.stdout, r.stderr);
+    assert!(r.elapsed >= Duration::from_secs(3), "drain ended after {:?}, before the sink was back", r.elapsed);
+    assert!(r.stderr.contains("trying again"), "{}", r.stderr);
+    let sinks = HashMap::from([(sink.addr(), out.clone())]);
+    check_manifest(&report.manifest, &written, &sinks);
+}

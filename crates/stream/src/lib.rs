@@ -383,8 +383,10 @@ impl Stream {
 /// Sends what an earlier stream left undelivered: the blocks its manifest
 /// (`SPILL_DIR/PRODUCER.manifest.json`) places in the spill file, and the
 /// steps whose manifest no sink saved. Connects to the first destination
-/// that takes the stream, waits up to `close_timeout`, and rewrites the
-/// manifest; the spill file is removed once everything in it is delivered.
+/// that takes the stream — trying again, while none is reachable, until
+/// `close_timeout` has passed — waits for delivery within the same
+/// `close_timeout`, and rewrites the manifest; the spill file is removed
+/// once everything in it is delivered.
 pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<Report> {
     let subject = manifest.display().to_string();
     let text = std::fs::read_to_string(manifest).map_err(|e| Error::io(&subject, &e))?;
@@ -398,10 +400,26 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
     let spill = Spill::open(&m.spill).map_err(|e| Error::io(m.spill.display().to_string(), &e))?;
     let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
     let (events, rx) = crossbeam_channel::unbounded();
+    let deadline = Instant::now() + close_timeout;
     let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m)?;
-    mgr.connect_first()?;
+    let mut pause = Duration::from_secs(1);
+    loop {
+        match mgr.connect_first() {
+            Ok(()) => break,
+            Err(e) if e.is_transient() && Instant::now() < deadline => {
+                let wait = pause.min(deadline.saturating_duration_since(Instant::now()));
+                log::warn!("stream {}: no sink reachable; trying again in {:.0} s", m.producer, wait.as_secs_f64());
+                std::thread::sleep(wait);
+                pause = (pause * 2).min(DRAIN_RETRY_MAX);
+            }
+            Err(e) => return Err(e),
+        }
+    }
     mgr.run()
 }
+
+/// Longest pause between two tries of a drain to reach a sink.
+const DRAIN_RETRY_MAX: Duration = Duration::from_secs(10);
 
 impl Drop for Stream {
     /// A stream dropped without `close` still delivers what it holds.
