@@ -589,3 +589,36 @@ fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
     let sinks = HashMap::from([(sink.addr(), out.clone())]);
     check_manifest(&report.manifest, &written, &sinks);
 }
+
+/// STREAMING.md "Parameters": a hung sink is taken for dead after the ack
+/// timeout — not before, even when the producer opens new connections to
+/// it meanwhile (their setup must not time out first).
+#[test]
+fn a_hung_sink_is_failed_over_at_the_ack_timeout_not_before() {
+    let ack_timeout = Duration::from_secs(40);
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let primary = env.sink(&out_a, [] as [&str; 0]);
+    let alternate = env.sink(&out_b, [] as [&str; 0]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.ack_timeout = ack_timeout;
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    primary.signal(libc::SIGSTOP);
+    let hung = std::time::Instant::now();
+    // More than the buffer holds: the producer widens to all its connections.
+    written.extend((2..12).map(|step| write_step(&mut s, step)));
+    let first_at_alternate = out_b.join(PRODUCER);
+    assert!(
+        wait_until(ack_timeout + Duration::from_secs(20), || first_at_alternate.is_dir()),
+        "no failover within the ack timeout and 20 s"
+    );
+    let failed_over = hung.elapsed();
+    let report = s.close().unwrap();
+    primary.signal(libc::SIGCONT);
+    assert!(failed_over >= ack_timeout - Duration::from_secs(1), "failed over after {failed_over:?}, before the ack timeout");
+    assert_eq!(report.failovers, 1, "{report:?}");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    check_delivery(&report, &written, &sinks);
+}

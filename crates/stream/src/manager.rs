@@ -28,7 +28,7 @@ use crate::spill::Spill;
 use crate::{manifest, Config, DestinationReport, Report};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_engine::error::{Error, Result};
-use dmover_engine::session::{Conn, Credential};
+use dmover_engine::session::{Conn, Credential, SETUP_TIMEOUT};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::digest::{block_sum, file_digest, Sum};
@@ -517,6 +517,7 @@ impl Manager {
                 work: l.work_rx.clone(),
                 stop,
                 events: self.events.clone(),
+                setup: self.cfg.ack_timeout.max(SETUP_TIMEOUT),
             };
             l.next_index += 1;
             std::thread::spawn(move || ctx.run());
@@ -710,6 +711,10 @@ struct StreamCtx {
     /// Set by the manager to drop this connection (narrowing, or the link is gone).
     stop: Arc<AtomicBool>,
     events: Sender<Event>,
+    /// How long setting the connection up may wait for the sink: never less
+    /// than the ack timeout, so that a hung sink is failed over by the ack
+    /// timeout and not sooner by a new connection's setup.
+    setup: Duration,
 }
 
 impl StreamCtx {
@@ -722,7 +727,7 @@ impl StreamCtx {
     }
 
     fn send_blocks(&self) -> Result<()> {
-        let mut c = Conn::open(&self.addr, &self.cred)?;
+        let mut c = Conn::open_within(&self.addr, &self.cred, self.setup)?;
         match c.request(&Msg::OpenData { session: self.session, index: self.index })? {
             Msg::SessionOpened { .. } => {}
             m => return Err(Error::protocol(&self.addr, format!("expected a session, got {m:?}"))),
