@@ -149,7 +149,7 @@ fn load_checked(path: &Path) -> Result<(JobFile, Plan)> {
     jobfile::check_sources(&plan.source_root, &plan.sources)?;
     match &plan.command {
         Some(c) => c.check_program()?,
-        None => jobfile::check_hosts(&plan.hosts, &plan.token)?,
+        None => jobfile::check_hosts(&plan.hosts, &plan.token, &plan.dest)?,
     }
     Ok((job, plan))
 }

@@ -736,3 +736,22 @@ fn server_logs_no_warnings_for_destination_checks_and_clients_that_hang_up() {
     let refused = wait_until(Duration::from_secs(10), || srv.log().contains("token differs"));
     assert!(refused, "a wrong token is not logged as such:\n{}", srv.log());
 }
+
+#[test]
+fn a_mistyped_export_in_dest_root_is_refused_at_submit() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "typo", &src, &[&srv], "");
+    let text = std::fs::read_to_string(&job.path).unwrap().replace("dest_root = \"dst/in\"", "dest_root = \"dts/in\"");
+    std::fs::write(&job.path, text).unwrap();
+    for cmd in [&["submit", "--dry-run"][..], &["run"]] {
+        let r = dmover(cmd).arg(&job.path).run();
+        r.assert_fails(8, &["dts/in", "no export named 'dts'", "--export NAME=DIR"]);
+        assert!(r.stdout.is_empty(), "{cmd:?} printed {:?}", r.stdout);
+    }
+    assert!(!job.state.exists(), "a refused job created its state directory");
+    assert!(list_tree(&out).is_empty(), "a refused job wrote to the destination: {:?}", list_tree(&out));
+}

@@ -9,7 +9,7 @@
 //! the line. [`JobFile`] is what the user typed; the resolved, checked
 //! form is [`crate::Plan`].
 
-use dmover_engine::session::{Conn, Credential};
+use dmover_engine::session::{self, Credential};
 use dmover_engine::source::{self, Event};
 use dmover_engine::storage;
 use dmover_engine::Error;
@@ -346,20 +346,27 @@ pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
     Ok(())
 }
 
-/// Checks that every destination host answers and accepts the token.
-pub fn check_hosts(hosts: &[String], token: &[u8]) -> Result<(), Error> {
+/// Checks that every destination host answers, accepts the token and
+/// would take files into `dest` (`EXPORT/path`): the export exists and the
+/// path stays inside it. It asks each host for a ticket to receive there,
+/// which checks exactly that, and lets the ticket expire unused.
+pub fn check_hosts(hosts: &[String], token: &[u8], dest: &str) -> Result<(), Error> {
     let cred = Credential::token(token);
     let checks: Vec<_> = hosts
         .iter()
         .map(|h| {
-            let (h, cred) = (h.clone(), cred.clone());
-            std::thread::spawn(move || Conn::open(&h, &cred).map(drop))
+            let (h, cred, dest) = (h.clone(), cred.clone(), dest.to_string());
+            std::thread::spawn(move || session::grant(&h, &cred, &dest).map(drop))
         })
         .collect();
     for (h, c) in hosts.iter().zip(checks) {
         if let Err(e) = c.join().unwrap_or_else(|_| Err(Error::internal("host check panicked"))) {
             let (what, advice) = match e.kind {
                 ErrorKind::Auth => ("does not accept the token".to_string(), "use the token file its `dmover serve --token-file` reads"),
+                ErrorKind::Refused => (
+                    format!("refuses dest_root {dest:?} ({})", e.message),
+                    "dest_root is EXPORT/path, EXPORT being a NAME the server's `dmover serve --export NAME=DIR` gives",
+                ),
                 _ => (
                     format!("is unreachable ({})", e.message),
                     "check that `dmover serve` runs there and listens on an address the nodes can reach (--listen 0.0.0.0:PORT)",
