@@ -755,3 +755,29 @@ fn a_mistyped_export_in_dest_root_is_refused_at_submit() {
     assert!(!job.state.exists(), "a refused job created its state directory");
     assert!(list_tree(&out).is_empty(), "a refused job wrote to the destination: {:?}", list_tree(&out));
 }
+
+#[test]
+fn status_shows_why_agents_stopped() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 13, 10);
+    let out = env.mkdir("out");
+    // The destination directory is a file: every agent's session is refused.
+    std::fs::write(out.join("in"), b"in the way").unwrap();
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "stopped", &src, &[&srv], "[slurm]\ntasks_per_node = 2\n");
+    let r = dmover(["run"]).arg(&job.path).run();
+    assert_ne!(r.code, 0, "{}", r.stderr);
+    let s = dmover(["status"]).arg(&job.path).run();
+    assert_eq!(s.code, 0, "{}", s.stderr);
+    let lost: Vec<&str> = s.stdout.lines().filter(|l| l.contains("lost: agent")).collect();
+    assert_eq!(lost.len(), 2, "{}", s.stdout);
+    for l in lost {
+        assert!(l.contains("dst/in") && l.contains("Not a directory"), "the agent's error is not shown: {l}\n{}", s.stdout);
+    }
+    let j = dmover(["status", "--json"]).arg(&job.path).run().json();
+    for a in j["agents"].as_array().unwrap() {
+        assert!(a["error"].as_str().is_some_and(|e| e.contains("Not a directory")), "{a}");
+    }
+    assert!(j["error"].as_str().is_some_and(|e| e.contains("Not a directory")), "{j:#}");
+}

@@ -247,7 +247,9 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
                     failed_opens += 1;
                     log::warn!("agent {id}: {e} ({failed_opens} of {OPEN_RETRIES} tries)");
                     if failed_opens >= OPEN_RETRIES || !e.is_transient() {
-                        // The manager gives what this agent holds to the others.
+                        // The manager gives what this agent holds to the
+                        // others, and reports why it stopped.
+                        let _ = chan.send(&ToManager::Stopping { error: Failure::of(&e) });
                         return Err(e);
                     }
                     next_open = Instant::now() + backoff(failed_opens - 1);

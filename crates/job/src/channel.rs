@@ -94,6 +94,9 @@ pub enum ToManager {
     /// The agent is done (after the manager said the job is finished):
     /// whether every engine session it ran ended with matching set digests.
     Bye { digests_match: bool },
+    /// The agent stops on an error it cannot get past (it reaches no
+    /// destination, or a destination refuses it); it exits after this.
+    Stopping { error: Failure },
 }
 
 /// Manager → agent.

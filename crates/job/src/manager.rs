@@ -486,7 +486,7 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
             let id = b.agents.len() as u32;
             log::info!("agent {id}: task {task} on {node}, pid {pid}");
             b.agents.push(AgentBook {
-                report: AgentReport { id, node, task, pid, state: AgentState::Running, files: 0, bytes: 0 },
+                report: AgentReport { id, node, task, pid, state: AgentState::Running, files: 0, bytes: 0, error: None },
                 held: HashMap::new(),
             });
             id
@@ -529,6 +529,11 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
                 drop(b);
                 mgr.changed.notify_all();
                 return;
+            }
+            Ok(ToManager::Stopping { error }) => {
+                log::warn!("agent {id} stops: {}", error.message);
+                mgr.lock().agents[id as usize].report.error = Some(error.message);
+                break;
             }
             Ok(m) => {
                 log::warn!("agent {id}: unexpected {m:?}");
@@ -645,8 +650,13 @@ fn supervise(mgr: &Manager, state: &StateDir, agents: &mut Agents, checkpoint: O
             continue;
         }
         if running == 0 && agents.all_ended() {
-            let msg = format!("every transfer agent ended with {left} files left; re-run the job to send the rest");
-            return Err(Error::new(ErrorKind::Unreachable, "", msg));
+            let last = mgr.lock().agents.iter().rev().find_map(|a| a.report.error.clone());
+            let msg = match last {
+                Some(e) => format!("every transfer agent ended with {left} files left; the last error: {e}"),
+                None => format!("every transfer agent ended with {left} files left"),
+            };
+            let advice = "fix the cause, then re-run the job to send the rest (`dmover status` lists each agent's last error)";
+            return Err(Error::new(ErrorKind::Unreachable, "", msg).advised(advice));
         }
         if connected == 0 && started.elapsed() > START_TIMEOUT {
             let msg = format!(
@@ -690,7 +700,7 @@ mod tests {
 
     fn add_agent(b: &mut Book, node: &str) -> u32 {
         let id = b.agents.len() as u32;
-        let report = AgentReport { id, node: node.into(), task: id, pid: 1, state: AgentState::Running, files: 0, bytes: 0 };
+        let report = AgentReport { id, node: node.into(), task: id, pid: 1, state: AgentState::Running, files: 0, bytes: 0, error: None };
         b.agents.push(AgentBook { report, held: HashMap::new() });
         id
     }
