@@ -781,3 +781,49 @@ fn status_shows_why_agents_stopped() {
     }
     assert!(j["error"].as_str().is_some_and(|e| e.contains("Not a directory")), "{j:#}");
 }
+
+/// The `.dmover-partial/transfer-*` markers left at the destinations.
+fn markers(dirs: &[PathBuf]) -> Vec<String> {
+    dirs.iter()
+        .filter_map(|d| std::fs::read_dir(d.join(".dmover-partial")).ok())
+        .flatten()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("transfer-"))
+        .collect()
+}
+
+#[test]
+fn a_killed_agents_markers_are_removed_when_the_job_finishes() {
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let _cluster = dmover_testkit::slurm_cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(4);
+    for i in 0..300 {
+        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 5)), 64 << 10, &mut rng);
+    }
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    let extra = "[transfer]\nbwlimit = \"1M\"\n[slurm]\nnodes = 2\ntasks_per_node = 2\n";
+    let job = write_job(&env, "markers", &src, &[&sa, &sb], extra);
+    let id = submit(&job);
+    let mut victim = None;
+    let found = wait_until(Duration::from_secs(60), || {
+        let Some(p) = read_report(&job.state.join("progress.json")) else { return false };
+        victim = p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned();
+        victim.is_some()
+    });
+    assert!(found, "no agent on node2 got going");
+    let victim = victim.unwrap();
+    let dests = [out_a.join("in"), out_b.join("in")];
+    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
+    assert_eq!(unsafe { libc::kill(victim["pid"].as_i64().unwrap() as i32, libc::SIGKILL) }, 0, "kill agent {victim}");
+    let r = wait_report(&job, &id, Duration::from_secs(120));
+    assert_eq!((&r["state"], &r["check"]["passed"]), (&Value::from("finished"), &Value::from(true)), "{r:#}");
+    assert_eq!(r["agents"].as_array().unwrap().iter().filter(|a| a["state"] == "lost").count(), 1, "{r:#}");
+    assert_spread(&src, &dests);
+    let left = markers(&dests);
+    assert!(left.is_empty(), "markers left at the destinations after the job finished: {left:?}");
+}
