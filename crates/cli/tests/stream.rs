@@ -622,3 +622,110 @@ fn a_hung_sink_is_failed_over_at_the_ack_timeout_not_before() {
     let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
     check_delivery(&report, &written, &sinks);
 }
+
+/// A producer that opens a stream to `sink`, says "open" on stdout, waits
+/// for a line on stdin (the test kills the sink meanwhile), then writes a
+/// step and closes: C, with the close timeout set by `dms_set_timeouts`.
+const CLOSE_AFTER_SINK_DIED_C: &str = r#"
+#include <stdio.h>
+#include "dmover_stream.h"
+int main(int argc, char **argv) {
+    dms_stream *s;
+    static char data[1 << 20];
+    char line[8];
+    if (dms_open("close-c", argv[1], argv[2], 0, 0, 0, &s)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+    if (argc > 3 && dms_set_timeouts(s, 1.0, 0)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+    printf("open\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    dms_write(s, data, sizeof data);
+    dms_end_step(s);
+    int rc = dms_close(s, NULL);
+    if (rc) fprintf(stderr, "%s\n", dms_last_error());
+    return rc;
+}
+"#;
+
+/// The same in Python, with `close_timeout=1` when a third argument is given.
+const CLOSE_AFTER_SINK_DIED_PY: &str = r#"
+import sys
+from dmover_stream import Stream
+kw = {"close_timeout": 1.0} if len(sys.argv) > 3 else {}
+s = Stream("close-py", [sys.argv[1]], sys.argv[2], **kw)
+print("open", flush=True)
+sys.stdin.readline()
+s.write(bytes(1 << 20))
+s.end_step()
+try:
+    s.close()
+except ConnectionError as e:
+    print(e, file=sys.stderr)
+    sys.exit(6)
+"#;
+
+/// Runs `producer` against a sink it kills once the stream is open; returns
+/// the producer's exit code, stderr and how long it took to close.
+fn close_after_the_sink_died(env: &Env, producer: &mut Command, set: bool) -> (i32, String, Duration) {
+    use std::io::{BufRead, Write};
+    let (out, spill) = (env.mkdir(&format!("sink-{}", unique())), env.mkdir(&format!("spill-{}", unique())));
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut child = producer
+        .arg(sink.addr())
+        .arg(&spill)
+        .args(set.then_some("--set"))
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert_eq!(first.trim(), "open", "the producer did not open its stream");
+    sink.kill9();
+    let start = std::time::Instant::now();
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let end = start + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = start.elapsed();
+    let _ = child.kill();
+    let r = child.wait_with_output().unwrap();
+    (r.status.code().unwrap_or(-1), String::from_utf8_lossy(&r.stderr).into_owned(), took)
+}
+
+/// STREAMING.md "Parameters": the close timeout can be set from C (and
+/// Fortran, through the same function), Python and the environment, and a
+/// close that leaves blocks undelivered says to run `dmover drain`.
+#[test]
+fn close_timeout_is_settable_from_c_python_and_the_environment_and_points_to_drain() {
+    let env = Env::new();
+    let dir = env.mkdir("build");
+    let src = dir.join("close.c");
+    std::fs::write(&src, CLOSE_AFTER_SINK_DIED_C).unwrap();
+    let exe = dir.join("close");
+    build("cc", &[src], &exe);
+    let python = || {
+        let mut c = Command::new("python3");
+        c.args(["-c", CLOSE_AFTER_SINK_DIED_PY]);
+        c
+    };
+    let with_env = |mut c: Command| {
+        c.env("DMOVER_CLOSE_TIMEOUT", "1");
+        c
+    };
+    let cases = [
+        ("C, dms_set_timeouts", Command::new(&exe), true),
+        ("C, DMOVER_CLOSE_TIMEOUT", with_env(Command::new(&exe)), false),
+        ("Python, close_timeout", python(), true),
+        ("Python, DMOVER_CLOSE_TIMEOUT", with_env(python()), false),
+    ];
+    for (what, mut cmd, set) in cases {
+        let (code, stderr, took) = close_after_the_sink_died(&env, &mut cmd, set);
+        assert_eq!(code, 6, "{what}: {stderr}");
+        assert!(took < Duration::from_secs(30), "{what}: close took {took:?} with a 1 s close timeout");
+        assert!(stderr.contains("dmover drain") && stderr.contains("manifest.json"), "{what}: the error does not say to drain: {stderr}");
+    }
+}

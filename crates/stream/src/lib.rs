@@ -133,6 +133,29 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Sets the close and ack timeouts from `DMOVER_CLOSE_TIMEOUT` and
+    /// `DMOVER_ACK_TIMEOUT` (seconds), where set: what the C, Fortran and
+    /// Python bindings start from.
+    pub fn timeouts_from_env(&mut self) -> Result<()> {
+        for (var, field) in [("DMOVER_CLOSE_TIMEOUT", &mut self.close_timeout), ("DMOVER_ACK_TIMEOUT", &mut self.ack_timeout)] {
+            if let Ok(v) = std::env::var(var) {
+                *field = seconds(&v).map_err(|m| Error::new(ErrorKind::Usage, var, format!("{v:?}: {m}")))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a timeout in seconds (fractions allowed), from 1 ms to a week.
+pub fn seconds(text: &str) -> std::result::Result<Duration, String> {
+    let s: f64 = text.trim().parse().map_err(|_| "not a number of seconds".to_string())?;
+    if !(0.001..=604_800.0).contains(&s) {
+        return Err("a timeout is 0.001 to 604800 seconds".into());
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
 /// Whether `addr` is `host:port` (`[v6]:port` for IPv6) with a port from 1
 /// to 65535: what a sink's address must be, there being no default port.
 fn is_host_port(addr: &str) -> bool {
@@ -155,6 +178,21 @@ pub fn token_from_env() -> Result<Vec<u8>> {
         return Ok(String::from_utf8_lossy(&s).trim().as_bytes().to_vec());
     }
     Err(Error::new(ErrorKind::Usage, "", "no token: set DMOVER_TOKEN or DMOVER_TOKEN_FILE"))
+}
+
+impl Report {
+    /// The error to report for blocks left undelivered at close, if any:
+    /// where they are, and how to send them once a sink is up.
+    pub fn undelivered(&self) -> Option<Error> {
+        if self.undelivered_blocks == 0 {
+            return None;
+        }
+        let spill = self.spill_file.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into());
+        let manifest = self.manifest.display().to_string();
+        let msg =
+            format!("{} blocks were not delivered; they are in {spill} and {manifest} says where each block is", self.undelivered_blocks);
+        Some(Error::new(ErrorKind::Unreachable, "", msg).advised(format!("once a sink is up, send them with `dmover drain {manifest}`")))
+    }
 }
 
 /// One destination's share of a stream.
@@ -256,6 +294,12 @@ impl Stream {
             metadata: Vec::new(),
             records: Vec::new(),
         })
+    }
+
+    /// Changes the close timeout and the ack timeout (see [`Config`]) of
+    /// the open stream; `None` leaves one as it is.
+    pub fn set_timeouts(&mut self, close: Option<Duration>, ack: Option<Duration>) -> Result<()> {
+        self.send(Event::Timeouts { close, ack })
     }
 
     /// The step being written (0 first).

@@ -71,6 +71,8 @@ pub enum Event {
     StepEnd { step: u64, bytes: u64, blocks: u64, metadata: Vec<(String, String)>, records: Vec<(u64, u64)> },
     /// The writer closed the stream.
     Close,
+    /// The writer changed the close or ack timeout (`None`: unchanged).
+    Timeouts { close: Option<Duration>, ack: Option<Duration> },
     /// Link `link`'s sink wrote these blocks.
     Acked { link: u64, blocks: Vec<(u64, u64)> },
     /// Link `link`'s sink got this block damaged.
@@ -327,6 +329,10 @@ impl Manager {
                 self.end_steps()?;
             }
             Event::Close => self.closing = Some(Instant::now()),
+            Event::Timeouts { close, ack } => {
+                self.cfg.close_timeout = close.unwrap_or(self.cfg.close_timeout);
+                self.cfg.ack_timeout = ack.unwrap_or(self.cfg.ack_timeout);
+            }
             Event::Acked { link, blocks } if Some(link) == current => {
                 let l = self.link.as_mut().expect("current link");
                 l.last_ack = Instant::now();
