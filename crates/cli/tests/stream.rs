@@ -729,3 +729,37 @@ fn close_timeout_is_settable_from_c_python_and_the_environment_and_points_to_dra
         assert!(stderr.contains("dmover drain") && stderr.contains("manifest.json"), "{what}: the error does not say to drain: {stderr}");
     }
 }
+
+/// The examples send the step as metadata too (a string): the HDF5 hook's
+/// `step` attribute stays the integer step number.
+#[test]
+fn the_hdf5_hooks_step_attribute_is_the_integer_step_despite_step_metadata() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let hook = format!("python3 {}", crate_dir().join("../py/examples/to_hdf5.py").display());
+    let sink = env.sink(&out, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    for step in 0..2u64 {
+        s.write_metadata("var", "phi").unwrap();
+        s.write_metadata("step", &step.to_string()).unwrap();
+        s.write(&(step as f64).to_le_bytes()).unwrap();
+        s.end_step().unwrap();
+    }
+    s.close().unwrap();
+    let dir = out.join(PRODUCER);
+    for step in 0..2 {
+        let h5 = dir.join(format!("step-{step:06}.h5"));
+        assert!(wait_until(Duration::from_secs(60), || h5.is_file()), "no {}:\n{}", h5.display(), sink.log());
+    }
+    let check = r#"
+import sys, h5py, numbers
+for step in range(2):
+    with h5py.File(f"{sys.argv[1]}/step-{step:06d}.h5", "r") as h:
+        v = h.attrs["step"]
+        assert isinstance(v, numbers.Integral) and v == step, (type(v), v)
+print("ok")
+"#;
+    let r = Command::new("python3").args(["-c", check, dir.to_str().unwrap()]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}
