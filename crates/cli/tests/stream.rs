@@ -763,3 +763,16 @@ print("ok")
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
 }
+
+/// `dmover drain` given the spill file instead of the manifest says which
+/// file it needs, as a usage error.
+#[test]
+fn drain_given_a_spill_file_asks_for_the_manifest() {
+    let env = Env::new();
+    let spill = env.mkdir("spill");
+    let file = spill.join("sim-0.4242.spill");
+    std::fs::write(&file, [0xffu8, 0xfe, 0, 1, 2, 3]).unwrap();
+    let r = dmover(["drain", "--timeout", "1", "--token-file", env.token.to_str().unwrap(), file.to_str().unwrap()]).run();
+    r.assert_fails(2, &["sim-0.4242.spill", "not a stream manifest", "PRODUCER.manifest.json"]);
+    assert!(!r.stderr.contains("please report"), "{}", r.stderr);
+}

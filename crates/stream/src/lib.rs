@@ -433,9 +433,11 @@ impl Stream {
 /// once everything in it is delivered.
 pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<Report> {
     let subject = manifest.display().to_string();
-    let text = std::fs::read_to_string(manifest).map_err(|e| Error::io(&subject, &e))?;
-    let m: manifest::Manifest =
-        serde_json::from_str(&text).map_err(|e| Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest: {e}")))?;
+    let bytes = std::fs::read(manifest).map_err(|e| Error::io(&subject, &e))?;
+    let m: manifest::Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest ({e})"))
+            .advised("give the producer's manifest, SPILL_DIR/PRODUCER.manifest.json, not its spill file")
+    })?;
     let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut cfg = Config::new(&m.producer, &m.destinations.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
     cfg.block_size = m.block_size;
