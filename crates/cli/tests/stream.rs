@@ -776,3 +776,48 @@ fn drain_given_a_spill_file_asks_for_the_manifest() {
     r.assert_fails(2, &["sim-0.4242.spill", "not a stream manifest", "PRODUCER.manifest.json"]);
     assert!(!r.stderr.contains("please report"), "{}", r.stderr);
 }
+
+/// STREAMING.md's commands that build and run the C example, taken from the
+/// page and run as written in a fresh clone of this repository (only the
+/// sink's address, the spill directory and the token file are this test's).
+#[test]
+fn the_documented_c_build_works_from_a_clean_checkout() {
+    let env = Env::new();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let page = std::fs::read_to_string(repo.join("docs/STREAMING.md")).unwrap();
+    let block = page
+        .split("```sh\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| b.contains("./gtc "))
+        .expect("STREAMING.md shows how to build and run the C example");
+    let lines: Vec<&str> = block.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 3, "build the library, build the example, run it: {lines:?}");
+    let checkout = env.path("checkout");
+    let r = Command::new("git").arg("clone").arg("--quiet").arg(&repo).arg(&checkout).output().unwrap();
+    assert!(r.status.success(), "git clone: {}", String::from_utf8_lossy(&r.stderr));
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let run = lines[2]
+        .replace("ana1:7460", &sink.addr())
+        .replace("/scratch/me/spill", spill.to_str().unwrap())
+        .replace("~/.dmover-token", env.token.to_str().unwrap());
+    for line in [lines[0], lines[1], &run] {
+        let r = Command::new("sh")
+            .args(["-ec", line])
+            .current_dir(&checkout)
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("DMOVER_TOKEN")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&r.stdout);
+        assert!(r.status.success(), "{line}\n{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+        if line == run {
+            assert!(stdout.contains("steps=10 ") && stdout.contains("undelivered=0"), "{stdout}");
+        }
+    }
+    for step in 0..10 {
+        let m = read_json(&out.join("gtc-17").join(format!("step-{step:06}.json")));
+        assert_eq!((m["complete"].as_bool(), m["bytes"].as_u64()), (Some(true), Some(8_000_000)), "step {step}: {m}");
+    }
+}
