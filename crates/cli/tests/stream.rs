@@ -821,3 +821,28 @@ fn the_documented_c_build_works_from_a_clean_checkout() {
         assert_eq!((m["complete"].as_bool(), m["bytes"].as_u64()), (Some(true), Some(8_000_000)), "step {step}: {m}");
     }
 }
+
+/// CLI.md "dmover sink": a sink killed while hooks of complete steps are
+/// queued runs them when it starts again (at least once per complete step).
+#[test]
+fn hooks_queued_when_the_sink_crashed_run_after_it_restarts() {
+    let env = Env::new();
+    let (out, hooked, spill) = (env.mkdir("sink"), env.mkdir("hooked"), env.mkdir("spill"));
+    // Slow: the sink is killed while most steps' hooks wait their turn.
+    let hook = format!("sleep 0.5; cp -t {}", hooked.display());
+    let mut sink = env.sink(&out, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    let steps = 6;
+    for step in 0..steps {
+        write_step(&mut s, step);
+    }
+    s.close().unwrap();
+    sink.kill9();
+    let ran = std::fs::read_dir(&hooked).unwrap().count();
+    assert!(ran < steps as usize - 1, "the hooks were too fast for this test: {ran} ran before the kill");
+    sink.restart();
+    for step in 0..steps {
+        let copy = hooked.join(format!("step-{step:06}.json"));
+        assert!(wait_until(Duration::from_secs(30), || copy.is_file()), "no hook for step {step} after the restart:\n{}", sink.log());
+    }
+}
