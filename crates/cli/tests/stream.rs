@@ -846,3 +846,21 @@ fn hooks_queued_when_the_sink_crashed_run_after_it_restarts() {
         assert!(wait_until(Duration::from_secs(30), || copy.is_file()), "no hook for step {step} after the restart:\n{}", sink.log());
     }
 }
+
+/// The producer's manifest and the sink's write a step's writes alike.
+#[test]
+fn the_producer_and_sink_manifests_write_records_alike() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    s.write(&[1; 1000]).unwrap();
+    s.write(&[2; 300]).unwrap();
+    s.end_step().unwrap();
+    let report = s.close().unwrap();
+    let producer = read_json(&report.manifest);
+    let at_sink = read_json(&out.join(PRODUCER).join("step-000000.json"));
+    let want = serde_json::json!([{ "offset": 0, "len": 1000 }, { "offset": 1000, "len": 300 }]);
+    assert_eq!(at_sink["records"], want);
+    assert_eq!(producer["steps"][0]["records"], want, "{producer:#}");
+}
