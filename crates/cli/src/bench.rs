@@ -87,14 +87,14 @@ pub fn run(a: BenchArgs) -> Result<i32> {
     stats.nanos = started.elapsed().as_nanos() as u64;
     let r = Report::from_stats(&stats);
     if a.json {
-        println!("{}", r.to_json());
+        outln!("{}", r.to_json());
     } else {
         let mode = if a.disk { "disk to disk" } else { "memory to memory" };
         let streams = match (a.net.tuner(), stats.timeline.last()) {
             (Some(m), Some(p)) => format!("{} streams at the end ({} tuner)", p.streams, m.build().name()),
             _ => format!("{} streams", a.net.initial()),
         };
-        println!("{mode}, {streams}: {:.1} MB/s ({:.2} Gbit/s), {:.2} s", r.mb_per_s, r.mb_per_s * 8.0 / 1000.0, r.seconds);
+        outln!("{mode}, {streams}: {:.1} MB/s ({:.2} Gbit/s), {:.2} s", r.mb_per_s, r.mb_per_s * 8.0 / 1000.0, r.seconds);
     }
     Ok(r.exit_code())
 }

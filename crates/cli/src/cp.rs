@@ -102,7 +102,7 @@ pub fn run(a: CpArgs) -> Result<i32> {
     let result = copy(&a);
     // Any fatal error, planning included, gets the JSON failure report.
     if let (Err(e), true) = (&result, a.json) {
-        println!("{}", report::failure_json(e));
+        outln!("{}", report::failure_json(e));
     }
     result
 }
@@ -125,7 +125,7 @@ fn copy(a: &CpArgs) -> Result<i32> {
     stats.nanos = started.elapsed().as_nanos() as u64;
     let r = report::Report::from_stats(&stats);
     if a.json {
-        println!("{}", r.to_json());
+        outln!("{}", r.to_json());
     } else if !a.quiet {
         eprintln!("{}", r.summary());
     }

@@ -72,40 +72,50 @@ fn usage(subject: impl Into<String>, message: impl Into<String>) -> Error {
     Error::new(ErrorKind::Usage, subject, message)
 }
 
+/// Where to read about job files: the advice given with a mistake in one.
+const JOB_DOCS: &str = "the job file's keys and values are described in docs/CLI.md, section \"Batch jobs\"";
+
+/// A mistake in the job file.
+fn job_error(subject: impl Into<String>, message: impl Into<String>) -> Error {
+    usage(subject, message).advised(JOB_DOCS)
+}
+
 /// Reads the job file and resolves it into a plan; checks nothing outside
 /// the file but the token and the source root's existence.
 fn load(path: &Path) -> Result<(JobFile, Plan)> {
     let job_path = std::path::absolute(path).map_err(|e| Error::io(path.display().to_string(), &e))?;
-    let job = JobFile::load(&job_path)?;
+    let job = JobFile::load(&job_path).map_err(|e| if e.kind == ErrorKind::Usage { e.advised(JOB_DOCS) } else { e })?;
     let subject = job_path.display().to_string();
-    let command = job.command().map_err(|m| usage(&subject, m))?;
+    let command = job.command().map_err(|m| job_error(&subject, m))?;
     let (hosts, dest, token) = if command.is_some() {
         // The command's own destinations: taken as written.
         (job.dest_hosts.clone(), job.dest_root.clone(), Vec::new())
     } else {
         if let Some(h) = job.dest_hosts.iter().find(|h| h.contains([',', '/'])) {
-            return Err(usage(&subject, format!("dest_hosts: {h:?} is not host or host:port (one host per list entry)")));
+            return Err(job_error(&subject, format!("dest_hosts: {h:?} is not host or host:port (one host per list entry)")));
         }
         let url = format!("dmover://{}/{}", job.dest_hosts.join(","), job.dest_root);
         let (hosts, dest) = match Location::parse(&url) {
             Ok(Location::Remote { hosts, path }) => (hosts, path.trim_end_matches('/').to_string()),
             Ok(Location::Local(_)) => unreachable!("a dmover:// URL"),
-            Err(e) => return Err(usage(&subject, format!("dest_hosts / dest_root: {}", e.message))),
+            Err(e) => return Err(job_error(&subject, format!("dest_hosts / dest_root: {}", e.message))),
         };
         let token = match &job.token_file {
             Some(f) => crate::read_token(Path::new(f))?,
             None => TokenArgs { token_file: None }.token().map_err(|_| {
-                usage(&subject, "no token: set token_file in the job file or export DMOVER_TOKEN (it is passed on to the batch job)")
+                usage(&subject, "no token")
+                    .advised("set token_file in the job file or export DMOVER_TOKEN (it is passed on to the batch job)")
             })?,
         };
         (hosts, dest, token)
     };
     let t = &job.transfer;
     let size = |key: &str, v: &str, parse: fn(&str) -> std::result::Result<u64, String>| {
-        parse(v).map_err(|m| usage(&subject, format!("transfer.{key} = {v:?}: {m}")))
+        parse(v).map_err(|m| job_error(&subject, format!("transfer.{key} = {v:?}: {m}")))
     };
     let source_root = Path::new(&job.source_root).canonicalize().map_err(|e| {
-        Error::new(ErrorKind::NotFound, &job.source_root, format!("source_root: {e}; check the path (it must be visible from every node)"))
+        Error::new(ErrorKind::NotFound, &job.source_root, format!("source_root: {e}"))
+            .advised("check the path: it must be a directory visible from every node")
     })?;
     let plan = Plan {
         state_dir: jobfile::state_dir(&job_path),
@@ -139,7 +149,7 @@ fn load_checked(path: &Path) -> Result<(JobFile, Plan)> {
     jobfile::check_sources(&plan.source_root, &plan.sources)?;
     match &plan.command {
         Some(c) => c.check_program()?,
-        None => jobfile::check_hosts(&plan.hosts, &plan.token)?,
+        None => jobfile::check_hosts(&plan.hosts, &plan.token, &plan.dest)?,
     }
     Ok((job, plan))
 }
@@ -165,14 +175,14 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
     let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;
     let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm);
     if a.dry_run {
-        print!("{script}");
+        out!("{script}");
         return Ok(0);
     }
     StateDir::new(&plan.state_dir).create()?;
     let kept = plan.state_dir.join(sbatch::SCRIPT);
     std::fs::write(&kept, &script).map_err(|e| Error::io(kept.display().to_string(), &e))?;
     let id = sbatch::submit(&script)?;
-    println!("{id}");
+    outln!("{id}");
     eprintln!("dmover: submitted batch job {id}; follow it with `dmover status {}`", a.job.display());
     Ok(0)
 }
@@ -186,7 +196,7 @@ pub fn run(a: RunArgs) -> Result<i32> {
     };
     let report = manager::run(plan, launch)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
+        outln!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
     }
     eprintln!("{}", report.summary());
     Ok(report.exit_code())
@@ -197,24 +207,24 @@ pub fn status(a: StatusArgs) -> Result<i32> {
     let state = StateDir::new(&dir);
     let r = state.read()?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r).expect("a report serializes"));
+        outln!("{}", serde_json::to_string_pretty(&r).expect("a report serializes"));
         return Ok(0);
     }
-    println!("{}", r.summary());
+    outln!("{}", r.summary());
     let runs = state.runs();
     if runs.len() > 1 {
-        println!("runs:");
+        outln!("runs:");
         for (i, run) in runs.iter().enumerate() {
             let id = run.slurm_job_id.as_deref().map(|id| format!(" (Slurm job {id})")).unwrap_or_default();
             let next = run.resubmitted_as.as_deref().map(|id| format!("; resubmitted as {id}")).unwrap_or_default();
-            println!("  {}{id}: {} after {:.1} s, {} files sent{next}", i + 1, run.state, run.seconds, run.files);
+            outln!("  {}{id}: {} after {:.1} s, {} files sent{next}", i + 1, run.state, run.seconds, run.files);
         }
     }
     if r.state == JobState::Running {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let age = now.saturating_sub(r.updated_unix);
         if age > 10 {
-            println!("(last update {age} s ago: the manager may have stopped; `squeue` or slurm-*.out in {} say more)", dir.display());
+            outln!("(last update {age} s ago: the manager may have stopped; `squeue` or slurm-*.out in {} say more)", dir.display());
         }
     }
     Ok(0)

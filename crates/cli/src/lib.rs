@@ -13,6 +13,17 @@
 //! (`src/main.rs`) and by the test suite's `dmover-faulty`
 //! (`src/bin/dmover-faulty.rs`).
 
+/// Prints to stdout like `print!`, through [`write_stdout`]: a reader that
+/// has gone away ends the output quietly instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::write_stdout(format_args!($($arg)*)) };
+}
+
+/// Prints a line to stdout like `println!`, through [`write_stdout`].
+macro_rules! outln {
+    ($($arg:tt)*) => { $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 mod bench;
 mod cp;
 mod drain;
@@ -99,18 +110,14 @@ pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>, Error> {
     let unreadable = |e: std::io::Error| Error::new(ErrorKind::Usage, &subject, format!("cannot read token file: {e}"));
     let mode = std::fs::metadata(f).map_err(unreadable)?.permissions().mode();
     if mode & 0o077 != 0 {
-        let msg = format!("token file can be read by group or others (mode {:o}); run `chmod 600 {subject}`", mode & 0o777);
-        return Err(Error::new(ErrorKind::Usage, &subject, msg));
+        let msg = format!("token file can be read by group or others (mode {:o})", mode & 0o777);
+        return Err(Error::new(ErrorKind::Usage, &subject, msg).advised(format!("run `chmod 600 {subject}`")));
     }
     let s = std::fs::read(f).map_err(unreadable)?;
     let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
     if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
-        let msg = format!(
-            "token is too short ({} bytes; at least {}): make one with `dmover token FILE`",
-            t.len(),
-            dmover_proto::auth::MIN_TOKEN_LEN
-        );
-        return Err(Error::new(ErrorKind::Usage, f.display().to_string(), msg));
+        let msg = format!("token is too short ({} bytes; at least {})", t.len(), dmover_proto::auth::MIN_TOKEN_LEN);
+        return Err(Error::new(ErrorKind::Usage, f.display().to_string(), msg).advised("make one with `dmover token FILE`"));
     }
     Ok(t)
 }
@@ -162,6 +169,27 @@ pub fn main() -> ! {
         Err(e) => {
             eprintln!("dmover: error: {}", printable(&format!("{e} ({})", e.hint())));
             std::process::exit(e.kind as i32);
+        }
+    }
+}
+
+/// Set once stdout could not be written: the rest of the output is dropped.
+static STDOUT_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Writes `args` to stdout and flushes it. When the reader has gone away
+/// (`dmover status JOB | head -2`) the rest of the output is dropped and the
+/// command carries on to its usual end and exit code, as if it had been
+/// read; any other write error is said once on stderr.
+fn write_stdout(args: std::fmt::Arguments) {
+    use std::sync::atomic::Ordering;
+    if STDOUT_GONE.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
+        STDOUT_GONE.store(true, Ordering::Relaxed);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            let _ = writeln!(std::io::stderr(), "dmover: warning: cannot write the output to stdout ({e}); the rest of it is dropped");
         }
     }
 }

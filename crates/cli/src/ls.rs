@@ -29,7 +29,7 @@ pub fn run(a: LsArgs) -> Result<i32> {
         if a.json {
             all.extend(entries);
         } else {
-            entries.iter().for_each(|m| println!("{}", line(m)));
+            entries.iter().for_each(|m| outln!("{}", line(m)));
         }
     })?;
     if a.json {
@@ -37,7 +37,7 @@ pub fn run(a: LsArgs) -> Result<i32> {
             .iter()
             .map(|m| serde_json::json!({ "path": m.path, "size": m.size, "mtime": m.mtime_s, "mode": format!("{:o}", m.mode) }))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&v).expect("a listing serializes"));
+        outln!("{}", serde_json::to_string_pretty(&v).expect("a listing serializes"));
     }
     Ok(0)
 }

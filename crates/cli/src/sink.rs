@@ -5,7 +5,7 @@
 use clap::Args;
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
-use dmover_server::sink::SinkConfig;
+use dmover_server::sink::{Hooks, SinkConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -40,6 +40,13 @@ pub fn run(a: SinkArgs) -> Result<i32> {
     let name = a.name.unwrap_or_else(|| addr.to_string());
     log::info!("sink {name}: streams go to {}", dir.display());
     let store = dmover_engine::storage::export("sink", &dir).map_err(|e| Error::io(dir.display().to_string(), &e))?;
-    let cfg = dmover_server::Config { sink: Some(Arc::new(SinkConfig { dir, store, hook: a.hook, name })), ..cfg };
+    let hooks = a.hook.map(|cmd| Arc::new(Hooks::new(cmd, store.clone(), dir.clone())));
+    if let Some(h) = &hooks {
+        let n = h.catch_up();
+        if n > 0 {
+            log::info!("running the hooks of {n} complete steps whose hook had not run");
+        }
+    }
+    let cfg = dmover_server::Config { sink: Some(Arc::new(SinkConfig { dir, store, hooks, name })), ..cfg };
     crate::serve::run_server(listener, cfg)
 }

@@ -599,3 +599,231 @@ fn a_job_with_the_wrong_token_is_refused_before_anything_runs() {
     assert!(!job.state.exists(), "a refused job created its state directory");
     assert!(list_tree(&out).is_empty(), "a refused job wrote to the destination: {:?}", list_tree(&out));
 }
+
+/// The writing end of a pipe whose reading end is already closed.
+fn closed_pipe() -> std::process::Stdio {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: pipe() fills both descriptors, which are then owned here.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
+    let (reader, writer) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(reader);
+    writer.into()
+}
+
+/// Runs `dmover ARGS` with its stdout a pipe whose reader has already gone
+/// (as `dmover status JOB | head -2` once `head` has its lines).
+fn run_with_stdout_closed<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> (i32, String) {
+    let out = std::process::Command::new(BIN)
+        .args(args)
+        .env_remove("DMOVER_TOKEN")
+        .stdin(std::process::Stdio::null())
+        .stdout(closed_pipe())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("spawn dmover");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn closed_stdout_ends_every_command_quietly() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 11, 20);
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "piped", &src, &[&srv], "");
+    let r = dmover(["run"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let token = env.token.display().to_string();
+    let job_path = job.path.display().to_string();
+    let down = env.mkdir("down").display().to_string();
+    let cases: Vec<Vec<String>> = vec![
+        vec!["status".into(), job_path.clone()],
+        vec!["status".into(), "--json".into(), job_path.clone()],
+        vec!["run".into(), "--json".into(), job_path.clone()],
+        vec!["submit".into(), "--dry-run".into(), job_path.clone()],
+        vec!["ls".into(), "--token-file".into(), token.clone(), srv.url("dst/in")],
+        vec!["ls".into(), "--json".into(), "--token-file".into(), token.clone(), srv.url("dst/in")],
+        vec!["cp".into(), "--json".into(), "-q".into(), "--token-file".into(), token.clone(), srv.url("dst/in/"), down],
+        vec!["bench".into(), "--json".into(), "--size".into(), "1M".into(), "--token-file".into(), token.clone(), srv.url("dst")],
+        vec!["--help".into()],
+        vec!["--version".into()],
+    ];
+    for args in cases {
+        let (code, stderr) = run_with_stdout_closed(&args);
+        assert_eq!(code, 0, "dmover {args:?} with stdout closed; stderr:\n{stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "dmover {args:?}: {stderr}");
+    }
+
+    // A server whose stdout is closed keeps serving.
+    let port = closed_port();
+    let listen = format!("127.0.0.1:{port}");
+    let export = format!("dst={}", out.display());
+    let mut serve = std::process::Command::new(BIN);
+    serve.args(["serve", "--listen", &listen, "--export", &export, "--token-file", &token]);
+    let mut serve = serve.stdout(closed_pipe()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let url = format!("dmover://{listen}/dst/in");
+    let serving = wait_until(Duration::from_secs(20), || dmover(["ls", "--token-file", &token, &url]).run().code == 0);
+    let exited = serve.try_wait().unwrap();
+    let _ = serve.kill();
+    let _ = serve.wait();
+    assert!(serving && exited.is_none(), "the server did not keep serving with its stdout closed (exit {exited:?})");
+}
+
+#[test]
+fn job_errors_give_one_hint_and_point_to_the_job_docs() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let good = write_job(&env, "good", &src, &[&srv], "");
+    let base = std::fs::read_to_string(&good.path).unwrap();
+    let loose = env.path("loose-token");
+    std::fs::copy(&env.token, &loose).unwrap();
+    chmod(&loose, 0o644);
+    let cases = [
+        ("nomatch", base.replace("[\"**\"]", "[\"*.h5\"]"), 3, "check the pattern"),
+        ("noroot", base.replace(&src.display().to_string(), "/no/such/root"), 3, "check the path"),
+        ("unreachable", base.replace(&format!(":{}\"", srv.port), &format!(":{}\"", closed_port())), 6, "check that `dmover serve` runs"),
+        ("loose", base.replace(&env.token.display().to_string(), &loose.display().to_string()), 2, "chmod 600"),
+        ("unknown", format!("{base}[slurm]\nnodes = 2\ncpus = 4\n"), 2, "docs/CLI.md, section \"Batch jobs\""),
+        ("badsize", format!("{base}[transfer]\nstaging = \"lots\"\n"), 2, "docs/CLI.md, section \"Batch jobs\""),
+    ];
+    for (name, text, code, hint) in cases {
+        let p = env.path(&format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let r = dmover(["submit", "--dry-run"]).arg(&p).run();
+        r.assert_fails(code, &[hint]);
+        let line = r.error_lines()[0];
+        assert!(line.ends_with(')'), "{name}: the hint ends the line: {line}");
+        for twice in ["check", "run `", "re-run"] {
+            assert!(line.matches(twice).count() <= 1, "{name}: {twice:?} said more than once: {line}");
+        }
+        assert!(!line.contains("dmover --help"), "{name}: --help does not describe job files: {line}");
+    }
+}
+
+#[test]
+fn server_logs_no_warnings_for_destination_checks_and_clients_that_hang_up() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "checked", &src, &[&srv], "");
+    for _ in 0..3 {
+        let r = dmover(["submit", "--dry-run"]).arg(&job.path).run();
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+    // A client that knows the token but hangs up after the challenge.
+    let mut c = Raw::connect(&srv.addr());
+    c.send(&dmover_proto::Msg::Hello { key_id: dmover_proto::auth::TOKEN_KEY_ID, nonce: [7; 32] });
+    assert!(matches!(c.read(), Some(dmover_proto::Msg::Challenge { .. })));
+    drop(c);
+    let hung_up = wait_until(Duration::from_secs(10), || srv.log().contains("hung up during the handshake"));
+    let log = srv.log();
+    assert!(hung_up, "the hang-up is not logged as one:\n{log}");
+    let noise: Vec<&str> = log.lines().filter(|l| l.contains("WARN") || l.contains("authentication failed")).collect();
+    assert!(noise.is_empty(), "checks and hang-ups logged as problems:\n{log}");
+
+    // A client with another token is still logged as an authentication failure.
+    let other = env.path("other-token");
+    assert_eq!(dmover(["token".as_ref(), other.as_os_str()]).run().code, 0);
+    let r = dmover(["ls", "--token-file"]).arg(&other).arg(srv.url("dst")).run();
+    assert_eq!(r.code, 7, "{}", r.stderr);
+    let refused = wait_until(Duration::from_secs(10), || srv.log().contains("token differs"));
+    assert!(refused, "a wrong token is not logged as such:\n{}", srv.log());
+}
+
+#[test]
+fn a_mistyped_export_in_dest_root_is_refused_at_submit() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "typo", &src, &[&srv], "");
+    let text = std::fs::read_to_string(&job.path).unwrap().replace("dest_root = \"dst/in\"", "dest_root = \"dts/in\"");
+    std::fs::write(&job.path, text).unwrap();
+    for cmd in [&["submit", "--dry-run"][..], &["run"]] {
+        let r = dmover(cmd).arg(&job.path).run();
+        r.assert_fails(8, &["dts/in", "no export named 'dts'", "--export NAME=DIR"]);
+        assert!(r.stdout.is_empty(), "{cmd:?} printed {:?}", r.stdout);
+    }
+    assert!(!job.state.exists(), "a refused job created its state directory");
+    assert!(list_tree(&out).is_empty(), "a refused job wrote to the destination: {:?}", list_tree(&out));
+}
+
+#[test]
+fn status_shows_why_agents_stopped() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 13, 10);
+    let out = env.mkdir("out");
+    // The destination directory is a file: every agent's session is refused.
+    std::fs::write(out.join("in"), b"in the way").unwrap();
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "stopped", &src, &[&srv], "[slurm]\ntasks_per_node = 2\n");
+    let r = dmover(["run"]).arg(&job.path).run();
+    assert_ne!(r.code, 0, "{}", r.stderr);
+    let s = dmover(["status"]).arg(&job.path).run();
+    assert_eq!(s.code, 0, "{}", s.stderr);
+    let lost: Vec<&str> = s.stdout.lines().filter(|l| l.contains("lost: agent")).collect();
+    assert_eq!(lost.len(), 2, "{}", s.stdout);
+    for l in lost {
+        assert!(l.contains("dst/in") && l.contains("Not a directory"), "the agent's error is not shown: {l}\n{}", s.stdout);
+    }
+    let j = dmover(["status", "--json"]).arg(&job.path).run().json();
+    for a in j["agents"].as_array().unwrap() {
+        assert!(a["error"].as_str().is_some_and(|e| e.contains("Not a directory")), "{a}");
+    }
+    assert!(j["error"].as_str().is_some_and(|e| e.contains("Not a directory")), "{j:#}");
+}
+
+/// The `.dmover-partial/transfer-*` markers left at the destinations.
+fn markers(dirs: &[PathBuf]) -> Vec<String> {
+    dirs.iter()
+        .filter_map(|d| std::fs::read_dir(d.join(".dmover-partial")).ok())
+        .flatten()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("transfer-"))
+        .collect()
+}
+
+#[test]
+fn a_killed_agents_markers_are_removed_when_the_job_finishes() {
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let _cluster = dmover_testkit::slurm_cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(4);
+    for i in 0..300 {
+        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 5)), 64 << 10, &mut rng);
+    }
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    let extra = "[transfer]\nbwlimit = \"1M\"\n[slurm]\nnodes = 2\ntasks_per_node = 2\n";
+    let job = write_job(&env, "markers", &src, &[&sa, &sb], extra);
+    let id = submit(&job);
+    let mut victim = None;
+    let found = wait_until(Duration::from_secs(60), || {
+        let Some(p) = read_report(&job.state.join("progress.json")) else { return false };
+        victim = p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned();
+        victim.is_some()
+    });
+    assert!(found, "no agent on node2 got going");
+    let victim = victim.unwrap();
+    let dests = [out_a.join("in"), out_b.join("in")];
+    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
+    assert_eq!(unsafe { libc::kill(victim["pid"].as_i64().unwrap() as i32, libc::SIGKILL) }, 0, "kill agent {victim}");
+    let r = wait_report(&job, &id, Duration::from_secs(120));
+    assert_eq!((&r["state"], &r["check"]["passed"]), (&Value::from("finished"), &Value::from(true)), "{r:#}");
+    assert_eq!(r["agents"].as_array().unwrap().iter().filter(|a| a["state"] == "lost").count(), 1, "{r:#}");
+    assert_spread(&src, &dests);
+    let left = markers(&dests);
+    assert!(left.is_empty(), "markers left at the destinations after the job finished: {left:?}");
+}

@@ -528,3 +528,339 @@ fn a_failing_hook_is_logged_and_later_steps_still_get_theirs() {
         assert!(wait_until(Duration::from_secs(20), || copy.is_file()), "no hook for step {step} of a later stream:\n{}", sink.log());
     }
 }
+
+/// A sink address without a port is a mistake in the call, refused before
+/// anything connects (Python: `ValueError`), not a connection to retry.
+#[test]
+fn a_sink_address_without_a_port_is_a_usage_error() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    for dests in [vec!["ana1".to_string()], vec![sink.addr(), "ana1".to_string()]] {
+        let dests: Vec<&str> = dests.iter().map(String::as_str).collect();
+        let e = Stream::open(config(&env, &dests, &spill)).err().expect("an address without a port must be refused");
+        assert_eq!(e.kind, dmover_proto::ErrorKind::Usage, "{dests:?}: {e}");
+        assert!(e.message.contains("\"ana1\"") && e.hint().contains("port"), "{dests:?}: {e} ({})", e.hint());
+    }
+    assert!(!out.join(PRODUCER).exists(), "a refused stream reached the sink");
+    let script = r#"
+import sys
+from dmover_stream import Stream
+for dests in (["ana1"], [sys.argv[1], "ana1"]):
+    try:
+        Stream("usage", dests, sys.argv[2])
+        raise AssertionError(f"{dests} was accepted")
+    except ValueError as e:
+        assert "ana1" in str(e) and "re-running" not in str(e), e
+print("ok")
+"#;
+    let r = Command::new("python3")
+        .args(["-c", script, &sink.addr(), spill.to_str().unwrap()])
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}
+
+/// CLI.md "dmover drain": `--timeout` is how long it keeps trying, so a
+/// drain started while the sink is still down delivers once it is back.
+#[test]
+fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.close_timeout = Duration::from_secs(1);
+    let mut s = Stream::open(c).unwrap();
+    sink.kill9();
+    let written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    let report = s.close().unwrap();
+    assert!(report.undelivered_blocks > 0, "{report:?}");
+    let manifest = report.manifest.to_str().unwrap().to_string();
+    let drain = dmover(["drain", "--timeout", "60", "--token-file", env.token.to_str().unwrap(), &manifest]).spawn();
+    std::thread::sleep(Duration::from_secs(3));
+    sink.restart();
+    let r = drain.wait();
+    assert_eq!(r.code, 0, "drain gave up while the sink was down:\n{}\n{}", r.stdout, r.stderr);
+    assert!(r.elapsed >= Duration::from_secs(3), "drain ended after {:?}, before the sink was back", r.elapsed);
+    assert!(r.stderr.contains("trying again"), "{}", r.stderr);
+    let sinks = HashMap::from([(sink.addr(), out.clone())]);
+    check_manifest(&report.manifest, &written, &sinks);
+}
+
+/// STREAMING.md "Parameters": a hung sink is taken for dead after the ack
+/// timeout — not before, even when the producer opens new connections to
+/// it meanwhile (their setup must not time out first).
+#[test]
+fn a_hung_sink_is_failed_over_at_the_ack_timeout_not_before() {
+    let ack_timeout = Duration::from_secs(40);
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let primary = env.sink(&out_a, [] as [&str; 0]);
+    let alternate = env.sink(&out_b, [] as [&str; 0]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.ack_timeout = ack_timeout;
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    primary.signal(libc::SIGSTOP);
+    let hung = std::time::Instant::now();
+    // More than the buffer holds: the producer widens to all its connections.
+    written.extend((2..12).map(|step| write_step(&mut s, step)));
+    let first_at_alternate = out_b.join(PRODUCER);
+    assert!(
+        wait_until(ack_timeout + Duration::from_secs(20), || first_at_alternate.is_dir()),
+        "no failover within the ack timeout and 20 s"
+    );
+    let failed_over = hung.elapsed();
+    let report = s.close().unwrap();
+    primary.signal(libc::SIGCONT);
+    assert!(failed_over >= ack_timeout - Duration::from_secs(1), "failed over after {failed_over:?}, before the ack timeout");
+    assert_eq!(report.failovers, 1, "{report:?}");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    check_delivery(&report, &written, &sinks);
+}
+
+/// A producer that opens a stream to `sink`, says "open" on stdout, waits
+/// for a line on stdin (the test kills the sink meanwhile), then writes a
+/// step and closes: C, with the close timeout set by `dms_set_timeouts`.
+const CLOSE_AFTER_SINK_DIED_C: &str = r#"
+#include <stdio.h>
+#include "dmover_stream.h"
+int main(int argc, char **argv) {
+    dms_stream *s;
+    static char data[1 << 20];
+    char line[8];
+    if (dms_open("close-c", argv[1], argv[2], 0, 0, 0, &s)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+    if (argc > 3 && dms_set_timeouts(s, 1.0, 0)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+    printf("open\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    dms_write(s, data, sizeof data);
+    dms_end_step(s);
+    int rc = dms_close(s, NULL);
+    if (rc) fprintf(stderr, "%s\n", dms_last_error());
+    return rc;
+}
+"#;
+
+/// The same in Python, with `close_timeout=1` when a third argument is given.
+const CLOSE_AFTER_SINK_DIED_PY: &str = r#"
+import sys
+from dmover_stream import Stream
+kw = {"close_timeout": 1.0} if len(sys.argv) > 3 else {}
+s = Stream("close-py", [sys.argv[1]], sys.argv[2], **kw)
+print("open", flush=True)
+sys.stdin.readline()
+s.write(bytes(1 << 20))
+s.end_step()
+try:
+    s.close()
+except ConnectionError as e:
+    print(e, file=sys.stderr)
+    sys.exit(6)
+"#;
+
+/// Runs `producer` against a sink it kills once the stream is open; returns
+/// the producer's exit code, stderr and how long it took to close.
+fn close_after_the_sink_died(env: &Env, producer: &mut Command, set: bool) -> (i32, String, Duration) {
+    use std::io::{BufRead, Write};
+    let (out, spill) = (env.mkdir(&format!("sink-{}", unique())), env.mkdir(&format!("spill-{}", unique())));
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut child = producer
+        .arg(sink.addr())
+        .arg(&spill)
+        .args(set.then_some("--set"))
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert_eq!(first.trim(), "open", "the producer did not open its stream");
+    sink.kill9();
+    let start = std::time::Instant::now();
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let end = start + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = start.elapsed();
+    let _ = child.kill();
+    let r = child.wait_with_output().unwrap();
+    (r.status.code().unwrap_or(-1), String::from_utf8_lossy(&r.stderr).into_owned(), took)
+}
+
+/// STREAMING.md "Parameters": the close timeout can be set from C (and
+/// Fortran, through the same function), Python and the environment, and a
+/// close that leaves blocks undelivered says to run `dmover drain`.
+#[test]
+fn close_timeout_is_settable_from_c_python_and_the_environment_and_points_to_drain() {
+    let env = Env::new();
+    let dir = env.mkdir("build");
+    let src = dir.join("close.c");
+    std::fs::write(&src, CLOSE_AFTER_SINK_DIED_C).unwrap();
+    let exe = dir.join("close");
+    build("cc", &[src], &exe);
+    let python = || {
+        let mut c = Command::new("python3");
+        c.args(["-c", CLOSE_AFTER_SINK_DIED_PY]);
+        c
+    };
+    let with_env = |mut c: Command| {
+        c.env("DMOVER_CLOSE_TIMEOUT", "1");
+        c
+    };
+    let cases = [
+        ("C, dms_set_timeouts", Command::new(&exe), true),
+        ("C, DMOVER_CLOSE_TIMEOUT", with_env(Command::new(&exe)), false),
+        ("Python, close_timeout", python(), true),
+        ("Python, DMOVER_CLOSE_TIMEOUT", with_env(python()), false),
+    ];
+    for (what, mut cmd, set) in cases {
+        let (code, stderr, took) = close_after_the_sink_died(&env, &mut cmd, set);
+        assert_eq!(code, 6, "{what}: {stderr}");
+        assert!(took < Duration::from_secs(30), "{what}: close took {took:?} with a 1 s close timeout");
+        assert!(stderr.contains("dmover drain") && stderr.contains("manifest.json"), "{what}: the error does not say to drain: {stderr}");
+    }
+}
+
+/// The examples send the step as metadata too (a string): the HDF5 hook's
+/// `step` attribute stays the integer step number.
+#[test]
+fn the_hdf5_hooks_step_attribute_is_the_integer_step_despite_step_metadata() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let hook = format!("python3 {}", crate_dir().join("../py/examples/to_hdf5.py").display());
+    let sink = env.sink(&out, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    for step in 0..2u64 {
+        s.write_metadata("var", "phi").unwrap();
+        s.write_metadata("step", &step.to_string()).unwrap();
+        s.write(&(step as f64).to_le_bytes()).unwrap();
+        s.end_step().unwrap();
+    }
+    s.close().unwrap();
+    let dir = out.join(PRODUCER);
+    for step in 0..2 {
+        let h5 = dir.join(format!("step-{step:06}.h5"));
+        assert!(wait_until(Duration::from_secs(60), || h5.is_file()), "no {}:\n{}", h5.display(), sink.log());
+    }
+    let check = r#"
+import sys, h5py, numbers
+for step in range(2):
+    with h5py.File(f"{sys.argv[1]}/step-{step:06d}.h5", "r") as h:
+        v = h.attrs["step"]
+        assert isinstance(v, numbers.Integral) and v == step, (type(v), v)
+print("ok")
+"#;
+    let r = Command::new("python3").args(["-c", check, dir.to_str().unwrap()]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}
+
+/// `dmover drain` given the spill file instead of the manifest says which
+/// file it needs, as a usage error.
+#[test]
+fn drain_given_a_spill_file_asks_for_the_manifest() {
+    let env = Env::new();
+    let spill = env.mkdir("spill");
+    let file = spill.join("sim-0.4242.spill");
+    std::fs::write(&file, [0xffu8, 0xfe, 0, 1, 2, 3]).unwrap();
+    let r = dmover(["drain", "--timeout", "1", "--token-file", env.token.to_str().unwrap(), file.to_str().unwrap()]).run();
+    r.assert_fails(2, &["sim-0.4242.spill", "not a stream manifest", "PRODUCER.manifest.json"]);
+    assert!(!r.stderr.contains("please report"), "{}", r.stderr);
+}
+
+/// STREAMING.md's commands that build and run the C example, taken from the
+/// page and run as written in a fresh clone of this repository (only the
+/// sink's address, the spill directory and the token file are this test's).
+#[test]
+fn the_documented_c_build_works_from_a_clean_checkout() {
+    let env = Env::new();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let page = std::fs::read_to_string(repo.join("docs/STREAMING.md")).unwrap();
+    let block = page
+        .split("```sh\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| b.contains("./gtc "))
+        .expect("STREAMING.md shows how to build and run the C example");
+    let lines: Vec<&str> = block.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 3, "build the library, build the example, run it: {lines:?}");
+    let checkout = env.path("checkout");
+    let r = Command::new("git").arg("clone").arg("--quiet").arg(&repo).arg(&checkout).output().unwrap();
+    assert!(r.status.success(), "git clone: {}", String::from_utf8_lossy(&r.stderr));
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let run = lines[2]
+        .replace("ana1:7460", &sink.addr())
+        .replace("/scratch/me/spill", spill.to_str().unwrap())
+        .replace("~/.dmover-token", env.token.to_str().unwrap());
+    for line in [lines[0], lines[1], &run] {
+        let r = Command::new("sh")
+            .args(["-ec", line])
+            .current_dir(&checkout)
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("DMOVER_TOKEN")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&r.stdout);
+        assert!(r.status.success(), "{line}\n{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+        if line == run {
+            assert!(stdout.contains("steps=10 ") && stdout.contains("undelivered=0"), "{stdout}");
+        }
+    }
+    for step in 0..10 {
+        let m = read_json(&out.join("gtc-17").join(format!("step-{step:06}.json")));
+        assert_eq!((m["complete"].as_bool(), m["bytes"].as_u64()), (Some(true), Some(8_000_000)), "step {step}: {m}");
+    }
+}
+
+/// CLI.md "dmover sink": a sink killed while hooks of complete steps are
+/// queued runs them when it starts again (at least once per complete step).
+#[test]
+fn hooks_queued_when_the_sink_crashed_run_after_it_restarts() {
+    let env = Env::new();
+    let (out, hooked, spill) = (env.mkdir("sink"), env.mkdir("hooked"), env.mkdir("spill"));
+    // Slow: the sink is killed while most steps' hooks wait their turn.
+    let hook = format!("sleep 0.5; cp -t {}", hooked.display());
+    let mut sink = env.sink(&out, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    let steps = 6;
+    for step in 0..steps {
+        write_step(&mut s, step);
+    }
+    s.close().unwrap();
+    sink.kill9();
+    let ran = std::fs::read_dir(&hooked).unwrap().count();
+    assert!(ran < steps as usize - 1, "the hooks were too fast for this test: {ran} ran before the kill");
+    sink.restart();
+    for step in 0..steps {
+        let copy = hooked.join(format!("step-{step:06}.json"));
+        assert!(wait_until(Duration::from_secs(30), || copy.is_file()), "no hook for step {step} after the restart:\n{}", sink.log());
+    }
+}
+
+/// The producer's manifest and the sink's write a step's writes alike.
+#[test]
+fn the_producer_and_sink_manifests_write_records_alike() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
+    s.write(&[1; 1000]).unwrap();
+    s.write(&[2; 300]).unwrap();
+    s.end_step().unwrap();
+    let report = s.close().unwrap();
+    let producer = read_json(&report.manifest);
+    let at_sink = read_json(&out.join(PRODUCER).join("step-000000.json"));
+    let want = serde_json::json!([{ "offset": 0, "len": 1000 }, { "offset": 1000, "len": 300 }]);
+    assert_eq!(at_sink["records"], want);
+    assert_eq!(producer["steps"][0]["records"], want, "{producer:#}");
+}

@@ -12,13 +12,22 @@ pub struct Error {
     /// The path, host or URL the error is about; may be empty.
     pub subject: String,
     pub message: String,
+    /// What the user can do about this particular error, when it is more
+    /// precise than its class's general hint (see [`Error::hint`]).
+    pub advice: Option<String>,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn new(kind: ErrorKind, subject: impl Into<String>, message: impl Into<String>) -> Error {
-        Error { kind, subject: subject.into(), message: message.into() }
+        Error { kind, subject: subject.into(), message: message.into(), advice: None }
+    }
+
+    /// The error with `advice` as what the user can do about it, in place of
+    /// its class's general hint.
+    pub fn advised(self, advice: impl Into<String>) -> Error {
+        Error { advice: Some(advice.into()), ..self }
     }
 
     /// Classifies an I/O error about `subject`.
@@ -50,8 +59,12 @@ impl Error {
         self.kind.is_transient()
     }
 
-    /// What the user can do about it.
-    pub fn hint(&self) -> &'static str {
+    /// What the user can do about it: the error's own advice, else its
+    /// class's general hint.
+    pub fn hint(&self) -> &str {
+        if let Some(a) = &self.advice {
+            return a;
+        }
         match self.kind {
             ErrorKind::NotFound => "check the path",
             ErrorKind::Permission => "check the file's permissions",

@@ -4,7 +4,7 @@ use crate::error::{Error, Result};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{mac_eq, Key, KeyId, Nonce, SessionKey};
 use dmover_proto::phase::{ClientHello, ServerHello};
-use dmover_proto::ErrorKind;
+use dmover_proto::{ErrorKind, Msg};
 
 /// A fresh random nonce or identifier.
 pub fn random<const N: usize>() -> [u8; N] {
@@ -26,6 +26,9 @@ pub fn client(r: &mut FrameReader, w: &mut FrameWriter, key_id: KeyId, secret: &
         ServerHello::Error { kind, message } => return Err(Error::new(kind, r.peer(), message)),
     };
     if !mac_eq(&proof, &key.server_proof(&cn, &sn)) {
+        // Say why before hanging up, so that the server's log can tell a
+        // token mismatch from a client that went away.
+        let _ = w.send(Msg::Error { kind: ErrorKind::Auth, message: "the server's proof does not match our token".into() });
         let msg = "authentication failed: the server does not know our token (wrong token or not a dmover server)";
         return Err(Error::new(ErrorKind::Auth, r.peer(), msg));
     }
@@ -66,13 +69,14 @@ pub fn server(r: &mut FrameReader, w: &mut FrameWriter, lookup: impl Fn(&KeyId) 
     w.send(ServerHello::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) })?;
     let proof = match r.read_msg::<ClientHello>() {
         Ok(ClientHello::Proof { proof }) => proof,
+        // A client that does not accept our proof says so (our token differs from its).
+        Err(e) if e.kind == ErrorKind::Auth => {
+            let message = "authentication failed: the client does not accept our proof (its token differs from ours)";
+            return Err(Error::new(ErrorKind::Auth, r.peer(), message));
+        }
         Err(e) if e.kind == ErrorKind::Unreachable => {
-            // A client that does not like our proof hangs up here.
-            return Err(Error::new(
-                ErrorKind::Auth,
-                r.peer(),
-                "authentication failed: the client hung up after our challenge (different tokens?)",
-            ));
+            let message = format!("the client hung up during the handshake, before proving it knows the token ({})", e.message);
+            return Err(Error::new(ErrorKind::Unreachable, r.peer(), message));
         }
         Err(e) => return Err(e),
         Ok(ClientHello::Hello { .. }) => return Err(Error::protocol(r.peer(), "expected a proof, got a second hello")),

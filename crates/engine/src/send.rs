@@ -40,7 +40,7 @@ use crate::wire::{FrameReader, FrameWriter};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
 use dmover_proto::frame::{DataHeader, FileError, FileMeta, HostShare, Stats, TransferOptions};
-use dmover_proto::phase::{ToReceiver, ToSender};
+use dmover_proto::phase::{OnData, ToReceiver, ToSender};
 use dmover_proto::{ErrorKind, Msg};
 use dmover_tune::ServerLoad;
 use std::collections::HashMap;
@@ -991,7 +991,7 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
     loop {
         if retire.load(Ordering::SeqCst) {
             // Dropped by the tuner: nothing more comes on this connection.
-            if w.send(Msg::StreamEnd).is_ok() {
+            if w.send(OnData::StreamEnd {}).is_ok() {
                 w.close_write();
             }
             return;
@@ -1021,7 +1021,7 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
             Err(RecvTimeoutError::Timeout) if sh.stopped() => return,
             Err(RecvTimeoutError::Timeout) => {
                 if last.elapsed() >= sh.ping_every {
-                    if w.send(Msg::Ping).is_err() {
+                    if w.send(OnData::Ping {}).is_err() {
                         return;
                     }
                     last = Instant::now();

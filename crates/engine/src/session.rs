@@ -53,10 +53,20 @@ impl Conn {
 
     /// Connects with the socket options of a data connection and authenticates.
     pub fn open_with(host: &str, cred: &Credential, socket: &SocketOptions) -> Result<Conn> {
+        Conn::connect(host, cred, socket, SETUP_TIMEOUT)
+    }
+
+    /// Connects and authenticates, waiting up to `setup` (instead of
+    /// [`SETUP_TIMEOUT`]) for each of the server's answers during setup.
+    pub fn open_within(host: &str, cred: &Credential, setup: Duration) -> Result<Conn> {
+        Conn::connect(host, cred, &SocketOptions::default(), setup)
+    }
+
+    fn connect(host: &str, cred: &Credential, socket: &SocketOptions, setup: Duration) -> Result<Conn> {
         let t = connect_tcp(host).map_err(|e| Error::network(host, &e))?;
         t.set_options(socket).map_err(|e| Error::new(ErrorKind::Usage, host, e.to_string()))?;
         let t: Box<dyn Transport> = Box::new(t);
-        t.set_read_timeout(Some(SETUP_TIMEOUT)).map_err(|e| Error::network(host, &e))?;
+        t.set_read_timeout(Some(setup)).map_err(|e| Error::network(host, &e))?;
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(host, &e));
         let mut reader = FrameReader::new(split(t.as_ref())?);
         let mut writer = FrameWriter::new(split(t.as_ref())?);

@@ -132,7 +132,7 @@ fn window(plan: &Plan) -> usize {
     (2 * plan.concurrency as usize * plan.hosts.len().max(1)).clamp(8, 256)
 }
 
-fn open_session(plan: &Plan, book: &Arc<Book>) -> Result<Session> {
+fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16]) -> Result<Session> {
     if let Some(cmd) = &plan.command {
         let b = book.clone();
         let report = Arc::new(move |r: FileResult| {
@@ -147,7 +147,7 @@ fn open_session(plan: &Plan, book: &Arc<Book>) -> Result<Session> {
     }
     let cred = Credential::token(&plan.token);
     let creds: Vec<(String, Credential)> = plan.hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
-    let options = plan.options(dmover_engine::handshake::random());
+    let options = plan.options(transfer_id);
     let links = session::receive_links(&creds, &plan.dest, options, plan.streams as usize, &SocketOptions::default())?;
     let (feed, entries) = crossbeam_channel::unbounded();
     let (b, hosts) = (book.clone(), plan.hosts.clone());
@@ -176,6 +176,29 @@ fn open_session(plan: &Plan, book: &Arc<Book>) -> Result<Session> {
     };
     let engine = std::thread::spawn(move || send::send(Files::Feed { entries, settled }, links, cfg));
     Ok(Session::Native { feed, engine })
+}
+
+/// Finishes transfer `transfer_id` at every destination host without
+/// sending a file: each receiver then removes the transfer's marker from
+/// `.dmover-partial/`, where an agent lost in the middle of it left it.
+pub fn finish_transfer(plan: &Plan, transfer_id: [u8; 16]) -> Result<()> {
+    let cred = Credential::token(&plan.token);
+    let creds: Vec<(String, Credential)> = plan.hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
+    let options = plan.options(transfer_id);
+    let links = session::receive_links(&creds, &plan.dest, options, 1, &SocketOptions::default())?;
+    // No file will come: the feed is closed from the start.
+    let (_, entries) = crossbeam_channel::unbounded();
+    let settled: SettleHook = Arc::new(|_: &FileMeta, _: usize, _: Settled<'_>| {});
+    let cfg = SendConfig {
+        options,
+        concurrency: 1,
+        staging: plan.staging,
+        idle_timeout: IDLE_TIMEOUT,
+        progress: Arc::new(Progress::default()),
+        bwlimit: 0,
+        tuner: None,
+    };
+    send::send(Files::Feed { entries, settled }, links, cfg).map(drop)
 }
 
 fn entry(plan: &Plan, w: &WorkItem) -> Entry {
@@ -211,6 +234,8 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
     let book = Arc::new(Book { held: Mutex::default(), settled: Condvar::new() });
     let window = window(plan);
     let mut session: Option<Session> = None;
+    // The transfer id of the open engine session, reported to the manager.
+    let mut transfer: Option<[u8; 16]> = None;
     let mut failed_opens = 0u32;
     let mut next_open = Instant::now();
     let mut digests_match = true;
@@ -222,6 +247,7 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
                 Err(e) => e,
             };
             log::warn!("agent {id}: session ended: {e}");
+            transfer = None;
             book.fail_all(&e);
             next_open = Instant::now() + backoff(0);
         }
@@ -231,15 +257,17 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
         };
         // No work is asked for while a failed session is backing off.
         let want = if session.is_some() || Instant::now() >= next_open { window.saturating_sub(held) } else { 0 };
-        let (files, finished) = match chan.request(&ToManager::Sync { results, want: want as u32 })? {
+        let (files, finished) = match chan.request(&ToManager::Sync { results, want: want as u32, session: transfer })? {
             ToAgent::Work { files, finished } => (files, finished),
             m => return Err(Error::protocol(chan.peer(), format!("expected work, got {m:?}"))),
         };
         // Sessions open when there is work: an agent with nothing to do
         // (a re-run, a small job) touches no destination.
         if !files.is_empty() && session.is_none() {
-            match open_session(plan, &book) {
+            let transfer_id = dmover_engine::handshake::random();
+            match open_session(plan, &book, transfer_id) {
                 Ok(s) => {
+                    transfer = plan.command.is_none().then_some(transfer_id);
                     session = Some(s);
                     failed_opens = 0;
                 }
@@ -247,7 +275,9 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
                     failed_opens += 1;
                     log::warn!("agent {id}: {e} ({failed_opens} of {OPEN_RETRIES} tries)");
                     if failed_opens >= OPEN_RETRIES || !e.is_transient() {
-                        // The manager gives what this agent holds to the others.
+                        // The manager gives what this agent holds to the
+                        // others, and reports why it stopped.
+                        let _ = chan.send(&ToManager::Stopping { error: Failure::of(&e) });
                         return Err(e);
                     }
                     next_open = Instant::now() + backoff(failed_opens - 1);

@@ -89,11 +89,21 @@ mod kind_code {
 pub enum ToManager {
     /// First message: where the agent runs.
     Hello { node: String, task: u32, pid: u32 },
-    /// Outcomes since the last sync, and how many more files the agent wants.
-    Sync { results: Vec<FileResult>, want: u32 },
+    /// Outcomes since the last sync, how many more files the agent wants,
+    /// and the transfer id of the engine session it has open, if any (the
+    /// manager finishes that transfer at the end should the agent be lost).
+    Sync {
+        results: Vec<FileResult>,
+        want: u32,
+        #[serde(default)]
+        session: Option<[u8; 16]>,
+    },
     /// The agent is done (after the manager said the job is finished):
     /// whether every engine session it ran ended with matching set digests.
     Bye { digests_match: bool },
+    /// The agent stops on an error it cannot get past (it reaches no
+    /// destination, or a destination refuses it); it exits after this.
+    Stopping { error: Failure },
 }
 
 /// Manager → agent.

@@ -9,7 +9,7 @@
 //! the line. [`JobFile`] is what the user typed; the resolved, checked
 //! form is [`crate::Plan`].
 
-use dmover_engine::session::{Conn, Credential};
+use dmover_engine::session::{self, Credential};
 use dmover_engine::source::{self, Event};
 use dmover_engine::storage;
 use dmover_engine::Error;
@@ -315,11 +315,8 @@ pub fn spec_path(root: &Path, spec: &str) -> String {
 /// one file, looking no further than each source's first file.
 pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
     if !root.is_dir() {
-        return Err(Error::new(
-            ErrorKind::NotFound,
-            root.display().to_string(),
-            "source_root is not a directory: check the path (it must be visible from every node)",
-        ));
+        return Err(Error::new(ErrorKind::NotFound, root.display().to_string(), "source_root is not a directory")
+            .advised("check the path: it must be a directory visible from every node"));
     }
     for s in sources {
         let mut found = false;
@@ -335,41 +332,47 @@ pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
             }
             Event::SkippedLink(_) => true,
         });
-        if let Some(e) = err {
-            let msg = if e.kind == ErrorKind::NotFound {
-                format!("sources: {s:?} matches nothing below {}; check the pattern ({})", root.display(), e.message)
-            } else {
-                format!("sources: {s:?}: {}", e.message)
-            };
-            return Err(Error::new(e.kind, e.subject, msg));
-        }
-        if !found {
-            return Err(Error::new(ErrorKind::NotFound, s.clone(), format!("matches no file below {}; check the pattern", root.display())));
+        let nothing = || {
+            Error::new(ErrorKind::NotFound, root.display().to_string(), format!("sources: {s:?} matches nothing below it"))
+                .advised("check the pattern: sources are relative to source_root")
+        };
+        match err {
+            Some(e) if e.kind == ErrorKind::NotFound => return Err(nothing()),
+            Some(e) => return Err(Error::new(e.kind, e.subject, format!("sources: {s:?}: {}", e.message))),
+            None if !found => return Err(nothing()),
+            None => {}
         }
     }
     Ok(())
 }
 
-/// Checks that every destination host answers and accepts the token.
-pub fn check_hosts(hosts: &[String], token: &[u8]) -> Result<(), Error> {
+/// Checks that every destination host answers, accepts the token and
+/// would take files into `dest` (`EXPORT/path`): the export exists and the
+/// path stays inside it. It asks each host for a ticket to receive there,
+/// which checks exactly that, and lets the ticket expire unused.
+pub fn check_hosts(hosts: &[String], token: &[u8], dest: &str) -> Result<(), Error> {
     let cred = Credential::token(token);
     let checks: Vec<_> = hosts
         .iter()
         .map(|h| {
-            let (h, cred) = (h.clone(), cred.clone());
-            std::thread::spawn(move || Conn::open(&h, &cred).map(drop))
+            let (h, cred, dest) = (h.clone(), cred.clone(), dest.to_string());
+            std::thread::spawn(move || session::grant(&h, &cred, &dest).map(drop))
         })
         .collect();
     for (h, c) in hosts.iter().zip(checks) {
         if let Err(e) = c.join().unwrap_or_else(|_| Err(Error::internal("host check panicked"))) {
-            let what = match e.kind {
-                ErrorKind::Auth => "does not accept the token; use the token file its `dmover serve --token-file` reads".to_string(),
-                _ => format!(
-                    "is unreachable ({}); check that `dmover serve` runs there and listens on an address the nodes can reach (--listen 0.0.0.0:PORT)",
-                    e.message
+            let (what, advice) = match e.kind {
+                ErrorKind::Auth => ("does not accept the token".to_string(), "use the token file its `dmover serve --token-file` reads"),
+                ErrorKind::Refused => (
+                    format!("refuses dest_root {dest:?} ({})", e.message),
+                    "dest_root is EXPORT/path, EXPORT being a NAME the server's `dmover serve --export NAME=DIR` gives",
+                ),
+                _ => (
+                    format!("is unreachable ({})", e.message),
+                    "check that `dmover serve` runs there and listens on an address the nodes can reach (--listen 0.0.0.0:PORT)",
                 ),
             };
-            return Err(Error::new(e.kind, h.clone(), format!("destination host {what}")));
+            return Err(Error::new(e.kind, h.clone(), format!("destination host {what}")).advised(advice));
         }
     }
     Ok(())

@@ -87,6 +87,8 @@ struct AgentBook {
     report: AgentReport,
     /// Files it holds, by path.
     held: HashMap<String, Pending>,
+    /// Transfer ids of the engine sessions it reported open.
+    transfers: Vec<[u8; 16]>,
 }
 
 /// Everything the agents' threads and the main loop share, under one lock.
@@ -347,6 +349,9 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
         r.state = JobState::Failed;
     }
     agents.end();
+    if r.state == JobState::Finished {
+        finish_lost_transfers(&mgr);
+    }
     if r.state == JobState::Checkpointed && mgr.plan.resubmit {
         match state.script() {
             Some(script) => match crate::sbatch::submit(&script) {
@@ -371,6 +376,25 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
     })?;
     state.write_report(&r)?;
     Ok(r)
+}
+
+/// Finishes the transfers of the agents that were lost, at every
+/// destination, so that the markers they left in `.dmover-partial/` go away
+/// (every file is confirmed by now, sent by the other agents).
+fn finish_lost_transfers(mgr: &Manager) {
+    let lost: Vec<(u32, [u8; 16])> = mgr
+        .lock()
+        .agents
+        .iter()
+        .filter(|a| a.report.state == AgentState::Lost)
+        .flat_map(|a| a.transfers.iter().map(move |t| (a.report.id, *t)))
+        .collect();
+    for (id, t) in lost {
+        match agent::finish_transfer(&mgr.plan, t) {
+            Ok(()) => log::info!("finished the transfer of lost agent {id} at the destinations"),
+            Err(e) => log::warn!("could not finish the transfer of lost agent {id} ({e}): its marker stays in .dmover-partial/"),
+        }
+    }
 }
 
 /// How a run ended, when it did not fail.
@@ -486,8 +510,9 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
             let id = b.agents.len() as u32;
             log::info!("agent {id}: task {task} on {node}, pid {pid}");
             b.agents.push(AgentBook {
-                report: AgentReport { id, node, task, pid, state: AgentState::Running, files: 0, bytes: 0 },
+                report: AgentReport { id, node, task, pid, state: AgentState::Running, files: 0, bytes: 0, error: None },
                 held: HashMap::new(),
+                transfers: Vec::new(),
             });
             id
         }
@@ -508,8 +533,12 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
             break;
         }
         match c.recv::<ToManager>() {
-            Ok(ToManager::Sync { results, want }) => {
+            Ok(ToManager::Sync { results, want, session }) => {
                 let mut b = mgr.lock();
+                let transfers = &mut b.agents[id as usize].transfers;
+                if let Some(t) = session.filter(|t| !transfers.contains(t)) {
+                    transfers.push(t);
+                }
                 b.apply(id, results, mgr.plan.attempts);
                 let files = b.take_work(id, want.min(MAX_BATCH) as usize);
                 let finished = files.is_empty() && b.stop_agents();
@@ -529,6 +558,11 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
                 drop(b);
                 mgr.changed.notify_all();
                 return;
+            }
+            Ok(ToManager::Stopping { error }) => {
+                log::warn!("agent {id} stops: {}", error.message);
+                mgr.lock().agents[id as usize].report.error = Some(error.message);
+                break;
             }
             Ok(m) => {
                 log::warn!("agent {id}: unexpected {m:?}");
@@ -645,8 +679,13 @@ fn supervise(mgr: &Manager, state: &StateDir, agents: &mut Agents, checkpoint: O
             continue;
         }
         if running == 0 && agents.all_ended() {
-            let msg = format!("every transfer agent ended with {left} files left; re-run the job to send the rest");
-            return Err(Error::new(ErrorKind::Unreachable, "", msg));
+            let last = mgr.lock().agents.iter().rev().find_map(|a| a.report.error.clone());
+            let msg = match last {
+                Some(e) => format!("every transfer agent ended with {left} files left; the last error: {e}"),
+                None => format!("every transfer agent ended with {left} files left"),
+            };
+            let advice = "fix the cause, then re-run the job to send the rest (`dmover status` lists each agent's last error)";
+            return Err(Error::new(ErrorKind::Unreachable, "", msg).advised(advice));
         }
         if connected == 0 && started.elapsed() > START_TIMEOUT {
             let msg = format!(
@@ -690,8 +729,8 @@ mod tests {
 
     fn add_agent(b: &mut Book, node: &str) -> u32 {
         let id = b.agents.len() as u32;
-        let report = AgentReport { id, node: node.into(), task: id, pid: 1, state: AgentState::Running, files: 0, bytes: 0 };
-        b.agents.push(AgentBook { report, held: HashMap::new() });
+        let report = AgentReport { id, node: node.into(), task: id, pid: 1, state: AgentState::Running, files: 0, bytes: 0, error: None };
+        b.agents.push(AgentBook { report, held: HashMap::new(), transfers: Vec::new() });
         id
     }
 

@@ -98,6 +98,9 @@ pub struct AgentReport {
     pub state: AgentState,
     pub files: u64,
     pub bytes: u64,
+    /// Why a lost agent stopped, when it could say so before it exited.
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// A file that could not be moved.
@@ -210,6 +213,9 @@ impl JobReport {
         s += &format!("\nagents: {} ({} lost)", self.agents.len(), lost.len());
         for a in lost {
             s += &format!("\n  lost: agent {} on {} (task {}, pid {}) after {} files", a.id, a.node, a.task, a.pid, a.files);
+            if let Some(e) = &a.error {
+                s += &format!(": {e}");
+            }
         }
         for f in self.failures.iter().take(20) {
             s += &format!("\nfailed: {} ({}, {} attempts): {}", f.path, f.kind.name(), f.attempts, f.message);

@@ -11,8 +11,9 @@ by ';' (a single entry applies to every write):
     dims   shape of each, comma-separated    "64,64;128"     (default: one dimension)
     dtype  numpy type of each                "<f8;<f4"       (default: <f8)
 
-Every metadata pair also becomes an attribute of the file, with the
-producer and the step. The file appears under its final name only when
+Every metadata pair also becomes an attribute of the file, then the
+producer and the step (an integer) do, so that a producer's own `step`
+metadata does not replace the step number. The file appears under its final name only when
 complete (written as .NAME.tmp, then renamed).
 """
 
@@ -53,10 +54,10 @@ def main() -> None:
     tmp = os.path.join(os.path.dirname(out), "." + os.path.basename(out) + ".tmp")
     raw = np.memmap(m["data"], dtype=np.uint8, mode="r") if m["bytes"] else np.zeros(0, np.uint8)
     with h5py.File(tmp, "w") as h:
-        h.attrs["producer"] = m["producer"]
-        h.attrs["step"] = m["step"]
         for k, v in meta.items():
             h.attrs[k] = v
+        h.attrs["producer"] = m["producer"]
+        h.attrs["step"] = m["step"]
         for r, name, dtype, shape in zip(records, names, dtypes, dims):
             a = raw[r["offset"]: r["offset"] + r["len"]].view(dtype)
             if shape is not None:

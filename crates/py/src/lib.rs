@@ -48,7 +48,8 @@ impl Stream {
 impl Stream {
     #[new]
     #[pyo3(signature = (producer, destinations, spill_dir, *, token=None, buffer=dmover_stream::DEFAULT_BUFFER,
-                        block_size=dmover_stream::DEFAULT_BLOCK, max_wait=0.0, max_streams=dmover_stream::DEFAULT_MAX_STREAMS))]
+                        block_size=dmover_stream::DEFAULT_BLOCK, max_wait=0.0, max_streams=dmover_stream::DEFAULT_MAX_STREAMS,
+                        close_timeout=None, ack_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -60,6 +61,8 @@ impl Stream {
         block_size: u32,
         max_wait: f64,
         max_streams: usize,
+        close_timeout: Option<f64>,
+        ack_timeout: Option<f64>,
     ) -> PyResult<Stream> {
         let token = match token {
             Some(t) => t.into_bytes(),
@@ -74,6 +77,14 @@ impl Stream {
         cfg.block_size = block_size;
         cfg.max_wait = Duration::from_secs_f64(max_wait);
         cfg.max_streams = max_streams;
+        cfg.timeouts_from_env().map_err(py_err)?;
+        for (name, given, field) in
+            [("close_timeout", close_timeout, &mut cfg.close_timeout), ("ack_timeout", ack_timeout, &mut cfg.ack_timeout)]
+        {
+            if let Some(s) = given {
+                *field = dmover_stream::seconds(&s.to_string()).map_err(|m| PyValueError::new_err(format!("{name} = {s}: {m}")))?;
+            }
+        }
         let s = py.allow_threads(|| dmover_stream::Stream::open(cfg)).map_err(py_err)?;
         Ok(Stream { inner: Some(s) })
     }
@@ -121,14 +132,8 @@ impl Stream {
     fn close<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.take().ok_or_else(|| PyValueError::new_err("the stream is already closed"))?;
         let r = py.allow_threads(|| s.close()).map_err(py_err)?;
-        if r.undelivered_blocks > 0 {
-            let msg = format!(
-                "{} blocks were not delivered; they are in {} and {} says where each block is",
-                r.undelivered_blocks,
-                r.spill_file.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
-                r.manifest.display()
-            );
-            return Err(PyConnectionError::new_err(msg));
+        if let Some(e) = r.undelivered() {
+            return Err(py_err(e));
         }
         report(py, &r)
     }

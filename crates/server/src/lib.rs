@@ -296,7 +296,15 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
         return Err(Error::new(ErrorKind::Refused, &peer, message));
     }
     srv.handshakes.lock().expect("handshakes lock").retain(|h| h.id != handshake.id);
-    let (key_id, skey) = authenticated?;
+    let (key_id, skey) = match authenticated {
+        // A client that went away during the handshake (killed, or giving
+        // up on a connection it no longer needs) is not a refusal.
+        Err(e) if e.kind == ErrorKind::Unreachable => {
+            log::info!("{e}");
+            return Ok(());
+        }
+        a => a?,
+    };
     let Some(_slot) = ConnectionSlot::take(srv) else {
         let max = srv.cfg.max_connections;
         let _ = w.send(Reply::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
@@ -306,7 +314,17 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     // is for (a data connection waits for its session to be set up).
     t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
     let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(srv.tickets.dest(&key_id).unwrap_or_default()) };
-    match r.read_msg::<Open>()? {
+    let first = match r.read_msg::<Open>() {
+        Ok(m) => m,
+        // A client that only checks that it can connect and authenticate
+        // (`dmover submit` checking a job's destinations) hangs up here.
+        Err(e) if e.kind == ErrorKind::Unreachable => {
+            log::debug!("{peer}: authenticated, then closed without a request ({})", e.message);
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    match first {
         Open::OpenControl {} => control(srv, t, r, w, &grant, &skey),
         Open::OpenData { session, .. } => attach(srv, t, w, session),
     }

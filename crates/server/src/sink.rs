@@ -43,15 +43,98 @@ pub struct SinkConfig {
     pub dir: PathBuf,
     /// `dir` as a storage that every path is confined to.
     pub store: Store,
-    /// A shell command run with the manifest's path as its last argument
-    /// (and in `DMOVER_MANIFEST`) when a step is complete here.
-    pub hook: Option<String>,
+    /// The hook run when a step is complete here, if any.
+    pub hooks: Option<Arc<Hooks>>,
     /// This sink's name in manifests (by default its listening address).
     pub name: String,
 }
 
-/// Largest manifest the sink reads back (to know whether a step is complete).
-const MAX_MANIFEST: u64 = 64 << 20;
+/// The post-processing hook, a shell command run with a complete step's
+/// manifest as its last argument (and in `DMOVER_MANIFEST`): one queue per
+/// producer, served by one thread that runs the hook for one step at a
+/// time, in the order queued, and then leaves a marker
+/// (`.step-NNNNNN.hooked`) beside the manifest. A sink that starts again
+/// after a crash queues the hooks of the complete steps without a marker
+/// ([`Hooks::catch_up`]), so every complete step's hook runs at least once.
+#[derive(Debug)]
+pub struct Hooks {
+    cmd: String,
+    /// The sink's directory, as a storage and on disk.
+    store: Store,
+    dir: PathBuf,
+    queues: Mutex<HashMap<String, crossbeam_channel::Sender<u64>>>,
+}
+
+impl Hooks {
+    /// Hooks that run `cmd` for the steps in the sink directory `dir`
+    /// (`store` is the same directory, every path confined beneath it).
+    pub fn new(cmd: String, store: Store, dir: PathBuf) -> Hooks {
+        Hooks { cmd, store, dir, queues: Mutex::default() }
+    }
+
+    /// Queues the hook of `producer`'s step `step` (its manifest written and complete).
+    pub fn queue(&self, producer: &str, step: u64) {
+        let mut queues = self.queues.lock().expect("hook queues lock");
+        let tx = queues.entry(producer.to_string()).or_insert_with(|| {
+            let (tx, rx) = crossbeam_channel::unbounded::<u64>();
+            let (cmd, store, dir, producer) = (self.cmd.clone(), self.store.clone(), self.dir.clone(), producer.to_string());
+            std::thread::spawn(move || {
+                for step in rx {
+                    run_hook(&cmd, &dir.join(&producer).join(manifest_name(step)));
+                    let marker = Path::new(&producer).join(hooked_name(step));
+                    if let Err(e) = store.create(&marker) {
+                        log::warn!("{}: {e}; the hook of step {step} will run again after a restart", dir.join(&marker).display());
+                    }
+                }
+            });
+            tx
+        });
+        let _ = tx.send(step);
+    }
+
+    /// Queues, in step order, the hooks of every complete step in the sink's
+    /// directory that has no marker: those that were queued or running
+    /// when an earlier sink process stopped. Returns how many.
+    pub fn catch_up(&self) -> usize {
+        let mut queued = 0;
+        for producer in self.store.list(Path::new("")).unwrap_or_default() {
+            let Some(name) = producer.name.to_str().map(str::to_string) else { continue };
+            if check_producer(&name).is_err() || !producer.stat.as_ref().is_ok_and(|s| s.is_dir()) {
+                continue;
+            }
+            let mut steps: Vec<u64> = self
+                .store
+                .list(Path::new(&name))
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|e| e.name.to_str()?.strip_prefix("step-")?.strip_suffix(".json")?.parse().ok())
+                .filter(|&step| self.store.stat(&Path::new(&name).join(hooked_name(step))).is_err())
+                .filter(|&step| self.complete(&name, step))
+                .collect();
+            steps.sort_unstable();
+            for step in steps {
+                self.queue(&name, step);
+                queued += 1;
+            }
+        }
+        queued
+    }
+
+    /// Whether the manifest of `producer`'s step `step` says it is complete here.
+    fn complete(&self, producer: &str, step: u64) -> bool {
+        let path = Path::new(producer).join(manifest_name(step));
+        let text = self.store.read_all(&path, MAX_MANIFEST).ok();
+        text.and_then(|t| serde_json::from_slice::<StepManifest>(&t).ok()).is_some_and(|m| m.complete)
+    }
+}
+
+/// The largest step manifest the sink reads back.
+const MAX_MANIFEST: u64 = 256 << 20;
+
+/// The name of the marker left once a step's hook has run.
+fn hooked_name(step: u64) -> String {
+    format!(".step-{step:06}.hooked")
+}
 
 /// Smallest block a producer may use (the largest is a data frame's `MAX_BLOCK`).
 pub const MIN_BLOCK: u32 = 4096;
@@ -294,9 +377,6 @@ pub fn run(
             open.iter().for_each(|t| t.close());
         })
     };
-    // Hooks run one at a time, in step order, off the control thread.
-    let (hooks, hook_rx) = crossbeam_channel::unbounded::<PathBuf>();
-    let hook_thread = cfg.hook.clone().map(|cmd| std::thread::spawn(move || hook_rx.iter().for_each(|m| run_hook(&cmd, &m))));
     let result = (|| loop {
         let m = match r.read_msg::<ToSink>() {
             Ok(m) => m,
@@ -306,9 +386,10 @@ pub fn run(
         match m {
             ToSink::StepEnd { info } => {
                 let step = info.step;
-                let (complete, manifest) = finish_step(&shared, cfg, producer, info)?;
-                if complete && cfg.hook.is_some() {
-                    let _ = hooks.send(manifest);
+                let complete = finish_step(&shared, cfg, producer, info)?;
+                // Hooks run one at a time, in step order, off the control thread.
+                if let Some(hooks) = cfg.hooks.as_ref().filter(|_| complete) {
+                    hooks.queue(producer, step);
                 }
                 shared.send(FromSink::StepSaved { step, complete })?;
             }
@@ -317,10 +398,6 @@ pub fn run(
     })();
     over.store(true, Ordering::Relaxed);
     let _ = attacher.join();
-    drop(hooks);
-    if let Some(h) = hook_thread {
-        let _ = h.join();
-    }
     log::info!("stream from {producer} ended: {} bytes received", shared.received.load(Ordering::Relaxed));
     if let Err(e) = &result {
         let _ = shared.send(FromSink::Error { kind: e.kind, message: e.to_string() });
@@ -370,9 +447,8 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
 }
 
 /// Checks that every block the producer says is here is here, writes the
-/// step's manifest, and says whether the whole step is here, with the
-/// manifest's path.
-fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo) -> Result<(bool, PathBuf)> {
+/// step's manifest, and says whether the whole step is here.
+fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo) -> Result<bool> {
     let step = info.step;
     let bs = shared.block_size;
     if let Some(b) = info.blocks.iter().find(|b| b.len > bs || b.offset % bs as u64 != 0) {
@@ -385,7 +461,7 @@ fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo
         // runs again (hooks run at least once per complete step); another
         // version is refused.
         if m.digest == info.digest && m.bytes == info.bytes {
-            return Ok((true, shared.disk_dir.join(manifest_name(step))));
+            return Ok(true);
         }
         let msg = format!("step {step} is complete here and is never rewritten; this version differs from it");
         return Err(Error::new(ErrorKind::Refused, producer, msg));
@@ -436,7 +512,7 @@ fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo
     f.write_all_at(text.as_bytes(), 0).map_err(err)?;
     shared.store.commit(f.as_ref(), &tmp, &stored, Some(&Attrs { mode: 0o644, mtime: None })).map_err(err)?;
     log::info!("{producer} step {step}: {} bytes, {}", info.bytes, if complete { "complete" } else { "partly elsewhere" });
-    Ok((complete, path))
+    Ok(complete)
 }
 
 /// Runs the hook for one manifest; its output goes to the sink's own.

@@ -14,7 +14,9 @@
  * the same whatever else runs), and GTC_STREAM=0 does everything but stream
  * (the baseline for the streaming overhead).
  *
- * Build: cc -O2 -I crates/stream/include gtc.c -L target/release -ldmover_stream -o gtc
+ * Build, from the repository's top directory (docs/STREAMING.md):
+ *   cargo build --release -p dmover-stream
+ *   cc -O2 -I crates/stream/include crates/stream/examples/gtc.c target/release/libdmover_stream.a -lpthread -ldl -lm -o gtc
  */
 #include <dmover_stream.h>
 #include <stdio.h>

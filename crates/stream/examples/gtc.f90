@@ -4,7 +4,10 @@
 !
 !   gtc PRODUCER SINKS SPILL_DIR STEPS N COMPUTE_MS
 !
-! Build: gfortran -O2 crates/stream/include/dmover_stream.f90 gtc.f90 -L target/release -ldmover_stream -o gtc-f
+! Build, from the repository's top directory (docs/STREAMING.md):
+!   cargo build --release -p dmover-stream
+!   gfortran -O2 crates/stream/include/dmover_stream.f90 crates/stream/examples/gtc.f90 \
+!     target/release/libdmover_stream.a -lpthread -ldl -lm -o gtc-f
 program gtc
   use iso_c_binding
   use dmover_stream

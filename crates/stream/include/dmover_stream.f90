@@ -7,7 +7,8 @@ module dmover_stream
   use iso_c_binding
   implicit none
   private
-  public :: dms_open, dms_write, dms_write_metadata, dms_end_step, dms_close, dms_report, dms_str, dms_error_message
+  public :: dms_open, dms_set_timeouts, dms_write, &
+            dms_write_metadata, dms_end_step, dms_close, dms_report, dms_str, dms_error_message
 
   type, bind(C) :: dms_report
     integer(c_int64_t) :: steps, bytes, blocks, spilled_blocks, spilled_bytes, resent_blocks, failovers, undelivered_blocks
@@ -35,6 +36,12 @@ module dmover_stream
       import :: c_int, c_ptr, c_char
       type(c_ptr), value :: h
       character(kind=c_char), dimension(*), intent(in) :: key, val
+    end function
+
+    integer(c_int) function dms_set_timeouts(h, close_seconds, ack_seconds) bind(C, name="dms_set_timeouts")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: h
+      real(c_double), value :: close_seconds, ack_seconds
     end function
 
     integer(c_int) function dms_end_step(h) bind(C, name="dms_end_step")

@@ -121,7 +121,10 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * Opens a stream and connects to the first sink that accepts it.
+ * Opens a stream and connects to the first sink that accepts it. The
+ * close and ack timeouts come from DMOVER_CLOSE_TIMEOUT and
+ * DMOVER_ACK_TIMEOUT (seconds) if set, else 600 s and 90 s; dms_set_timeouts
+ * changes them.
  *   producer      this producer's name: 1-64 of [A-Za-z0-9._-], e.g. "gtc-17"
  *   destinations  sinks as "host:port,host:port,...", in order of preference
  *   spill_dir     an existing directory for overflow and the manifest
@@ -157,6 +160,17 @@ int dms_write(struct dms_stream *h, const void *data, size_t len);
  * h is a live handle; key and value are valid NUL-terminated strings.
  */
 int dms_write_metadata(struct dms_stream *h, const char *key, const char *value);
+
+/**
+ * Sets how long dms_close waits for delivery before leaving what is left
+ * in the spill file (close_seconds), and how long a sink may acknowledge
+ * nothing while blocks wait for it before it is taken for dead and the next
+ * one takes over (ack_seconds); 0 leaves one unchanged.
+ *
+ * # Safety
+ * h is a live handle.
+ */
+int dms_set_timeouts(struct dms_stream *h, double close_seconds, double ack_seconds);
 
 /**
  * Ends the current time step.

@@ -12,7 +12,7 @@
 //! `tests/header.rs` fails when the header differs from what this file
 //! gives, and rewrites it when run with `DMOVER_BLESS=1`.
 
-use crate::{token_from_env, Config, Report, Stream};
+use crate::{seconds, token_from_env, Config, Report, Stream};
 use dmover_engine::error::Error;
 use dmover_proto::ErrorKind;
 use std::cell::RefCell;
@@ -102,7 +102,10 @@ unsafe fn string(p: *const c_char, what: &str) -> Result<String, Error> {
     s.to_str().map(str::to_string).map_err(|_| usage(&format!("{what} is not UTF-8")))
 }
 
-/// Opens a stream and connects to the first sink that accepts it.
+/// Opens a stream and connects to the first sink that accepts it. The
+/// close and ack timeouts come from DMOVER_CLOSE_TIMEOUT and
+/// DMOVER_ACK_TIMEOUT (seconds) if set, else 600 s and 90 s; dms_set_timeouts
+/// changes them.
 ///   producer      this producer's name: 1-64 of [A-Za-z0-9._-], e.g. "gtc-17"
 ///   destinations  sinks as "host:port,host:port,...", in order of preference
 ///   spill_dir     an existing directory for overflow and the manifest
@@ -135,6 +138,7 @@ pub unsafe extern "C" fn dms_open(
             unsafe { (string(producer, "producer")?, string(destinations, "destinations")?, string(spill_dir, "spill_dir")?) };
         let dests: Vec<&str> = dests.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
         let mut cfg = Config::new(&producer, &dests, &token_from_env()?, spill);
+        cfg.timeouts_from_env()?;
         if buffer_bytes > 0 {
             cfg.buffer = buffer_bytes;
         }
@@ -189,6 +193,26 @@ pub unsafe extern "C" fn dms_write_metadata(h: *mut DmsStream, key: *const c_cha
     })
 }
 
+/// Sets how long dms_close waits for delivery before leaving what is left
+/// in the spill file (close_seconds), and how long a sink may acknowledge
+/// nothing while blocks wait for it before it is taken for dead and the next
+/// one takes over (ack_seconds); 0 leaves one unchanged.
+///
+/// # Safety
+/// h is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn dms_set_timeouts(h: *mut DmsStream, close_seconds: f64, ack_seconds: f64) -> c_int {
+    guard(|| {
+        let timeout = |what: &str, s: f64| match s {
+            0.0 => Ok(None),
+            s => seconds(&s.to_string()).map(Some).map_err(|m| usage(&format!("{what} = {s}: {m}"))),
+        };
+        let (close, ack) = (timeout("close_seconds", close_seconds)?, timeout("ack_seconds", ack_seconds)?);
+        // SAFETY: per the contract above.
+        unsafe { handle(h)? }.set_timeouts(close, ack)
+    })
+}
+
 /// Ends the current time step.
 ///
 /// # Safety
@@ -231,16 +255,7 @@ pub unsafe extern "C" fn dms_close(h: *mut DmsStream, report: *mut DmsReport) ->
             // SAFETY: the caller gives a writable report or NULL.
             unsafe { report.write(c) };
         }
-        if r.undelivered_blocks > 0 {
-            let spill = r.spill_file.map(|p| p.display().to_string()).unwrap_or_default();
-            let msg = format!(
-                "{} blocks were not delivered; they are in {spill} and {} says where each block is",
-                r.undelivered_blocks,
-                r.manifest.display()
-            );
-            return Err(Error::new(ErrorKind::Unreachable, "", msg));
-        }
-        Ok(())
+        r.undelivered().map_or(Ok(()), Err)
     })
 }
 

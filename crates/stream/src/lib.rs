@@ -115,6 +115,11 @@ impl Config {
         if self.destinations.is_empty() {
             return usage("no destination: give at least one sink as host:port".into());
         }
+        if let Some(d) = self.destinations.iter().find(|d| !is_host_port(d)) {
+            let msg = format!("sink address {d:?} is not host:port");
+            return Err(Error::new(ErrorKind::Usage, &self.producer, msg)
+                .advised("give every sink with its port, as `dmover sink --listen` shows it, e.g. \"ana1:7460\""));
+        }
         if !(4096..=dmover_proto::frame::MAX_BLOCK).contains(&self.block_size) {
             return usage(format!("block size {} is outside 4 KiB..64 MiB", self.block_size));
         }
@@ -125,6 +130,38 @@ impl Config {
             return Err(Error::new(ErrorKind::NotFound, self.spill_dir.display().to_string(), "the spill directory does not exist"));
         }
         Ok(())
+    }
+}
+
+impl Config {
+    /// Sets the close and ack timeouts from `DMOVER_CLOSE_TIMEOUT` and
+    /// `DMOVER_ACK_TIMEOUT` (seconds), where set: what the C, Fortran and
+    /// Python bindings start from.
+    pub fn timeouts_from_env(&mut self) -> Result<()> {
+        for (var, field) in [("DMOVER_CLOSE_TIMEOUT", &mut self.close_timeout), ("DMOVER_ACK_TIMEOUT", &mut self.ack_timeout)] {
+            if let Ok(v) = std::env::var(var) {
+                *field = seconds(&v).map_err(|m| Error::new(ErrorKind::Usage, var, format!("{v:?}: {m}")))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a timeout in seconds (fractions allowed), from 1 ms to a week.
+pub fn seconds(text: &str) -> std::result::Result<Duration, String> {
+    let s: f64 = text.trim().parse().map_err(|_| "not a number of seconds".to_string())?;
+    if !(0.001..=604_800.0).contains(&s) {
+        return Err("a timeout is 0.001 to 604800 seconds".into());
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+/// Whether `addr` is `host:port` (`[v6]:port` for IPv6) with a port from 1
+/// to 65535: what a sink's address must be, there being no default port.
+fn is_host_port(addr: &str) -> bool {
+    match addr.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && !host.contains(['/', ' ']) && port.parse::<u16>().is_ok_and(|p| p > 0),
+        None => false,
     }
 }
 
@@ -141,6 +178,21 @@ pub fn token_from_env() -> Result<Vec<u8>> {
         return Ok(String::from_utf8_lossy(&s).trim().as_bytes().to_vec());
     }
     Err(Error::new(ErrorKind::Usage, "", "no token: set DMOVER_TOKEN or DMOVER_TOKEN_FILE"))
+}
+
+impl Report {
+    /// The error to report for blocks left undelivered at close, if any:
+    /// where they are, and how to send them once a sink is up.
+    pub fn undelivered(&self) -> Option<Error> {
+        if self.undelivered_blocks == 0 {
+            return None;
+        }
+        let spill = self.spill_file.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into());
+        let manifest = self.manifest.display().to_string();
+        let msg =
+            format!("{} blocks were not delivered; they are in {spill} and {manifest} says where each block is", self.undelivered_blocks);
+        Some(Error::new(ErrorKind::Unreachable, "", msg).advised(format!("once a sink is up, send them with `dmover drain {manifest}`")))
+    }
 }
 
 /// One destination's share of a stream.
@@ -242,6 +294,12 @@ impl Stream {
             metadata: Vec::new(),
             records: Vec::new(),
         })
+    }
+
+    /// Changes the close timeout and the ack timeout (see [`Config`]) of
+    /// the open stream; `None` leaves one as it is.
+    pub fn set_timeouts(&mut self, close: Option<Duration>, ack: Option<Duration>) -> Result<()> {
+        self.send(Event::Timeouts { close, ack })
     }
 
     /// The step being written (0 first).
@@ -369,13 +427,17 @@ impl Stream {
 /// Sends what an earlier stream left undelivered: the blocks its manifest
 /// (`SPILL_DIR/PRODUCER.manifest.json`) places in the spill file, and the
 /// steps whose manifest no sink saved. Connects to the first destination
-/// that takes the stream, waits up to `close_timeout`, and rewrites the
-/// manifest; the spill file is removed once everything in it is delivered.
+/// that takes the stream — trying again, while none is reachable, until
+/// `close_timeout` has passed — waits for delivery within the same
+/// `close_timeout`, and rewrites the manifest; the spill file is removed
+/// once everything in it is delivered.
 pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<Report> {
     let subject = manifest.display().to_string();
-    let text = std::fs::read_to_string(manifest).map_err(|e| Error::io(&subject, &e))?;
-    let m: manifest::Manifest =
-        serde_json::from_str(&text).map_err(|e| Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest: {e}")))?;
+    let bytes = std::fs::read(manifest).map_err(|e| Error::io(&subject, &e))?;
+    let m: manifest::Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest ({e})"))
+            .advised("give the producer's manifest, SPILL_DIR/PRODUCER.manifest.json, not its spill file")
+    })?;
     let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut cfg = Config::new(&m.producer, &m.destinations.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
     cfg.block_size = m.block_size;
@@ -384,10 +446,26 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
     let spill = Spill::open(&m.spill).map_err(|e| Error::io(m.spill.display().to_string(), &e))?;
     let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
     let (events, rx) = crossbeam_channel::unbounded();
+    let deadline = Instant::now() + close_timeout;
     let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m)?;
-    mgr.connect_first()?;
+    let mut pause = Duration::from_secs(1);
+    loop {
+        match mgr.connect_first() {
+            Ok(()) => break,
+            Err(e) if e.is_transient() && Instant::now() < deadline => {
+                let wait = pause.min(deadline.saturating_duration_since(Instant::now()));
+                log::warn!("stream {}: no sink reachable; trying again in {:.0} s", m.producer, wait.as_secs_f64());
+                std::thread::sleep(wait);
+                pause = (pause * 2).min(DRAIN_RETRY_MAX);
+            }
+            Err(e) => return Err(e),
+        }
+    }
     mgr.run()
 }
+
+/// Longest pause between two tries of a drain to reach a sink.
+const DRAIN_RETRY_MAX: Duration = Duration::from_secs(10);
 
 impl Drop for Stream {
     /// A stream dropped without `close` still delivers what it holds.
@@ -413,6 +491,9 @@ mod tests {
             (Config { producer: ".hidden".into(), ..ok.clone() }, "name with a leading dot"),
             (Config { producer: String::new(), ..ok.clone() }, "empty name"),
             (Config { destinations: vec![], ..ok.clone() }, "no destination"),
+            (Config { destinations: vec!["ana1".into()], ..ok.clone() }, "address without a port"),
+            (Config { destinations: vec!["127.0.0.1:1".into(), "ana1:".into()], ..ok.clone() }, "alternate with an empty port"),
+            (Config { destinations: vec![":7460".into()], ..ok.clone() }, "address without a host"),
             (Config { block_size: 100, ..ok.clone() }, "tiny block"),
             (Config { buffer: DEFAULT_BLOCK as u64, ..ok.clone() }, "buffer of one block"),
             (Config { spill_dir: dir.path().join("missing"), ..ok.clone() }, "missing spill directory"),

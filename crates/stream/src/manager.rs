@@ -28,7 +28,7 @@ use crate::spill::Spill;
 use crate::{manifest, Config, DestinationReport, Report};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_engine::error::{Error, Result};
-use dmover_engine::session::{expect_session, Conn, Credential};
+use dmover_engine::session::{expect_session, Conn, Credential, SETUP_TIMEOUT};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::digest::{block_sum, file_digest, Sum};
@@ -72,6 +72,8 @@ pub enum Event {
     StepEnd { step: u64, bytes: u64, blocks: u64, metadata: Vec<(String, String)>, records: Vec<(u64, u64)> },
     /// The writer closed the stream.
     Close,
+    /// The writer changed the close or ack timeout (`None`: unchanged).
+    Timeouts { close: Option<Duration>, ack: Option<Duration> },
     /// Link `link`'s sink wrote these blocks.
     Acked { link: u64, blocks: Vec<(u64, u64)> },
     /// Link `link`'s sink got this block damaged.
@@ -328,6 +330,10 @@ impl Manager {
                 self.end_steps()?;
             }
             Event::Close => self.closing = Some(Instant::now()),
+            Event::Timeouts { close, ack } => {
+                self.cfg.close_timeout = close.unwrap_or(self.cfg.close_timeout);
+                self.cfg.ack_timeout = ack.unwrap_or(self.cfg.ack_timeout);
+            }
             Event::Acked { link, blocks } if Some(link) == current => {
                 let l = self.link.as_mut().expect("current link");
                 l.last_ack = Instant::now();
@@ -518,6 +524,7 @@ impl Manager {
                 work: l.work_rx.clone(),
                 stop,
                 events: self.events.clone(),
+                setup: self.cfg.ack_timeout.max(SETUP_TIMEOUT),
             };
             l.next_index += 1;
             std::thread::spawn(move || ctx.run());
@@ -709,6 +716,10 @@ struct StreamCtx {
     /// Set by the manager to drop this connection (narrowing, or the link is gone).
     stop: Arc<AtomicBool>,
     events: Sender<Event>,
+    /// How long setting the connection up may wait for the sink: never less
+    /// than the ack timeout, so that a hung sink is failed over by the ack
+    /// timeout and not sooner by a new connection's setup.
+    setup: Duration,
 }
 
 impl StreamCtx {
@@ -721,7 +732,7 @@ impl StreamCtx {
     }
 
     fn send_blocks(&self) -> Result<()> {
-        let mut c = Conn::open(&self.addr, &self.cred)?;
+        let mut c = Conn::open_within(&self.addr, &self.cred, self.setup)?;
         expect_session(&self.addr, c.request(Open::OpenData { session: self.session, index: self.index })?)?;
         let mut w = FrameWriter::new(c.into_transport());
         while !self.stop.load(Ordering::Relaxed) {

@@ -28,7 +28,9 @@ pub struct Step {
     pub bytes: u64,
     /// The producer's key/value pairs.
     pub metadata: BTreeMap<String, String>,
-    /// Each write of the step: (offset, length).
+    /// Each write of the step: (offset, length), written as the sink's
+    /// manifests write them, `{ "offset": .., "len": .. }`.
+    #[serde(with = "records")]
     pub records: Vec<(u64, u64)>,
     /// The sink that saved the step's manifest, if one did.
     pub manifest_at: Option<String>,
@@ -55,6 +57,39 @@ pub enum Place {
     Spilled { spill: PathBuf, spill_offset: u64 },
     /// Neither (still in memory when the stream closed).
     Undelivered { undelivered: bool },
+}
+
+/// A step's writes as JSON objects `{ "offset", "len" }`; read back from
+/// those or from `[offset, len]` pairs (manifests of earlier versions).
+mod records {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    struct Record {
+        offset: u64,
+        len: u64,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Object(Record),
+        Pair(u64, u64),
+    }
+
+    pub fn serialize<S: Serializer>(v: &[(u64, u64)], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(v.iter().map(|&(offset, len)| Record { offset, len }))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(u64, u64)>, D::Error> {
+        let v = Vec::<Written>::deserialize(d)?;
+        Ok(v.into_iter()
+            .map(|w| match w {
+                Written::Object(r) => (r.offset, r.len),
+                Written::Pair(offset, len) => (offset, len),
+            })
+            .collect())
+    }
 }
 
 #[cfg(test)]
@@ -89,8 +124,12 @@ mod tests {
         let spilled = serde_json::json!({ "offset": 0, "len": 5, "xxh3": xxh3, "spill": "/s/gtc-1.spill", "spill_offset": 64 });
         assert_eq!(blocks[1], spilled);
         assert_eq!(blocks[2], serde_json::json!({ "offset": 0, "len": 5, "xxh3": xxh3, "undelivered": true }));
-        assert_eq!(v["steps"][0]["records"], serde_json::json!([[0, 15]]));
+        assert_eq!(v["steps"][0]["records"], serde_json::json!([{ "offset": 0, "len": 15 }]));
         assert_eq!(v["steps"][0]["manifest_at"], serde_json::Value::Null);
-        assert_eq!(serde_json::from_value::<Manifest>(v).unwrap(), m);
+        assert_eq!(serde_json::from_value::<Manifest>(v.clone()).unwrap(), m);
+        // A manifest of an earlier version, with records as pairs, reads back too.
+        let mut old = v;
+        old["steps"][0]["records"] = serde_json::json!([[0, 15]]);
+        assert_eq!(serde_json::from_value::<Manifest>(old).unwrap(), m);
     }
 }

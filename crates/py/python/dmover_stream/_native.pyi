@@ -35,7 +35,11 @@ class Stream:
         block_size: int = 1 << 20,
         max_wait: float = 0.0,
         max_streams: int = 8,
-    ) -> None: ...
+        close_timeout: Optional[float] = None,
+        ack_timeout: Optional[float] = None,
+    ) -> None:
+        """Opens the stream. close_timeout and ack_timeout are seconds (default
+        DMOVER_CLOSE_TIMEOUT and DMOVER_ACK_TIMEOUT if set, else 600 and 90)."""
     @property
     def step(self) -> int:
         """The step being written (0 first)."""
