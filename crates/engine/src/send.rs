@@ -41,7 +41,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_proto::digest::{block_sum, file_digest, SetDigest, Sum};
 use dmover_proto::frame::{DataHeader, FileError, FileMeta, HostShare, Stats, TransferOptions};
 use dmover_proto::phase::{OnData, ToReceiver, ToSender};
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::ErrorKind;
 use dmover_tune::ServerLoad;
 use std::collections::HashMap;
 use std::path::PathBuf;
