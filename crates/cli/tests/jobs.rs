@@ -238,6 +238,22 @@ fn slurm_job_moves_a_tree_with_agents_on_all_three_nodes() {
     assert!(s.stdout.contains("2000/2000") && s.stdout.contains("check: passed") && s.stdout.contains("node3"), "{}", s.stdout);
 }
 
+/// Waits until an agent on node2 has sent a few files, kills it (SIGKILL)
+/// and returns its entry in the job's progress.
+fn kill_an_agent_on_node2(job: &Job) -> Value {
+    let mut victim = None;
+    let found = wait_until(Duration::from_secs(60), || {
+        let Some(p) = read_report(&job.state.join("progress.json")) else { return false };
+        victim = p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned();
+        victim.is_some()
+    });
+    assert!(found, "no agent on node2 got going; progress: {:?}", std::fs::read_to_string(job.state.join("progress.json")));
+    let victim = victim.unwrap();
+    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
+    assert_eq!(unsafe { libc::kill(victim["pid"].as_i64().unwrap() as i32, libc::SIGKILL) }, 0, "kill agent {victim}");
+    victim
+}
+
 #[test]
 fn slurm_job_survives_an_agent_killed_mid_job() {
     if !dmover_testkit::slurm_possible() {
@@ -256,18 +272,7 @@ fn slurm_job_survives_an_agent_killed_mid_job() {
     let extra = "[transfer]\nbwlimit = \"1M\"\n[slurm]\nnodes = 3\ntasks_per_node = 2\n";
     let job = write_job(&env, "kill", &src, &[&sa, &sb], extra);
     let id = submit(&job);
-    let mut victim = None;
-    let found = wait_until(Duration::from_secs(60), || {
-        let Some(p) = read_report(&job.state.join("progress.json")) else { return false };
-        let a = p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned();
-        victim = a;
-        victim.is_some()
-    });
-    assert!(found, "no agent on node2 got going; progress: {:?}", std::fs::read_to_string(job.state.join("progress.json")));
-    let victim = victim.unwrap();
-    let pid = victim["pid"].as_i64().unwrap() as i32;
-    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0, "kill agent {victim}");
+    let victim = kill_an_agent_on_node2(&job);
     let r = wait_report(&job, &id, Duration::from_secs(120));
     assert_eq!(r["state"], "finished", "{r:#}");
     assert_eq!(r["check"]["passed"], true, "{r:#}");
@@ -809,17 +814,8 @@ fn a_killed_agents_markers_are_removed_when_the_job_finishes() {
     let extra = "[transfer]\nbwlimit = \"1M\"\n[slurm]\nnodes = 2\ntasks_per_node = 2\n";
     let job = write_job(&env, "markers", &src, &[&sa, &sb], extra);
     let id = submit(&job);
-    let mut victim = None;
-    let found = wait_until(Duration::from_secs(60), || {
-        let Some(p) = read_report(&job.state.join("progress.json")) else { return false };
-        victim = p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned();
-        victim.is_some()
-    });
-    assert!(found, "no agent on node2 got going");
-    let victim = victim.unwrap();
+    kill_an_agent_on_node2(&job);
     let dests = [out_a.join("in"), out_b.join("in")];
-    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
-    assert_eq!(unsafe { libc::kill(victim["pid"].as_i64().unwrap() as i32, libc::SIGKILL) }, 0, "kill agent {victim}");
     let r = wait_report(&job, &id, Duration::from_secs(120));
     assert_eq!((&r["state"], &r["check"]["passed"]), (&Value::from("finished"), &Value::from(true)), "{r:#}");
     assert_eq!(r["agents"].as_array().unwrap().iter().filter(|a| a["state"] == "lost").count(), 1, "{r:#}");
