@@ -358,7 +358,7 @@ impl Layout {
     /// earlier run of this transfer in this process is still writing there.
     fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
         let state_dir = parent.join(STATE_DIR);
-        let marker = state_dir.join(format!("transfer-{}", hex(transfer_id)));
+        let marker = state_dir.join(format!("transfer-{}", hex::encode(transfer_id)));
         let run = Running::enter(store, &marker)?;
         store.make_dirs(&state_dir)?;
         let resuming = store.stat(&marker).is_ok();
@@ -618,10 +618,6 @@ fn control_loop(sh: &Arc<Shared>, r: &mut FrameReader) -> Result<RecvSummary> {
             return Err(e);
         }
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn temp_name(final_path: &Path) -> PathBuf {
