@@ -777,3 +777,74 @@ fn a_complete_step_is_never_rewritten_by_a_producer_claiming_the_same_name() {
     assert_eq!(ctl.read_after(&one_block_step(0, &mine)), Some(Msg::StepSaved { step: 0, complete: true }));
     assert_eq!(fs::read(out.join("p/step-000000.json")).unwrap(), manifest);
 }
+
+/// Regression (9): nothing protected a connection after the handshake. A
+/// relay on the path, without the token, could read every byte, change data
+/// undetected, and forward a real client's handshake, then drop the client
+/// and use the authenticated connection itself. Now every byte after the
+/// handshake is sealed: the relay sees no file content (unless the client
+/// chose `--no-encrypt`, whose bytes it does see), a byte it changes is
+/// caught and the copy still arrives intact, and frames it injects after
+/// a real handshake end the connection unanswered.
+#[test]
+fn relay_on_the_path_can_neither_read_change_nor_take_over_a_connection() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    const MARK: &[u8] = b"confidential-sequence-0123456789";
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("secret");
+    fs::create_dir_all(&src).unwrap();
+    fs::write(src.join("genome.dat"), MARK.repeat((3 << 20) / MARK.len())).unwrap();
+    let contains = |hay: &[u8]| hay.windows(MARK.len()).any(|w| w == MARK);
+
+    // Reading: the relay keeps everything clients send.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let keep = seen.clone();
+    let relay = Relay::tapped(&srv.addr(), Some(Arc::new(move |b: &mut [u8]| keep.lock().unwrap().extend_from_slice(b))));
+    env.cp([src.display().to_string(), relay.url("e/sealed"), "-p".into(), "2".into()]).run().assert_ok();
+    assert_same_tree(&src, &export.join("sealed/secret"));
+    let wire = std::mem::take(&mut *seen.lock().unwrap());
+    assert!(wire.len() > 3 << 20, "the relay saw only {} bytes", wire.len());
+    assert!(!contains(&wire), "the file's content crossed the relay in the clear");
+    env.cp([src.display().to_string(), relay.url("e/clear"), "-p".into(), "2".into(), "--no-encrypt".into()]).run().assert_ok();
+    assert_same_tree(&src, &export.join("clear/secret"));
+    assert!(contains(&seen.lock().unwrap()), "--no-encrypt should send data unencrypted, and the relay should see it");
+    drop(relay);
+
+    // Changing: one byte flipped once 2 MB have crossed, whatever the protection.
+    for protection in [None, Some("--no-encrypt")] {
+        let crossed = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let (c, d) = (crossed.clone(), done.clone());
+        let relay = Relay::tapped(
+            &srv.addr(),
+            Some(Arc::new(move |b: &mut [u8]| {
+                if c.fetch_add(b.len() as u64, Ordering::SeqCst) > 2 << 20 && !d.swap(true, Ordering::SeqCst) {
+                    b[b.len() / 2] ^= 0x20;
+                }
+            })),
+        );
+        let dest = format!("e/changed{}", protection.is_some() as u8);
+        let mut args = vec![src.display().to_string(), relay.url(&dest), "-p".into(), "2".into()];
+        args.extend(protection.map(String::from));
+        let r = env.cp(args).run();
+        r.assert_ok();
+        assert!(done.load(Ordering::SeqCst), "the relay never changed a byte");
+        assert_same_tree(&src, &export.join(format!("changed{}/secret", protection.is_some() as u8)));
+    }
+    let log = srv.log();
+    assert!(log.matches("integrity check").count() >= 2, "the changed bytes were not caught as such:\n{log}");
+
+    // Taking over: a real client's handshake, then the relay's own frames.
+    let (mut c, _, _) = Raw::handshake(&srv.addr(), env.token_str().as_bytes());
+    let options = TransferOptions { transfer_id: [3; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let mut injected = Raw::bytes(&Msg::OpenControl);
+    injected.extend(Raw::bytes(&Msg::Receive { dest: "e/hijacked".into(), options }));
+    c.s.write_all(&injected).unwrap();
+    assert!(c.wait_closed() < Duration::from_secs(5), "the server kept a connection that carried unsealed frames");
+    assert!(!export.join("hijacked").exists(), "injected frames were obeyed");
+    let refused = wait_until(Duration::from_secs(5), || srv.log().contains("the peer does not seal its records"));
+    assert!(refused, "the injected frames were not refused as unsealed:\n{}", srv.log());
+}

@@ -359,7 +359,9 @@ pub fn closed_port() -> u16 {
 /// to `target`, and the bytes that cross it are counted each way — a view of
 /// the wire that does not depend on what dmover reports. Point a client at
 /// [`Relay::url`] instead of the server's; its control and data connections
-/// all pass through. It stops accepting when dropped.
+/// all pass through. It stops accepting when dropped. A relay started with
+/// a [`Tap`] shows it every piece it forwards from clients to the server,
+/// to record or change: an attacker on the path.
 pub struct Relay {
     pub port: u16,
     /// Bytes forwarded client → server, server → client.
@@ -368,8 +370,16 @@ pub struct Relay {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// Sees, and may change, each piece of bytes a relay forwards from a
+/// client to the server.
+pub type Tap = std::sync::Arc<dyn Fn(&mut [u8]) + Send + Sync>;
+
 impl Relay {
     pub fn start(target: &str) -> Relay {
+        Relay::tapped(target, None)
+    }
+
+    pub fn tapped(target: &str, tap: Option<Tap>) -> Relay {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         use std::sync::Arc;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("relay: bind");
@@ -394,7 +404,8 @@ impl Relay {
                 let _ = server.set_nodelay(true);
                 for (from, to, i) in [(client.try_clone().unwrap(), server.try_clone().unwrap(), 0), (server, client, 1)] {
                     let c = c.clone();
-                    std::thread::spawn(move || pump(from, to, &c[i]));
+                    let tap = if i == 0 { tap.clone() } else { None };
+                    std::thread::spawn(move || pump(from, to, &c[i], tap));
                 }
             }
         });
@@ -459,7 +470,7 @@ fn reset(s: &TcpStream) {
 
 /// Forwards `from` to `to`, counting, until either end closes. An orderly
 /// end is passed on as a half close; an error (a peer killed) closes both.
-fn pump(mut from: TcpStream, mut to: TcpStream, count: &std::sync::atomic::AtomicU64) {
+fn pump(mut from: TcpStream, mut to: TcpStream, count: &std::sync::atomic::AtomicU64, tap: Option<Tap>) {
     let mut buf = vec![0u8; 1 << 16];
     loop {
         match from.read(&mut buf) {
@@ -468,6 +479,9 @@ fn pump(mut from: TcpStream, mut to: TcpStream, count: &std::sync::atomic::Atomi
                 return;
             }
             Ok(n) => {
+                if let Some(tap) = &tap {
+                    tap(&mut buf[..n]);
+                }
                 if to.write_all(&buf[..n]).is_err() {
                     break;
                 }

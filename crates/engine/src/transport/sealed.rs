@@ -75,13 +75,13 @@ fn refused(e: RecordError) -> io::Error {
 impl Rx {
     /// The whole record at the start of the buffer, if it has arrived:
     /// opened, with `plain` set to its payload.
-    fn open_next(&mut self) -> io::Result<bool> {
+    fn open_next(&mut self, peer: &dyn Fn() -> String) -> io::Result<bool> {
         let have = self.end - self.start;
         if have < HEADER {
             return Ok(false);
         }
         let header: [u8; HEADER] = self.buf[self.start..self.start + HEADER].try_into().expect("a header");
-        let len = Opener::payload_len(header).map_err(|e| self.fail(e))?;
+        let len = Opener::payload_len(header).map_err(|e| self.fail(e, peer))?;
         let whole = HEADER + len + TAG;
         if have < whole {
             // Make room for the rest of the record behind what we have.
@@ -99,11 +99,14 @@ impl Rx {
                 self.plain = at + HEADER..at + HEADER + len;
                 Ok(true)
             }
-            Err(e) => Err(self.fail(e)),
+            Err(e) => Err(self.fail(e, peer)),
         }
     }
 
-    fn fail(&mut self, e: RecordError) -> io::Error {
+    /// Refuses the rest of the connection, and says so in the log: a
+    /// record that fails is an attack or a broken path, whoever reads it.
+    fn fail(&mut self, e: RecordError, peer: &dyn Fn() -> String) -> io::Error {
+        log::warn!("{}: {e}", peer());
         self.broken = Some(e.clone());
         refused(e)
     }
@@ -123,7 +126,7 @@ impl Read for Sealed {
             if let Some(e) = &rx.broken {
                 return Err(refused(e.clone()));
             }
-            if out.is_empty() || rx.open_next()? {
+            if out.is_empty() || rx.open_next(&|| self.inner.peer())? {
                 if out.is_empty() {
                     return Ok(0);
                 }
