@@ -69,7 +69,7 @@ pub enum RecordError {
 
 /// How one direction's records are protected.
 enum Key {
-    Aead(LessSafeKey),
+    Aead(Box<LessSafeKey>),
     Mac([u8; 32]),
 }
 
@@ -83,7 +83,7 @@ impl Direction {
     fn new(key: &[u8; 32], protection: Protection) -> Direction {
         let key = match protection {
             Protection::Encrypted => {
-                Key::Aead(LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key).expect("a 32-byte key is an AES-256 key")))
+                Key::Aead(Box::new(LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key).expect("a 32-byte key is an AES-256 key"))))
             }
             Protection::Authenticated => Key::Mac(blake3::derive_key("dmover 2 record mac", key)),
         };
