@@ -455,7 +455,8 @@ fn a_sink_that_hangs_is_failed_over_after_the_ack_timeout() {
 }
 
 /// CLI.md "dmover sink": `--name NAME` is this sink's name in manifests —
-/// the manifest's `sink` and every block's `at` — instead of its address.
+/// the manifest's `sink` and every block's `at`, the producer's too —
+/// instead of its address.
 #[test]
 fn sink_name_names_the_sink_in_its_manifests() {
     let env = Env::new();
@@ -466,12 +467,60 @@ fn sink_name_names_the_sink_in_its_manifests() {
     let mut s = Stream::open(c).unwrap();
     let written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
     let report = s.close().unwrap();
-    check_delivery(&report, &written, &HashMap::from([(sink.addr(), out.clone())]));
+    check_delivery(&report, &written, &HashMap::from([("ana-1".to_string(), out.clone())]));
     for step in 0..written.len() {
         let m = read_json(&out.join(PRODUCER).join(format!("step-{step:06}.json")));
         assert_eq!(m["sink"], "ana-1", "step {step}: the manifest does not name the sink by --name: {m:#}");
         for b in m["blocks"].as_array().unwrap() {
             assert_eq!(b["at"], "ana-1", "step {step}: a block held here is not `at` the sink's name: {b}");
+        }
+    }
+}
+
+/// CLI.md "dmover sink": `--name` names a sink in every manifest — its
+/// own, those of a sink that took over in the middle of a step (the blocks
+/// it holds), and the producer's, which says at which address it reached
+/// each name — and both kinds of manifest write a step alike.
+#[test]
+fn a_sinks_name_is_the_same_in_every_manifest() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let mut primary = env.sink(&out_a, ["--name", "ana-a"]);
+    let alternate = env.sink(&out_b, ["--name", "ana-b"]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.max_wait = Duration::from_secs(30);
+    let mut s = Stream::open(c).unwrap();
+    // Step 0's first three blocks reach the primary; it dies; the rest of
+    // the step goes to the alternate.
+    let first = step_data(0, 7 * BLOCK as usize + 1000);
+    s.write_metadata("step", "0").unwrap();
+    s.write(&first[..3 * BLOCK as usize]).unwrap();
+    let at_primary = out_a.join(PRODUCER).join("step-000000.dat");
+    let arrived = || std::fs::metadata(&at_primary).is_ok_and(|m| m.len() == 3 * BLOCK as u64);
+    assert!(wait_until(Duration::from_secs(20), arrived), "the first blocks did not reach the primary:\n{}", primary.log());
+    std::thread::sleep(Duration::from_millis(500));
+    primary.kill9();
+    s.write(&first[3 * BLOCK as usize..]).unwrap();
+    s.end_step().unwrap();
+    let mut written = vec![first];
+    written.extend((1..3).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    let names = HashMap::from([("ana-a".to_string(), out_a.clone()), ("ana-b".to_string(), out_b.clone())]);
+    let m = check_delivery(&report, &written, &names);
+    assert_eq!(m["sinks"], serde_json::json!({ "ana-a": primary.addr(), "ana-b": alternate.addr() }), "{m:#}");
+    let at: Vec<&str> = m["steps"][0]["blocks"].as_array().unwrap().iter().map(|b| b["at"].as_str().unwrap()).collect();
+    assert_eq!(at, ["ana-a", "ana-a", "ana-a", "ana-b", "ana-b", "ana-b", "ana-b", "ana-b"], "{m:#}");
+    for step in 0..written.len() {
+        let producers = &m["steps"][step];
+        assert_eq!(producers["manifest_at"], "ana-b", "step {step}");
+        let sinks = read_json(&out_b.join(PRODUCER).join(format!("step-{step:06}.json")));
+        assert_eq!(sinks["sink"], "ana-b");
+        for key in ["bytes", "metadata", "records"] {
+            assert_eq!(sinks[key], producers[key], "step {step}: the manifests write {key} differently");
+        }
+        for (b, p) in sinks["blocks"].as_array().unwrap().iter().zip(producers["blocks"].as_array().unwrap()) {
+            assert_eq!((&b["offset"], &b["len"], &b["xxh3"], &b["at"]), (&p["offset"], &p["len"], &p["xxh3"], &p["at"]), "step {step}");
+            assert_eq!(b["here"], b["at"] == "ana-b", "step {step}: {b}");
         }
     }
 }

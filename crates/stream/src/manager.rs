@@ -95,6 +95,8 @@ pub enum Event {
     Nack { link: u64, step: u64, offset: u64 },
     /// Link `link`'s sink saved the step's manifest.
     Saved { link: u64, step: u64 },
+    /// Link `link`'s sink told its name.
+    Named { link: u64, name: String },
     /// Link `link` failed.
     Down { link: u64, error: Error },
 }
@@ -140,6 +142,8 @@ struct StepEnd {
 
 struct Destination {
     addr: String,
+    /// The sink's name, as it told it (`Identify`); its address until then.
+    name: String,
     /// Not tried again before this.
     down_until: Option<Instant>,
     blocks: u64,
@@ -164,8 +168,8 @@ struct Link {
 }
 
 impl Destination {
-    fn new(addr: &str) -> Destination {
-        Destination { addr: addr.to_string(), down_until: None, blocks: 0, bytes: 0 }
+    fn new(addr: &str, name: &str) -> Destination {
+        Destination { addr: addr.to_string(), name: name.to_string(), down_until: None, blocks: 0, bytes: 0 }
     }
 }
 
@@ -214,7 +218,7 @@ pub struct Manager {
 
 impl Manager {
     pub fn new(cfg: Config, ring: Arc<Ring>, spill: Arc<Spill>, events: Sender<Event>, rx: Receiver<Event>) -> Manager {
-        let dests = cfg.destinations.iter().map(|a| Destination::new(a)).collect();
+        let dests = cfg.destinations.iter().map(|a| Destination::new(a, a)).collect();
         let manifest_path = manifest::beside(spill.path());
         Manager {
             cred: Credential::token(&cfg.token),
@@ -268,6 +272,12 @@ impl Manager {
     /// manifest, never sent.
     pub fn resume(mut self, manifest: &manifest::Manifest, path: &Path) -> Result<Manager> {
         self.manifest_path = path.to_path_buf();
+        for (name, addr) in &manifest.sinks {
+            match self.dests.iter().position(|d| d.addr == *addr) {
+                Some(i) => self.dests[i].name = name.clone(),
+                None => self.dests.push(Destination::new(addr, name)),
+            }
+        }
         for s in &manifest.steps {
             let step = s.step;
             let lost = s.lost();
@@ -304,14 +314,35 @@ impl Manager {
         Ok(self)
     }
 
-    /// The index of a destination, added if the manifest names one the
-    /// configuration does not.
-    fn dest_index(&mut self, addr: &str) -> usize {
-        if let Some(i) = self.dests.iter().position(|d| d.addr == addr) {
+    /// The index of the destination a manifest names (by its name, or by
+    /// its address in manifests that named sinks so), added if the
+    /// configuration does not have it.
+    fn dest_index(&mut self, sink: &str) -> usize {
+        let by_name = self.dests.iter().position(|d| d.name == sink);
+        if let Some(i) = by_name.or_else(|| self.dests.iter().position(|d| d.addr == sink)) {
             return i;
         }
-        self.dests.push(Destination::new(addr));
+        self.dests.push(Destination::new(sink, sink));
         self.dests.len() - 1
+    }
+
+    /// Takes the name a destination's sink told: unless it is empty or
+    /// already names another destination, in which case the sink keeps
+    /// being named by its address.
+    fn name_destination(&mut self, dest: usize, name: String) {
+        let taken = self.dests.iter().enumerate().any(|(i, d)| i != dest && (d.name == name || d.addr == name));
+        if name.is_empty() || taken {
+            log::warn!(
+                "stream {}: sink {} calls itself {name:?}, which names another sink; naming it by its address",
+                self.cfg.producer,
+                self.dests[dest].addr
+            );
+            return;
+        }
+        if self.dests[dest].name != name {
+            self.dests[dest].name = name;
+            self.manifest_dirty = true;
+        }
     }
 
     /// Runs until the writer closes and everything is delivered (or the
@@ -409,9 +440,13 @@ impl Manager {
                     self.manifest_dirty = true;
                 }
             }
+            Event::Named { link, name } if Some(link) == current => {
+                let dest = self.link.as_ref().expect("current link").dest;
+                self.name_destination(dest, name);
+            }
             Event::Down { link, error } if Some(link) == current => self.link_down(error),
             // Events from a link that is gone: its blocks were requeued.
-            Event::Acked { .. } | Event::Nack { .. } | Event::Saved { .. } | Event::Down { .. } => {}
+            Event::Acked { .. } | Event::Nack { .. } | Event::Saved { .. } | Event::Named { .. } | Event::Down { .. } => {}
         }
         Ok(())
     }
@@ -524,7 +559,7 @@ impl Manager {
                 .iter()
                 .map(|(&offset, b)| {
                     let Place::At(d) = b.place else { unreachable!("checked above") };
-                    let at = if d == l.dest { String::new() } else { self.dests[d].addr.clone() };
+                    let at = if d == l.dest { String::new() } else { self.dests[d].name.clone() };
                     StepBlock { offset, len: b.len, sum: b.sum, at }
                 })
                 .collect();
@@ -638,7 +673,9 @@ impl Manager {
         let t = c.into_transport();
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&addr, &e));
         let reader = FrameReader::new(split(t.as_ref())?);
-        let control = FrameWriter::new(t);
+        let mut control = FrameWriter::new(t);
+        // The answer, `Identity`, comes back as an event.
+        control.send(ToSink::Identify {})?;
         self.links_opened += 1;
         let id = self.links_opened;
         let (events, block_size) = (self.events.clone(), self.cfg.block_size as u64);
@@ -752,7 +789,7 @@ impl Manager {
                     .iter()
                     .map(|(&offset, b)| {
                         let place = match b.place {
-                            Place::At(d) => manifest::Place::At { at: self.dests[d].addr.clone() },
+                            Place::At(d) => manifest::Place::At { at: self.dests[d].name.clone() },
                             Place::Spilled(at) => manifest::Place::Spilled { spill: self.spill.path().to_path_buf(), spill_offset: at },
                             Place::Memory => manifest::Place::Undelivered { undelivered: true },
                         };
@@ -763,7 +800,7 @@ impl Manager {
                     Some(e) => (e.bytes, e.metadata.iter().cloned().collect(), e.records.clone()),
                     None => Default::default(),
                 };
-                let manifest_at = s.saved.map(|d| self.dests[d].addr.clone());
+                let manifest_at = s.saved.map(|d| self.dests[d].name.clone());
                 manifest::Step { step, ended: s.end.is_some(), bytes, metadata, records, manifest_at, blocks }
             })
             .collect();
@@ -771,6 +808,7 @@ impl Manager {
             producer: self.cfg.producer.clone(),
             block_size: self.cfg.block_size,
             destinations: self.cfg.destinations.clone(),
+            sinks: self.dests.iter().map(|d| (d.name.clone(), d.addr.clone())).collect(),
             spill: self.spill.path().to_path_buf(),
             steps,
         }
@@ -784,6 +822,7 @@ fn read_control(mut r: FrameReader, link: u64, block_size: u64, events: Sender<E
             Ok(FromSink::Acked { blocks }) => Event::Acked { link, blocks },
             Ok(FromSink::Nack { id, block }) => Event::Nack { link, step: id, offset: block * block_size },
             Ok(FromSink::StepSaved { step, .. }) => Event::Saved { link, step },
+            Ok(FromSink::Identity { name }) => Event::Named { link, name },
             Ok(FromSink::Ping {}) => continue,
             Ok(FromSink::Error { kind, message }) => Event::Down { link, error: Error::new(kind, r.peer(), message) },
             Err(error) => Event::Down { link, error },

@@ -29,6 +29,11 @@ pub struct Manifest {
     pub block_size: u32,
     /// Sinks as `host:port`, in order of preference.
     pub destinations: Vec<String>,
+    /// Each sink's name — what `at` and `manifest_at` say, here and in
+    /// the sinks' manifests — and the address the producer reached it at.
+    /// A sink that never told its name is named by that address.
+    #[serde(default)]
+    pub sinks: BTreeMap<String, String>,
     /// The spill file.
     pub spill: PathBuf,
     pub steps: Vec<Step>,
@@ -100,7 +105,7 @@ fn ended_by_default() -> bool {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Place {
-    /// Acknowledged by this sink.
+    /// Acknowledged by this sink (its name).
     At { at: String },
     /// In the spill file at this offset.
     Spilled { spill: PathBuf, spill_offset: u64 },
@@ -152,6 +157,7 @@ mod tests {
             producer: "gtc-1".into(),
             block_size: 4096,
             destinations: vec!["a:1".into(), "b:2".into()],
+            sinks: [("ana-a".to_string(), "a:1".to_string()), ("b:2".to_string(), "b:2".to_string())].into(),
             spill: "/s/gtc-1.spill".into(),
             steps: vec![Step {
                 step: 0,
@@ -161,7 +167,7 @@ mod tests {
                 records: vec![(0, 15)],
                 manifest_at: None,
                 blocks: vec![
-                    block(Place::At { at: "a:1".into() }),
+                    block(Place::At { at: "ana-a".into() }),
                     block(Place::Spilled { spill: "/s/gtc-1.spill".into(), spill_offset: 64 }),
                     block(Place::Undelivered { undelivered: true }),
                 ],
@@ -170,7 +176,8 @@ mod tests {
         let v = serde_json::to_value(&m).unwrap();
         let blocks = &v["steps"][0]["blocks"];
         let xxh3 = "cd".repeat(16);
-        assert_eq!(blocks[0], serde_json::json!({ "offset": 0, "len": 5, "xxh3": xxh3, "at": "a:1" }));
+        assert_eq!(blocks[0], serde_json::json!({ "offset": 0, "len": 5, "xxh3": xxh3, "at": "ana-a" }));
+        assert_eq!(v["sinks"], serde_json::json!({ "ana-a": "a:1", "b:2": "b:2" }));
         let spilled = serde_json::json!({ "offset": 0, "len": 5, "xxh3": xxh3, "spill": "/s/gtc-1.spill", "spill_offset": 64 });
         assert_eq!(blocks[1], spilled);
         assert_eq!(blocks[2], serde_json::json!({ "offset": 0, "len": 5, "xxh3": xxh3, "undelivered": true }));
@@ -182,7 +189,10 @@ mod tests {
         let mut old = v;
         old["steps"][0]["records"] = serde_json::json!([[0, 15]]);
         old["steps"][0].as_object_mut().unwrap().remove("ended");
-        assert_eq!(serde_json::from_value::<Manifest>(old).unwrap(), m);
+        assert_eq!(serde_json::from_value::<Manifest>(old.clone()).unwrap(), m);
+        // And without `sinks` (every sink named by its address).
+        old.as_object_mut().unwrap().remove("sinks");
+        assert!(serde_json::from_value::<Manifest>(old).unwrap().sinks.is_empty());
     }
 
     #[test]
