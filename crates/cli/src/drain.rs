@@ -1,6 +1,7 @@
 //! `dmover drain`: sends what a stream from a simulation left undelivered
 //! (blocks in its spill file, steps whose manifest no sink saved), from the
-//! producer's manifest, once a sink is back (see `dmover_stream::drain`).
+//! producer's manifest, once a sink is back — after a close that timed
+//! out, or after the producer was killed (see `dmover_stream::drain`).
 
 use clap::Args;
 use dmover_engine::{Error, Result};
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 #[derive(Args)]
 pub struct DrainArgs {
-    /// The producer's manifest: SPILL_DIR/PRODUCER.manifest.json.
+    /// The producer's manifest: SPILL_DIR/PRODUCER.PID.manifest.json, beside its spill file.
     pub manifest: PathBuf,
     #[command(flatten)]
     pub token: crate::TokenArgs,
@@ -18,6 +19,9 @@ pub struct DrainArgs {
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
 }
+
+/// Lost steps named in drain's error; the rest are counted.
+const SHOW_LOST: usize = 10;
 
 pub fn run(a: DrainArgs) -> Result<i32> {
     let r = dmover_stream::drain(&a.manifest, &a.token.token()?, Duration::from_secs(a.timeout))?;
@@ -31,6 +35,18 @@ pub fn run(a: DrainArgs) -> Result<i32> {
             r.spill_file.map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into())
         );
         return Err(Error::new(ErrorKind::Unreachable, a.manifest.display().to_string(), msg));
+    }
+    if !r.lost_steps.is_empty() {
+        let mut steps: Vec<String> = r.lost_steps.iter().take(SHOW_LOST).map(u64::to_string).collect();
+        if r.lost_steps.len() > SHOW_LOST {
+            steps.push(format!("and {} more", r.lost_steps.len() - SHOW_LOST));
+        }
+        let msg = format!(
+            "everything else was delivered, but not these steps, which the producer stopped before they were whole: {}",
+            steps.join(", ")
+        );
+        let advice = "part of each was only in the producer's memory; rerun the simulation from a checkpoint to produce them again";
+        return Err(Error::new(ErrorKind::Verify, a.manifest.display().to_string(), msg).advised(advice));
     }
     Ok(0)
 }

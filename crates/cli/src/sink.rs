@@ -21,7 +21,8 @@ pub struct SinkArgs {
     /// the step is complete here (also in DMOVER_MANIFEST).
     #[arg(long, value_name = "CMD")]
     pub hook: Option<String>,
-    /// This sink's name in manifests (default: the address it listens on).
+    /// This sink's name in every manifest, its own and its producers'
+    /// (default: the address it listens on; HOST:PORT if that is 0.0.0.0 or [::]).
     #[arg(long)]
     pub name: Option<String>,
     #[command(flatten)]
@@ -37,7 +38,10 @@ pub fn run(a: SinkArgs) -> Result<i32> {
     }
     let listener = crate::serve::bind(&a.listen)?;
     let addr = listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?;
-    let name = a.name.unwrap_or_else(|| addr.to_string());
+    // Listening on every interface, the address names no one sink: the
+    // host's name does.
+    let default = || if addr.ip().is_unspecified() { format!("{}:{}", dmover_job::hostname(), addr.port()) } else { addr.to_string() };
+    let name = a.name.unwrap_or_else(default);
     log::info!("sink {name}: streams go to {}", dir.display());
     let store = dmover_engine::storage::export("sink", &dir).map_err(|e| Error::io(dir.display().to_string(), &e))?;
     let hooks = a.hook.map(|cmd| Arc::new(Hooks::new(cmd, store.clone(), dir.clone())));

@@ -455,7 +455,8 @@ fn a_sink_that_hangs_is_failed_over_after_the_ack_timeout() {
 }
 
 /// CLI.md "dmover sink": `--name NAME` is this sink's name in manifests —
-/// the manifest's `sink` and every block's `at` — instead of its address.
+/// the manifest's `sink` and every block's `at`, the producer's too —
+/// instead of its address.
 #[test]
 fn sink_name_names_the_sink_in_its_manifests() {
     let env = Env::new();
@@ -466,12 +467,60 @@ fn sink_name_names_the_sink_in_its_manifests() {
     let mut s = Stream::open(c).unwrap();
     let written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
     let report = s.close().unwrap();
-    check_delivery(&report, &written, &HashMap::from([(sink.addr(), out.clone())]));
+    check_delivery(&report, &written, &HashMap::from([("ana-1".to_string(), out.clone())]));
     for step in 0..written.len() {
         let m = read_json(&out.join(PRODUCER).join(format!("step-{step:06}.json")));
         assert_eq!(m["sink"], "ana-1", "step {step}: the manifest does not name the sink by --name: {m:#}");
         for b in m["blocks"].as_array().unwrap() {
             assert_eq!(b["at"], "ana-1", "step {step}: a block held here is not `at` the sink's name: {b}");
+        }
+    }
+}
+
+/// CLI.md "dmover sink": `--name` names a sink in every manifest — its
+/// own, those of a sink that took over in the middle of a step (the blocks
+/// it holds), and the producer's, which says at which address it reached
+/// each name — and both kinds of manifest write a step alike.
+#[test]
+fn a_sinks_name_is_the_same_in_every_manifest() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let mut primary = env.sink(&out_a, ["--name", "ana-a"]);
+    let alternate = env.sink(&out_b, ["--name", "ana-b"]);
+    let mut c = config(&env, &[&primary.addr(), &alternate.addr()], &spill);
+    c.max_wait = Duration::from_secs(30);
+    let mut s = Stream::open(c).unwrap();
+    // Step 0's first three blocks reach the primary; it dies; the rest of
+    // the step goes to the alternate.
+    let first = step_data(0, 7 * BLOCK as usize + 1000);
+    s.write_metadata("step", "0").unwrap();
+    s.write(&first[..3 * BLOCK as usize]).unwrap();
+    let at_primary = out_a.join(PRODUCER).join("step-000000.dat");
+    let arrived = || std::fs::metadata(&at_primary).is_ok_and(|m| m.len() == 3 * BLOCK as u64);
+    assert!(wait_until(Duration::from_secs(20), arrived), "the first blocks did not reach the primary:\n{}", primary.log());
+    std::thread::sleep(Duration::from_millis(500));
+    primary.kill9();
+    s.write(&first[3 * BLOCK as usize..]).unwrap();
+    s.end_step().unwrap();
+    let mut written = vec![first];
+    written.extend((1..3).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    let names = HashMap::from([("ana-a".to_string(), out_a.clone()), ("ana-b".to_string(), out_b.clone())]);
+    let m = check_delivery(&report, &written, &names);
+    assert_eq!(m["sinks"], serde_json::json!({ "ana-a": primary.addr(), "ana-b": alternate.addr() }), "{m:#}");
+    let at: Vec<&str> = m["steps"][0]["blocks"].as_array().unwrap().iter().map(|b| b["at"].as_str().unwrap()).collect();
+    assert_eq!(at, ["ana-a", "ana-a", "ana-a", "ana-b", "ana-b", "ana-b", "ana-b", "ana-b"], "{m:#}");
+    for step in 0..written.len() {
+        let producers = &m["steps"][step];
+        assert_eq!(producers["manifest_at"], "ana-b", "step {step}");
+        let sinks = read_json(&out_b.join(PRODUCER).join(format!("step-{step:06}.json")));
+        assert_eq!(sinks["sink"], "ana-b");
+        for key in ["bytes", "metadata", "records"] {
+            assert_eq!(sinks[key], producers[key], "step {step}: the manifests write {key} differently");
+        }
+        for (b, p) in sinks["blocks"].as_array().unwrap().iter().zip(producers["blocks"].as_array().unwrap()) {
+            assert_eq!((&b["offset"], &b["len"], &b["xxh3"], &b["at"]), (&p["offset"], &p["len"], &p["xxh3"], &p["at"]), "step {step}");
+            assert_eq!(b["here"], b["at"] == "ana-b", "step {step}: {b}");
         }
     }
 }
@@ -765,7 +814,7 @@ print("ok")
 }
 
 /// `dmover drain` given the spill file instead of the manifest says which
-/// file it needs, as a usage error.
+/// file it needs, and where that is, as a usage error.
 #[test]
 fn drain_given_a_spill_file_asks_for_the_manifest() {
     let env = Env::new();
@@ -773,8 +822,205 @@ fn drain_given_a_spill_file_asks_for_the_manifest() {
     let file = spill.join("sim-0.4242.spill");
     std::fs::write(&file, [0xffu8, 0xfe, 0, 1, 2, 3]).unwrap();
     let r = dmover(["drain", "--timeout", "1", "--token-file", env.token.to_str().unwrap(), file.to_str().unwrap()]).run();
-    r.assert_fails(2, &["sim-0.4242.spill", "not a stream manifest", "PRODUCER.manifest.json"]);
-    assert!(!r.stderr.contains("please report"), "{}", r.stderr);
+    let beside = spill.join("sim-0.4242.manifest.json");
+    r.assert_fails(2, &["sim-0.4242.spill", "not a stream manifest", "not its spill file", beside.to_str().unwrap()]);
+    assert!(!r.stderr.contains("please report") && !r.stderr.contains("UTF-8"), "{}", r.stderr);
+}
+
+/// A producer for a test to kill: it opens a stream (16 blocks of 64 KiB
+/// in memory, no waiting) and says "open"; then each line on its stdin,
+/// "A B", writes steps A to B-1, or "P A" writes the first half of step A
+/// and does not end it; step N's bytes are read from DATA/N. It answers
+/// "written" to each line, and never closes.
+const KILLED_PRODUCER_C: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include "dmover_stream.h"
+static dms_stream *s;
+static unsigned char data[4 << 20];
+static int write_step(const char *dir, unsigned long step, int end) {
+    char name[4096], step_text[32];
+    snprintf(name, sizeof name, "%s/%lu", dir, step);
+    FILE *f = fopen(name, "rb");
+    if (!f) return 3;
+    size_t n = fread(data, 1, sizeof data, f), half = n / 2;
+    fclose(f);
+    snprintf(step_text, sizeof step_text, "%lu", step);
+    if (dms_write_metadata(s, "step", step_text) || (half && dms_write(s, data, half))) return 4;
+    if (end && ((n > half && dms_write(s, data + half, n - half)) || dms_end_step(s))) return 4;
+    return 0;
+}
+int main(int argc, char **argv) {
+    char line[64];
+    unsigned long a, b;
+    if (argc != 4) return 2;
+    if (dms_open("sim-0", argv[1], argv[2], 16 << 16, 1 << 16, 0, &s)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+    printf("open\n");
+    fflush(stdout);
+    while (fgets(line, sizeof line, stdin)) {
+        int rc = 0;
+        if (sscanf(line, "P %lu", &a) == 1)
+            rc = write_step(argv[3], a, 0);
+        else if (sscanf(line, "%lu %lu", &a, &b) == 2)
+            for (unsigned long step = a; step < b && !rc; step++) rc = write_step(argv[3], step, 1);
+        else
+            rc = 2;
+        if (rc) { fprintf(stderr, "%s\n", dms_last_error()); return rc; }
+        printf("written\n");
+        fflush(stdout);
+    }
+    return 0;
+}
+"#;
+
+/// [`KILLED_PRODUCER_C`], built and running against a sink, with `written`
+/// (step N's bytes) in its data directory.
+struct Killable {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    /// Its manifest and spill file, named after its process.
+    manifest: PathBuf,
+    spill_file: PathBuf,
+}
+
+impl Killable {
+    fn start(env: &Env, sink: &Server, spill: &Path, written: &[Vec<u8>]) -> Killable {
+        let (data, build_dir) = (env.mkdir("data"), env.mkdir("build"));
+        for (step, w) in written.iter().enumerate() {
+            std::fs::write(data.join(step.to_string()), w).unwrap();
+        }
+        let src = build_dir.join("killed.c");
+        std::fs::write(&src, KILLED_PRODUCER_C).unwrap();
+        let exe = build_dir.join("killed");
+        build("cc", &[src], &exe);
+        let mut child = Command::new(&exe)
+            .args([sink.addr().as_str(), spill.to_str().unwrap(), data.to_str().unwrap()])
+            .env("DMOVER_TOKEN_FILE", &env.token)
+            .env_remove("DMOVER_TOKEN")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (stdin, stdout) = (child.stdin.take().unwrap(), std::io::BufReader::new(child.stdout.take().unwrap()));
+        let manifest = spill.join(format!("{PRODUCER}.{}.manifest.json", child.id()));
+        let spill_file = spill.join(format!("{PRODUCER}.{}.spill", child.id()));
+        let mut p = Killable { child, stdin, stdout, manifest, spill_file };
+        p.said("open");
+        p
+    }
+
+    fn said(&mut self, want: &str) {
+        use std::io::BufRead;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), want, "the producer did not say {want:?}");
+    }
+
+    /// Sends a command line and waits until it is done.
+    fn run(&mut self, line: &str) {
+        use std::io::Write;
+        writeln!(self.stdin, "{line}").unwrap();
+        self.said("written");
+    }
+
+    /// Waits until the manifest on disk has `steps` steps, those before
+    /// `ended` ended with every block acknowledged or spilled, the others not.
+    fn wait_for_manifest(&self, steps: usize, ended: usize) {
+        let caught_up = || {
+            let Some(m) = std::fs::read_to_string(&self.manifest).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) else {
+                return false;
+            };
+            let s = m["steps"].as_array().map_or(&[][..], Vec::as_slice);
+            s.len() == steps
+                && s.iter()
+                    .enumerate()
+                    .all(|(i, s)| s["ended"] == (i < ended) && s["blocks"].as_array().unwrap().iter().all(|b| b["undelivered"].is_null()))
+        };
+        assert!(wait_until(Duration::from_secs(20), caught_up), "{} does not show the producer's steps", self.manifest.display());
+    }
+
+    /// SIGKILL: the producer never closes.
+    fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+/// STREAMING.md "The producer's manifest": a producer killed (SIGKILL)
+/// before close, after it spilled while its sink was down, leaves a
+/// manifest on disk beside its spill file, and `dmover drain` on it
+/// delivers every step it wrote, byte for byte, to the sink once it is back.
+#[test]
+fn a_producer_killed_before_close_leaves_a_manifest_that_drain_delivers() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let steps = 12;
+    let written: Vec<Vec<u8>> = (0..steps).map(|step| step_data(step, step_len(step))).collect();
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut producer = Killable::start(&env, &sink, &spill, &written);
+    // The first steps reach the sink; then it dies, and the rest of the
+    // stream spills.
+    producer.run("0 3");
+    let saved = out.join(PRODUCER).join("step-000002.json");
+    assert!(wait_until(Duration::from_secs(20), || saved.is_file()), "the first steps did not arrive:\n{}", sink.log());
+    sink.kill9();
+    producer.run(&format!("3 {steps}"));
+    producer.wait_for_manifest(written.len(), written.len());
+    let (manifest, spill_file) = (producer.manifest.clone(), producer.spill_file.clone());
+    producer.kill9();
+    let m = read_json(&manifest);
+    let spilled = m["steps"].as_array().unwrap().iter().flat_map(|s| s["blocks"].as_array().unwrap()).filter(|b| b["spill"].is_string());
+    // Those that found room in memory too: no sink was there to take them.
+    let down: usize = written[3..].iter().map(|w| w.len().div_ceil(BLOCK as usize)).sum();
+    assert_eq!(spilled.count(), down, "every block written while the sink was down is in the spill file: {m:#}");
+    assert!(spill_file.is_file());
+
+    sink.restart();
+    let token = env.token.to_str().unwrap();
+    // Given the spill file, drain says where the manifest is.
+    let r = dmover(["drain", "--timeout", "5", "--token-file", token, spill_file.to_str().unwrap()]).run();
+    r.assert_fails(2, &["not a stream manifest", manifest.to_str().unwrap()]);
+    let r = dmover(["drain", "--timeout", "30", "--token-file", token, manifest.to_str().unwrap()]).run();
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    assert!(!spill_file.exists(), "the spill file is removed once drained");
+    let sinks = HashMap::from([(sink.addr(), out.clone())]);
+    check_manifest(&manifest, &written, &sinks);
+    for (step, want) in written.iter().enumerate() {
+        let dir = out.join(PRODUCER);
+        assert!(std::fs::read(dir.join(format!("step-{step:06}.dat"))).unwrap() == *want, "step {step} differs at the sink");
+        assert_eq!(read_json(&dir.join(format!("step-{step:06}.json")))["complete"], true, "step {step}");
+    }
+}
+
+/// STREAMING.md "The producer's manifest": the step a producer was writing
+/// when it was killed is lost with it; drain delivers the others and says
+/// which step it could not (exit 10).
+#[test]
+fn drain_after_a_producer_was_killed_mid_step_delivers_the_rest_and_names_the_lost_step() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    // Step 4, the one cut short, has 777,777 bytes.
+    let written: Vec<Vec<u8>> = (0..5).map(|step| step_data(step, step_len(step))).collect();
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut producer = Killable::start(&env, &sink, &spill, &written);
+    sink.kill9();
+    producer.run("0 4");
+    producer.run("P 4");
+    producer.wait_for_manifest(5, 4);
+    let manifest = producer.manifest.clone();
+    producer.kill9();
+    sink.restart();
+    let r = dmover(["drain", "--timeout", "30", "--token-file", env.token.to_str().unwrap(), manifest.to_str().unwrap()]).run();
+    r.assert_fails(10, &["but not these steps", "stopped before they were whole: 4"]);
+    let dir = out.join(PRODUCER);
+    for (step, want) in written[..4].iter().enumerate() {
+        assert!(std::fs::read(dir.join(format!("step-{step:06}.dat"))).unwrap() == *want, "step {step} differs at the sink");
+        assert_eq!(read_json(&dir.join(format!("step-{step:06}.json")))["complete"], true, "step {step}");
+    }
+    assert!(!dir.join("step-000004.json").exists(), "the lost step was saved");
+    let m = read_json(&manifest);
+    assert_eq!(m["steps"][4]["ended"], false, "{m:#}");
 }
 
 /// STREAMING.md's commands that build and run the C example, taken from the

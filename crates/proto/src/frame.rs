@@ -335,6 +335,8 @@ pub mod kind {
     pub const ACKED: u8 = 43;
     pub const STEP_END: u8 = 44;
     pub const STEP_SAVED: u8 = 45;
+    pub const IDENTIFY: u8 = 46;
+    pub const IDENTITY: u8 = 47;
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -419,6 +421,10 @@ pub enum Msg {
     StepEnd { info: StepInfo },
     /// S→C: the step's manifest is written; `complete` if every block is here.
     StepSaved { step: u64, complete: bool },
+    /// C→S in a streaming session: what is your name?
+    Identify,
+    /// S→C: the sink's name, as its manifests write it (`dmover sink --name`).
+    Identity { name: String },
 }
 
 struct W<'a>(&'a mut Vec<u8>);
@@ -577,6 +583,8 @@ impl Msg {
             Acked { .. } => kind::ACKED,
             StepEnd { .. } => kind::STEP_END,
             StepSaved { .. } => kind::STEP_SAVED,
+            Identify => kind::IDENTIFY,
+            Identity { .. } => kind::IDENTITY,
         }
     }
 
@@ -595,7 +603,7 @@ impl Msg {
             }
             Challenge { challenge } => w.bytes(challenge),
             Proof { proof } => w.bytes(proof),
-            Welcome | OpenControl | Ready | Ping | StreamEnd => {}
+            Welcome | OpenControl | Ready | Ping | StreamEnd | Identify => {}
             Echo { stamp, received, staged, server_received, transfers } => {
                 w.u64(*stamp);
                 w.u64(*received);
@@ -669,6 +677,7 @@ impl Msg {
                 w.u64(*step);
                 w.u8(*complete as u8);
             }
+            Identity { name } => w.str(name),
             Receive { dest, options } => {
                 w.str(dest);
                 w.options(options);
@@ -927,6 +936,8 @@ impl Msg {
                 StepEnd { info: s }
             }
             kind::STEP_SAVED => StepSaved { step: r.u64()?, complete: r.bool()? },
+            kind::IDENTIFY => Identify,
+            kind::IDENTITY => Identity { name: r.str()? },
             k => return Err(DecodeError::UnknownKind(k)),
         };
         if !r.buf.is_empty() {
@@ -1107,6 +1118,8 @@ mod tests {
                 },
             },
             Msg::StepSaved { step: 3, complete: true },
+            Msg::Identify,
+            Msg::Identity { name: "ana-1".into() },
         ]
     }
 

@@ -196,6 +196,7 @@ phase! {
     ToSink = "a stream, at the sink" {
         StepEnd { info: StepInfo },
         Ping {},
+        Identify {},
     }
 }
 
@@ -205,6 +206,7 @@ phase! {
         Acked { blocks: Vec<(u64, u64)> },
         Nack { id: u64, block: u64 },
         StepSaved { step: u64, complete: bool },
+        Identity { name: String },
         Ping {},
         Error { kind: ErrorKind, message: String },
     }

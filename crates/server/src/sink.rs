@@ -45,7 +45,8 @@ pub struct SinkConfig {
     pub store: Store,
     /// The hook run when a step is complete here, if any.
     pub hooks: Option<Arc<Hooks>>,
-    /// This sink's name in manifests (by default its listening address).
+    /// This sink's name in manifests, its own and, told to producers that
+    /// ask (`Identify`), theirs and other sinks'.
     pub name: String,
 }
 
@@ -394,6 +395,7 @@ pub fn run(
                 shared.send(FromSink::StepSaved { step, complete })?;
             }
             ToSink::Ping {} => {}
+            ToSink::Identify {} => shared.send(FromSink::Identity { name: cfg.name.clone() })?,
         }
     })();
     over.store(true, Ordering::Relaxed);

@@ -182,7 +182,7 @@ int dms_end_step(struct dms_stream *h);
 
 /**
  * Ends the current step if anything was written to it, sends everything
- * left, writes SPILL_DIR/PRODUCER.manifest.json, fills *report (if not
+ * left, writes SPILL_DIR/PRODUCER.PID.manifest.json, fills *report (if not
  * NULL) and frees the handle, even when it returns an error.
  *
  * # Safety

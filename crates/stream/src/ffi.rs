@@ -224,7 +224,7 @@ pub unsafe extern "C" fn dms_end_step(h: *mut DmsStream) -> c_int {
 }
 
 /// Ends the current step if anything was written to it, sends everything
-/// left, writes SPILL_DIR/PRODUCER.manifest.json, fills *report (if not
+/// left, writes SPILL_DIR/PRODUCER.PID.manifest.json, fills *report (if not
 /// NULL) and frees the handle, even when it returns an error.
 ///
 /// # Safety

@@ -19,8 +19,10 @@
 //! * [`manager`] — the queue manager thread: sends blocks to the first
 //!   destination that takes them (a `dmover sink`), keeps each block until
 //!   it is acknowledged, fails over to the next destination when a sink
-//!   dies, and records where every block is in a manifest written at close.
-//! * [`manifest`] — that manifest, which [`drain`] reads.
+//!   dies, and records where every block is in a manifest it keeps on disk
+//!   as the stream goes.
+//! * [`manifest`] — that manifest, which [`drain`] reads, also when the
+//!   producer was killed before close.
 //! * [`ffi`] — the C ABI (`include/dmover_stream.h`), used from C, C++ and
 //!   Fortran.
 //!
@@ -222,6 +224,9 @@ pub struct Report {
     pub undelivered_blocks: u64,
     /// Steps whose manifest no sink confirmed.
     pub unsaved_steps: u64,
+    /// Steps that cannot be sent, ever (`drain` only): the producer stopped
+    /// before they were whole, so some of their bytes were only in its memory.
+    pub lost_steps: Vec<u64>,
     /// Most data connections open at once.
     pub max_streams: usize,
     /// Policy looks spent in states A, B and C.
@@ -424,30 +429,37 @@ impl Stream {
     }
 }
 
-/// Sends what an earlier stream left undelivered: the blocks its manifest
-/// (`SPILL_DIR/PRODUCER.manifest.json`) places in the spill file, and the
-/// steps whose manifest no sink saved. Connects to the first destination
-/// that takes the stream — trying again, while none is reachable, until
-/// `close_timeout` has passed — waits for delivery within the same
-/// `close_timeout`, and rewrites the manifest; the spill file is removed
-/// once everything in it is delivered.
+/// Sends what an earlier stream left undelivered — closed, or killed before
+/// close: the blocks its manifest (`SPILL_DIR/PRODUCER.PID.manifest.json`)
+/// places in the spill file, and the steps whose manifest no sink saved.
+/// Connects to the first destination that takes the stream — trying
+/// again, while none is reachable, until `close_timeout` has passed —
+/// waits for delivery within the same `close_timeout`, and rewrites the
+/// manifest; the spill file is removed once everything in it that can be
+/// sent is delivered. Steps the producer did not finish are reported in
+/// [`Report::lost_steps`] and not sent.
 pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<Report> {
     let subject = manifest.display().to_string();
+    if manifest.to_string_lossy().ends_with(manifest::SPILL_SUFFIX) {
+        return Err(not_a_manifest(manifest, "it is a spill file"));
+    }
     let bytes = std::fs::read(manifest).map_err(|e| Error::io(&subject, &e))?;
-    let m: manifest::Manifest = serde_json::from_slice(&bytes).map_err(|e| {
-        Error::new(ErrorKind::Usage, &subject, format!("not a stream manifest ({e})"))
-            .advised("give the producer's manifest, SPILL_DIR/PRODUCER.manifest.json, not its spill file")
-    })?;
+    let m: manifest::Manifest = serde_json::from_slice(&bytes).map_err(|e| not_a_manifest(manifest, &e.to_string()))?;
     let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut cfg = Config::new(&m.producer, &m.destinations.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
     cfg.block_size = m.block_size;
     cfg.close_timeout = close_timeout;
     cfg.check()?;
-    let spill = Spill::open(&m.spill).map_err(|e| Error::io(m.spill.display().to_string(), &e))?;
+    let spill = match Spill::open(&m.spill) {
+        Ok(s) => s,
+        // Nothing left to read from it: every block is at a sink, or lost.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !m.steps.iter().any(|s| s.sendable_from_spill()) => Spill::at(&m.spill),
+        Err(e) => return Err(Error::io(m.spill.display().to_string(), &e)),
+    };
     let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
     let (events, rx) = crossbeam_channel::unbounded();
     let deadline = Instant::now() + close_timeout;
-    let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m)?;
+    let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m, manifest)?;
     let mut pause = Duration::from_secs(1);
     loop {
         match mgr.connect_first() {
@@ -462,6 +474,21 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
         }
     }
     mgr.run()
+}
+
+/// The error for a file given to `drain` that is not a producer's manifest
+/// (`why`): what drain needs, and where that is if the file is a spill file.
+fn not_a_manifest(file: &Path, why: &str) -> Error {
+    let msg = format!("not a stream manifest ({why})");
+    let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let advice = if name.ends_with(manifest::SPILL_SUFFIX) {
+        let beside = manifest::beside(file);
+        let state = if beside.is_file() { "" } else { " (it is not there: was the spill file moved?)" };
+        format!("drain takes the producer's manifest, not its spill file: `dmover drain {}`{state}", beside.display())
+    } else {
+        "drain takes a producer's manifest, SPILL_DIR/PRODUCER.PID.manifest.json, beside its spill file PRODUCER.PID.spill".into()
+    };
+    Error::new(ErrorKind::Usage, file.display().to_string(), msg).advised(advice)
 }
 
 /// Longest pause between two tries of a drain to reach a sink.

@@ -21,6 +21,14 @@
 //! the current destination has saved its manifest (`StepSaved`); its
 //! `StepEnd` says where each block is, so a sink that took over midway
 //! records the blocks its predecessor holds.
+//!
+//! While no destination is reachable, blocks waiting in memory go to the
+//! spill file, so that nothing the simulation ended sits only in memory.
+//! The producer's manifest stays on disk as the stream goes: rewritten
+//! atomically (temporary name, then rename) when blocks spill, steps end
+//! or sinks acknowledge, in batches at most every [`MANIFEST_EVERY`], by
+//! this thread, never the simulation's. A producer killed before close
+//! leaves a manifest that `drain` sends from.
 
 use crate::policy::{Decision, Observation, Policy, State};
 use crate::ring::{Ring, Slot};
@@ -36,6 +44,7 @@ use dmover_proto::frame::{DataHeader, StepBlock, StepInfo};
 use dmover_proto::phase::{FromSink, OnData, Open, Request, ToSink};
 use dmover_proto::ErrorKind;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,6 +59,12 @@ pub const RETRY_DOWN: Duration = Duration::from_secs(5);
 /// How long a data connection waits for work before checking whether it
 /// should stop.
 const WORK_WAIT: Duration = Duration::from_millis(100);
+/// The manifest on disk is rewritten, when something changed, at most this
+/// often: what a producer killed before close can lose of its bookkeeping.
+pub const MANIFEST_EVERY: Duration = Duration::from_millis(500);
+/// ... and at most once per this many times its last write took, so that
+/// keeping a long stream's manifest takes at most 1/20 of this thread.
+const MANIFEST_SHARE: u32 = 20;
 
 /// A block in memory, ready to send: shared between the manager (until
 /// acknowledged) and the connection sending it.
@@ -80,6 +95,8 @@ pub enum Event {
     Nack { link: u64, step: u64, offset: u64 },
     /// Link `link`'s sink saved the step's manifest.
     Saved { link: u64, step: u64 },
+    /// Link `link`'s sink told its name.
+    Named { link: u64, name: String },
     /// Link `link` failed.
     Down { link: u64, error: Error },
 }
@@ -110,6 +127,10 @@ struct StepState {
     end_sent: Option<u64>,
     /// Where its manifest was saved.
     saved: Option<usize>,
+    /// Read from the manifest of a producer that stopped before the step
+    /// was whole (not ended, or blocks that were only in its memory):
+    /// nothing of it can be sent (`drain`).
+    lost: bool,
 }
 
 struct StepEnd {
@@ -121,6 +142,8 @@ struct StepEnd {
 
 struct Destination {
     addr: String,
+    /// The sink's name, as it told it (`Identify`); its address until then.
+    name: String,
     /// Not tried again before this.
     down_until: Option<Instant>,
     blocks: u64,
@@ -142,6 +165,12 @@ struct Link {
     last_control: Instant,
     /// When the sink last acknowledged something (or the link opened).
     last_ack: Instant,
+}
+
+impl Destination {
+    fn new(addr: &str, name: &str) -> Destination {
+        Destination { addr: addr.to_string(), name: name.to_string(), down_until: None, blocks: 0, bytes: 0 }
+    }
 }
 
 impl Link {
@@ -179,11 +208,18 @@ pub struct Manager {
     spilled_since: usize,
     closing: Option<Instant>,
     report: Report,
+    /// The producer's manifest on disk, and whether it changed since it
+    /// was last written, when, and how long to wait before the next write.
+    manifest_path: PathBuf,
+    manifest_dirty: bool,
+    manifest_written: Instant,
+    manifest_every: Duration,
 }
 
 impl Manager {
     pub fn new(cfg: Config, ring: Arc<Ring>, spill: Arc<Spill>, events: Sender<Event>, rx: Receiver<Event>) -> Manager {
-        let dests = cfg.destinations.iter().map(|a| Destination { addr: a.clone(), down_until: None, blocks: 0, bytes: 0 }).collect();
+        let dests = cfg.destinations.iter().map(|a| Destination::new(a, a)).collect();
+        let manifest_path = manifest::beside(spill.path());
         Manager {
             cred: Credential::token(&cfg.token),
             policy: Policy::new(cfg.max_streams),
@@ -205,6 +241,10 @@ impl Manager {
             spilled_since: 0,
             closing: None,
             report: Report::default(),
+            manifest_path,
+            manifest_dirty: false,
+            manifest_written: Instant::now(),
+            manifest_every: MANIFEST_EVERY,
         }
     }
 
@@ -223,36 +263,46 @@ impl Manager {
         Err(first_error.unwrap_or_else(|| Error::new(ErrorKind::Usage, "", "no destination given")))
     }
 
-    /// A manager for what a producer's manifest says is undelivered: its
-    /// blocks in the spill file go to the destinations, and the steps whose
-    /// manifest no sink saved get their `StepEnd` (`drain`). It runs as if
-    /// the writer had closed.
-    pub fn resume(mut self, manifest: &manifest::Manifest) -> Result<Manager> {
+    /// A manager for what a producer's manifest (at `path`, rewritten as
+    /// the drain goes) says is undelivered: its blocks in the spill file go
+    /// to the destinations, and the steps whose manifest no sink saved get
+    /// their `StepEnd` (`drain`). It runs as if the writer had closed.
+    /// Steps the producer left unfinished (not ended, or with blocks that
+    /// were only in its memory when it stopped) are lost: kept in the
+    /// manifest, never sent.
+    pub fn resume(mut self, manifest: &manifest::Manifest, path: &Path) -> Result<Manager> {
+        self.manifest_path = path.to_path_buf();
+        for (name, addr) in &manifest.sinks {
+            match self.dests.iter().position(|d| d.addr == *addr) {
+                Some(i) => self.dests[i].name = name.clone(),
+                None => self.dests.push(Destination::new(addr, name)),
+            }
+        }
         for s in &manifest.steps {
             let step = s.step;
-            let mut st = StepState::default();
+            let lost = s.lost();
+            let mut st = StepState { lost, ..StepState::default() };
             for b in &s.blocks {
                 let place = match &b.place {
                     manifest::Place::At { at } => Place::At(self.dest_index(at)),
+                    // A lost step's spilled blocks go with the spill file.
+                    _ if lost => Place::Memory,
                     manifest::Place::Spilled { spill_offset, .. } => {
                         self.spilled.push_back((step, b.offset));
                         Place::Spilled(*spill_offset)
                     }
-                    manifest::Place::Undelivered { .. } => {
-                        let msg = format!("step {step}: the block at {} was neither delivered nor spilled", b.offset);
-                        return Err(Error::new(ErrorKind::Verify, &self.cfg.producer, msg));
-                    }
+                    manifest::Place::Undelivered { .. } => unreachable!("a step with an undelivered block is lost"),
                 };
                 st.blocks.insert(b.offset, BlockRec { len: b.len, sum: b.xxh3, place });
             }
-            st.end = Some(StepEnd {
+            st.end = s.ended.then(|| StepEnd {
                 bytes: s.bytes,
                 blocks: st.blocks.len() as u64,
                 metadata: s.metadata.clone().into_iter().collect(),
                 records: s.records.clone(),
             });
             st.saved = s.manifest_at.as_deref().map(|a| self.dest_index(a));
-            if st.saved.is_none() {
+            if st.saved.is_none() && !lost {
                 self.unsent.insert(step);
             }
             self.report.steps += 1;
@@ -264,14 +314,35 @@ impl Manager {
         Ok(self)
     }
 
-    /// The index of a destination, added if the manifest names one the
-    /// configuration does not.
-    fn dest_index(&mut self, addr: &str) -> usize {
-        if let Some(i) = self.dests.iter().position(|d| d.addr == addr) {
+    /// The index of the destination a manifest names (by its name, or by
+    /// its address in manifests that named sinks so), added if the
+    /// configuration does not have it.
+    fn dest_index(&mut self, sink: &str) -> usize {
+        let by_name = self.dests.iter().position(|d| d.name == sink);
+        if let Some(i) = by_name.or_else(|| self.dests.iter().position(|d| d.addr == sink)) {
             return i;
         }
-        self.dests.push(Destination { addr: addr.to_string(), down_until: None, blocks: 0, bytes: 0 });
+        self.dests.push(Destination::new(sink, sink));
         self.dests.len() - 1
+    }
+
+    /// Takes the name a destination's sink told: unless it is empty or
+    /// already names another destination, in which case the sink keeps
+    /// being named by its address.
+    fn name_destination(&mut self, dest: usize, name: String) {
+        let taken = self.dests.iter().enumerate().any(|(i, d)| i != dest && (d.name == name || d.addr == name));
+        if name.is_empty() || taken {
+            log::warn!(
+                "stream {}: sink {} calls itself {name:?}, which names another sink; naming it by its address",
+                self.cfg.producer,
+                self.dests[dest].addr
+            );
+            return;
+        }
+        if self.dests[dest].name != name {
+            self.dests[dest].name = name;
+            self.manifest_dirty = true;
+        }
     }
 
     /// Runs until the writer closes and everything is delivered (or the
@@ -321,12 +392,14 @@ impl Manager {
                 self.report.blocks += 1;
                 self.report.spilled_blocks += 1;
                 self.report.spilled_bytes += len as u64;
+                self.manifest_dirty = true;
             }
             Event::StepEnd { step, bytes, blocks, metadata, records } => {
                 self.report.steps += 1;
                 self.report.bytes += bytes;
                 self.steps.entry(step).or_default().end = Some(StepEnd { bytes, blocks, metadata, records });
                 self.unsent.insert(step);
+                self.manifest_dirty = true;
                 self.end_steps()?;
             }
             Event::Close => self.closing = Some(Instant::now()),
@@ -345,6 +418,7 @@ impl Manager {
                     }
                     self.dests[dest].blocks += 1;
                     self.dests[dest].bytes += b.data.len() as u64;
+                    self.manifest_dirty = true;
                 }
                 self.end_steps()?;
             }
@@ -363,11 +437,16 @@ impl Manager {
                         self.unconfirmed -= 1;
                     }
                     s.saved = Some(dest);
+                    self.manifest_dirty = true;
                 }
+            }
+            Event::Named { link, name } if Some(link) == current => {
+                let dest = self.link.as_ref().expect("current link").dest;
+                self.name_destination(dest, name);
             }
             Event::Down { link, error } if Some(link) == current => self.link_down(error),
             // Events from a link that is gone: its blocks were requeued.
-            Event::Acked { .. } | Event::Nack { .. } | Event::Saved { .. } | Event::Down { .. } => {}
+            Event::Acked { .. } | Event::Nack { .. } | Event::Saved { .. } | Event::Named { .. } | Event::Down { .. } => {}
         }
         Ok(())
     }
@@ -377,6 +456,13 @@ impl Manager {
         if self.link.is_none() {
             self.reconnect();
         }
+        if self.link.is_none() && !self.queue.is_empty() {
+            // No destination takes blocks: keep them on disk, not only in
+            // memory, and free their slots for the writer.
+            let blocks: Vec<Arc<Block>> = self.queue.drain(..).collect();
+            self.spill_blocks(blocks, true)?;
+        }
+        self.keep_manifest();
         let backlog = self.queue.len() + self.link.as_ref().map_or(0, |l| l.work.len());
         let o = Observation {
             now: self.start.elapsed(),
@@ -390,6 +476,10 @@ impl Manager {
         if self.closing.is_some() {
             // The writer is done: the whole ring is free for spilled blocks.
             d.fetch = self.spilled.len().min(o.free);
+        }
+        if self.link.is_none() {
+            // Blocks read back now would only be spilled again.
+            d.fetch = 0;
         }
         match d.state {
             State::A => self.report.ticks_a += 1,
@@ -469,7 +559,7 @@ impl Manager {
                 .iter()
                 .map(|(&offset, b)| {
                     let Place::At(d) = b.place else { unreachable!("checked above") };
-                    let at = if d == l.dest { String::new() } else { self.dests[d].addr.clone() };
+                    let at = if d == l.dest { String::new() } else { self.dests[d].name.clone() };
                     StepBlock { offset, len: b.len, sum: b.sum, at }
                 })
                 .collect();
@@ -503,7 +593,7 @@ impl Manager {
         self.queue.is_empty()
             && self.inflight.is_empty()
             && self.spilled.is_empty()
-            && self.steps.values().all(|s| s.end.is_some() && s.saved.is_some())
+            && self.steps.values().all(|s| s.lost || (s.end.is_some() && s.saved.is_some()))
     }
 
     /// Opens or closes data connections of the current link to reach `n`.
@@ -583,7 +673,9 @@ impl Manager {
         let t = c.into_transport();
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&addr, &e));
         let reader = FrameReader::new(split(t.as_ref())?);
-        let control = FrameWriter::new(t);
+        let mut control = FrameWriter::new(t);
+        // The answer, `Identity`, comes back as an event.
+        control.send(ToSink::Identify {})?;
         self.links_opened += 1;
         let id = self.links_opened;
         let (events, block_size) = (self.events.clone(), self.cfg.block_size as u64);
@@ -610,32 +702,69 @@ impl Manager {
     /// Writes every block still in memory to the spill file (close timeout).
     fn spill_memory(&mut self) -> Result<()> {
         let blocks: Vec<Arc<Block>> = self.queue.drain(..).chain(self.inflight.drain().map(|(_, b)| b)).collect();
+        self.spill_blocks(blocks, false)
+    }
+
+    /// Puts blocks from memory in the spill file (those read back from it
+    /// are there already) and drops them, which frees their slots; with
+    /// `resend`, they are sent from there once a destination takes them.
+    fn spill_blocks(&mut self, blocks: Vec<Arc<Block>>, resend: bool) -> Result<()> {
         for b in blocks {
-            let place = match b.spilled_at {
-                Some(at) => Place::Spilled(at),
+            let at = match b.spilled_at {
+                Some(at) => at,
                 None => {
                     let at = self
                         .spill
                         .append(b.step, b.offset, b.sum, &b.data)
                         .map_err(|e| Error::io(self.spill.path().display().to_string(), &e))?;
-                    Place::Spilled(at)
+                    self.report.spilled_blocks += 1;
+                    self.report.spilled_bytes += b.data.len() as u64;
+                    at
                 }
             };
             if let Some(rec) = self.steps.get_mut(&b.step).and_then(|s| s.blocks.get_mut(&b.offset)) {
-                rec.place = place;
+                rec.place = Place::Spilled(at);
+            }
+            if resend {
+                self.spilled.push_back((b.step, b.offset));
             }
         }
+        // Oldest first, as the writer spilled them.
+        self.spilled.make_contiguous().sort_unstable();
+        self.manifest_dirty = true;
+        Ok(())
+    }
+
+    /// Rewrites the manifest on disk if it changed and the last write is
+    /// old enough (see [`MANIFEST_EVERY`]). A failed write is logged and
+    /// tried again at the next tick; the stream goes on.
+    fn keep_manifest(&mut self) {
+        if !self.manifest_dirty || self.manifest_written.elapsed() < self.manifest_every {
+            return;
+        }
+        let started = Instant::now();
+        if let Err(e) = self.write_manifest() {
+            log::warn!("stream {}: cannot write {}: {e}", self.cfg.producer, self.manifest_path.display());
+        }
+        self.manifest_every = MANIFEST_EVERY.max(started.elapsed() * MANIFEST_SHARE);
+    }
+
+    fn write_manifest(&mut self) -> std::io::Result<()> {
+        self.manifest_written = Instant::now();
+        self.manifest().write(&self.manifest_path)?;
+        self.manifest_dirty = false;
         Ok(())
     }
 
     /// Writes the manifest and completes the report.
     fn finish(mut self) -> Result<Report> {
         let mut undelivered = 0;
-        for s in self.steps.values() {
+        for s in self.steps.values().filter(|s| !s.lost) {
             undelivered += s.blocks.values().filter(|b| !matches!(b.place, Place::At(_))).count() as u64;
         }
         self.report.undelivered_blocks = undelivered;
-        self.report.unsaved_steps = self.steps.values().filter(|s| s.saved.is_none()).count() as u64;
+        self.report.unsaved_steps = self.steps.values().filter(|s| !s.lost && s.saved.is_none()).count() as u64;
+        self.report.lost_steps = self.steps.iter().filter(|(_, s)| s.lost).map(|(&step, _)| step).collect();
         if undelivered == 0 {
             self.spill.remove();
         } else {
@@ -644,10 +773,8 @@ impl Manager {
         self.report.seconds = self.start.elapsed().as_secs_f64();
         self.report.destinations =
             self.dests.iter().map(|d| DestinationReport { addr: d.addr.clone(), blocks: d.blocks, bytes: d.bytes }).collect();
-        let path = self.cfg.spill_dir.join(manifest::file_name(&self.cfg.producer));
-        let text = serde_json::to_string_pretty(&self.manifest()).expect("a manifest serializes");
-        std::fs::write(&path, text + "\n").map_err(|e| Error::io(path.display().to_string(), &e))?;
-        self.report.manifest = path;
+        self.write_manifest().map_err(|e| Error::io(self.manifest_path.display().to_string(), &e))?;
+        self.report.manifest = self.manifest_path.clone();
         Ok(self.report)
     }
 
@@ -662,7 +789,7 @@ impl Manager {
                     .iter()
                     .map(|(&offset, b)| {
                         let place = match b.place {
-                            Place::At(d) => manifest::Place::At { at: self.dests[d].addr.clone() },
+                            Place::At(d) => manifest::Place::At { at: self.dests[d].name.clone() },
                             Place::Spilled(at) => manifest::Place::Spilled { spill: self.spill.path().to_path_buf(), spill_offset: at },
                             Place::Memory => manifest::Place::Undelivered { undelivered: true },
                         };
@@ -673,14 +800,15 @@ impl Manager {
                     Some(e) => (e.bytes, e.metadata.iter().cloned().collect(), e.records.clone()),
                     None => Default::default(),
                 };
-                let manifest_at = s.saved.map(|d| self.dests[d].addr.clone());
-                manifest::Step { step, bytes, metadata, records, manifest_at, blocks }
+                let manifest_at = s.saved.map(|d| self.dests[d].name.clone());
+                manifest::Step { step, ended: s.end.is_some(), bytes, metadata, records, manifest_at, blocks }
             })
             .collect();
         manifest::Manifest {
             producer: self.cfg.producer.clone(),
             block_size: self.cfg.block_size,
             destinations: self.cfg.destinations.clone(),
+            sinks: self.dests.iter().map(|d| (d.name.clone(), d.addr.clone())).collect(),
             spill: self.spill.path().to_path_buf(),
             steps,
         }
@@ -694,6 +822,7 @@ fn read_control(mut r: FrameReader, link: u64, block_size: u64, events: Sender<E
             Ok(FromSink::Acked { blocks }) => Event::Acked { link, blocks },
             Ok(FromSink::Nack { id, block }) => Event::Nack { link, step: id, offset: block * block_size },
             Ok(FromSink::StepSaved { step, .. }) => Event::Saved { link, step },
+            Ok(FromSink::Identity { name }) => Event::Named { link, name },
             Ok(FromSink::Ping {}) => continue,
             Ok(FromSink::Error { kind, message }) => Event::Down { link, error: Error::new(kind, r.peer(), message) },
             Err(error) => Event::Down { link, error },

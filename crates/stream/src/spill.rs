@@ -24,8 +24,13 @@ pub struct Spill {
 
 impl Spill {
     pub fn new(dir: &Path, producer: &str) -> Spill {
-        let path = dir.join(format!("{producer}.{}.spill", std::process::id()));
-        Spill { path, file: Mutex::new(None) }
+        Spill::at(&dir.join(format!("{producer}.{}{}", std::process::id(), crate::manifest::SPILL_SUFFIX)))
+    }
+
+    /// A spill file at `path`, created on the first spill (or never, for a
+    /// drain with nothing to read from it).
+    pub fn at(path: &Path) -> Spill {
+        Spill { path: path.to_path_buf(), file: Mutex::new(None) }
     }
 
     /// An existing spill file, to send what it holds (`drain`).
