@@ -5,6 +5,7 @@
 use crate::location::Location;
 use crate::report::{self, ProgressDisplay};
 use crate::sizes::parse_size;
+use crate::ssh::{self, Endpoint, SshOptions};
 use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
@@ -69,6 +70,8 @@ pub struct CpArgs {
     pub quiet: bool,
     #[command(flatten)]
     pub token: TokenArgs,
+    #[command(flatten)]
+    pub ssh: SshOptions,
 }
 
 pub fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
@@ -96,6 +99,8 @@ struct Plan {
     cred: Option<Credential>,
     /// The destination path to give the receiver (a directory, or maybe a file: DEST_MAY_BE_FILE).
     dest_path: String,
+    /// The remote end of an ssh location, running while the copy does.
+    _remote: Option<Endpoint>,
 }
 
 pub fn run(a: CpArgs) -> Result<i32> {
@@ -137,8 +142,15 @@ fn copy(a: &CpArgs) -> Result<i32> {
 
 fn make_plan(a: &CpArgs) -> Result<Plan> {
     let (dest, sources) = a.paths.split_last().expect("clap requires two paths");
-    let dest = Location::parse(dest)?;
-    let sources = sources.iter().map(|s| Location::parse(s)).collect::<Result<Vec<_>>>()?;
+    let mut all = sources.iter().chain([dest]).map(|s| Location::parse(s)).collect::<Result<Vec<_>>>()?;
+    let ssh_used = all.iter().any(|l| matches!(l, Location::Ssh { .. }));
+    if ssh_used && all.iter().any(|l| matches!(l, Location::Remote { .. })) {
+        let msg = "a host reached over ssh and a dmover:// server in one command are not supported yet";
+        return Err(Error::new(ErrorKind::Usage, "", msg).advised("copy through a local directory, or start dmover serve on the ssh host"));
+    }
+    let remote = ssh::resolve(&mut all, &a.ssh)?;
+    let dest = all.pop().expect("a destination");
+    let sources = all;
     if let Some(Location::Remote { hosts, .. }) = sources.first() {
         if hosts.len() > 1 {
             return Err(Error::new(ErrorKind::Usage, sources[0].path(), "a source names one host; several hosts are for destinations"));
@@ -148,7 +160,11 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         return Err(Error::new(ErrorKind::Usage, "", "all sources must be on one host (all local, or all on the same server)"));
     }
     let needs_token = dest.is_remote() || sources[0].is_remote();
-    let cred = if needs_token { Some(Credential::token(&a.token.token()?)) } else { None };
+    let cred = match &remote {
+        Some(r) => Some(r.cred.clone()),
+        None if needs_token => Some(Credential::token(&a.token.token()?)),
+        None => None,
+    };
     let mut flags = 0;
     if a.sync {
         flags |= TransferOptions::SYNC;
@@ -180,6 +196,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         sources,
         dest,
         cred,
+        _remote: remote,
     };
     if may_be_file_to_file(&plan) {
         plan.options.flags |= DEST_MAY_BE_FILE;
@@ -275,7 +292,7 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
 fn remote_parts(l: &Location) -> (&[String], &str) {
     match l {
         Location::Remote { hosts, path } => (hosts, path),
-        Location::Local(_) => unreachable!("checked by the caller"),
+        Location::Local(_) | Location::Ssh { .. } => unreachable!("checked and resolved by the caller"),
     }
 }
 

@@ -97,11 +97,11 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
         let url = format!("dmover://{}/{}", job.dest_hosts.join(","), job.dest_root);
         let (hosts, dest) = match Location::parse(&url) {
             Ok(Location::Remote { hosts, path }) => (hosts, path.trim_end_matches('/').to_string()),
-            Ok(Location::Local(_)) => unreachable!("a dmover:// URL"),
+            Ok(Location::Local(_) | Location::Ssh { .. }) => unreachable!("a dmover:// URL"),
             Err(e) => return Err(job_error(&subject, format!("dest_hosts / dest_root: {}", e.message))),
         };
         let token = match &job.token_file {
-            Some(f) => crate::read_token(Path::new(f))?,
+            Some(f) => dmover_engine::session::read_token(Path::new(f))?,
             None => TokenArgs { token_file: None }.token().map_err(|_| {
                 usage(&subject, "no token")
                     .advised("set token_file in the job file or export DMOVER_TOKEN (it is passed on to the batch job)")

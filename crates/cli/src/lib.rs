@@ -35,6 +35,7 @@ mod report;
 mod serve;
 mod sink;
 mod sizes;
+mod ssh;
 mod streams;
 
 use clap::{Args, Parser, Subcommand};
@@ -79,6 +80,9 @@ enum Cmd {
     /// A transfer agent of a running job (started by `dmover run`).
     #[command(hide = true)]
     Agent(job::AgentArgs),
+    /// The far end of a [user@]host:path location (started by dmover over ssh).
+    #[command(hide = true)]
+    Remote,
 }
 
 /// Options shared by commands that talk to servers.
@@ -93,33 +97,13 @@ impl TokenArgs {
     /// The token, from the file or the environment.
     pub fn token(&self) -> Result<Vec<u8>, Error> {
         if let Some(f) = &self.token_file {
-            return read_token(f);
+            return dmover_engine::session::read_token(f);
         }
         match std::env::var("DMOVER_TOKEN") {
             Ok(t) if !t.trim().is_empty() => Ok(t.trim().as_bytes().to_vec()),
             _ => Err(Error::new(ErrorKind::Usage, "", "no token: pass --token-file FILE or set DMOVER_TOKEN")),
         }
     }
-}
-
-/// Reads a token file (surrounding white space is not part of the token).
-/// A file that group or others can read is refused, as ssh refuses such keys.
-pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>, Error> {
-    use std::os::unix::fs::PermissionsExt;
-    let subject = f.display().to_string();
-    let unreadable = |e: std::io::Error| Error::new(ErrorKind::Usage, &subject, format!("cannot read token file: {e}"));
-    let mode = std::fs::metadata(f).map_err(unreadable)?.permissions().mode();
-    if mode & 0o077 != 0 {
-        let msg = format!("token file can be read by group or others (mode {:o})", mode & 0o777);
-        return Err(Error::new(ErrorKind::Usage, &subject, msg).advised(format!("run `chmod 600 {subject}`")));
-    }
-    let s = std::fs::read(f).map_err(unreadable)?;
-    let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
-    if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
-        let msg = format!("token is too short ({} bytes; at least {})", t.len(), dmover_proto::auth::MIN_TOKEN_LEN);
-        return Err(Error::new(ErrorKind::Usage, f.display().to_string(), msg).advised("make one with `dmover token FILE`"));
-    }
-    Ok(t)
 }
 
 fn write_token(file: &std::path::Path) -> Result<(), Error> {
@@ -163,6 +147,7 @@ pub fn main() -> ! {
         Cmd::Run(a) => job::run(a),
         Cmd::Status(a) => job::status(a),
         Cmd::Agent(a) => job::agent(a),
+        Cmd::Remote => ssh::remote(),
     };
     match r {
         Ok(code) => std::process::exit(code),

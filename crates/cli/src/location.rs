@@ -1,6 +1,8 @@
-//! Locations on the command line: a local path or
-//! `dmover://HOST[:PORT][,HOST[:PORT]...]/EXPORT/path`.
+//! Locations on the command line: a local path,
+//! `dmover://HOST[:PORT][,HOST[:PORT]...]/EXPORT/path`, or a host reached
+//! over ssh (`[user@]host:path`, `ssh://[user@]host[:port]/path`; see `ssh`).
 
+use crate::ssh::SshTarget;
 use dmover_engine::Error;
 use dmover_proto::ErrorKind;
 
@@ -15,6 +17,12 @@ pub enum Location {
         /// `host:port` of each server.
         hosts: Vec<String>,
         /// `EXPORT/path` as the server sees it, with any trailing `/` kept.
+        path: String,
+    },
+    /// A host reached over ssh; `path` as its remote end exports it
+    /// (`home/...` or `root/...`). Becomes `Remote` once the remote end runs.
+    Ssh {
+        target: SshTarget,
         path: String,
     },
 }
@@ -52,6 +60,9 @@ impl Location {
             return Err(Error::new(ErrorKind::Usage, "", "empty path"));
         }
         let Some(rest) = s.strip_prefix(SCHEME) else {
+            if let Some((target, path)) = crate::ssh::parse(s)? {
+                return Ok(Location::Ssh { target, path });
+            }
             if s.contains("://") {
                 return Err(bad(s, "unknown scheme"));
             }
@@ -69,14 +80,14 @@ impl Location {
     }
 
     pub fn is_remote(&self) -> bool {
-        matches!(self, Location::Remote { .. })
+        !matches!(self, Location::Local(_))
     }
 
     /// The path part (local path, or `EXPORT/path`).
     pub fn path(&self) -> &str {
         match self {
             Location::Local(p) => p,
-            Location::Remote { path, .. } => path,
+            Location::Remote { path, .. } | Location::Ssh { path, .. } => path,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! the same names a copy of it would send.
 
 use crate::location::Location;
+use crate::ssh::{self, SshOptions};
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::session::{self, Credential};
@@ -11,21 +12,29 @@ use dmover_proto::ErrorKind;
 
 #[derive(Args)]
 pub struct LsArgs {
-    /// What to list: dmover://HOST[:PORT]/EXPORT/path (a file, directory or glob).
+    /// What to list: dmover://HOST[:PORT]/EXPORT/path or [user@]host:path (a file, directory or glob).
     pub url: String,
     /// Print a JSON array of {path, size, mtime, mode}.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
     pub token: TokenArgs,
+    #[command(flatten)]
+    pub ssh: SshOptions,
 }
 
 pub fn run(a: LsArgs) -> Result<i32> {
-    let Location::Remote { hosts, path } = Location::parse(&a.url)? else {
-        return Err(Error::new(ErrorKind::Usage, &a.url, "ls needs a dmover:// URL (use ls(1) for local paths)"));
+    let mut loc = [Location::parse(&a.url)?];
+    let remote = ssh::resolve(&mut loc, &a.ssh)?;
+    let [Location::Remote { hosts, path }] = loc else {
+        return Err(Error::new(ErrorKind::Usage, &a.url, "ls needs a dmover:// URL or [user@]host:path (use ls(1) for local paths)"));
+    };
+    let cred = match &remote {
+        Some(r) => r.cred.clone(),
+        None => Credential::token(&a.token.token()?),
     };
     let mut all = Vec::new();
-    session::list(&hosts[0], &Credential::token(&a.token.token()?), path, &mut |entries| {
+    session::list(&hosts[0], &cred, path, &mut |entries| {
         if a.json {
             all.extend(entries);
         } else {

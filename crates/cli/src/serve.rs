@@ -45,7 +45,7 @@ pub struct DaemonArgs {
 impl DaemonArgs {
     /// The token, checked.
     pub fn token(&self) -> Result<Vec<u8>> {
-        crate::read_token(&self.token_file)
+        dmover_engine::session::read_token(&self.token_file)
     }
 
     /// A server configuration with these flags and no exports.

@@ -1110,3 +1110,36 @@ fn the_producer_and_sink_manifests_write_records_alike() {
     assert_eq!(at_sink["records"], want);
     assert_eq!(producer["steps"][0]["records"], want, "{producer:#}");
 }
+
+/// Regression (security, token files): the streaming library read
+/// `DMOVER_TOKEN_FILE` whatever its mode, where every dmover command refuses
+/// a token file that group or others can read. A producer now refuses it the
+/// same way, saying how to fix it.
+#[test]
+fn a_producer_refuses_a_token_file_others_can_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let open = env.path("open-token");
+    std::fs::copy(&env.token, &open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let script = r#"
+import sys
+from dmover import Stream
+try:
+    Stream("leaky", [sys.argv[1]], sys.argv[2])
+    raise AssertionError("a token file others can read was accepted")
+except Exception as e:
+    assert "chmod 600" in str(e), e
+print("ok")
+"#;
+    let r = Command::new("python3")
+        .args(["-c", script, &sink.addr(), spill.to_str().unwrap()])
+        .env("DMOVER_TOKEN_FILE", &open)
+        .env_remove("DMOVER_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+}

@@ -34,6 +34,27 @@ impl Credential {
     }
 }
 
+/// Reads a token file (surrounding white space is not part of the token),
+/// refusing one that group or others can read (as ssh refuses such keys)
+/// and one too short to be a token.
+pub fn read_token(f: &std::path::Path) -> Result<Vec<u8>> {
+    use std::os::unix::fs::PermissionsExt;
+    let subject = f.display().to_string();
+    let unreadable = |e: std::io::Error| Error::new(ErrorKind::Usage, &subject, format!("cannot read token file: {e}"));
+    let mode = std::fs::metadata(f).map_err(unreadable)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        let msg = format!("token file can be read by group or others (mode {:o})", mode & 0o777);
+        return Err(Error::new(ErrorKind::Usage, &subject, msg).advised(format!("run `chmod 600 {subject}`")));
+    }
+    let s = std::fs::read(f).map_err(unreadable)?;
+    let t = String::from_utf8_lossy(&s).trim().as_bytes().to_vec();
+    if t.len() < dmover_proto::auth::MIN_TOKEN_LEN {
+        let msg = format!("token is too short ({} bytes; at least {})", t.len(), dmover_proto::auth::MIN_TOKEN_LEN);
+        return Err(Error::new(ErrorKind::Usage, subject, msg).advised("make one with `dmover token FILE`"));
+    }
+    Ok(t)
+}
+
 /// An authenticated connection to a server.
 pub struct Conn {
     pub host: String,

@@ -176,8 +176,7 @@ pub fn token_from_env() -> Result<Vec<u8>> {
         }
     }
     if let Ok(f) = std::env::var("DMOVER_TOKEN_FILE") {
-        let s = std::fs::read(&f).map_err(|e| Error::new(ErrorKind::Usage, &f, format!("cannot read token file: {e}")))?;
-        return Ok(String::from_utf8_lossy(&s).trim().as_bytes().to_vec());
+        return dmover_engine::session::read_token(std::path::Path::new(&f));
     }
     Err(Error::new(ErrorKind::Usage, "", "no token: set DMOVER_TOKEN or DMOVER_TOKEN_FILE"))
 }

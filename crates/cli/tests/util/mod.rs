@@ -353,6 +353,77 @@ pub fn closed_port() -> u16 {
 }
 
 // ---------------------------------------------------------------------------
+// An ssh server
+
+/// A real `sshd` on a loopback port, accepting one key generated for it,
+/// for the current user: what `[user@]host:path` locations need. Stopped
+/// when dropped.
+pub struct Sshd {
+    pub port: u16,
+    key: PathBuf,
+    child: Child,
+}
+
+impl Sshd {
+    /// Starts sshd with its configuration, keys and logs under `dir`.
+    pub fn start(dir: &Path) -> Sshd {
+        fs::create_dir_all(dir).unwrap();
+        // sshd wants its privilege separation directory (made as root).
+        let _ = fs::create_dir_all("/run/sshd");
+        let keygen = |file: &Path| {
+            let st = Command::new("ssh-keygen")
+                .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+                .arg(file)
+                .status()
+                .expect("ssh-keygen (apt install openssh-client)");
+            assert!(st.success(), "ssh-keygen failed");
+        };
+        let (host_key, key) = (dir.join("host_key"), dir.join("client_key"));
+        keygen(&host_key);
+        keygen(&key);
+        fs::copy(dir.join("client_key.pub"), dir.join("authorized_keys")).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let config = dir.join("sshd_config");
+        fs::write(
+            &config,
+            format!(
+                "Port {port}\nListenAddress 127.0.0.1\nHostKey {}\nAuthorizedKeysFile {}\nPidFile {}\nPermitRootLogin prohibit-password\n\
+                 StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nLogLevel ERROR\n",
+                host_key.display(),
+                dir.join("authorized_keys").display(),
+                dir.join("sshd.pid").display()
+            ),
+        )
+        .unwrap();
+        let sshd =
+            ["/usr/sbin/sshd", "/usr/bin/sshd"].into_iter().find(|p| Path::new(p).exists()).expect("sshd (apt install openssh-server)");
+        let mut c = Command::new(sshd);
+        c.arg("-D").arg("-e").arg("-f").arg(&config).stderr(File::create(dir.join("sshd.log")).unwrap());
+        die_with_parent(&mut c);
+        let child = c.spawn().expect("start sshd");
+        let up = wait_until(Duration::from_secs(10), || TcpStream::connect(("127.0.0.1", port)).is_ok());
+        assert!(up, "sshd did not start: {}", fs::read_to_string(dir.join("sshd.log")).unwrap_or_default());
+        Sshd { port, key, child }
+    }
+
+    /// The ssh command for `--ssh`: this server's port and key, no host checks.
+    pub fn ssh(&self) -> String {
+        format!(
+            "ssh -p {} -i {} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR",
+            self.port,
+            self.key.display()
+        )
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------
 // A counting relay
 
 /// A TCP relay on a loopback port: every connection it accepts is forwarded

@@ -1,0 +1,398 @@
+//! Hosts reached over ssh: `[user@]host:path` and
+//! `ssh://[user@]host[:port]/path` locations, with no daemon at the far end.
+//!
+//! The system's `ssh` program starts `dmover remote` on the host (so keys,
+//! agents, `~/.ssh/config`, ProxyJump and site policies all apply), and
+//! hands it a one-time token on its standard input. The remote end listens
+//! on a fresh port of the address the ssh connection reached, says which on
+//! its standard output, and serves the user's own files, with the user's
+//! own permissions: `home` is the home directory, `root` is `/`. From then
+//! on the client talks to it as to any `dmover serve` (every connection
+//! authenticated with the one-time token and encrypted). When the client
+//! ends — or is killed, or the link dies — ssh closes the remote end's
+//! standard input and the remote end exits: no process and no port is left
+//! behind.
+
+use crate::location::Location;
+use clap::Args;
+use dmover_engine::session::Credential;
+use dmover_engine::{Error, Result};
+use dmover_proto::ErrorKind;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The first word of the remote end's ready line.
+const READY: &str = "dmover-remote";
+
+/// Where a host reached over ssh is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SshTarget {
+    pub user: Option<String>,
+    pub host: String,
+    pub port: Option<u16>,
+}
+
+impl SshTarget {
+    /// `user@host` or `host`, as ssh takes it.
+    fn destination(&self) -> String {
+        match &self.user {
+            Some(u) => format!("{u}@{}", self.host),
+            None => self.host.clone(),
+        }
+    }
+}
+
+fn bad(s: &str, why: &str) -> Error {
+    Error::new(ErrorKind::Usage, s, format!("malformed ssh location: {why} (expected [user@]host:path or ssh://[user@]host[:port]/path)"))
+}
+
+/// `[user@]host[:port]` (an IPv6 address in brackets); a port only where
+/// `with_port`.
+fn parse_authority(s: &str, a: &str, with_port: bool) -> Result<SshTarget> {
+    let (user, hostport) = match a.rsplit_once('@') {
+        Some((u, h)) if !u.is_empty() => (Some(u.to_string()), h),
+        Some(_) => return Err(bad(s, "empty user")),
+        None => (None, a),
+    };
+    let (host, port) = match hostport.strip_prefix('[') {
+        Some(v6) => {
+            let (host, after) = v6.split_once(']').ok_or_else(|| bad(s, "unclosed '['"))?;
+            (host, after.strip_prefix(':'))
+        }
+        None if with_port => match hostport.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (hostport, None),
+        },
+        None => (hostport, None),
+    };
+    if host.is_empty()
+        || host.starts_with('-')
+        || host.contains(['/', ' ', '@'])
+        || (!with_port && host.contains(':') && !hostport.starts_with('['))
+    {
+        return Err(bad(s, &format!("bad host '{host}'")));
+    }
+    let port = match port {
+        Some(p) if with_port => Some(p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| bad(s, &format!("bad port '{p}'")))?),
+        Some(_) => return Err(bad(s, "a port goes in the ssh:// form")),
+        None => None,
+    };
+    Ok(SshTarget { user, host: host.to_string(), port })
+}
+
+/// The path as the remote end exports it: `home/...` for a path relative
+/// to the home directory, `root/...` for an absolute one.
+fn export_path(s: &str, path: &str) -> Result<String> {
+    let exported = match path.strip_prefix('/') {
+        Some(abs) => format!("root/{abs}"),
+        None if path.is_empty() => "home/".to_string(),
+        None => format!("home/{path}"),
+    };
+    let body = exported.trim_end_matches('/');
+    dmover_proto::path::check_relative(body).map_err(|e| bad(s, &e.to_string()))?;
+    Ok(exported)
+}
+
+/// Parses an ssh location, or None if `s` is not one. As in rsync, a
+/// colon before any slash makes a location remote; a local path with such
+/// a colon is written `./a:b`.
+pub fn parse(s: &str) -> Result<Option<(SshTarget, String)>> {
+    if let Some(rest) = s.strip_prefix("ssh://") {
+        let (authority, path) = rest.split_once('/').ok_or_else(|| bad(s, "no path"))?;
+        let target = parse_authority(s, authority, true)?;
+        // ssh://host/~/dir is relative to the home directory, ssh://host/dir absolute.
+        let path = match path.strip_prefix('~') {
+            Some(home) => home.trim_start_matches('/').to_string(),
+            None => format!("/{path}"),
+        };
+        return Ok(Some((target, export_path(s, &path)?)));
+    }
+    if s.contains("://") {
+        return Ok(None);
+    }
+    let colon = if s.starts_with('[') { s.find("]:").map(|i| i + 1) } else { s.find(':') };
+    let Some(colon) = colon.filter(|&c| !s[..c].contains('/')) else { return Ok(None) };
+    Ok(Some((parse_authority(s, &s[..colon], false)?, export_path(s, &s[colon + 1..])?)))
+}
+
+/// How to reach hosts over ssh, as rsync's `-e` and `--rsync-path`.
+#[derive(Args, Debug, Clone)]
+pub struct SshOptions {
+    /// The ssh command for [user@]host:path locations, with its options
+    /// (e.g. 'ssh -p 2222 -i key'), split as a shell splits words.
+    #[arg(long, value_name = "COMMAND", default_value = "ssh", env = "DMOVER_SSH")]
+    pub ssh: String,
+    /// The dmover to run on a host reached over ssh.
+    #[arg(long, value_name = "PATH", default_value = "dmover")]
+    pub remote_dmover: String,
+}
+
+/// A remote end started over ssh; it exits when this is dropped.
+pub struct Endpoint {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    /// `ip:port` the remote end listens on.
+    pub addr: String,
+    pub cred: Credential,
+}
+
+/// How long the remote end has to say it is ready (ssh may ask for a
+/// password or a passphrase on the terminal first).
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl Endpoint {
+    /// Starts `dmover remote` on `t` over ssh.
+    pub fn start(t: &SshTarget, o: &SshOptions) -> Result<Endpoint> {
+        let host = t.destination();
+        let usage = |m: String| Error::new(ErrorKind::Usage, "--ssh", m);
+        let mut argv =
+            shlex::split(&o.ssh).filter(|a| !a.is_empty()).ok_or_else(|| usage(format!("cannot split '{}' into words", o.ssh)))?;
+        if let Some(p) = t.port {
+            argv.extend(["-p".to_string(), p.to_string()]);
+        }
+        let remote = shlex::try_quote(&o.remote_dmover).map_err(|e| Error::new(ErrorKind::Usage, "--remote-dmover", e.to_string()))?;
+        argv.extend(["--".to_string(), host.clone(), format!("{remote} remote")]);
+        let mut child = Command::new(&argv[0])
+            .args(&argv[1..])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| usage(format!("cannot run '{}': {e}", argv[0])))?;
+        let said = forward_stderr(child.stderr.take().expect("piped stderr"), host.clone());
+        let token: [u8; 32] = dmover_engine::handshake::random();
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        // A remote end that never starts has closed its input: its error is on stderr.
+        let _ = writeln!(stdin, "{}", hex::encode(token));
+        let _ = stdin.flush();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().expect("piped stdout");
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(READY_TIMEOUT).unwrap_or_default();
+        let mut endpoint = Endpoint { child, stdin: Some(stdin), addr: String::new(), cred: Credential::token(&token) };
+        endpoint.addr = match ready_addr(&line) {
+            Ok(addr) => addr,
+            Err(why) => return Err(endpoint.failed(&host, o, &said, why)),
+        };
+        said.lock().expect("stderr lock").forward = true;
+        Ok(endpoint)
+    }
+
+    /// Why the remote end did not start: ssh's own message, or what to do
+    /// about a dmover that is missing or of another version.
+    fn failed(&mut self, host: &str, o: &SshOptions, said: &Mutex<Said>, why: String) -> Error {
+        drop(self.stdin.take());
+        let status = wait_for(&mut self.child, Duration::from_secs(5));
+        // Give the stderr reader a moment to take the last words.
+        std::thread::sleep(Duration::from_millis(100));
+        let text = said.lock().expect("stderr lock").text.trim().to_string();
+        let missing = status == Some(127) || text.contains("command not found") || text.contains("No such file");
+        if missing {
+            let msg = format!("dmover is not on {host} (tried '{}'){}", o.remote_dmover, quoted(&text));
+            return Error::new(ErrorKind::Usage, host, msg).advised("install dmover there, or give its path with --remote-dmover PATH");
+        }
+        if status == Some(255) || (status.is_some() && why.is_empty()) {
+            let msg = format!("ssh failed (exit {}){}", status.unwrap_or(-1), quoted(&text));
+            return Error::new(ErrorKind::Unreachable, host, msg)
+                .advised("check that `ssh HOST` works from this shell, or give the command with --ssh");
+        }
+        Error::new(ErrorKind::Unreachable, host, format!("the remote dmover did not start: {why}{}", quoted(&text)))
+    }
+}
+
+impl Drop for Endpoint {
+    /// Closes the remote end's input (it exits, letting running transfers
+    /// end for a moment), then makes sure ssh is gone.
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if wait_for(&mut self.child, Duration::from_secs(5)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn quoted(text: &str) -> String {
+    if text.is_empty() {
+        String::new()
+    } else {
+        format!(": {text}")
+    }
+}
+
+/// The address in the remote end's ready line, or why there is none.
+fn ready_addr(line: &str) -> std::result::Result<String, String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    match words.as_slice() {
+        [READY, version, ip, port] => {
+            let ours = dmover_proto::frame::MAGIC[7].to_string();
+            if *version != ours {
+                return Err(format!(
+                    "it speaks protocol version {version}, this dmover speaks {ours}: install the same release at both ends"
+                ));
+            }
+            let ip: std::net::IpAddr = ip.parse().map_err(|_| format!("bad address '{ip}' in its answer"))?;
+            let port: u16 = port.parse().map_err(|_| format!("bad port '{port}' in its answer"))?;
+            Ok(std::net::SocketAddr::new(ip, port).to_string())
+        }
+        [] => Err(String::new()),
+        _ => Err(format!("unexpected answer '{}'", line.trim())),
+    }
+}
+
+/// The exit code of `child` once it has exited, waiting up to `limit`.
+fn wait_for(child: &mut Child, limit: Duration) -> Option<i32> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(s)) => return Some(s.code().unwrap_or(-1)),
+            Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => return None,
+        }
+    }
+}
+
+/// What ssh and the remote end write on stderr.
+#[derive(Default)]
+struct Said {
+    /// Everything before the remote end was ready, for error messages.
+    text: String,
+    /// Once ready, lines are passed on to our stderr as they come.
+    forward: bool,
+}
+
+fn forward_stderr(err: impl Read + Send + 'static, host: String) -> Arc<Mutex<Said>> {
+    let said = Arc::new(Mutex::new(Said::default()));
+    let keep = said.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(std::io::Result::ok) {
+            let mut s = keep.lock().expect("stderr lock");
+            if s.forward {
+                eprintln!("{host}: {}", dmover_proto::path::printable(&line));
+            } else if s.text.len() < 4096 {
+                s.text.push_str(&line);
+                s.text.push('\n');
+            }
+        }
+    });
+    said
+}
+
+/// `dmover remote`: the far end of an ssh location. Reads the one-time
+/// token from its standard input, listens on a fresh port of the address
+/// the ssh connection reached, says which on its standard output, serves
+/// `home` (the home directory) and `root` (`/`) to holders of the token,
+/// and exits once its standard input ends.
+pub fn remote() -> Result<i32> {
+    let usage = |m: &str| Error::new(ErrorKind::Usage, "remote", m.to_string());
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).map_err(|e| Error::io("stdin", &e))?;
+    let token = hex::decode(line.trim())
+        .ok()
+        .filter(|t| t.len() == 32)
+        .ok_or_else(|| usage("expected a token on stdin (dmover remote is started by dmover cp over ssh)"))?;
+    let home = std::env::var("HOME").map_err(|_| usage("HOME is not set"))?;
+    let mut exports = std::collections::HashMap::new();
+    for (name, dir) in [("home", home.as_str()), ("root", "/")] {
+        let store = dmover_engine::storage::export(name, std::path::Path::new(dir)).map_err(|e| Error::io(dir, &e))?;
+        exports.insert(name.to_string(), store);
+    }
+    // SSH_CONNECTION is "client-ip client-port server-ip server-port": listen
+    // where the client reached this host.
+    let ip = std::env::var("SSH_CONNECTION").ok().and_then(|c| c.split_whitespace().nth(2).and_then(|ip| ip.parse().ok()));
+    let ip: std::net::IpAddr = ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+    let listener = crate::serve::bind(&std::net::SocketAddr::new(ip, 0).to_string())?;
+    let port = listener.local_addr().map_err(|e| Error::io("listener", &e))?.port();
+    let cfg = dmover_server::Config {
+        exports,
+        token,
+        max_connections: 256,
+        idle_timeout: Duration::from_secs(120),
+        grace: Duration::from_secs(2),
+        staging: 64 << 20,
+        writers: 2,
+        sink: None,
+    };
+    let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
+    outln!("{READY} {} {ip} {port}", dmover_proto::frame::MAGIC[7]);
+    // The client's end of ssh going away closes our input: time to go.
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        shutdown.trigger();
+    });
+    dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
+    Ok(0)
+}
+
+/// Replaces each ssh location in `locations` with the remote end started
+/// for it, and returns the endpoints (to keep alive while they are used).
+/// All ssh locations must name one host (one remote end serves them all).
+pub fn resolve(locations: &mut [Location], o: &SshOptions) -> Result<Option<Endpoint>> {
+    let mut target: Option<SshTarget> = None;
+    for l in locations.iter() {
+        if let Location::Ssh { target: t, .. } = l {
+            match &target {
+                None => target = Some(t.clone()),
+                Some(first) if first == t => {}
+                Some(first) => {
+                    let msg = format!("one command reaches one host over ssh; here {} and {}", first.destination(), t.destination());
+                    return Err(Error::new(ErrorKind::Usage, &t.host, msg).advised("copy to or from each host in its own command"));
+                }
+            }
+        }
+    }
+    let Some(target) = target else { return Ok(None) };
+    let endpoint = Endpoint::start(&target, o)?;
+    for l in locations.iter_mut() {
+        if let Location::Ssh { path, .. } = l {
+            *l = Location::Remote { hosts: vec![endpoint.addr.clone()], path: std::mem::take(path) };
+        }
+    }
+    Ok(Some(endpoint))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(user: Option<&str>, host: &str, port: Option<u16>) -> SshTarget {
+        SshTarget { user: user.map(String::from), host: host.into(), port }
+    }
+
+    #[test]
+    fn parses_scp_and_url_forms() {
+        let cases = [
+            ("host:data/x", t(None, "host", None), "home/data/x"),
+            ("me@host:/scratch/x/", t(Some("me"), "host", None), "root/scratch/x/"),
+            ("host:", t(None, "host", None), "home/"),
+            ("[::1]:/tmp", t(None, "::1", None), "root/tmp"),
+            ("ssh://me@host:2222/scratch/x", t(Some("me"), "host", Some(2222)), "root/scratch/x"),
+            ("ssh://host/~/data", t(None, "host", None), "home/data"),
+            ("ssh://[::1]:22/tmp", t(None, "::1", Some(22)), "root/tmp"),
+        ];
+        for (s, target, path) in cases {
+            assert_eq!(parse(s).unwrap(), Some((target, path.to_string())), "{s}");
+        }
+        for local in ["./a:b", "/tmp/a:b", "dir/x:y", "plain", "dmover://h/e"] {
+            assert_eq!(parse(local).unwrap(), None, "{local}");
+        }
+        for bad in ["@host:x", ":x", "-oProxyCommand=x:y", "host:../x", "ssh://host", "ssh://host:0/x", "ssh://h:x/y"] {
+            assert_eq!(parse(bad).unwrap_err().kind, ErrorKind::Usage, "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_ready_line_names_an_address_of_this_protocol_version() {
+        let v = dmover_proto::frame::MAGIC[7];
+        assert_eq!(ready_addr(&format!("dmover-remote {v} 10.0.0.5 4711\n")).unwrap(), "10.0.0.5:4711");
+        assert_eq!(ready_addr(&format!("dmover-remote {v} ::1 4711")).unwrap(), "[::1]:4711");
+        assert!(ready_addr("dmover-remote 1 10.0.0.5 4711").unwrap_err().contains("protocol version 1"));
+        assert!(ready_addr("Welcome to host!").unwrap_err().contains("unexpected answer"));
+    }
+}

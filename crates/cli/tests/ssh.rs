@@ -1,0 +1,118 @@
+//! Hosts reached over ssh, with no daemon at the far end: a real `sshd` on
+//! loopback starts `dmover remote` for each command. Copies both ways and
+//! listings arrive intact; the remote end is gone when the command ends,
+//! even when the client is killed, and a re-run resumes; a missing remote
+//! dmover and a failing ssh say what to do.
+
+mod util;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use util::*;
+
+/// An environment with an sshd, and a per-test name for the remote dmover
+/// (a link to the binary), to find its processes.
+struct Remote {
+    env: Env,
+    sshd: Sshd,
+    dmover: PathBuf,
+}
+
+impl Remote {
+    fn new() -> Remote {
+        let env = Env::new();
+        let sshd = Sshd::start(&env.path("sshd"));
+        let dmover = env.path(&format!("bin/dmover-remote-{}", unique()));
+        std::fs::create_dir_all(dmover.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(BIN, &dmover).unwrap();
+        Remote { env, sshd, dmover }
+    }
+
+    /// `dmover cp ARGS` reaching 127.0.0.1 over this sshd.
+    fn cp<S: AsRef<std::ffi::OsStr>>(&self, args: impl IntoIterator<Item = S>) -> Cmd {
+        let mut c = dmover(["cp", "--json", "-q", "--ssh", &self.sshd.ssh(), "--remote-dmover", self.dmover.to_str().unwrap()]);
+        c.args(args);
+        c
+    }
+
+    /// `127.0.0.1:PATH`
+    fn at(&self, p: &Path) -> String {
+        format!("127.0.0.1:{}", p.display())
+    }
+
+    /// The remote dmover processes still running.
+    fn remotes(&self) -> usize {
+        let out = std::process::Command::new("pgrep").arg("-f").arg(format!("^{} remote", self.dmover.display())).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    }
+}
+
+#[test]
+fn copies_both_ways_and_lists_over_ssh_with_no_daemon() {
+    let r = Remote::new();
+    let src = r.env.path("src");
+    make_tree(&src, 21, 30);
+    let far = r.env.mkdir("far");
+    let up = r.cp([src.display().to_string(), format!("{}/", r.at(&far))]).run();
+    up.assert_ok();
+    assert_same_tree(&src, &far.join("src"));
+
+    let back = r.env.mkdir("back");
+    r.cp([r.at(&far.join("src")), back.display().to_string()]).run().assert_ok();
+    assert_same_tree(&src, &back.join("src"));
+
+    let mut ls = dmover(["ls", "--ssh", &r.sshd.ssh(), "--remote-dmover", r.dmover.to_str().unwrap()]);
+    ls.arg(format!("127.0.0.1:{}/src", far.display()));
+    let l = ls.run();
+    assert_eq!(l.code, 0, "{}", l.stderr);
+    assert_eq!(l.stdout.lines().filter(|x| x.starts_with('-')).count(), list_files(&src).len(), "{}", l.stdout);
+    assert!(wait_until(Duration::from_secs(10), || r.remotes() == 0), "a remote dmover outlived its command");
+}
+
+#[test]
+fn a_killed_client_leaves_nothing_behind_and_the_rerun_resumes() {
+    let r = Remote::new();
+    let src = r.env.path("big");
+    std::fs::create_dir_all(&src).unwrap();
+    write_random(&src.join("data.bin"), 24 << 20, 7);
+    let far = r.env.mkdir("far");
+    let args = || [src.display().to_string(), format!("{}/", r.at(&far)), "--bwlimit".into(), "3M".into(), "-p".into(), "2".into()];
+    let p = r.cp(args()).spawn();
+    let dest = far.join("big");
+    assert!(wait_until(Duration::from_secs(60), || written_bytes(&far) + partial_bytes(&dest) >= 4 << 20), "the upload did not start");
+    assert_eq!(r.remotes(), 1, "one remote end per command");
+    p.kill9();
+    // ssh goes with the client; the remote end sees its input close.
+    assert!(wait_until(Duration::from_secs(15), || r.remotes() == 0), "the remote dmover outlived a client killed with -9");
+    let rerun = r.cp(args().into_iter().take(2)).run();
+    rerun.assert_ok();
+    assert_same_tree(&src, &dest);
+    let sent = u(&rerun.json()["sent_bytes"]);
+    assert!(sent < 24 << 20, "the re-run sent {sent} bytes: it did not resume");
+}
+
+/// Bytes in the partial files under `dir` (those a killed copy leaves).
+fn partial_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir.join(".dmover-partial")) else { return 0 };
+    rd.flatten().filter_map(|e| e.metadata().ok()).map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512).sum()
+}
+
+#[test]
+fn a_missing_remote_dmover_and_a_failing_ssh_say_what_to_do() {
+    let r = Remote::new();
+    let src = r.env.path("src");
+    make_tree(&src, 3, 2);
+    let far = r.env.mkdir("far");
+    let mut c = dmover(["cp", "-q", "--ssh", &r.sshd.ssh(), "--remote-dmover", "/nowhere/dmover"]);
+    c.arg(src.display().to_string()).arg(r.at(&far));
+    c.run().assert_fails(2, &["dmover is not on 127.0.0.1 (tried '/nowhere/dmover')", "--remote-dmover PATH"]);
+
+    let mut c =
+        dmover(["cp", "-q", "--ssh", &format!("ssh -p {} -o BatchMode=yes", closed_port()), "--remote-dmover", r.dmover.to_str().unwrap()]);
+    c.arg(src.display().to_string()).arg(r.at(&far));
+    c.run().assert_fails(6, &["ssh failed", "Connection refused"]);
+
+    let mut c = dmover(["cp", "-q", "--ssh", "no-such-ssh-program"]);
+    c.arg(src.display().to_string()).arg(r.at(&far));
+    c.run().assert_fails(2, &["cannot run 'no-such-ssh-program'"]);
+}
