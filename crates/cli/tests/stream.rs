@@ -1126,7 +1126,7 @@ fn a_producer_refuses_a_token_file_others_can_read() {
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
     let script = r#"
 import sys
-from dmover import Stream
+from dmover_stream import Stream
 try:
     Stream("leaky", [sys.argv[1]], sys.argv[2])
     raise AssertionError("a token file others can read was accepted")
