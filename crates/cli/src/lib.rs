@@ -82,7 +82,7 @@ enum Cmd {
     Agent(job::AgentArgs),
     /// The far end of a [user@]host:path location (started by dmover over ssh).
     #[command(hide = true)]
-    Remote,
+    Remote(ssh::RemoteArgs),
 }
 
 /// Options shared by commands that talk to servers.
@@ -147,7 +147,7 @@ pub fn main() -> ! {
         Cmd::Run(a) => job::run(a),
         Cmd::Status(a) => job::status(a),
         Cmd::Agent(a) => job::agent(a),
-        Cmd::Remote => ssh::remote(),
+        Cmd::Remote(a) => ssh::remote(a),
     };
     match r {
         Ok(code) => std::process::exit(code),

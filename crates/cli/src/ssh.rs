@@ -8,14 +8,18 @@
 //! its standard output, and serves the user's own files, with the user's
 //! own permissions: `home` is the home directory, `root` is `/`. From then
 //! on the client talks to it as to any `dmover serve` (every connection
-//! authenticated with the one-time token and encrypted). When the client
-//! ends — or is killed, or the link dies — ssh closes the remote end's
-//! standard input and the remote end exits: no process and no port is left
-//! behind.
+//! authenticated with the one-time token and encrypted). When that port
+//! cannot be reached (a firewall lets only ssh through), or with
+//! `--via-ssh`, every connection is carried by an ssh of its own instead,
+//! running `dmover remote --relay` to join the remote end's port from the
+//! inside. When the client ends — or is killed, or the link dies — ssh
+//! closes the remote end's standard input and the remote end exits: no
+//! process and no port is left behind.
 
 use crate::location::Location;
 use clap::Args;
-use dmover_engine::session::Credential;
+use dmover_engine::session::{Credential, Dialer};
+use dmover_engine::transport::{Piped, Transport};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -127,7 +131,51 @@ pub struct SshOptions {
     /// The dmover to run on a host reached over ssh.
     #[arg(long, value_name = "PATH", default_value = "dmover")]
     pub remote_dmover: String,
+    /// Carry every connection to a host reached over ssh inside ssh, not
+    /// straight to its port (dmover does so by itself when the port cannot
+    /// be reached).
+    #[arg(long)]
+    pub via_ssh: bool,
 }
+
+impl SshOptions {
+    /// The ssh command line that runs `command` on `t`.
+    fn command(&self, t: &SshTarget, command: &str) -> Result<Command> {
+        let usage = |m: String| Error::new(ErrorKind::Usage, "--ssh", m);
+        let argv =
+            shlex::split(&self.ssh).filter(|a| !a.is_empty()).ok_or_else(|| usage(format!("cannot split '{}' into words", self.ssh)))?;
+        let remote = shlex::try_quote(&self.remote_dmover).map_err(|e| Error::new(ErrorKind::Usage, "--remote-dmover", e.to_string()))?;
+        let mut c = Command::new(&argv[0]);
+        c.args(&argv[1..]);
+        if let Some(p) = t.port {
+            c.args(["-p".to_string(), p.to_string()]);
+        }
+        c.args(["--".to_string(), t.destination(), format!("{remote} remote{command}")]);
+        c.stdin(Stdio::piped()).stdout(Stdio::piped());
+        Ok(c)
+    }
+}
+
+/// Reaches the remote end's port from the inside: each connection is an
+/// ssh running `dmover remote --relay ADDR` on the host.
+struct OverSsh {
+    target: SshTarget,
+    options: SshOptions,
+    /// The remote end's address, as the host sees it.
+    addr: String,
+}
+
+impl Dialer for OverSsh {
+    fn dial(&self, _host: &str) -> std::io::Result<Box<dyn Transport>> {
+        let mut c = self.options.command(&self.target, &format!(" --relay {}", self.addr)).map_err(std::io::Error::other)?;
+        let child = c.stderr(Stdio::inherit()).spawn()?;
+        Ok(Box::new(Piped::new(child, format!("{} (over ssh)", self.target.destination()))?))
+    }
+}
+
+/// How long a direct connection to the remote end may take before dmover
+/// carries the connections over ssh instead.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// A remote end started over ssh; it exits when this is dropped.
 pub struct Endpoint {
@@ -146,21 +194,11 @@ impl Endpoint {
     /// Starts `dmover remote` on `t` over ssh.
     pub fn start(t: &SshTarget, o: &SshOptions) -> Result<Endpoint> {
         let host = t.destination();
-        let usage = |m: String| Error::new(ErrorKind::Usage, "--ssh", m);
-        let mut argv =
-            shlex::split(&o.ssh).filter(|a| !a.is_empty()).ok_or_else(|| usage(format!("cannot split '{}' into words", o.ssh)))?;
-        if let Some(p) = t.port {
-            argv.extend(["-p".to_string(), p.to_string()]);
-        }
-        let remote = shlex::try_quote(&o.remote_dmover).map_err(|e| Error::new(ErrorKind::Usage, "--remote-dmover", e.to_string()))?;
-        argv.extend(["--".to_string(), host.clone(), format!("{remote} remote")]);
-        let mut child = Command::new(&argv[0])
-            .args(&argv[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| usage(format!("cannot run '{}': {e}", argv[0])))?;
+        let mut c = o.command(t, "")?;
+        let mut child = c.stderr(Stdio::piped()).spawn().map_err(|e| {
+            let program = c.get_program().to_string_lossy().into_owned();
+            Error::new(ErrorKind::Usage, "--ssh", format!("cannot run '{program}': {e}"))
+        })?;
         let said = forward_stderr(child.stderr.take().expect("piped stderr"), host.clone());
         let token: [u8; 32] = dmover_engine::handshake::random();
         let mut stdin = child.stdin.take().expect("piped stdin");
@@ -181,6 +219,19 @@ impl Endpoint {
             Err(why) => return Err(endpoint.failed(&host, o, &said, why)),
         };
         said.lock().expect("stderr lock").forward = true;
+        let direct = match o.via_ssh {
+            true => Err("--via-ssh".to_string()),
+            false => endpoint.addr.parse().map_err(|e| format!("{e}")).and_then(|a| {
+                std::net::TcpStream::connect_timeout(&a, PROBE_TIMEOUT)
+                    .map(drop)
+                    .map_err(|e| format!("port {} cannot be reached directly: {e}", a.port()))
+            }),
+        };
+        if let Err(why) = direct {
+            eprintln!("dmover: {host}: {why}; every connection goes over ssh");
+            let addr = endpoint.addr.clone();
+            endpoint.cred.via = Some(Arc::new(OverSsh { target: t.clone(), options: o.clone(), addr }));
+        }
         Ok(endpoint)
     }
 
@@ -289,7 +340,10 @@ fn forward_stderr(err: impl Read + Send + 'static, host: String) -> Arc<Mutex<Sa
 /// the ssh connection reached, says which on its standard output, serves
 /// `home` (the home directory) and `root` (`/`) to holders of the token,
 /// and exits once its standard input ends.
-pub fn remote() -> Result<i32> {
+pub fn remote(a: RemoteArgs) -> Result<i32> {
+    if let Some(addr) = a.relay {
+        return relay(&addr);
+    }
     let usage = |m: &str| Error::new(ErrorKind::Usage, "remote", m.to_string());
     let mut line = String::new();
     std::io::stdin().read_line(&mut line).map_err(|e| Error::io("stdin", &e))?;
@@ -328,6 +382,54 @@ pub fn remote() -> Result<i32> {
     });
     dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
     Ok(0)
+}
+
+/// The remote end's options.
+#[derive(Args)]
+pub struct RemoteArgs {
+    /// Join the remote end listening at ADDR on this host: standard input
+    /// to it, it to standard output (a connection carried by ssh).
+    #[arg(long, value_name = "ADDR")]
+    pub relay: Option<String>,
+}
+
+/// Carries one connection between standard input and output and the
+/// remote end at `addr`, until either side ends.
+fn relay(addr: &str) -> Result<i32> {
+    let s = std::net::TcpStream::connect(addr).map_err(|e| Error::network(addr, &e))?;
+    let _ = s.set_nodelay(true);
+    let mut to = s.try_clone().map_err(|e| Error::network(addr, &e))?;
+    // The standard streams as plain files: Rust's stdout holds bytes back
+    // until a newline, which a byte stream may never send.
+    use std::os::fd::AsFd;
+    let unbuffered = |fd: std::os::fd::BorrowedFd| fd.try_clone_to_owned().map(std::fs::File::from).map_err(|e| Error::io("stdio", &e));
+    let (mut input, mut output) = (unbuffered(std::io::stdin().as_fd())?, unbuffered(std::io::stdout().as_fd())?);
+    std::thread::spawn(move || {
+        pump(&mut input, &mut to);
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
+    let mut from = s;
+    pump(&mut from, &mut output);
+    Ok(0)
+}
+
+/// Copies `from` to `to` until the end of `from` or an error, with plain
+/// reads and writes: `std::io::copy`, which may use splice(2) between a
+/// socket and a pipe, ended the relay at once.
+fn pump(from: &mut impl Read, to: &mut impl Write) {
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// Replaces each ssh location in `locations` with the remote end started

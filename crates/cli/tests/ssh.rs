@@ -116,3 +116,23 @@ fn a_missing_remote_dmover_and_a_failing_ssh_say_what_to_do() {
     c.arg(src.display().to_string()).arg(r.at(&far));
     c.run().assert_fails(2, &["cannot run 'no-such-ssh-program'"]);
 }
+
+/// With `--via-ssh` (what dmover falls back to by itself when a firewall
+/// hides the remote end's port) every connection is an ssh of its own,
+/// relayed to the remote end from the inside: copies both ways still
+/// arrive whole, and no relay or remote end is left behind.
+#[test]
+fn via_ssh_every_connection_goes_inside_ssh_and_the_copy_arrives() {
+    let r = Remote::new();
+    let src = r.env.path("src");
+    make_tree(&src, 5, 40);
+    let far = r.env.mkdir("far");
+    let up = r.cp([src.display().to_string(), format!("{}/", r.at(&far)), "--via-ssh".into(), "-p".into(), "3".into()]).run();
+    up.assert_ok();
+    assert!(up.stderr.contains("every connection goes over ssh"), "{}", up.stderr);
+    assert_same_tree(&src, &far.join("src"));
+    let back = r.env.mkdir("back");
+    r.cp([r.at(&far.join("src")), back.display().to_string(), "--via-ssh".into()]).run().assert_ok();
+    assert_same_tree(&src, &back.join("src"));
+    assert!(wait_until(Duration::from_secs(10), || r.remotes() == 0), "a relay or remote end outlived its command");
+}

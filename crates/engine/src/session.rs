@@ -21,16 +21,26 @@ use std::time::Duration;
 /// How long a server may take to answer during setup.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A secret to authenticate with: the server's token, or a ticket it issued.
+/// How a client reaches a server's port when it cannot connect to it
+/// directly (a host reached over ssh whose port a firewall hides).
+pub trait Dialer: Send + Sync {
+    /// A new byte stream to the server at `host`.
+    fn dial(&self, host: &str) -> std::io::Result<Box<dyn Transport>>;
+}
+
+/// How to reach a server and prove who we are: the secret (the server's
+/// token, or a ticket it issued) and, unless TCP, the way to its port.
 #[derive(Clone)]
 pub struct Credential {
     pub key_id: KeyId,
     pub secret: Vec<u8>,
+    /// None: a TCP connection to the host's address.
+    pub via: Option<Arc<dyn Dialer>>,
 }
 
 impl Credential {
     pub fn token(token: &[u8]) -> Credential {
-        Credential { key_id: TOKEN_KEY_ID, secret: token.to_vec() }
+        Credential { key_id: TOKEN_KEY_ID, secret: token.to_vec(), via: None }
     }
 }
 
@@ -84,9 +94,11 @@ impl Conn {
     }
 
     fn connect(host: &str, cred: &Credential, socket: &SocketOptions, setup: Duration) -> Result<Conn> {
-        let t = connect_tcp(host).map_err(|e| Error::network(host, &e))?;
+        let t: Box<dyn Transport> = match &cred.via {
+            Some(d) => d.dial(host).map_err(|e| Error::network(host, &e))?,
+            None => Box::new(connect_tcp(host).map_err(|e| Error::network(host, &e))?),
+        };
         t.set_options(socket).map_err(|e| Error::new(ErrorKind::Usage, host, e.to_string()))?;
-        let t: Box<dyn Transport> = Box::new(t);
         t.set_read_timeout(Some(setup)).map_err(|e| Error::network(host, &e))?;
         let a = handshake::client(t, cred.key_id, &cred.secret, socket.protection).map_err(|e| Error { subject: host.to_string(), ..e })?;
         Ok(Conn {

@@ -675,7 +675,7 @@ fn push(
 ) -> Result<Stats> {
     let creds: Vec<(String, Credential)> = hosts
         .iter()
-        .map(|h| (h.addr.clone(), Credential { key_id: h.key_id, secret: skey.wrap(&h.key_id, &h.wrapped_secret).to_vec() }))
+        .map(|h| (h.addr.clone(), Credential { key_id: h.key_id, secret: skey.wrap(&h.key_id, &h.wrapped_secret).to_vec(), via: None }))
         .collect();
     let progress = Arc::new(Progress::default());
     let streams = (params.streams as usize).clamp(1, 64);

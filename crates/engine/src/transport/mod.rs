@@ -14,6 +14,7 @@
 //!   ─────────────────────────────────────────
 //!   one byte stream: TcpStream (the network)
 //!                    or UnixStream (a socket pair: two engines in one process)
+//!                    or Piped (a program that carries it, such as ssh)
 //! ```
 //!
 //! At the bottom is exactly one byte stream: TCP between hosts, or one end
@@ -37,7 +38,9 @@ use dmover_proto::frame::TransferOptions;
 use dmover_proto::record::Protection;
 use rustix::net::sockopt;
 
+mod piped;
 mod sealed;
+pub use piped::Piped;
 pub use sealed::Sealed;
 
 /// A byte stream between two dmover endpoints.
