@@ -136,3 +136,51 @@ fn via_ssh_every_connection_goes_inside_ssh_and_the_copy_arrives() {
     assert_same_tree(&src, &back.join("src"));
     assert!(wait_until(Duration::from_secs(10), || r.remotes() == 0), "a relay or remote end outlived its command");
 }
+
+/// A host behind an emulated WAN link whose firewall lets only ssh in (an
+/// nftables rule in its namespace drops every other TCP port): the remote
+/// end's port cannot be reached, so dmover says so and carries every
+/// connection inside ssh by itself; the copy arrives, and afterwards no
+/// dmover process and no listening socket of dmover remain on the host.
+#[test]
+fn behind_a_firewall_that_lets_only_ssh_through_dmover_falls_back_to_ssh() {
+    if !dmover_testkit::wan_link_possible() {
+        return;
+    }
+    const NS_A: &str = "dmsshA";
+    const NS_B: &str = "dmsshB";
+    let link = dmover_testkit::Link::up(dmover_testkit::LinkSpec {
+        ns_a: NS_A,
+        ns_b: NS_B,
+        subnet: 17,
+        delay_ms: 5.0,
+        rate_mbit: 200.0,
+        timeout_s: 300,
+    });
+    let env = Env::new();
+    let sshd = Sshd::start_in(&env.path("sshd"), Some(NS_B), &link.ip_b(), 22);
+    let rule = format!("table inet dmover_test {{\n chain input {{\n  type filter hook input priority 0;\n  iifname \"{NS_B}-tun\" tcp dport != 22 drop\n }}\n}}\n");
+    let st = in_netns(Some(NS_B), "nft").args(["-f", "-"]).stdin(std::process::Stdio::piped()).spawn().and_then(|mut c| {
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(rule.as_bytes())?;
+        c.wait()
+    });
+    assert!(st.is_ok_and(|s| s.success()), "nft could not load the firewall rule (apt install nftables)");
+
+    let src = env.path("src");
+    make_tree(&src, 9, 20);
+    let far = env.mkdir("far");
+    let mut c = dmover(["cp", "--json", "-q", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
+    c.prefix(["ip", "netns", "exec", NS_A]);
+    c.arg(src.display().to_string()).arg(format!("{}:{}/", link.ip_b(), far.display()));
+    let r = c.run();
+    r.assert_ok();
+    assert!(r.stderr.contains("cannot be reached directly") && r.stderr.contains("every connection goes over ssh"), "{}", r.stderr);
+    assert_same_tree(&src, &far.join("src"));
+    let left = || {
+        let out = in_netns(Some(NS_B), "ss").args(["-Hltnp"]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("dmover")).map(String::from).collect::<Vec<_>>()
+    };
+    assert!(wait_until(Duration::from_secs(10), || left().is_empty()), "dmover still listens on the host: {:?}", left());
+    drop(sshd);
+}

@@ -365,8 +365,16 @@ pub struct Sshd {
 }
 
 impl Sshd {
-    /// Starts sshd with its configuration, keys and logs under `dir`.
+    /// Starts sshd on a free loopback port, with its configuration, keys
+    /// and logs under `dir`.
     pub fn start(dir: &Path) -> Sshd {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        Sshd::start_in(dir, None, "127.0.0.1", port)
+    }
+
+    /// Starts sshd listening on `ip:port`, in the network namespace `ns`
+    /// if given.
+    pub fn start_in(dir: &Path, ns: Option<&str>, ip: &str, port: u16) -> Sshd {
         fs::create_dir_all(dir).unwrap();
         // sshd wants its privilege separation directory (made as root).
         let _ = fs::create_dir_all("/run/sshd");
@@ -382,12 +390,11 @@ impl Sshd {
         keygen(&host_key);
         keygen(&key);
         fs::copy(dir.join("client_key.pub"), dir.join("authorized_keys")).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let config = dir.join("sshd_config");
         fs::write(
             &config,
             format!(
-                "Port {port}\nListenAddress 127.0.0.1\nHostKey {}\nAuthorizedKeysFile {}\nPidFile {}\nPermitRootLogin prohibit-password\n\
+                "Port {port}\nListenAddress {ip}\nHostKey {}\nAuthorizedKeysFile {}\nPidFile {}\nPermitRootLogin prohibit-password\n\
                  StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nLogLevel ERROR\n",
                 host_key.display(),
                 dir.join("authorized_keys").display(),
@@ -397,11 +404,12 @@ impl Sshd {
         .unwrap();
         let sshd =
             ["/usr/sbin/sshd", "/usr/bin/sshd"].into_iter().find(|p| Path::new(p).exists()).expect("sshd (apt install openssh-server)");
-        let mut c = Command::new(sshd);
+        let mut c = in_netns(ns, sshd);
         c.arg("-D").arg("-e").arg("-f").arg(&config).stderr(File::create(dir.join("sshd.log")).unwrap());
         die_with_parent(&mut c);
         let child = c.spawn().expect("start sshd");
-        let up = wait_until(Duration::from_secs(10), || TcpStream::connect(("127.0.0.1", port)).is_ok());
+        let listening = || in_netns(ns, "ss").args(["-Hltn", &format!("sport = :{port}")]).output().is_ok_and(|o| !o.stdout.is_empty());
+        let up = wait_until(Duration::from_secs(10), listening);
         assert!(up, "sshd did not start: {}", fs::read_to_string(dir.join("sshd.log")).unwrap_or_default());
         Sshd { port, key, child }
     }
@@ -413,6 +421,18 @@ impl Sshd {
             self.port,
             self.key.display()
         )
+    }
+}
+
+/// `program`, to run in the network namespace `ns` if given.
+pub fn in_netns(ns: Option<&str>, program: &str) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, program]);
+            c
+        }
+        None => Command::new(program),
     }
 }
 
