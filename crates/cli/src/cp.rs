@@ -324,6 +324,8 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
     let (dest_hosts, _) = remote_parts(&p.dest);
     let cred = p.cred.clone().expect("remote needs a token");
     a.net.untunable("third-party copies")?;
-    // The source server retries its own connections; these retries cover ours.
+    // Each attempt asks the destinations for fresh tickets (a ticket opens
+    // one session), so the retries of a third-party copy are the client's:
+    // the source server tries once and says why it stopped.
     with_retries(a.retries, |_| session::push(&src_hosts[0], dest_hosts, &cred, specs(p), &p.dest_path, p.options, p.params, progress))
 }

@@ -848,3 +848,46 @@ fn relay_on_the_path_can_neither_read_change_nor_take_over_a_connection() {
     let refused = wait_until(Duration::from_secs(5), || srv.log().contains("the peer does not seal its records"));
     assert!(refused, "the injected frames were not refused as unsealed:\n{}", srv.log());
 }
+
+/// Regression (10): a ticket could be used again and again until it
+/// expired, for sessions of its own and to join others. Now a ticket opens
+/// one session: a second `Receive` with it is refused, and its connections
+/// may join that session and no other.
+#[test]
+fn tickets_are_single_use_and_join_only_the_session_they_opened() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let addr = srv.addr();
+    let token = env.token_str();
+    let options = TransferOptions { transfer_id: [5; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let receive = Msg::Receive { dest: "e/in".into(), options };
+
+    // A ticket for e/in, as a client asks for one for a third-party copy.
+    let mut owner = Raw::control(&addr, token.as_bytes());
+    let Some(Msg::Ticket { key_id, wrapped_secret }) = owner.read_after(&Msg::Grant { dest: "e/in".into() }) else { panic!("no ticket") };
+    let secret = owner.session_key.as_ref().unwrap().wrap(&key_id, &wrapped_secret);
+    let with_ticket = || {
+        let (mut c, _, _) = Raw::handshake_with(&addr, key_id, &secret);
+        assert_eq!(c.read(), Some(Msg::Welcome), "the ticket was not welcomed");
+        c
+    };
+
+    // Its first session.
+    let mut first = with_ticket();
+    first.send(&Msg::OpenControl);
+    let Some(Msg::SessionOpened { session: mine }) = first.read_after(&receive) else { panic!("the ticket opened no session") };
+
+    // Used again, on another connection: refused.
+    let mut again = with_ticket();
+    again.send(&Msg::OpenControl);
+    again.refused(&receive, ErrorKind::Refused);
+
+    // Joining a session the token holder opened: refused; its own: allowed.
+    let mut other = Raw::control(&addr, token.as_bytes());
+    let elsewhere = Msg::Receive { dest: "e/other".into(), options: TransferOptions { transfer_id: [6; 16], ..options } };
+    let Some(Msg::SessionOpened { session: theirs }) = other.read_after(&elsewhere) else { panic!("no session for the token") };
+    with_ticket().refused(&Msg::OpenData { session: theirs, index: 0 }, ErrorKind::Refused);
+    assert_eq!(with_ticket().read_after(&Msg::OpenData { session: mine, index: 0 }), Some(Msg::SessionOpened { session: mine }));
+    assert!(srv.log().contains("a ticket is used once"), "{}", srv.log());
+}

@@ -22,7 +22,7 @@ use dmover_engine::session::{self, Credential};
 use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
-use dmover_proto::auth::TOKEN_KEY_ID;
+use dmover_proto::auth::{KeyId, TOKEN_KEY_ID};
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
 use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::ErrorKind;
@@ -248,8 +248,9 @@ impl Drop for ConnectionSlot<'_> {
 /// What a connection may do, by how it authenticated.
 enum Grant {
     Token,
-    /// A ticket: receive into this export path only.
-    Ticket(String),
+    /// A ticket (its key id): receive into this export path only, in one
+    /// session only.
+    Ticket(KeyId, String),
 }
 
 /// Closes a connection that has not authenticated by a deadline.
@@ -311,7 +312,7 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     // An authenticated client may take a while to say what the connection
     // is for (a data connection waits for its session to be set up).
     t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
-    let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(srv.tickets.dest(&key_id).unwrap_or_default()) };
+    let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(key_id, srv.tickets.dest(&key_id).unwrap_or_default()) };
     let first = match r.read_msg::<Open>() {
         Ok(m) => m,
         // A client that only checks that it can connect and authenticate
@@ -324,7 +325,7 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     };
     match first {
         Open::OpenControl {} => control(srv, t, r, w, &grant, &skey),
-        Open::OpenData { session, .. } => attach(srv, t, w, session),
+        Open::OpenData { session, .. } => attach(srv, t, w, session, &grant),
     }
 }
 
@@ -334,7 +335,12 @@ fn refuse(w: &mut FrameWriter, e: &Error) -> Result<()> {
 }
 
 /// Hands a data connection to its session.
-fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8; 16]) -> Result<()> {
+fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8; 16], grant: &Grant) -> Result<()> {
+    if let Grant::Ticket(id, _) = grant {
+        if srv.tickets.session(id) != Some(session) {
+            return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "a ticket's connections may join only the session it opened"));
+        }
+    }
     let deadline = Instant::now() + ATTACH_TIMEOUT;
     loop {
         let tx = match srv.sessions.lock().expect("sessions lock").get(&session) {
@@ -430,7 +436,14 @@ enum Action {
 
 /// Checks a request; an error here is a refusal the client is told about.
 fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::SessionKey) -> Result<Action> {
-    if let Grant::Ticket(dest) = grant {
+    if let Grant::Ticket(id, dest) = grant {
+        if srv.tickets.session(id).is_some() {
+            return Err(Error::new(
+                ErrorKind::Refused,
+                dest.clone(),
+                "this ticket has opened its session already (a ticket is used once): ask its server for a new one",
+            ));
+        }
         if !matches!(&m, Request::Receive { dest: d, .. } if d == dest) {
             return Err(Error::new(ErrorKind::Refused, dest.clone(), "a ticket only allows receiving into its destination"));
         }
@@ -549,6 +562,18 @@ fn control(
                     }
                 };
                 let (guard, rx) = open_session(srv);
+                if let Grant::Ticket(id, dest) = grant {
+                    // Two connections racing with one ticket: one session only.
+                    if !srv.tickets.claim(id, guard.id) {
+                        let e = Error::new(
+                            ErrorKind::Refused,
+                            dest.clone(),
+                            "this ticket has opened its session already (a ticket is used once)",
+                        );
+                        refuse(&mut w, &e)?;
+                        continue;
+                    }
+                }
                 w.send(Reply::SessionOpened { session: guard.id })?;
                 drop(r);
                 let s = prepared.run(t, rx)?;
@@ -685,8 +710,10 @@ fn push(
         send::send(Files::Walk { store: root.clone(), specs: specs.clone() }, links, send_config(srv, options, params, progress.clone()))
     };
     // Progress goes to the client from this thread while the transfer runs.
+    // One attempt: the tickets open one session each, so a retry is the
+    // client's, with fresh tickets.
     let result = std::thread::scope(|s| {
-        let h = s.spawn(|| dmover_engine::retry::with_retries(params.retries, |_| attempt(&progress)));
+        let h = s.spawn(|| attempt(&progress));
         let mut last = Instant::now();
         while !h.is_finished() {
             std::thread::sleep(Duration::from_millis(20));

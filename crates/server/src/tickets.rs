@@ -1,6 +1,7 @@
 //! Tickets: short-lived secrets a server issues so that another server can
 //! deliver files to it on a client's behalf (third-party transfers). A
-//! ticket allows receiving into one destination only, and expires.
+//! ticket allows receiving into one destination only, opens one session
+//! only (its connections may join that session and no other), and expires.
 
 use dmover_engine::handshake::random;
 use dmover_proto::auth::KeyId;
@@ -15,6 +16,8 @@ struct Ticket {
     secret: [u8; 32],
     dest: String,
     expires: Instant,
+    /// The session the ticket opened, once it has.
+    session: Option<[u8; 16]>,
 }
 
 /// The tickets a server has issued; the control threads issue and look up.
@@ -30,7 +33,7 @@ impl Tickets {
         let mut m = self.map.lock().expect("tickets lock");
         let now = Instant::now();
         m.retain(|_, t| t.expires > now);
-        m.insert(id, Ticket { secret, dest: dest.to_string(), expires: now + TICKET_LIFETIME });
+        m.insert(id, Ticket { secret, dest: dest.to_string(), expires: now + TICKET_LIFETIME, session: None });
         (id, secret)
     }
 
@@ -43,5 +46,23 @@ impl Tickets {
     /// The destination a ticket allows.
     pub fn dest(&self, id: &KeyId) -> Option<String> {
         self.map.lock().expect("tickets lock").get(id).map(|t| t.dest.clone())
+    }
+
+    /// Binds the ticket to the session it opens; false if it has opened
+    /// one already (a ticket is used once).
+    pub fn claim(&self, id: &KeyId, session: [u8; 16]) -> bool {
+        let mut m = self.map.lock().expect("tickets lock");
+        match m.get_mut(id) {
+            Some(t) if t.session.is_none() => {
+                t.session = Some(session);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The session a ticket opened, if any.
+    pub fn session(&self, id: &KeyId) -> Option<[u8; 16]> {
+        self.map.lock().expect("tickets lock").get(id).and_then(|t| t.session)
     }
 }

@@ -21,7 +21,7 @@
 #![allow(dead_code)]
 
 use dmover_engine::transport::{Sealed, Transport};
-use dmover_proto::auth::{Channel, Initiator, KeyId, Responder, TOKEN_KEY_ID};
+use dmover_proto::auth::{Channel, Initiator, KeyId, Responder, SessionKey, TOKEN_KEY_ID};
 use dmover_proto::frame::{Header, HEADER_LEN};
 use dmover_proto::record::Protection;
 use dmover_proto::{ErrorKind, Msg};
@@ -1161,6 +1161,9 @@ pub struct Raw {
     /// What frames go through: the socket, or the sealing layer on it
     /// once the handshake is done.
     io: Box<dyn Transport>,
+    /// The connection's session key, once the handshake is done (it
+    /// unwraps tickets).
+    pub session_key: Option<SessionKey>,
 }
 
 impl Raw {
@@ -1172,7 +1175,7 @@ impl Raw {
 
     /// Frames by hand over `s`.
     pub fn over(s: TcpStream) -> Raw {
-        Raw { io: Box::new(s.try_clone().unwrap()), s }
+        Raw { io: Box::new(s.try_clone().unwrap()), s, session_key: None }
     }
 
     pub fn bytes(m: &Msg) -> Vec<u8> {
@@ -1220,13 +1223,19 @@ impl Raw {
     pub fn seal(&mut self, channel: Channel) {
         let s = Box::new(self.s.try_clone().unwrap());
         self.io = Box::new(Sealed::new(s, channel.sealer, channel.opener, &[]).unwrap());
+        self.session_key = Some(channel.session_key);
     }
 
     /// Hello, Challenge, Proof with `token`; returns the sealed connection
     /// and the bytes it sent (to replay them).
     pub fn handshake(addr: &str, token: &[u8]) -> (Raw, Vec<u8>, Vec<u8>) {
+        Raw::handshake_with(addr, TOKEN_KEY_ID, token)
+    }
+
+    /// Hello, Challenge, Proof with the secret `key_id` names (a ticket).
+    pub fn handshake_with(addr: &str, key_id: KeyId, secret: &[u8]) -> (Raw, Vec<u8>, Vec<u8>) {
         let mut c = Raw::connect(addr);
-        let (i, hello) = Raw::hello(TOKEN_KEY_ID, token);
+        let (i, hello) = Raw::hello(key_id, secret);
         let hello = Raw::bytes(&hello);
         c.raw(&hello);
         let Some(Msg::Challenge { challenge }) = c.read() else { panic!("no challenge") };
