@@ -162,21 +162,24 @@ impl Transport for UnixStream {
 }
 
 /// A transfer-wide rate limit: every connection paced by one `Pacer` waits
-/// so that the bytes they have all written, counted from the pacer's
-/// creation, stay within `rate` bytes per second on average.
+/// so that the bytes they have all written, counted from the first of them,
+/// stay within `rate` bytes per second on average. (Counting from the
+/// pacer's creation would let the time spent setting connections up go out
+/// as one burst.)
 pub struct Pacer {
     /// Bytes per second.
     rate: u64,
-    started: Instant,
+    /// When the first byte was written.
+    started: std::sync::OnceLock<Instant>,
     /// Bytes that have been given a time slot.
     granted: AtomicU64,
 }
 
 impl Pacer {
-    /// A pacer for `rate` bytes per second (more than 0), counting from now.
+    /// A pacer for `rate` bytes per second (more than 0).
     pub fn new(rate: u64) -> Pacer {
         assert!(rate > 0, "a pacer needs a rate");
-        Pacer { rate, started: Instant::now(), granted: AtomicU64::new(0) }
+        Pacer { rate, started: std::sync::OnceLock::new(), granted: AtomicU64::new(0) }
     }
 
     /// Waits until `n` more bytes keep the average rate under the limit,
@@ -184,7 +187,7 @@ impl Pacer {
     fn take(&self, n: u64) {
         let total = self.granted.fetch_add(n, Ordering::Relaxed) + n;
         let due = Duration::from_secs_f64(total as f64 / self.rate as f64);
-        let now = self.started.elapsed();
+        let now = self.started.get_or_init(Instant::now).elapsed();
         if due > now {
             std::thread::sleep(due - now);
         }
@@ -228,26 +231,13 @@ impl Read for Paced {
     }
 }
 
-/// Most bytes one paced write lets through: a connection waits for the
-/// bytes it writes next, not for a whole block it may write in pieces.
-const PACED_WRITE: usize = 256 * 1024;
-
 impl Write for Paced {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let buf = &buf[..buf.len().min(PACED_WRITE)];
         self.pacer.write(buf.len(), || self.inner.write(buf))
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let mut room = PACED_WRITE;
-        let capped: Vec<IoSlice<'_>> = bufs
-            .iter()
-            .map_while(|b| {
-                let n = b.len().min(room);
-                room -= n;
-                (n > 0 || b.is_empty()).then(|| IoSlice::new(&b[..n]))
-            })
-            .collect();
-        self.pacer.write(PACED_WRITE - room, || self.inner.write_vectored(&capped))
+        let n = bufs.iter().map(|b| b.len()).sum();
+        self.pacer.write(n, || self.inner.write_vectored(bufs))
     }
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
@@ -288,7 +278,7 @@ pub struct Layers {
 
 impl Layers {
     /// Layers for a transfer limited to `bwlimit` bytes per second over all
-    /// its data connections (0: no limit). The rate counts from now.
+    /// its data connections (0: no limit), counted from the first byte written.
     pub fn new(bwlimit: u64) -> Layers {
         Layers { pacer: (bwlimit > 0).then(|| Arc::new(Pacer::new(bwlimit))) }
     }

@@ -3,7 +3,8 @@
 //!
 //! Writes are cut into records of at most `MAX_RECORD` bytes, sealed in
 //! place in one buffer and sent with one system call for up to
-//! [`WRITE_BATCH`] records. Reads take whatever the socket has into a
+//! [`WRITE_BATCH`] records; a write returns once all it was given is sent
+//! (a block is written whole, as a layer above it expects). Reads take whatever the socket has into a
 //! buffer, open each record in place once it is whole, and hand out its
 //! payload; nothing is handed out before its record's tag is checked. A read
 //! that times out keeps what it has of a record, so the next read goes on.
@@ -152,41 +153,40 @@ impl Write for Sealed {
         self.write_vectored(&[IoSlice::new(data)])
     }
 
-    /// Seals up to [`WRITE_BATCH`] records of what `bufs` hold and writes
-    /// them all; returns how many bytes of `bufs` they carry.
+    /// Seals what `bufs` hold into records and writes them, up to
+    /// [`WRITE_BATCH`] records a system call; returns once all is sent.
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         let mut tx = self.tx.lock().expect("record writer lock");
         if tx.broken {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "an earlier write on this connection failed"));
         }
         let tx = &mut *tx;
-        tx.buf.clear();
         let mut taken = 0;
         let mut pieces = bufs.iter().map(|b| &b[..]).filter(|b| !b.is_empty()).peekable();
-        while pieces.peek().is_some() && tx.buf.len() + RECORD <= WRITE_BATCH * RECORD {
-            let at = tx.buf.len();
-            tx.buf.resize(at + HEADER, 0);
-            let mut len = 0;
-            while len < MAX_RECORD {
-                let Some(p) = pieces.peek_mut() else { break };
-                let n = p.len().min(MAX_RECORD - len);
-                tx.buf.extend_from_slice(&p[..n]);
-                len += n;
-                *p = &p[n..];
-                if p.is_empty() {
-                    pieces.next();
+        while pieces.peek().is_some() {
+            tx.buf.clear();
+            while pieces.peek().is_some() && tx.buf.len() + RECORD <= WRITE_BATCH * RECORD {
+                let at = tx.buf.len();
+                tx.buf.resize(at + HEADER, 0);
+                let mut len = 0;
+                while len < MAX_RECORD {
+                    let Some(p) = pieces.peek_mut() else { break };
+                    let n = p.len().min(MAX_RECORD - len);
+                    tx.buf.extend_from_slice(&p[..n]);
+                    len += n;
+                    *p = &p[n..];
+                    if p.is_empty() {
+                        pieces.next();
+                    }
                 }
+                tx.buf.resize(at + HEADER + len + TAG, 0);
+                tx.sealer.seal(&mut tx.buf[at..]).map_err(refused)?;
+                taken += len;
             }
-            tx.buf.resize(at + HEADER + len + TAG, 0);
-            tx.sealer.seal(&mut tx.buf[at..]).map_err(refused)?;
-            taken += len;
-        }
-        if taken == 0 {
-            return Ok(0);
-        }
-        if let Err(e) = self.inner.write_all(&tx.buf) {
-            tx.broken = true;
-            return Err(e);
+            if let Err(e) = self.inner.write_all(&tx.buf) {
+                tx.broken = true;
+                return Err(e);
+            }
         }
         Ok(taken)
     }
