@@ -2,10 +2,10 @@
 //! direction — local to local, upload, download, or third party — with
 //! automatic retries, a live progress display and a final report.
 
-use crate::location::Location;
+use crate::location::{self, Location};
 use crate::report::{self, ProgressDisplay};
 use crate::sizes::parse_size;
-use crate::ssh::{self, Endpoint, SshOptions};
+use crate::ssh::{Endpoint, SshOptions};
 use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
@@ -148,7 +148,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         let msg = "a host reached over ssh and a dmover:// server in one command are not supported yet";
         return Err(Error::new(ErrorKind::Usage, "", msg).advised("copy through a local directory, or start dmover serve on the ssh host"));
     }
-    let remote = ssh::resolve(&mut all, &a.ssh)?;
+    let remote = location::resolve_ssh(&mut all, &a.ssh)?;
     let dest = all.pop().expect("a destination");
     let sources = all;
     if let Some(Location::Remote { hosts, .. }) = sources.first() {

@@ -2,8 +2,8 @@
 //! `dmover://HOST[:PORT][,HOST[:PORT]...]/EXPORT/path`, or a host reached
 //! over ssh (`[user@]host:path`, `ssh://[user@]host[:port]/path`; see `ssh`).
 
-use crate::ssh::SshTarget;
-use dmover_engine::Error;
+use crate::ssh::{Endpoint, SshOptions, SshTarget};
+use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 
 /// Port a server listens on when a URL names none.
@@ -90,6 +90,33 @@ impl Location {
             Location::Remote { path, .. } | Location::Ssh { path, .. } => path,
         }
     }
+}
+
+/// Replaces each ssh location in `locations` with the remote end started
+/// for it, and returns the endpoints (to keep alive while they are used).
+/// All ssh locations must name one host (one remote end serves them all).
+pub fn resolve_ssh(locations: &mut [Location], o: &SshOptions) -> Result<Option<Endpoint>> {
+    let mut target: Option<SshTarget> = None;
+    for l in locations.iter() {
+        if let Location::Ssh { target: t, .. } = l {
+            match &target {
+                None => target = Some(t.clone()),
+                Some(first) if first == t => {}
+                Some(first) => {
+                    let msg = format!("one command reaches one host over ssh; here {} and {}", first.destination(), t.destination());
+                    return Err(Error::new(ErrorKind::Usage, &t.host, msg).advised("copy to or from each host in its own command"));
+                }
+            }
+        }
+    }
+    let Some(target) = target else { return Ok(None) };
+    let endpoint = Endpoint::start(&target, o)?;
+    for l in locations.iter_mut() {
+        if let Location::Ssh { path, .. } = l {
+            *l = Location::Remote { hosts: vec![endpoint.addr.clone()], path: std::mem::take(path) };
+        }
+    }
+    Ok(Some(endpoint))
 }
 
 #[cfg(test)]

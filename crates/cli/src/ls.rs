@@ -1,8 +1,8 @@
 //! `dmover ls`: lists what a path, directory or glob names on a server —
 //! the same names a copy of it would send.
 
-use crate::location::Location;
-use crate::ssh::{self, SshOptions};
+use crate::location::{self, Location};
+use crate::ssh::SshOptions;
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::session::{self, Credential};
@@ -25,7 +25,7 @@ pub struct LsArgs {
 
 pub fn run(a: LsArgs) -> Result<i32> {
     let mut loc = [Location::parse(&a.url)?];
-    let remote = ssh::resolve(&mut loc, &a.ssh)?;
+    let remote = location::resolve_ssh(&mut loc, &a.ssh)?;
     let [Location::Remote { hosts, path }] = loc else {
         return Err(Error::new(ErrorKind::Usage, &a.url, "ls needs a dmover:// URL or [user@]host:path (use ls(1) for local paths)"));
     };

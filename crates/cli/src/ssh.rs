@@ -16,7 +16,6 @@
 //! closes the remote end's standard input and the remote end exits: no
 //! process and no port is left behind.
 
-use crate::location::Location;
 use clap::Args;
 use dmover_engine::session::{Credential, Dialer};
 use dmover_engine::transport::{Piped, Transport};
@@ -40,7 +39,7 @@ pub struct SshTarget {
 
 impl SshTarget {
     /// `user@host` or `host`, as ssh takes it.
-    fn destination(&self) -> String {
+    pub fn destination(&self) -> String {
         match &self.user {
             Some(u) => format!("{u}@{}", self.host),
             None => self.host.clone(),
@@ -430,33 +429,6 @@ fn pump(from: &mut impl Read, to: &mut impl Write) {
             Err(_) => return,
         }
     }
-}
-
-/// Replaces each ssh location in `locations` with the remote end started
-/// for it, and returns the endpoints (to keep alive while they are used).
-/// All ssh locations must name one host (one remote end serves them all).
-pub fn resolve(locations: &mut [Location], o: &SshOptions) -> Result<Option<Endpoint>> {
-    let mut target: Option<SshTarget> = None;
-    for l in locations.iter() {
-        if let Location::Ssh { target: t, .. } = l {
-            match &target {
-                None => target = Some(t.clone()),
-                Some(first) if first == t => {}
-                Some(first) => {
-                    let msg = format!("one command reaches one host over ssh; here {} and {}", first.destination(), t.destination());
-                    return Err(Error::new(ErrorKind::Usage, &t.host, msg).advised("copy to or from each host in its own command"));
-                }
-            }
-        }
-    }
-    let Some(target) = target else { return Ok(None) };
-    let endpoint = Endpoint::start(&target, o)?;
-    for l in locations.iter_mut() {
-        if let Location::Ssh { path, .. } = l {
-            *l = Location::Remote { hosts: vec![endpoint.addr.clone()], path: std::mem::take(path) };
-        }
-    }
-    Ok(Some(endpoint))
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! Sealed records: how the bytes of an authenticated connection travel.
 //!
-//! After the handshake (see [`crate::auth`]) each direction of a connection
+//! After the handshake each direction of a connection
 //! is a sequence of records, each sealed with AES-256-GCM under that
 //! direction's key from the handshake:
 //!
