@@ -1,4 +1,4 @@
-//! The dmover wire format, with no I/O.
+//! The dmover wire format and protocol rules, with no I/O.
 //!
 //! Everything two dmover endpoints say to each other is a [`frame`]: an
 //! eight-byte header and a body. Control frames carry a [`Msg`]; data frames
@@ -12,6 +12,8 @@
 //! * [`auth`] — the challenge–response handshake and session keys.
 //! * [`digest`] — block checksums and the per-file digest built from them.
 //! * [`path`] — the rules a relative path must follow to cross the wire.
+//! * [`session`] — the protocol's rules as state machines: events in,
+//!   actions out, no I/O.
 //!
 //! The protocol is described for people in `docs/PROTOCOL.md`.
 
@@ -20,6 +22,7 @@ pub mod digest;
 pub mod frame;
 pub mod path;
 pub mod phase;
+pub mod session;
 
 pub use frame::{DataHeader, DecodeError, ErrorKind, Msg};
 pub use phase::Phase;
