@@ -132,22 +132,30 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
 
 /// Reads the control connection for the owner, up to the sender's last
 /// word (`Finish`, or an error): what follows belongs to whoever opened the
-/// connection (a server's report, at a client that downloads).
+/// connection (a server's report, at a client that downloads). What one
+/// read brought goes to the owner together, so that its replies go out
+/// together.
 fn read_control(control: Box<dyn Transport>, events: &Sender<Input>) {
     let mut r = FrameReader::new(control);
+    let mut batch = Vec::new();
     loop {
-        let input = match r.read::<ToReceiver>() {
+        let lost = match r.read::<ToReceiver>() {
             Ok(Incoming::Msg(m)) => {
                 let last = matches!(m, ToReceiver::Finish { .. } | ToReceiver::Error { .. });
-                if events.send(Input::Session(Event::Control(m))).is_err() || last {
+                batch.push(Event::Control(m));
+                if !last && r.buffered() > 0 {
+                    continue;
+                }
+                if events.send(Input::Batch(std::mem::take(&mut batch))).is_err() || last {
                     return;
                 }
                 continue;
             }
-            Ok(Incoming::Data(_)) => Input::ControlLost(Error::protocol(r.peer(), "data frame on the control connection")),
-            Err(e) => Input::ControlLost(e),
+            Ok(Incoming::Data(_)) => Error::protocol(r.peer(), "data frame on the control connection"),
+            Err(e) => e,
         };
-        let _ = events.send(input);
+        let _ = events.send(Input::Batch(batch));
+        let _ = events.send(Input::ControlLost(lost));
         return;
     }
 }
@@ -194,21 +202,41 @@ impl Owner {
                 }
                 Err(TryRecvError::Disconnected) => unreachable!("the owner holds a sender"),
             };
-            match input {
-                Input::Session(e) => self.session.handle(e),
-                Input::Stream(c) => self.attach(c),
-                Input::Broken(e) => self.fail(e),
-                Input::ControlLost(e) => return Err(e),
-            }
-            while let Some(a) = self.session.poll() {
-                if let Some(end) = self.act(a) {
-                    return end;
+            let end = match input {
+                Input::Session(e) => self.hear(e),
+                Input::Batch(es) => es.into_iter().find_map(|e| self.hear(e)),
+                Input::Stream(c) => {
+                    self.attach(c);
+                    None
                 }
+                Input::Broken(e) => {
+                    self.fail(e);
+                    None
+                }
+                Input::ControlLost(e) => Some(Err(e)),
+            };
+            if let Some(end) = end {
+                return end;
             }
             if let Some(e) = self.fatal.take() {
                 return Err(e);
             }
         }
+    }
+
+    /// Gives the session an event and carries out what it says; returns
+    /// the session's result when it ends.
+    fn hear(&mut self, e: Event) -> Option<Result<RecvSummary>> {
+        self.session.handle(e);
+        while let Some(a) = self.session.poll() {
+            if let Some(end) = self.act(a) {
+                return Some(end);
+            }
+            if let Some(e) = self.fatal.take() {
+                return Some(Err(e));
+            }
+        }
+        None
     }
 
     /// Carries out one action; returns the session's result when it ends.

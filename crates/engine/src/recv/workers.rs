@@ -38,6 +38,8 @@ const SYNC_MERGE: Duration = Duration::from_millis(2);
 pub(super) enum Input {
     /// An event for the session.
     Session(Event),
+    /// Events for the session, in order.
+    Batch(Vec<Event>),
     /// A data connection attached.
     Stream(Box<dyn Transport>),
     /// A data connection broke, or its peer broke a rule: the session ends.
@@ -315,6 +317,7 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<Arc<Slot>>) {
             }
             continue;
         }
+        let mut committed = Vec::with_capacity(renamed.len());
         for s in renamed.drain(..) {
             if s.io.lock().expect("file lock").closed {
                 continue; // aborted by the sender meanwhile: it counts the file as failed
@@ -323,7 +326,10 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<Arc<Slot>>) {
             if let Some(j) = &s.paths.journal {
                 let _ = sh.store.remove(j);
             }
-            sh.report(Event::Committed { id: s.id });
+            committed.push(Event::Committed { id: s.id });
+        }
+        if !committed.is_empty() {
+            let _ = sh.events.send(Input::Batch(committed));
         }
         renamed = rename_into_place(sh, ready);
     }

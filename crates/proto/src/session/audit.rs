@@ -67,10 +67,8 @@ impl Audit {
                     }
                 }
             }
-            Event::Committed { id } => {
-                if self.commits.contains_key(id) {
-                    self.committed.insert(*id);
-                }
+            Event::Committed { id } if self.commits.contains_key(id) => {
+                self.committed.insert(*id);
             }
             _ => {}
         }

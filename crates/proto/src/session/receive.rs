@@ -88,7 +88,7 @@ impl Gate {
 /// Whether a data frame's header can be a block at all, before its file is
 /// known: no longer than a block and on a block boundary.
 pub fn check_header(block_size: u64, offset: u64, len: u32) -> Result<(), String> {
-    if u64::from(len) > block_size || offset % block_size != 0 {
+    if u64::from(len) > block_size || !offset.is_multiple_of(block_size) {
         return Err(format!("bad block: offset {offset} length {len}"));
     }
     Ok(())

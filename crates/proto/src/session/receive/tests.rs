@@ -173,7 +173,7 @@ impl Driver {
             return ok_header; // no such file (any more): dropped
         };
         let size = self.announced[&id];
-        let whole = offset % BS == 0 && offset < size && u64::from(len) == (size - offset).min(BS);
+        let whole = offset.is_multiple_of(BS) && offset < size && u64::from(len) == (size - offset).min(BS);
         let Ok(block) = gate.admit(id, offset, len) else {
             assert!(!whole, "a whole block of file {id} at {offset}+{len} (size {size}) refused");
             return false;
@@ -353,7 +353,7 @@ proptest! {
                 prop_assert!(offset + u64::from(len) <= size);
                 prop_assert_eq!(u64::from(len), (size - offset).min(16));
             }
-            Err(_) => prop_assert!(offset % 16 != 0 || offset >= size || u64::from(len) != (size - offset).min(16)),
+            Err(_) => prop_assert!(!offset.is_multiple_of(16) || offset >= size || u64::from(len) != (size - offset).min(16)),
         }
     }
 }
