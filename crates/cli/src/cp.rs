@@ -159,6 +159,9 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     if a.no_fsync {
         flags |= TransferOptions::NO_FSYNC;
     }
+    if a.net.no_encrypt {
+        flags |= TransferOptions::NO_ENCRYPT;
+    }
     let mut plan = Plan {
         options: TransferOptions {
             transfer_id: transfer_id(&a.paths, a.block_size),

@@ -1,12 +1,14 @@
 //! The options that shape data connections, shared by `cp` and `bench`:
 //! how many streams (a number, or `auto`), which tuner chooses them, and
-//! the TCP socket buffer and congestion control of each connection.
+//! the TCP socket buffer and congestion control of each connection, and
+//! whether data connections are encrypted.
 
 use crate::sizes::parse_size;
 use clap::Args;
 use dmover_engine::send::TunerFactory;
 use dmover_engine::transport::SocketOptions;
 use dmover_engine::{Error, Result};
+use dmover_proto::record::Protection;
 use dmover_proto::ErrorKind;
 use dmover_tune::{paper, Mode};
 use std::sync::Arc;
@@ -55,6 +57,11 @@ pub struct StreamArgs {
     /// (e.g. cubic, reno, bbr; see /proc/sys/net/ipv4/tcp_available_congestion_control).
     #[arg(long, value_name = "ALG")]
     pub congestion: Option<String>,
+    /// Data connections carry integrity only: every byte is still checked
+    /// against a keyed tag, but travels unencrypted (trusted networks).
+    /// Control connections are always encrypted.
+    #[arg(long)]
+    pub no_encrypt: bool,
 }
 
 impl StreamArgs {
@@ -115,6 +122,7 @@ impl StreamArgs {
             Some(b) if (4096..=(256 << 20)).contains(&b) => b as u32,
             Some(_) => return Err(Error::new(ErrorKind::Usage, "", "--tcp-bs must be between 4K and 256M")),
         };
-        Ok(SocketOptions { buffer, congestion: self.congestion.clone().unwrap_or_default() })
+        let protection = if self.no_encrypt { Protection::Authenticated } else { Protection::Encrypted };
+        Ok(SocketOptions { protection, buffer, congestion: self.congestion.clone().unwrap_or_default() })
     }
 }

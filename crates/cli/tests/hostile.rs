@@ -8,7 +8,7 @@
 
 mod util;
 
-use dmover_proto::auth::{Key, TOKEN_KEY_ID};
+use dmover_proto::auth::TOKEN_KEY_ID;
 use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
@@ -117,7 +117,7 @@ fn slowloris_trickling_its_handshake_is_cut_off_after_the_handshake_timeout() {
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
     let addr = srv.addr();
-    let hello = Raw::bytes(&Msg::Hello { key_id: TOKEN_KEY_ID, nonce: [1; 32] });
+    let hello = Raw::bytes(&Raw::hello(TOKEN_KEY_ID, env.token_str().as_bytes()).1);
     let (p, src, dst) = honest_upload(&env, &srv);
     let cut_after: Vec<Duration> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..16)
@@ -198,7 +198,7 @@ fn half_open_and_idle_connections_are_closed() {
 
     // Hello, then the client stops sending: refused as soon as it is seen.
     let mut c = Raw::connect(&addr);
-    c.send(&Msg::Hello { key_id: TOKEN_KEY_ID, nonce: [2; 32] });
+    c.send(&Raw::hello(TOKEN_KEY_ID, token.as_bytes()).1);
     c.s.shutdown(Shutdown::Write).unwrap();
     assert!(matches!(c.read(), Some(Msg::Challenge { .. })));
     assert!(c.wait_closed() < Duration::from_secs(3));
@@ -280,7 +280,7 @@ fn forged_missing_and_replayed_handshakes_are_refused() {
 
     // No proof at all: straight to a request.
     let mut c = Raw::connect(&addr);
-    c.send(&Msg::Hello { key_id: TOKEN_KEY_ID, nonce: [4; 32] });
+    c.send(&Raw::hello(TOKEN_KEY_ID, token.as_bytes()).1);
     assert!(matches!(c.read(), Some(Msg::Challenge { .. })));
     c.send(&Msg::OpenControl);
     c.send(&Msg::List { path: "e".into() });
@@ -288,22 +288,28 @@ fn forged_missing_and_replayed_handshakes_are_refused() {
 
     // A forged proof.
     let mut c = Raw::connect(&addr);
-    c.send(&Msg::Hello { key_id: TOKEN_KEY_ID, nonce: [5; 32] });
+    c.send(&Raw::hello(TOKEN_KEY_ID, token.as_bytes()).1);
     assert!(matches!(c.read(), Some(Msg::Challenge { .. })));
-    c.send(&Msg::Proof { proof: [0; 32] });
+    c.send(&Msg::Proof { proof: [0; 16] });
     assert!(matches!(c.read(), Some(Msg::Error { kind: ErrorKind::Auth, .. })));
     assert_eq!(c.read(), None);
 
     // A ticket that was never issued, proved with the server's token.
     let mut c = Raw::connect(&addr);
-    let key = Key::from_secret(token.as_bytes());
-    c.send(&Msg::Hello { key_id: [1; 16], nonce: [6; 32] });
-    let Some(Msg::Challenge { nonce, .. }) = c.read() else { panic!("no challenge") };
-    c.send(&Msg::Proof { proof: key.client_proof(&[6; 32], &nonce) });
+    let (i, hello) = Raw::hello([1; 16], token.as_bytes());
+    c.send(&hello);
+    let Some(Msg::Challenge { challenge }) = c.read() else { panic!("no challenge") };
+    assert!(i.finish(&challenge).is_err(), "the server proved it knows a ticket it never issued");
+
+    // A relay that rewrites the client's Hello to name another secret.
+    let mut c = Raw::connect(&addr);
+    let (_, hello) = Raw::hello(TOKEN_KEY_ID, token.as_bytes());
+    let Msg::Hello { hello, protection, .. } = hello else { unreachable!() };
+    c.send(&Msg::Hello { key_id: [2; 16], protection, hello });
     assert!(matches!(c.read(), Some(Msg::Error { kind: ErrorKind::Auth, .. })));
 
     // A recorded handshake replayed on a new connection: the server's new
-    // nonce makes the old proof worthless.
+    // ephemeral key makes the old proof worthless.
     let (mut first, hello, proof) = Raw::handshake(&addr, token.as_bytes());
     assert_eq!(first.read(), Some(Msg::Welcome));
     let mut c = Raw::connect(&addr);
@@ -451,7 +457,7 @@ fn three_hundred_idle_unauthenticated_connections_do_not_lock_out_an_honest_clie
 fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u32)]) -> (Run, Vec<Option<Msg>>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let key = Key::from_secret(env.token_str().as_bytes());
+    let token = env.token_str();
     let client = env
         .cp([format!("dmover://{addr}/{spec}"), format!("{}/", dest.display()), "-p".into(), "1".into(), "--retries".into(), "0".into()])
         .spawn();
@@ -460,14 +466,9 @@ fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u
     let (tx, rx) = std::sync::mpsc::channel();
     for _ in 0..2 {
         let (s, _) = listener.accept().unwrap();
-        let (key, tx) = (key.clone(), tx.clone());
+        let (token, tx) = (token.clone(), tx.clone());
         std::thread::spawn(move || {
-            let mut c = Raw { s };
-            c.s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-            let Some(Msg::Hello { nonce: cn, .. }) = c.read() else { panic!("no hello") };
-            let sn = [9u8; 32];
-            c.send(&Msg::Challenge { nonce: sn, proof: key.server_proof(&cn, &sn) });
-            assert!(matches!(c.read(), Some(Msg::Proof { .. })), "no proof");
+            let mut c = Raw::accept(s, token.as_bytes());
             c.send(&Msg::Welcome);
             let control = match c.read() {
                 Some(Msg::OpenData { session, .. }) => {

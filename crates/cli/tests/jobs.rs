@@ -724,7 +724,7 @@ fn server_logs_no_warnings_for_destination_checks_and_clients_that_hang_up() {
     }
     // A client that knows the token but hangs up after the challenge.
     let mut c = Raw::connect(&srv.addr());
-    c.send(&dmover_proto::Msg::Hello { key_id: dmover_proto::auth::TOKEN_KEY_ID, nonce: [7; 32] });
+    c.send(&Raw::hello(dmover_proto::auth::TOKEN_KEY_ID, env.token_str().as_bytes()).1);
     assert!(matches!(c.read(), Some(dmover_proto::Msg::Challenge { .. })));
     drop(c);
     let hung_up = wait_until(Duration::from_secs(10), || srv.log().contains("hung up during the handshake"));

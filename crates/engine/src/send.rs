@@ -65,9 +65,6 @@ const WALK_AHEAD: usize = 4096;
 /// How long the control connections are still read after a data
 /// connection was lost, for the receiver's reason.
 const REASON_WAIT: Duration = Duration::from_secs(2);
-/// Smallest block sent with sendfile: below it, one write from the copy
-/// already in memory costs less than sendfile's two system calls.
-const SENDFILE_MIN: u32 = 256 * 1024;
 /// How often idle threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -172,8 +169,6 @@ struct Outgoing {
     /// The block as read (and checksummed); it also holds the block's
     /// place in the staging budget until it is sent.
     data: Block,
-    /// The file it came from, to send from the page cache without a copy.
-    file: Option<Arc<dyn ReadFile>>,
 }
 
 #[derive(Default)]
@@ -949,7 +944,7 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         f.st.lock().expect("file lock").sums[b as usize] = sum;
         if job.send.iter().any(|(a, e)| (*a..*e).contains(&b)) {
             let header = DataHeader { file: f.id, offset: off, sum, len: len as u32 };
-            if sh.data_tx[f.host].send(Outgoing { header, data, file: file.clone() }).is_err() {
+            if sh.data_tx[f.host].send(Outgoing { header, data }).is_err() {
                 return Ok(());
             }
         }
@@ -999,15 +994,8 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
         match rx.recv_timeout(POLL) {
             Ok(mut o) => {
                 sh.streams[host].took_one();
-                let damaged = crate::fault::corrupt_in_flight(&mut o.data);
-                let r = match &o.file {
-                    Some(f) if o.header.len >= SENDFILE_MIN && !damaged => match f.as_file() {
-                        Some(f) => w.send_block_from(&o.header, f, &o.data),
-                        None => w.send_block(&o.header, &o.data),
-                    },
-                    _ => w.send_block(&o.header, &o.data),
-                };
-                if let Err(e) = r {
+                crate::fault::corrupt_in_flight(&mut o.data);
+                if let Err(e) = w.send_block(&o.header, &o.data) {
                     if !sh.stopped() {
                         sh.fail(e);
                     }

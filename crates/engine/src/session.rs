@@ -67,12 +67,15 @@ impl Conn {
         t.set_options(socket).map_err(|e| Error::new(ErrorKind::Usage, host, e.to_string()))?;
         let t: Box<dyn Transport> = Box::new(t);
         t.set_read_timeout(Some(setup)).map_err(|e| Error::network(host, &e))?;
-        let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(host, &e));
-        let mut reader = FrameReader::new(split(t.as_ref())?);
-        let mut writer = FrameWriter::new(split(t.as_ref())?);
-        let session_key =
-            handshake::client(&mut reader, &mut writer, cred.key_id, &cred.secret).map_err(|e| Error { subject: host.to_string(), ..e })?;
-        Ok(Conn { host: host.to_string(), reader, welcome_pending: true, writer, transport: t, session_key })
+        let a = handshake::client(t, cred.key_id, &cred.secret, socket.protection).map_err(|e| Error { subject: host.to_string(), ..e })?;
+        Ok(Conn {
+            host: host.to_string(),
+            reader: a.reader,
+            welcome_pending: true,
+            writer: a.writer,
+            transport: a.transport,
+            session_key: a.session_key,
+        })
     }
 
     /// Reads the next message, of the phase `P` (a server's `Error`
@@ -96,7 +99,7 @@ impl Conn {
         self.writer.send(m)
     }
 
-    /// Hands over the raw transport (nothing is buffered: the server only
+    /// Hands over the sealed transport (nothing is buffered: the server only
     /// ever answers requests during setup). The welcome must have been read.
     pub fn into_transport(self) -> Box<dyn Transport> {
         debug_assert!(!self.welcome_pending);

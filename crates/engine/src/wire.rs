@@ -55,6 +55,11 @@ impl FrameReader {
         self.inner.buffer().len()
     }
 
+    /// Gives up the reader, returning the bytes it had read ahead.
+    pub fn into_buffered(self) -> Vec<u8> {
+        self.inner.buffer().to_vec()
+    }
+
     /// The next frame, a message of the phase `P` or data; connection
     /// errors are `Unreachable`, bad frames and messages that do not belong
     /// to the phase `Internal`.
@@ -189,20 +194,6 @@ impl FrameWriter {
     pub fn send_block(&mut self, h: &DataHeader, data: &[u8]) -> Result<()> {
         let head = h.encode();
         let r = write_all_vectored(&mut self.inner, &head, data);
-        r.map_err(|e| Error::network(&self.peer, &e))
-    }
-
-    /// Sends one block whose bytes were read from `file` at `h.offset`: from
-    /// the page cache where the transport can, else from `data`.
-    pub fn send_block_from(&mut self, h: &DataHeader, file: &std::fs::File, data: &[u8]) -> Result<()> {
-        let head = h.encode();
-        let r = match self.inner.send_file(&head, file, h.offset, data.len()) {
-            // If the file shrank meanwhile, the frame is completed from memory;
-            // its checksum then fails at the receiver, which asks again.
-            Some(Ok(n)) => self.inner.write_all(&data[n..]),
-            Some(Err(e)) => Err(e),
-            None => write_all_vectored(&mut self.inner, &head, data),
-        };
         r.map_err(|e| Error::network(&self.peer, &e))
     }
 

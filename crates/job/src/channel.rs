@@ -8,11 +8,11 @@
 //! ([`ToManager`], [`ToAgent`]). Lines are capped at [`MAX_LINE`] bytes, so a
 //! hostile or broken peer cannot make the other end grow without bound.
 
-use dmover_engine::handshake;
+use dmover_engine::handshake::{self, Authenticated};
 use dmover_engine::transport::{connect_tcp, Transport};
-use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_engine::{Error, Result};
 use dmover_proto::auth::TOKEN_KEY_ID;
+use dmover_proto::record::Protection;
 use dmover_proto::ErrorKind;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -133,27 +133,25 @@ impl Channel {
     pub fn connect(addr: &str, token: &[u8]) -> Result<Channel> {
         let t: Box<dyn Transport> = Box::new(connect_tcp(addr).map_err(net(addr))?);
         t.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(net(addr))?;
-        let mut r = FrameReader::new(t.split().map_err(net(addr))?);
-        let mut w = FrameWriter::new(t.split().map_err(net(addr))?);
-        handshake::client(&mut r, &mut w, TOKEN_KEY_ID, token).map_err(|e| Error { subject: addr.to_string(), ..e })?;
-        handshake::expect_welcome(&mut r)?;
-        Channel::after_handshake(t, &r, addr)
+        let mut a =
+            handshake::client(t, TOKEN_KEY_ID, token, Protection::Encrypted).map_err(|e| Error { subject: addr.to_string(), ..e })?;
+        handshake::expect_welcome(&mut a.reader)?;
+        Channel::after_handshake(a, addr)
     }
 
     /// Runs the manager's side of the handshake on an accepted connection.
     pub fn accept(t: Box<dyn Transport>, token: &[u8]) -> Result<Channel> {
         let peer = t.peer();
         t.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(net(&peer))?;
-        let mut r = FrameReader::new(t.split().map_err(net(&peer))?);
-        let mut w = FrameWriter::new(t.split().map_err(net(&peer))?);
-        handshake::server(&mut r, &mut w, |id| (*id == TOKEN_KEY_ID).then(|| token.to_vec()))?;
-        Channel::after_handshake(t, &r, &peer)
+        let (_, a) = handshake::server(t, |id| (*id == TOKEN_KEY_ID).then(|| token.to_vec()))?;
+        Channel::after_handshake(a, &peer)
     }
 
     /// Both sides wait for the other's last handshake frame before they
     /// write a line, so nothing can be left in the frame reader's buffer.
-    fn after_handshake(t: Box<dyn Transport>, r: &FrameReader, peer: &str) -> Result<Channel> {
-        if r.buffered() != 0 {
+    fn after_handshake(a: Authenticated, peer: &str) -> Result<Channel> {
+        let t = a.transport;
+        if a.reader.buffered() != 0 {
             return Err(Error::protocol(peer, "data before the end of the handshake"));
         }
         let writer = t.split().map_err(net(peer))?;

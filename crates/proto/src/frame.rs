@@ -7,11 +7,12 @@
 //! [`Msg`]. [`Msg::encode`] cannot fail; [`decode`] returns `Ok(None)` while
 //! the input is incomplete and an error for anything malformed.
 
-use crate::auth::{KeyId, Mac, Nonce};
+use crate::auth::{ChallengeBytes, HelloKey, KeyId, ProofTag};
 use crate::digest::Sum;
+use crate::record::Protection;
 
 /// First bytes of a `Hello`: protocol name and version.
-pub const MAGIC: [u8; 8] = *b"DMOVER\0\x01";
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x02";
 pub const HEADER_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = 32;
 /// Largest control message body. Big enough for a plan of 64k ranges.
@@ -59,6 +60,8 @@ pub enum DecodeError {
     Invalid(&'static str, u64),
     #[error("not a dmover peer (bad magic)")]
     BadMagic,
+    #[error("the peer speaks dmover protocol version {0}, this end speaks version {v}: run the same dmover release at both ends", v = MAGIC[7])]
+    Version(u8),
 }
 
 /// Error classes shared by both ends. The numeric value is also the exit
@@ -153,6 +156,10 @@ impl TransferOptions {
     /// The receiver confirms files without making them durable first
     /// (scratch space): no file-system sync before a file is confirmed.
     pub const NO_FSYNC: u32 = 32;
+    /// The data connections carry integrity only, not confidentiality
+    /// (`--no-encrypt`): a server opening them for a third-party copy
+    /// asks for that protection.
+    pub const NO_ENCRYPT: u32 = 64;
 
     pub fn has(&self, flag: u32) -> bool {
         self.flags & flag != 0
@@ -334,12 +341,13 @@ pub mod kind {
 /// Tx the sending end of a transfer, Rx the receiving end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {
-    /// C→S, first frame: magic, version, which secret, client nonce.
-    Hello { key_id: KeyId, nonce: Nonce },
-    /// S→C: server nonce and the server's proof.
-    Challenge { nonce: Nonce, proof: Mac },
+    /// C→S, first frame: magic, version, which secret, what the records
+    /// protect, and Noise message 1.
+    Hello { key_id: KeyId, protection: Protection, hello: HelloKey },
+    /// S→C: Noise message 2.
+    Challenge { challenge: ChallengeBytes },
     /// C→S: the client's proof.
-    Proof { proof: Mac },
+    Proof { proof: ProofTag },
     /// S→C: authenticated.
     Welcome,
     /// Either way: a fatal error for this connection or request.
@@ -579,15 +587,13 @@ impl Msg {
         let mut w = W(out);
         use Msg::*;
         match self {
-            Hello { key_id, nonce } => {
+            Hello { key_id, protection, hello } => {
                 w.bytes(&MAGIC);
                 w.bytes(key_id);
-                w.bytes(nonce);
+                w.u8(*protection as u8);
+                w.bytes(hello);
             }
-            Challenge { nonce, proof } => {
-                w.bytes(nonce);
-                w.bytes(proof);
-            }
+            Challenge { challenge } => w.bytes(challenge),
             Proof { proof } => w.bytes(proof),
             Welcome | OpenControl | Ready | Ping | StreamEnd => {}
             Echo { stamp, received, staged, server_received, transfers } => {
@@ -781,12 +787,19 @@ impl Msg {
         use Msg::*;
         let msg = match kind {
             kind::HELLO => {
-                if r.arr::<8>()? != MAGIC {
+                let magic = r.arr::<8>()?;
+                if magic[..7] != MAGIC[..7] {
                     return Err(DecodeError::BadMagic);
                 }
-                Hello { key_id: r.arr()?, nonce: r.arr()? }
+                if magic[7] != MAGIC[7] {
+                    return Err(DecodeError::Version(magic[7]));
+                }
+                let key_id = r.arr()?;
+                let p = r.u8()?;
+                let protection = Protection::from_u8(p).ok_or(DecodeError::Invalid("protection", p as u64))?;
+                Hello { key_id, protection, hello: r.arr()? }
             }
-            kind::CHALLENGE => Challenge { nonce: r.arr()?, proof: r.arr()? },
+            kind::CHALLENGE => Challenge { challenge: r.arr()? },
             kind::PROOF => Proof { proof: r.arr()? },
             kind::WELCOME => Welcome,
             kind::ERROR => Error { kind: r.kind()?, message: r.str()? },
@@ -1028,9 +1041,9 @@ mod tests {
     fn samples() -> Vec<Msg> {
         let meta = FileMeta { path: "d/ü.dat".into(), size: 5, mtime_s: -3, mtime_ns: 7, mode: 0o644 };
         vec![
-            Msg::Hello { key_id: [1; 16], nonce: [2; 32] },
-            Msg::Challenge { nonce: [3; 32], proof: [4; 32] },
-            Msg::Proof { proof: [5; 32] },
+            Msg::Hello { key_id: [1; 16], protection: Protection::Authenticated, hello: [2; 48] },
+            Msg::Challenge { challenge: [3; 48] },
+            Msg::Proof { proof: [5; 16] },
             Msg::Welcome,
             Msg::Error { kind: ErrorKind::Refused, message: "no".into() },
             Msg::OpenControl,

@@ -9,7 +9,9 @@
 //!   panics on hostile input; incomplete input is `Ok(None)`).
 //! * [`phase`] — the messages that may come at each point of a
 //!   conversation, one type per phase.
-//! * [`auth`] — the challenge–response handshake and session keys.
+//! * [`auth`] — the Noise handshake that authenticates a connection and
+//!   gives it keys.
+//! * [`record`] — the sealed records an authenticated connection carries.
 //! * [`digest`] — block checksums and the per-file digest built from them.
 //! * [`path`] — the rules a relative path must follow to cross the wire.
 //! * [`session`] — the protocol's rules as state machines: events in,
@@ -22,6 +24,7 @@ pub mod digest;
 pub mod frame;
 pub mod path;
 pub mod phase;
+pub mod record;
 pub mod session;
 
 pub use frame::{DataHeader, DecodeError, ErrorKind, Msg};

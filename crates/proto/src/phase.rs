@@ -22,9 +22,10 @@
 //! * [`RemoteReport`] S→C while a server sends or pushes for a client;
 //! * [`ToSink`] producer→sink and [`FromSink`] sink→producer in a stream.
 
-use crate::auth::{KeyId, Mac, Nonce};
+use crate::auth::{ChallengeBytes, HelloKey, KeyId, ProofTag};
 use crate::digest::Sum;
 use crate::frame::{EngineParams, FileMeta, Msg, Stats, StepInfo, TicketedHost, TransferOptions};
+use crate::record::Protection;
 use crate::ErrorKind;
 
 /// The messages that may come in one phase of the protocol.
@@ -79,18 +80,18 @@ macro_rules! phase {
 phase! {
     /// C→S: the client's side of authentication.
     ClientHello = "the client's handshake" {
-        /// First frame: which secret, and the client's nonce.
-        Hello { key_id: KeyId, nonce: Nonce },
+        /// First frame: which secret, what the records protect, and Noise message 1.
+        Hello { key_id: KeyId, protection: Protection, hello: HelloKey },
         /// The client's proof.
-        Proof { proof: Mac },
+        Proof { proof: ProofTag },
     }
 }
 
 phase! {
     /// S→C: the server's side of authentication.
     ServerHello = "the server's handshake" {
-        /// The server's nonce and proof.
-        Challenge { nonce: Nonce, proof: Mac },
+        /// Noise message 2: proves the server knows the secret.
+        Challenge { challenge: ChallengeBytes },
         /// Authenticated.
         Welcome {},
         Error { kind: ErrorKind, message: String },

@@ -286,17 +286,14 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     let srv = &handshake.srv;
     let peer = t.peer();
     let net = |e: std::io::Error| Error::network(&peer, &e);
-    let mut r = FrameReader::new(t.split().map_err(net)?);
-    let mut w = FrameWriter::new(t.split().map_err(net)?);
     let watchdog = Watchdog::arm(t.split().map_err(net)?, HANDSHAKE_TIMEOUT);
-    let authenticated =
-        handshake::server(&mut r, &mut w, |id| if *id == TOKEN_KEY_ID { Some(srv.cfg.token.clone()) } else { srv.tickets.secret(id) });
+    let authenticated = handshake::server(t, |id| if *id == TOKEN_KEY_ID { Some(srv.cfg.token.clone()) } else { srv.tickets.secret(id) });
     if watchdog.disarm() {
         let message = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
         return Err(Error::new(ErrorKind::Refused, &peer, message));
     }
     srv.handshakes.lock().expect("handshakes lock").retain(|h| h.id != handshake.id);
-    let (key_id, skey) = match authenticated {
+    let (key_id, a) = match authenticated {
         // A client that went away during the handshake (killed, or giving
         // up on a connection it no longer needs) is not a refusal.
         Err(e) if e.kind == ErrorKind::Unreachable => {
@@ -305,6 +302,7 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
         }
         a => a?,
     };
+    let (t, mut r, mut w, skey) = (a.transport, a.reader, a.writer, a.session_key);
     let Some(_slot) = ConnectionSlot::take(srv) else {
         let max = srv.cfg.max_connections;
         let _ = w.send(Reply::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
@@ -566,7 +564,7 @@ fn control(
                 if data.is_empty() || data.len() != params.streams as usize {
                     return Err(Error::protocol(t.peer(), "the client attached a different number of streams than it asked for"));
                 }
-                let socket = SocketOptions { buffer: options.tcp_buffer, ..SocketOptions::default() };
+                let socket = SocketOptions::of(&options);
                 for d in &data {
                     d.set_options(&socket).map_err(|e| Error::network(t.peer(), &e))?;
                 }
@@ -682,7 +680,7 @@ fn push(
     let progress = Arc::new(Progress::default());
     let streams = (params.streams as usize).clamp(1, 64);
     let attempt = |progress: &Arc<Progress>| -> Result<Stats> {
-        let socket = SocketOptions { buffer: options.tcp_buffer, ..SocketOptions::default() };
+        let socket = SocketOptions::of(&options);
         let links: Vec<HostLink> = session::receive_links(&creds, dest, options, streams, &socket)?;
         send::send(Files::Walk { store: root.clone(), specs: specs.clone() }, links, send_config(srv, options, params, progress.clone()))
     };

@@ -20,8 +20,10 @@
 //!   hostile peers and for holding a session open).
 #![allow(dead_code)]
 
-use dmover_proto::auth::{Key, TOKEN_KEY_ID};
+use dmover_engine::transport::{Sealed, Transport};
+use dmover_proto::auth::{Channel, Initiator, KeyId, Responder, TOKEN_KEY_ID};
 use dmover_proto::frame::{Header, HEADER_LEN};
+use dmover_proto::record::Protection;
 use dmover_proto::{ErrorKind, Msg};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -1049,14 +1051,23 @@ pub fn total_size(root: &Path) -> u64 {
 
 /// A connection that speaks frames by hand.
 pub struct Raw {
+    /// The socket, for tests that act on it directly.
     pub s: TcpStream,
+    /// What frames go through: the socket, or the sealing layer on it
+    /// once the handshake is done.
+    io: Box<dyn Transport>,
 }
 
 impl Raw {
     pub fn connect(addr: &str) -> Raw {
         let s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        Raw { s }
+        Raw::over(s)
+    }
+
+    /// Frames by hand over `s`.
+    pub fn over(s: TcpStream) -> Raw {
+        Raw { io: Box::new(s.try_clone().unwrap()), s }
     }
 
     pub fn bytes(m: &Msg) -> Vec<u8> {
@@ -1069,18 +1080,19 @@ impl Raw {
         self.raw(&Raw::bytes(m));
     }
 
-    /// Writes bytes; a server that already closed the connection is fine.
+    /// Writes bytes (sealed once the handshake is done); a server that
+    /// already closed the connection is fine.
     pub fn raw(&mut self, b: &[u8]) {
-        let _ = self.s.write_all(b);
+        let _ = self.io.write_all(b);
     }
 
     /// The next message, or None once the server has closed the connection.
     pub fn read(&mut self) -> Option<Msg> {
         let mut h = [0u8; HEADER_LEN];
-        self.s.read_exact(&mut h).ok()?;
+        self.io.read_exact(&mut h).ok()?;
         let h = Header::parse(&h).expect("the server sent a bad header");
         let mut body = vec![0u8; h.len as usize];
-        self.s.read_exact(&mut body).ok()?;
+        self.io.read_exact(&mut body).ok()?;
         Some(h.decode_msg(&body).expect("the server sent a bad frame"))
     }
 
@@ -1088,22 +1100,49 @@ impl Raw {
     pub fn wait_closed(&mut self) -> Duration {
         let t = Instant::now();
         let mut buf = [0u8; 4096];
-        while matches!(self.s.read(&mut buf), Ok(n) if n > 0) {}
+        while matches!(self.io.read(&mut buf), Ok(n) if n > 0) {}
         t.elapsed()
     }
 
-    /// Hello, Challenge, Proof with `token`; returns the connection and the
-    /// bytes it sent (to replay them).
+    /// A client's first frame for `secret` (named by `key_id`), and the
+    /// handshake state to go on with.
+    pub fn hello(key_id: KeyId, secret: &[u8]) -> (Initiator, Msg) {
+        let (i, hello) = Initiator::start(&key_id, secret, Protection::Encrypted);
+        (i, Msg::Hello { key_id, protection: Protection::Encrypted, hello })
+    }
+
+    /// From now on, frames travel sealed with `channel`'s keys.
+    pub fn seal(&mut self, channel: Channel) {
+        let s = Box::new(self.s.try_clone().unwrap());
+        self.io = Box::new(Sealed::new(s, channel.sealer, channel.opener, &[]).unwrap());
+    }
+
+    /// Hello, Challenge, Proof with `token`; returns the sealed connection
+    /// and the bytes it sent (to replay them).
     pub fn handshake(addr: &str, token: &[u8]) -> (Raw, Vec<u8>, Vec<u8>) {
         let mut c = Raw::connect(addr);
-        let key = Key::from_secret(token);
-        let cn = [7u8; 32];
-        let hello = Raw::bytes(&Msg::Hello { key_id: TOKEN_KEY_ID, nonce: cn });
+        let (i, hello) = Raw::hello(TOKEN_KEY_ID, token);
+        let hello = Raw::bytes(&hello);
         c.raw(&hello);
-        let Some(Msg::Challenge { nonce: sn, .. }) = c.read() else { panic!("no challenge") };
-        let proof = Raw::bytes(&Msg::Proof { proof: key.client_proof(&cn, &sn) });
+        let Some(Msg::Challenge { challenge }) = c.read() else { panic!("no challenge") };
+        let (channel, proof) = i.finish(&challenge).expect("the server knows the token");
+        let proof = Raw::bytes(&Msg::Proof { proof });
         c.raw(&proof);
+        c.seal(channel);
         (c, hello, proof)
+    }
+
+    /// The server's side of the handshake on an accepted socket, with
+    /// `token`: a server that knows the token.
+    pub fn accept(s: TcpStream, token: &[u8]) -> Raw {
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut c = Raw::over(s);
+        let Some(Msg::Hello { key_id, protection, hello }) = c.read() else { panic!("no hello") };
+        let (r, challenge) = Responder::answer(&key_id, token, protection, &hello).expect("a client with the token");
+        c.send(&Msg::Challenge { challenge });
+        let Some(Msg::Proof { proof }) = c.read() else { panic!("no proof") };
+        c.seal(r.verify(&proof).expect("the client knows the token"));
+        c
     }
 
     /// An authenticated control connection.

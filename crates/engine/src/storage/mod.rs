@@ -25,7 +25,6 @@ use crate::wire::PIECE;
 use dmover_proto::digest::{file_digest, BlockHasher, Sum};
 use dmover_proto::ErrorKind;
 use std::ffi::OsString;
-use std::fs::File;
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
@@ -92,11 +91,6 @@ pub trait ReadFile: Send + Sync {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize>;
     /// The open file's attributes now.
     fn stat(&self) -> io::Result<Stat>;
-    /// The file as a kernel file, for zero-copy sends; None where there is
-    /// no such thing.
-    fn as_file(&self) -> Option<&File> {
-        None
-    }
 }
 
 /// A file open for writing (and reading back what was written).

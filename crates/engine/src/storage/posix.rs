@@ -203,10 +203,6 @@ impl ReadFile for PosixFile {
     fn stat(&self) -> io::Result<Stat> {
         Ok(stat_of(&rustix::fs::fstat(&self.0)?))
     }
-
-    fn as_file(&self) -> Option<&File> {
-        Some(&self.0)
-    }
 }
 
 impl WriteFile for PosixFile {

@@ -10,6 +10,7 @@
 //!   ─────────────────────────────────────────
 //!   layers: each a Transport wrapping the one below
 //!     Paced            --bwlimit: writes wait for a transfer-wide rate
+//!     Sealed           every byte in sealed records (after the handshake)
 //!   ─────────────────────────────────────────
 //!   one byte stream: TcpStream (the network)
 //!                    or UnixStream (a socket pair: two engines in one process)
@@ -20,11 +21,10 @@
 //! `Transport` that holds the one below and passes on what it does not
 //! change (splitting, closing, socket options, the peer's name), so the
 //! code that reads and writes frames never knows how many layers there
-//! are. [`Layers`] is what the sender puts on each of its data connections;
-//! today the only layer is the rate limit ([`Paced`]). Encryption will be
-//! the next one, wrapping the byte stream below the rate limit.
+//! are. [`Sealed`] goes on every connection between hosts once its
+//! handshake is done (see `handshake`); [`Layers`] is what the sender adds
+//! on each of its data connections: the rate limit ([`Paced`]).
 
-use std::fs::File;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::os::unix::io::AsFd;
@@ -33,8 +33,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rustix::io::Errno;
-use rustix::net::{sockopt, SendFlags};
+use dmover_proto::frame::TransferOptions;
+use dmover_proto::record::Protection;
+use rustix::net::sockopt;
+
+mod sealed;
+pub use sealed::Sealed;
 
 /// A byte stream between two dmover endpoints.
 pub trait Transport: Read + Write + Send + Sync + 'static {
@@ -49,14 +53,6 @@ pub trait Transport: Read + Write + Send + Sync + 'static {
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;
     /// The peer, for messages.
     fn peer(&self) -> String;
-    /// Sends `head` and then up to `len` bytes of `file` from `offset`,
-    /// without copying the file's bytes through user space where the
-    /// transport can. Returns how many file bytes went (fewer if the file
-    /// shrank: the caller sends the rest from memory), or `None` if the
-    /// transport cannot (the caller writes everything from memory).
-    fn send_file(&mut self, _head: &[u8], _file: &File, _offset: u64, _len: usize) -> Option<io::Result<usize>> {
-        None
-    }
     /// Applies the socket options of data connections.
     fn set_options(&self, _o: &SocketOptions) -> io::Result<()> {
         Ok(())
@@ -68,14 +64,32 @@ pub trait Transport: Read + Write + Send + Sync + 'static {
     }
 }
 
-/// Options for the sockets of data connections.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Options for data connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SocketOptions {
+    /// What the connection's records protect: encrypted (the default), or
+    /// integrity only (`--no-encrypt`).
+    pub protection: Protection,
     /// SO_SNDBUF and SO_RCVBUF, bytes; 0 keeps the kernel's autotuning.
     pub buffer: u32,
     /// TCP congestion control algorithm (TCP_CONGESTION), e.g. `cubic`;
     /// empty keeps the system's default.
     pub congestion: String,
+}
+
+impl SocketOptions {
+    /// The options of the data connections a server opens for a
+    /// third-party copy, as its client gave them.
+    pub fn of(o: &TransferOptions) -> SocketOptions {
+        let protection = if o.has(TransferOptions::NO_ENCRYPT) { Protection::Authenticated } else { Protection::Encrypted };
+        SocketOptions { protection, buffer: o.tcp_buffer, ..SocketOptions::default() }
+    }
+}
+
+impl Default for SocketOptions {
+    fn default() -> SocketOptions {
+        SocketOptions { protection: Protection::Encrypted, buffer: 0, congestion: String::new() }
+    }
 }
 
 /// Sets the socket buffers and the congestion control `o` asks for.
@@ -105,32 +119,6 @@ fn socket_send_window(fd: impl AsFd) -> u64 {
     sockopt::socket_send_buffer_size(fd).map_or(0, |v| v as u64 / 2)
 }
 
-/// `send_file` for sockets: the head with MSG_MORE (so it shares a packet
-/// with the data), then sendfile(2), which hands page-cache pages to the
-/// socket.
-fn socket_send_file(fd: impl AsFd, head: &[u8], file: &File, offset: u64, len: usize) -> io::Result<usize> {
-    let mut sent = 0;
-    while sent < head.len() {
-        match rustix::net::send(&fd, &head[sent..], SendFlags::MORE | SendFlags::NOSIGNAL) {
-            Ok(n) => sent += n,
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    let mut off = offset;
-    let end = offset + len as u64;
-    while off < end {
-        let want = (end - off) as usize;
-        match rustix::fs::sendfile(&fd, file, Some(&mut off), want) {
-            Ok(0) => break, // the file shrank
-            Ok(_) => {}
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok((off - offset) as usize)
-}
-
 /// The methods every socket type implements the same way.
 macro_rules! socket_transport {
     ($t:ty) => {
@@ -153,9 +141,6 @@ impl Transport for TcpStream {
     socket_transport!(TcpStream);
     fn peer(&self) -> String {
         self.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into())
-    }
-    fn send_file(&mut self, head: &[u8], file: &File, offset: u64, len: usize) -> Option<io::Result<usize>> {
-        Some(socket_send_file(&*self, head, file, offset, len))
     }
     fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
         set_socket_options(self, o)
@@ -240,13 +225,26 @@ impl Read for Paced {
     }
 }
 
+/// Most bytes one paced write lets through: a connection waits for the
+/// bytes it writes next, not for a whole block it may write in pieces.
+const PACED_WRITE: usize = 256 * 1024;
+
 impl Write for Paced {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let buf = &buf[..buf.len().min(PACED_WRITE)];
         self.pacer.write(buf.len(), || self.inner.write(buf))
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let n = bufs.iter().map(|b| b.len()).sum();
-        self.pacer.write(n, || self.inner.write_vectored(bufs))
+        let mut room = PACED_WRITE;
+        let capped: Vec<IoSlice<'_>> = bufs
+            .iter()
+            .map_while(|b| {
+                let n = b.len().min(room);
+                room -= n;
+                (n > 0 || b.is_empty()).then(|| IoSlice::new(&b[..n]))
+            })
+            .collect();
+        self.pacer.write(PACED_WRITE - room, || self.inner.write_vectored(&capped))
     }
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
@@ -268,18 +266,6 @@ impl Transport for Paced {
     }
     fn peer(&self) -> String {
         self.inner.peer()
-    }
-    fn send_file(&mut self, head: &[u8], file: &File, offset: u64, len: usize) -> Option<io::Result<usize>> {
-        let n = head.len() + len;
-        self.pacer.take(n as u64);
-        let r = self.inner.send_file(head, file, offset, len);
-        // What did not go is written next, and paced then.
-        let went = match &r {
-            Some(Ok(sent)) => head.len() + sent,
-            _ => 0,
-        };
-        self.pacer.give_back((n - went) as u64);
-        r
     }
     fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
         self.inner.set_options(o)
@@ -407,41 +393,13 @@ mod tests {
     }
 
     #[test]
-    fn a_file_the_layer_below_cannot_send_is_paced_when_written() {
-        let pacer = Arc::new(Pacer::new(1 << 30));
-        let (a, _b) = UnixStream::pair().unwrap();
-        let mut t = Paced::new(Box::new(a), pacer.clone());
-        let f = tempfile::tempfile().unwrap();
-        assert!(t.send_file(b"head", &f, 0, 100).is_none());
-        assert_eq!(pacer.granted.load(Ordering::Relaxed), 0);
-        t.write_all(b"abc").unwrap();
-        assert_eq!(pacer.granted.load(Ordering::Relaxed), 3);
-    }
-
-    #[test]
-    fn send_file_sends_the_head_then_the_file_through_the_layers() {
-        let (a, b) = tcp_pair();
-        let reader = drain(b);
-        let mut f = tempfile::tempfile().unwrap();
-        f.write_all(b"0123456789").unwrap();
-        let pacer = Arc::new(Pacer::new(1 << 30));
-        let mut t = Paced::new(Box::new(a), pacer.clone());
-        assert_eq!(t.send_file(b"head:", &f, 2, 5).unwrap().unwrap(), 5);
-        // The file is shorter than asked for: what went is said.
-        assert_eq!(t.send_file(b"|", &f, 8, 10).unwrap().unwrap(), 2);
-        assert_eq!(pacer.granted.load(Ordering::Relaxed), 13);
-        t.close();
-        assert_eq!(reader.join().unwrap(), b"head:23456|89");
-    }
-
-    #[test]
     fn socket_options_are_set_and_refused_by_name() {
         let (a, _b) = tcp_pair();
         let t: Box<dyn Transport> = Layers::new(1 << 20).wrap(Box::new(a));
-        t.set_options(&SocketOptions { buffer: 64 << 10, congestion: String::new() }).unwrap();
+        t.set_options(&SocketOptions { buffer: 64 << 10, ..Default::default() }).unwrap();
         // Linux doubles the size asked for; half of it is the window.
         assert_eq!(t.send_window(), 64 << 10);
-        let e = t.set_options(&SocketOptions { buffer: 0, congestion: "no-such-algorithm".into() }).unwrap_err();
+        let e = t.set_options(&SocketOptions { congestion: "no-such-algorithm".into(), ..Default::default() }).unwrap_err();
         assert!(e.to_string().contains("congestion control 'no-such-algorithm' is not available here"), "{e}");
     }
 }

@@ -1,0 +1,310 @@
+//! The sealing layer: every byte an authenticated connection carries, in
+//! sealed records (see `dmover_proto::record`).
+//!
+//! Writes are cut into records of at most `MAX_RECORD` bytes, sealed in
+//! place in one buffer and sent with one system call for up to
+//! [`WRITE_BATCH`] records. Reads take whatever the socket has into a
+//! buffer, open each record in place once it is whole, and hand out its
+//! payload; nothing is handed out before its record's tag is checked. A read
+//! that times out keeps what it has of a record, so the next read goes on.
+//!
+//! The reading and writing halves of one connection (see
+//! [`Transport::split`]) share one sealer and one opener, each behind its
+//! own lock: a record's number is taken and its bytes written under the
+//! same lock, so records go out in the order of their numbers whatever
+//! thread writes them.
+
+use super::{SocketOptions, Transport};
+use dmover_proto::record::{Opener, RecordError, Sealer, HEADER, MAX_RECORD, TAG};
+use std::io::{self, IoSlice, Read, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Records sealed together and written with one system call.
+pub const WRITE_BATCH: usize = 4;
+/// The largest record on the wire.
+const RECORD: usize = HEADER + MAX_RECORD + TAG;
+
+/// A transport whose bytes travel in sealed records.
+pub struct Sealed {
+    inner: Box<dyn Transport>,
+    tx: Arc<Mutex<Tx>>,
+    rx: Arc<Mutex<Rx>>,
+}
+
+struct Tx {
+    sealer: Sealer,
+    /// Records being sealed and written.
+    buf: Vec<u8>,
+    /// A write failed part way: the stream is cut inside a record.
+    broken: bool,
+}
+
+struct Rx {
+    opener: Opener,
+    /// Bytes from the socket: `buf[start..end]`, where the first record
+    /// may already be open (then `plain` is its payload not yet read).
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    plain: std::ops::Range<usize>,
+    /// A record failed its check: nothing more is read.
+    broken: Option<RecordError>,
+}
+
+impl Sealed {
+    /// `inner` with its bytes sealed by `sealer` and opened by `opener`.
+    /// `early` holds bytes already read from `inner` that follow the
+    /// handshake (a client may send its first request right away).
+    pub fn new(inner: Box<dyn Transport>, sealer: Sealer, opener: Opener, early: &[u8]) -> io::Result<Sealed> {
+        let mut buf = vec![0u8; 2 * RECORD].into_boxed_slice();
+        if early.len() > buf.len() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "more bytes after the handshake than one record"));
+        }
+        buf[..early.len()].copy_from_slice(early);
+        let rx = Rx { opener, buf, start: 0, end: early.len(), plain: 0..0, broken: None };
+        let tx = Tx { sealer, buf: Vec::new(), broken: false };
+        Ok(Sealed { inner, tx: Arc::new(Mutex::new(tx)), rx: Arc::new(Mutex::new(rx)) })
+    }
+}
+
+fn refused(e: RecordError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+}
+
+impl Rx {
+    /// The whole record at the start of the buffer, if it has arrived:
+    /// opened, with `plain` set to its payload.
+    fn open_next(&mut self) -> io::Result<bool> {
+        let have = self.end - self.start;
+        if have < HEADER {
+            return Ok(false);
+        }
+        let header: [u8; HEADER] = self.buf[self.start..self.start + HEADER].try_into().expect("a header");
+        let len = Opener::payload_len(header).map_err(|e| self.fail(e))?;
+        let whole = HEADER + len + TAG;
+        if have < whole {
+            // Make room for the rest of the record behind what we have.
+            if self.start + whole > self.buf.len() {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            }
+            return Ok(false);
+        }
+        let at = self.start;
+        self.start += whole;
+        match self.opener.open(&mut self.buf[at..at + whole]) {
+            Ok(_) => {
+                self.plain = at + HEADER..at + HEADER + len;
+                Ok(true)
+            }
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn fail(&mut self, e: RecordError) -> io::Error {
+        self.broken = Some(e.clone());
+        refused(e)
+    }
+}
+
+impl Read for Sealed {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        let mut rx = self.rx.lock().expect("record reader lock");
+        loop {
+            if !rx.plain.is_empty() {
+                let n = out.len().min(rx.plain.len());
+                let from = rx.plain.start;
+                out[..n].copy_from_slice(&rx.buf[from..from + n]);
+                rx.plain.start += n;
+                return Ok(n);
+            }
+            if let Some(e) = &rx.broken {
+                return Err(refused(e.clone()));
+            }
+            if out.is_empty() || rx.open_next()? {
+                if out.is_empty() {
+                    return Ok(0);
+                }
+                continue;
+            }
+            if rx.start == rx.end {
+                rx.start = 0;
+                rx.end = 0;
+            }
+            let end = rx.end;
+            match self.inner.read(&mut rx.buf[end..]) {
+                Ok(0) if rx.start == rx.end => return Ok(0),
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside a record")),
+                Ok(n) => rx.end += n,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl Write for Sealed {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(data)])
+    }
+
+    /// Seals up to [`WRITE_BATCH`] records of what `bufs` hold and writes
+    /// them all; returns how many bytes of `bufs` they carry.
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let mut tx = self.tx.lock().expect("record writer lock");
+        if tx.broken {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "an earlier write on this connection failed"));
+        }
+        let tx = &mut *tx;
+        tx.buf.clear();
+        let mut taken = 0;
+        let mut pieces = bufs.iter().map(|b| &b[..]).filter(|b| !b.is_empty()).peekable();
+        while pieces.peek().is_some() && tx.buf.len() + RECORD <= WRITE_BATCH * RECORD {
+            let at = tx.buf.len();
+            tx.buf.resize(at + HEADER, 0);
+            let mut len = 0;
+            while len < MAX_RECORD {
+                let Some(p) = pieces.peek_mut() else { break };
+                let n = p.len().min(MAX_RECORD - len);
+                tx.buf.extend_from_slice(&p[..n]);
+                len += n;
+                *p = &p[n..];
+                if p.is_empty() {
+                    pieces.next();
+                }
+            }
+            tx.buf.resize(at + HEADER + len + TAG, 0);
+            tx.sealer.seal(&mut tx.buf[at..]).map_err(refused)?;
+            taken += len;
+        }
+        if taken == 0 {
+            return Ok(0);
+        }
+        if let Err(e) = self.inner.write_all(&tx.buf) {
+            tx.broken = true;
+            return Err(e);
+        }
+        Ok(taken)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl Transport for Sealed {
+    fn split(&self) -> io::Result<Box<dyn Transport>> {
+        Ok(Box::new(Sealed { inner: self.inner.split()?, tx: self.tx.clone(), rx: self.rx.clone() }))
+    }
+    fn close(&self) {
+        self.inner.close()
+    }
+    fn close_write(&self) {
+        self.inner.close_write()
+    }
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.inner.set_read_timeout(t)
+    }
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+    fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
+        self.inner.set_options(o)
+    }
+    fn send_window(&self) -> u64 {
+        self.inner.send_window()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dmover_proto::record::Protection;
+    use std::os::unix::net::UnixStream;
+
+    fn pair(p: Protection) -> (Sealed, Sealed, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let tap = b.try_clone().unwrap();
+        let key = [5u8; 32];
+        let a = Sealed::new(Box::new(a), Sealer::new(&key, p), Opener::new(&[6; 32], p), &[]).unwrap();
+        let b = Sealed::new(Box::new(b), Sealer::new(&[6; 32], p), Opener::new(&key, p), &[]).unwrap();
+        (a, b, tap)
+    }
+
+    #[test]
+    fn bytes_cross_in_both_directions_through_split_halves() {
+        let (a, b, _) = pair(Protection::Encrypted);
+        let data: Vec<u8> = (0..3 * MAX_RECORD * WRITE_BATCH + 17).map(|i| (i * 7) as u8).collect();
+        let expect = data.clone();
+        let mut w = a.split().unwrap();
+        let writer = std::thread::spawn(move || {
+            w.write_all(&data).unwrap();
+            assert_eq!(w.write_vectored(&[IoSlice::new(b"he"), IoSlice::new(b""), IoSlice::new(b"llo")]).unwrap(), 5);
+            w.close_write();
+        });
+        let mut r = b.split().unwrap();
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).unwrap();
+        writer.join().unwrap();
+        assert_eq!(&got[..expect.len()], &expect[..]);
+        assert_eq!(&got[expect.len()..], b"hello");
+    }
+
+    #[test]
+    fn a_changed_byte_on_the_wire_is_refused_and_nothing_of_its_record_read() {
+        let (a, _b, mut tap) = pair(Protection::Authenticated);
+        let mut w = a.split().unwrap();
+        w.write_all(b"pay 100 to alice").unwrap();
+        // Take the record off the wire, change it, and deliver it.
+        let mut rec = vec![0u8; HEADER + 16 + TAG];
+        tap.read_exact(&mut rec).unwrap();
+        assert_eq!(&rec[HEADER..HEADER + 16], b"pay 100 to alice", "--no-encrypt sends the payload in the clear");
+        rec[HEADER + 4] = b'9';
+        let (x, y) = UnixStream::pair().unwrap();
+        let mut r = Sealed::new(
+            Box::new(y),
+            Sealer::new(&[0; 32], Protection::Authenticated),
+            Opener::new(&[5; 32], Protection::Authenticated),
+            &[],
+        )
+        .unwrap();
+        (&x).write_all(&rec).unwrap();
+        let mut buf = [0u8; 64];
+        let e = r.read(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("integrity check"), "{e}");
+        assert!(r.read(&mut buf).is_err(), "a connection that failed a check goes on failing");
+    }
+
+    #[test]
+    fn a_huge_announced_record_is_refused_before_it_is_read() {
+        let (x, y) = UnixStream::pair().unwrap();
+        let mut r =
+            Sealed::new(Box::new(y), Sealer::new(&[0; 32], Protection::Encrypted), Opener::new(&[5; 32], Protection::Encrypted), &[])
+                .unwrap();
+        (&x).write_all(&u32::MAX.to_be_bytes()).unwrap();
+        let e = r.read(&mut [0u8; 8]).unwrap_err();
+        assert!(e.to_string().contains("longer than"), "{e}");
+    }
+
+    #[test]
+    fn a_read_that_times_out_inside_a_record_goes_on_later() {
+        let (a, b, _) = pair(Protection::Encrypted);
+        let mut r = b.split().unwrap();
+        r.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        // Half a record, by hand: seal one, send its first half.
+        let mut rec = vec![0u8; HEADER + 5 + TAG];
+        rec[HEADER..HEADER + 5].copy_from_slice(b"later");
+        let mut s = Sealer::new(&[5; 32], Protection::Encrypted);
+        s.seal(&mut rec).unwrap();
+        let mut raw = a.inner.split().unwrap();
+        raw.write_all(&rec[..7]).unwrap();
+        let e = r.read(&mut [0u8; 8]).unwrap_err();
+        assert!(matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), "{e}");
+        raw.write_all(&rec[7..]).unwrap();
+        let mut got = [0u8; 5];
+        r.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"later");
+    }
+}
