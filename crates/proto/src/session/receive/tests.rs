@@ -38,20 +38,43 @@ fn digest(id: u64, size: u64) -> Sum {
 enum Step {
     /// The sender announces file `f` (again, if it did), claiming `extra`
     /// bytes more than it has.
-    Announce { f: u8, extra: u8 },
+    Announce {
+        f: u8,
+        extra: u8,
+    },
     /// Block `b` of file `f` arrives on a data connection.
-    Block { f: u8, b: u8, damaged: bool },
+    Block {
+        f: u8,
+        b: u8,
+        damaged: bool,
+    },
     /// A data frame with an arbitrary header for file `f`.
-    Frame { f: u8, offset: u8, len: u8 },
+    Frame {
+        f: u8,
+        offset: u8,
+        len: u8,
+    },
     /// The sender ends file `f`, with its true digest or not.
-    End { f: u8, true_digest: bool },
-    Abort { f: u8 },
+    End {
+        f: u8,
+        true_digest: bool,
+    },
+    Abort {
+        f: u8,
+    },
     /// The driver answers the oldest preparation; `how` picks the outcome.
-    Prepare { how: u8 },
+    Prepare {
+        how: u8,
+    },
     /// The driver ends the oldest commit, well or not.
-    Commit { ok: bool },
+    Commit {
+        ok: bool,
+    },
     /// A local event about a file the session may not know.
-    Stray { f: u8, what: u8 },
+    Stray {
+        f: u8,
+        what: u8,
+    },
     Echo,
     Finish,
 }
@@ -233,7 +256,10 @@ impl Driver {
                     1 => Outcome::Refused { kind: ErrorKind::Permission, message: "no".into() },
                     // Blocks from an earlier run, some of them stale.
                     2 | 3 => Outcome::Receive {
-                        held: (0..blocks).filter(|b| (b + u64::from(how)) % 3 == 0).map(|b| (b, if how % 8 == 2 { sum(id, b) } else { [9; 16] })).collect(),
+                        held: (0..blocks)
+                            .filter(|b| (b + u64::from(how)) % 3 == 0)
+                            .map(|b| (b, if how % 8 == 2 { sum(id, b) } else { [9; 16] }))
+                            .collect(),
                     },
                     _ => Outcome::Receive { held: vec![] },
                 };
@@ -256,7 +282,8 @@ impl Driver {
                 self.feed(e);
             }
             Step::Echo => {
-                let out = self.feed(Event::Control(ToReceiver::Echo { stamp: 5, received: 0, staged: 0, server_received: 0, transfers: 0 }));
+                let out =
+                    self.feed(Event::Control(ToReceiver::Echo { stamp: 5, received: 0, staged: 0, server_received: 0, transfers: 0 }));
                 assert!(out == vec![Action::Echo { stamp: 5 }] || self.rx.is_over());
             }
             Step::Finish => {
@@ -379,7 +406,11 @@ fn more_files_in_flight_than_any_sender_keeps_end_the_session() {
 
 #[test]
 fn a_file_refused_by_name_or_size_fails_alone() {
-    let mut rx = Receive::new(Config { block_size: 1, discard: false, accept: Some(Arc::new(|p| if p == "no" { Err("not here".into()) } else { Ok(()) })) });
+    let mut rx = Receive::new(Config {
+        block_size: 1,
+        discard: false,
+        accept: Some(Arc::new(|p| if p == "no" { Err("not here".into()) } else { Ok(()) })),
+    });
     rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("../x", 1), digest: None }));
     rx.handle(Event::Control(ToReceiver::Announce { id: 2, meta: meta("no", 1), digest: None }));
     rx.handle(Event::Control(ToReceiver::Announce { id: 3, meta: meta("big", u64::MAX), digest: None }));
