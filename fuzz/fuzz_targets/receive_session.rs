@@ -37,7 +37,9 @@ fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, G
     Ok(Some(match u.int_in_range(0..=13)? {
         0 | 1 => {
             let path = if u.ratio(7, 8)? { format!("d/{id}") } else { u.arbitrary()? };
-            let size = if u.ratio(3, 4)? { u.int_in_range(0..=64)? } else { u.arbitrary()? };
+            // Small, or past any limit (a file of up to the most blocks a
+            // file may have would cost this process its memory, not test more).
+            let size = if u.ratio(3, 4)? { u.int_in_range(0..=64)? } else { u.arbitrary::<u64>()? | 1 << 63 };
             let meta = FileMeta { path, size, mtime_s: 0, mtime_ns: 0, mode: u.arbitrary()? };
             let digest = if u.arbitrary()? { Some(sum(u)?) } else { None };
             Event::Control(ToReceiver::Announce { id, meta, digest })
@@ -65,7 +67,7 @@ fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, G
         // A data frame with any header, admitted by the file's gate as the
         // engine's data connections do.
         8..=10 => {
-            let offset = if u.ratio(3, 4)? { small(u)? * block_size } else { u.arbitrary()? };
+            let offset = if u.ratio(3, 4)? { small(u)?.wrapping_mul(block_size) } else { u.arbitrary()? };
             let len: u32 = if u.ratio(3, 4)? { u.int_in_range(0..=block_size as u32)? } else { u.arbitrary()? };
             if check_header(block_size, offset, len).is_err() {
                 return Ok(None);

@@ -183,8 +183,9 @@ pub struct Totals {
 
 impl Totals {
     fn add(&mut self, path: &str, size: u64, digest: &Sum) {
-        self.files += 1;
-        self.bytes += size;
+        // Saturating: a sender may claim sizes whose sum does not fit.
+        self.files = self.files.saturating_add(1);
+        self.bytes = self.bytes.saturating_add(size);
         self.set.add(path, size, digest);
     }
 }
