@@ -1,4 +1,4 @@
-//! The dmover wire format, with no I/O.
+//! The dmover wire format and protocol rules, with no I/O.
 //!
 //! Everything two dmover endpoints say to each other is a [`frame`]: an
 //! eight-byte header and a body. Control frames carry a [`Msg`]; data frames
@@ -14,6 +14,8 @@
 //! * [`record`] — the sealed records an authenticated connection carries.
 //! * [`digest`] — block checksums and the per-file digest built from them.
 //! * [`path`] — the rules a relative path must follow to cross the wire.
+//! * [`session`] — the protocol's rules as state machines: events in,
+//!   actions out, no I/O.
 //!
 //! The protocol is described for people in `docs/PROTOCOL.md`.
 
@@ -23,6 +25,7 @@ pub mod frame;
 pub mod path;
 pub mod phase;
 pub mod record;
+pub mod session;
 
 pub use frame::{DataHeader, DecodeError, ErrorKind, Msg};
 pub use phase::Phase;

@@ -1,0 +1,505 @@
+//! The receiving end's owner thread: it holds the session
+//! (`dmover_proto::session::receive::Receive`) and everything only it
+//! changes — the control connection's writing half, the data connections,
+//! the destination's layout — and is fed by one event channel: control
+//! messages (from a thread reading the control connection), data
+//! connections as they attach, and what the workers did. It carries out
+//! the session's actions; the per-file decisions that need the disk (is
+//! the file already there? a partial file to resume?) are made here, the
+//! per-block work is the workers'.
+
+use super::workers::{self, FileIo, Input, Paths, Shared, Slot, WriteJob};
+use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, WRITE_QUEUE};
+use crate::error::{Error, Result};
+use crate::journal::{self, Journal};
+use crate::pool::Pool;
+use crate::source::PART_SUFFIX;
+use crate::storage::digest_of;
+use crate::transport::{SocketOptions, Transport};
+use crate::wire::{FrameReader, FrameWriter, Incoming};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use dmover_proto::digest::Sum;
+use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::phase::{ToReceiver, ToSender};
+use dmover_proto::session::receive::{self, Action, Event, Outcome, Receive, Subject};
+use dmover_proto::ErrorKind;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::Duration;
+
+/// How often the thread handing over data connections looks at the stop flag.
+const POLL: Duration = Duration::from_millis(50);
+
+/// Runs a prepared receiving end until the sender finishes or the session
+/// fails; see [`Prepared::run`].
+pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
+    let Prepared { cfg, dest_dir, may_be_file, layout } = p;
+    let opts = cfg.options;
+    let block_size = opts.block_size as u64;
+    let peer = control.peer();
+    control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(&peer, &e))?;
+    let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?)));
+    let (events, inputs) = crossbeam_channel::unbounded::<Input>();
+    let (commits, verified) = crossbeam_channel::unbounded::<Arc<Slot>>();
+    let sync_dir = OnceLock::new();
+    if let Some(l) = &layout {
+        let _ = sync_dir.set(l.state_dir.clone());
+    }
+    let sh = Arc::new(Shared {
+        options: opts,
+        block_size,
+        store: cfg.store,
+        dest_dir,
+        sync_dir,
+        slots: RwLock::new(HashMap::new()),
+        events,
+        commits,
+        pool: Pool::new(cfg.staging, block_size as usize, 4),
+        queued: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+        received: AtomicU64::new(0),
+        receiving: Receiving::new(cfg.intake),
+    });
+    let _pinger = Pinger::start(ctl.clone(), super::ping_interval(cfg.idle_timeout));
+    // One queue per writer, and a file's blocks always go to the same
+    // writer: writers to one file would only contend for its inode lock.
+    let mut wtx = Vec::new();
+    let mut threads = Vec::new();
+    for _ in 0..cfg.writers.max(1) {
+        let (tx, rx) = crossbeam_channel::bounded::<WriteJob>(WRITE_QUEUE);
+        wtx.push(tx);
+        let sh = sh.clone();
+        threads.push(std::thread::spawn(move || workers::writer(&sh, rx)));
+    }
+    {
+        let sh = sh.clone();
+        threads.push(std::thread::spawn(move || workers::committer(&sh, &verified)));
+    }
+    {
+        let sh = sh.clone();
+        threads.push(std::thread::spawn(move || loop {
+            match streams.recv_timeout(POLL) {
+                Ok(c) => {
+                    let _ = sh.events.send(Input::Stream(c));
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
+                Err(_) => return,
+            }
+        }));
+    }
+    let ctl_handle = control.split().map_err(|e| Error::network(&peer, &e))?;
+    {
+        let events = sh.events.clone();
+        std::thread::spawn(move || read_control(control, &events));
+    }
+    let session = Receive::new(receive::Config { block_size, discard: opts.has(TransferOptions::DISCARD), accept: cfg.accept });
+    let mut owner = Owner {
+        sh: sh.clone(),
+        session,
+        ctl,
+        peer,
+        wtx: wtx.into(),
+        conns: Vec::new(),
+        fatal: None,
+        dest_label: cfg.dest,
+        may_be_file,
+        layout,
+        dirs: HashSet::new(),
+        preparing: HashMap::new(),
+        queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
+    };
+    let result = owner.run(&inputs);
+    if result.as_ref().is_err_and(|e| e.kind != ErrorKind::Unreachable) {
+        crate::transport::linger(ctl_handle.as_ref());
+    }
+    sh.stop.store(true, Ordering::SeqCst);
+    owner.conns.iter().for_each(|c| c.close());
+    sh.pool.close();
+    // Nothing more is admitted; writers finish what is queued, so
+    // completed blocks reach the journal.
+    sh.slots.write().expect("slots lock").clear();
+    let Owner { wtx, layout, .. } = owner;
+    drop(wtx);
+    for t in threads {
+        let _ = t.join();
+    }
+    // Nothing more is written: let the next run of this transfer in.
+    drop(layout);
+    result
+}
+
+/// Reads the control connection for the owner, up to the sender's last
+/// word (`Finish`, or an error): what follows belongs to whoever opened the
+/// connection (a server's report, at a client that downloads). What one
+/// read brought goes to the owner together, so that its replies go out
+/// together.
+fn read_control(control: Box<dyn Transport>, events: &Sender<Input>) {
+    let mut r = FrameReader::new(control);
+    let mut batch = Vec::new();
+    loop {
+        let lost = match r.read::<ToReceiver>() {
+            Ok(Incoming::Msg(m)) => {
+                let last = matches!(m, ToReceiver::Finish { .. } | ToReceiver::Error { .. });
+                batch.push(Event::Control(m));
+                if !last && r.buffered() > 0 {
+                    continue;
+                }
+                if events.send(Input::Batch(std::mem::take(&mut batch))).is_err() || last {
+                    return;
+                }
+                continue;
+            }
+            Ok(Incoming::Data(_)) => Error::protocol(r.peer(), "data frame on the control connection"),
+            Err(e) => e,
+        };
+        let _ = events.send(Input::Batch(batch));
+        let _ = events.send(Input::ControlLost(lost));
+        return;
+    }
+}
+
+/// The owner thread's state.
+struct Owner {
+    sh: Arc<Shared>,
+    session: Receive,
+    /// The control connection's writing half; the pinger shares it.
+    ctl: Arc<Mutex<FrameWriter>>,
+    /// The control connection's peer, for messages.
+    peer: String,
+    /// The writers' queues, for data connections that attach.
+    wtx: Arc<[Sender<WriteJob>]>,
+    /// Every data connection, to close them when the session ends.
+    conns: Vec<Box<dyn Transport>>,
+    /// The first fatal error, once the sender was told.
+    fatal: Option<Error>,
+    /// The destination as the user named it (for messages).
+    dest_label: String,
+    may_be_file: bool,
+    /// Settled before the session or by the first announcement.
+    layout: Option<Layout>,
+    /// Directories known to exist below the destination.
+    dirs: HashSet<PathBuf>,
+    /// Files looked at and to be received, until the session opens them.
+    preparing: HashMap<u64, (Paths, FileIo)>,
+    /// Blocks the writers' queues hold at most.
+    queue_capacity: usize,
+}
+
+impl Owner {
+    fn run(&mut self, inputs: &Receiver<Input>) -> Result<RecvSummary> {
+        loop {
+            let input = match inputs.try_recv() {
+                Ok(i) => i,
+                Err(TryRecvError::Empty) => {
+                    // Replies go out together once what came so far is answered.
+                    self.flush();
+                    if let Some(e) = self.fatal.take() {
+                        return Err(e);
+                    }
+                    inputs.recv().expect("the owner holds a sender")
+                }
+                Err(TryRecvError::Disconnected) => unreachable!("the owner holds a sender"),
+            };
+            let end = match input {
+                Input::Session(e) => self.hear(e),
+                Input::Batch(es) => es.into_iter().find_map(|e| self.hear(e)),
+                Input::Stream(c) => {
+                    self.attach(c);
+                    None
+                }
+                Input::Broken(e) => {
+                    self.fail(e);
+                    None
+                }
+                Input::ControlLost(e) => Some(Err(e)),
+            };
+            if let Some(end) = end {
+                return end;
+            }
+            if let Some(e) = self.fatal.take() {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Gives the session an event and carries out what it says; returns
+    /// the session's result when it ends.
+    fn hear(&mut self, e: Event) -> Option<Result<RecvSummary>> {
+        self.session.handle(e);
+        while let Some(a) = self.session.poll() {
+            if let Some(end) = self.act(a) {
+                return Some(end);
+            }
+            if let Some(e) = self.fatal.take() {
+                return Some(Err(e));
+            }
+        }
+        None
+    }
+
+    /// Carries out one action; returns the session's result when it ends.
+    fn act(&mut self, a: Action) -> Option<Result<RecvSummary>> {
+        match a {
+            Action::Send(m) => self.queue(m),
+            Action::Prepare { id, meta, digest } => {
+                if let Some(outcome) = self.look(id, &meta, digest) {
+                    self.session.handle(Event::Prepared { id, outcome });
+                }
+            }
+            Action::Open { id, gate } => {
+                let (paths, io) = self.preparing.remove(&id).unwrap_or_else(|| (Paths::default(), FileIo::fresh()));
+                let slot = Arc::new(Slot { id, gate, paths, io: Mutex::new(io) });
+                self.sh.slots.write().expect("slots lock").insert(id, slot);
+            }
+            Action::Rejournal { id, held } => {
+                if let Some(slot) = self.slot(id) {
+                    slot.rejournal(&self.sh, &held);
+                }
+            }
+            Action::Commit { id, .. } => {
+                if let Some(slot) = self.slot(id) {
+                    // The committer lives as long as the session, so the channel is open.
+                    let _ = self.sh.commits.send(slot);
+                }
+            }
+            Action::Close { id } => {
+                self.sh.slots.write().expect("slots lock").remove(&id);
+            }
+            Action::Remove { id } => {
+                let slot = self.sh.slots.write().expect("slots lock").remove(&id);
+                if let Some(slot) = slot {
+                    slot.remove(&self.sh);
+                }
+            }
+            Action::Refuse { id, kind, subject, message } => {
+                let subject = match subject {
+                    Subject::Said(s) => s,
+                    Subject::Path(p) => self.name(&p),
+                };
+                if kind == ErrorKind::Refused {
+                    log::warn!("refused {subject}: {message}");
+                }
+                self.queue(ToSender::Failed { id, kind, subject, message });
+            }
+            Action::Echo { stamp } => {
+                let intake = &self.sh.receiving.0;
+                self.queue(ToSender::Echo {
+                    stamp,
+                    received: self.sh.received.load(Ordering::Relaxed),
+                    staged: (self.sh.queued.load(Ordering::Relaxed) * 100 / self.queue_capacity).min(100) as u8,
+                    server_received: intake.received.load(Ordering::Relaxed),
+                    transfers: intake.transfers.load(Ordering::Relaxed),
+                });
+            }
+            Action::Finish(t) => return Some(self.finish(t)),
+            Action::Violation(why) => self.fail(Error::protocol(&self.peer, why)),
+            Action::Fatal { kind, path, message } => self.fail(Error::new(kind, self.name(&path), message)),
+            Action::PeerFailed { kind, message } => return Some(Err(Error::new(kind, &self.peer, message))),
+        }
+        None
+    }
+
+    fn slot(&self, id: u64) -> Option<Arc<Slot>> {
+        self.sh.slots.read().expect("slots lock").get(&id).cloned()
+    }
+
+    /// The sender is finished: the transfer's resume state goes, and the
+    /// totals are confirmed.
+    fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
+        self.sh.stop.store(true, Ordering::SeqCst);
+        if let Some(l) = &self.layout {
+            let _ = self.sh.store.remove(&l.marker);
+            let _ = self.sh.store.remove_dir(&l.state_dir);
+        }
+        self.ctl.lock().expect("control lock").send(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
+        Ok(t)
+    }
+
+    /// Takes a data connection that attached: its reader thread starts.
+    fn attach(&mut self, conn: Box<dyn Transport>) {
+        if self.sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let socket = SocketOptions { buffer: self.sh.options.tcp_buffer, ..SocketOptions::default() };
+        if let Err(e) = conn.set_options(&socket) {
+            log::warn!("{}: socket options: {e}", conn.peer());
+        }
+        match conn.split() {
+            Ok(c) => self.conns.push(c),
+            Err(e) => return self.fail(Error::network(conn.peer(), &e)),
+        }
+        let (sh, wtx) = (self.sh.clone(), self.wtx.clone());
+        std::thread::spawn(move || workers::data_stream(&sh, conn, &wtx));
+    }
+
+    /// A reply, sent when the owner runs out of things to do.
+    fn queue(&mut self, m: ToSender) {
+        let queued = self.ctl.lock().expect("control lock").queue(m);
+        if let Err(e) = queued {
+            self.fail(e);
+        }
+    }
+
+    fn flush(&mut self) {
+        let flushed = self.ctl.lock().expect("control lock").flush();
+        if let Err(e) = flushed {
+            self.fail(e);
+        }
+    }
+
+    /// Ends the session: tells the sender why (best effort) and closes every connection.
+    fn fail(&mut self, e: Error) {
+        // A lost connection during our own shutdown is no error; and a real
+        // cause (a full disk) beats a lost connection, whichever came first.
+        let lost = e.kind == ErrorKind::Unreachable;
+        let first = match &self.fatal {
+            None => !lost || !self.sh.stop.load(Ordering::SeqCst),
+            Some(old) => old.kind == ErrorKind::Unreachable && !lost,
+        };
+        self.sh.stop.store(true, Ordering::SeqCst);
+        self.conns.iter().for_each(|c| c.close());
+        if let Ok(mut w) = self.ctl.lock() {
+            if first && !lost {
+                // Say why, and leave the connection readable: closing it
+                // with the sender's messages unread would reset it and could
+                // destroy our message before the sender reads it.
+                let _ = w.send(ToSender::Error { kind: e.kind, message: e.to_string() });
+                w.close_write();
+            } else {
+                w.close();
+            }
+        }
+        if first {
+            self.fatal = Some(e);
+        }
+    }
+
+    /// How to name `rel` (a path within the transfer) in messages: the
+    /// export path at a server, the local path at a client.
+    fn name(&self, rel: &str) -> String {
+        if self.sh.store.is_confined() {
+            self.sh.store.display(Path::new(&dmover_proto::path::join(&self.dest_label, rel)))
+        } else {
+            self.sh.dest_dir.join(rel).display().to_string()
+        }
+    }
+
+    /// Looks at the destination for an announced file: whether it is
+    /// there already, which blocks a partial file of an earlier run holds,
+    /// or makes an empty directory. None if nothing can be received here
+    /// at all (the session then ends).
+    fn look(&mut self, id: u64, meta: &FileMeta, digest: Option<Sum>) -> Option<Outcome> {
+        let sh = self.sh.clone();
+        let lone = !meta.path.contains('/');
+        if self.layout.is_none() {
+            let (parent, dest_file) = if self.may_be_file && lone {
+                (sh.dest_dir.parent().map(Path::to_path_buf).unwrap_or_default(), Some(sh.dest_dir.clone()))
+            } else {
+                (sh.dest_dir.clone(), None)
+            };
+            match Layout::settle(&sh.store, &parent, dest_file, &sh.options.transfer_id) {
+                Ok(l) => {
+                    let _ = sh.sync_dir.set(l.state_dir.clone());
+                    self.layout = Some(l);
+                }
+                Err(e) => {
+                    self.fail(Error::io(self.name(""), &e));
+                    return None;
+                }
+            }
+        }
+        let l = self.layout.as_ref().expect("settled above");
+        let (state_dir, resuming) = (l.state_dir.clone(), l.resuming);
+        let final_path = match (&l.dest_file, lone) {
+            (Some(p), true) => p.clone(),
+            _ => match self.prepare_parent(&meta.path) {
+                Ok(p) => p,
+                Err(e) => return Some(Outcome::Refused { kind: e.kind, message: e.message }),
+            },
+        };
+        let look = sh.options.has(TransferOptions::SYNC) || resuming;
+        if meta.is_dir() {
+            return Some(make_dir(&sh, meta, &final_path, look));
+        }
+        // Already there?
+        if look {
+            if let Ok(m) = sh.store.stat(&final_path) {
+                let same = m.is_file()
+                    && m.size == meta.size
+                    && if let (Some(d), true) = (digest, sh.options.has(TransferOptions::CHECKSUM)) {
+                        digest_of(sh.store.as_ref(), &final_path, sh.block_size).is_ok_and(|x| x == d)
+                    } else {
+                        m.mtime == (meta.mtime_s, meta.mtime_ns)
+                    };
+                if same {
+                    // A partial file an interrupted later run left for it is stale.
+                    let _ = sh.store.remove(&temp_name(&final_path));
+                    let _ = sh.store.remove(&journal::path_for(&state_dir, &meta.path));
+                    log::debug!("{}: already there", meta.path);
+                    return Some(Outcome::Present);
+                }
+            }
+        }
+        let blocks = meta.size.div_ceil(sh.block_size);
+        let mut paths = Paths { meta: Some(meta.clone()), temp: temp_name(&final_path), dest: final_path, journal: None };
+        let mut held = Vec::new();
+        let mut io = FileIo::fresh();
+        if blocks > 1 {
+            let jp = journal::path_for(&state_dir, &meta.path);
+            if is_own_partial(&sh, &paths.temp) {
+                if let Some(recs) = journal::load(sh.store.as_ref(), &jp, meta, sh.block_size as u32, blocks) {
+                    log::debug!("{}: resumed, {} of {blocks} blocks held", meta.path, recs.len());
+                    held = recs;
+                    io = FileIo::resumed(Journal::append(sh.store.as_ref(), &jp).ok());
+                }
+            }
+            paths.journal = Some(jp);
+        }
+        self.preparing.insert(id, (paths, io));
+        Some(Outcome::Receive { held })
+    }
+
+    /// Resolves `rel`'s final path and makes its parent directory exist, with
+    /// no symlink on the way (in an export).
+    ///
+    /// Known directories are remembered only to save making them again: every
+    /// later operation resolves its path beneath the export afresh, so a
+    /// directory swapped for a symlink since then is refused, never followed.
+    fn prepare_parent(&mut self, rel: &str) -> Result<PathBuf> {
+        let final_path = self.sh.dest_dir.join(rel);
+        let parent = final_path.parent().expect("a joined path has a parent").to_path_buf();
+        if parent != self.sh.dest_dir && !self.dirs.contains(&parent) {
+            self.sh.store.make_dirs(&parent).map_err(|e| Error::io(self.name(rel), &e))?;
+            self.dirs.insert(parent);
+        }
+        Ok(final_path)
+    }
+}
+
+/// Creates a directory that was empty at the source, with its mode. When
+/// `look` (`--sync`, or a resumed run) and it is already there with that
+/// mode, it is skipped like an unchanged file, untouched.
+fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
+    let mode = dmover_proto::frame::permission_bits(meta.mode);
+    if look && sh.store.stat(path).is_ok_and(|m| m.is_dir() && m.mode == mode) {
+        return Outcome::Present;
+    }
+    match sh.store.make_dir(path, mode) {
+        Ok(()) => Outcome::Made,
+        Err(e) => Outcome::Refused { kind: crate::error::classify(&e), message: e.to_string() },
+    }
+}
+
+fn temp_name(final_path: &Path) -> PathBuf {
+    let name = final_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    final_path.with_file_name(format!(".{name}{PART_SUFFIX}"))
+}
+
+/// Whether `temp` is a partial file this end could have written: a regular
+/// file with no other name. Anything else (a symlink or a hard link planted
+/// there) is not resumed but replaced, so nothing is written through it.
+fn is_own_partial(sh: &Shared, temp: &Path) -> bool {
+    sh.store.stat(temp).is_ok_and(|m| m.is_file() && m.nlink == 1)
+}

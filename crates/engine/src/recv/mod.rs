@@ -1,0 +1,276 @@
+//! The receiving end of a transfer.
+//!
+//! One control connection carries announcements in and plans and
+//! confirmations out; any number of data connections (they may attach at
+//! any time) carry blocks in. The protocol's rules and the state of every
+//! file in flight live in a sans-I/O session
+//! (`dmover_proto::session::receive`); this module runs it:
+//!
+//! * [`driver`]: one owner thread holds the session and is fed by one
+//!   event channel. It looks at the destination for each announced file —
+//!   nothing to ask for if it is already there (`--sync`, or a resumed
+//!   transfer), the missing blocks of a journaled partial file, or all —
+//!   and carries out the session's decisions: replies, files opened for
+//!   writing, re-journaled, committed or removed.
+//! * [`workers`]: the I/O, which reports back to the owner as events. One
+//!   thread per data connection reads a block into a staging block, admits
+//!   it through its file's gate, checks its checksum (a damaged block is
+//!   reported, and asked for again) and queues it for a writer; writer
+//!   threads write blocks at their offsets into the file's temporary name
+//!   and journal them; the committer takes verified files in batches: it
+//!   sets each one's mode and mtime, makes their data durable, renames them
+//!   into place, makes the names durable, and only then reports them
+//!   committed (and the owner confirms them, `Done`). One file-system sync
+//!   serves a whole batch's data and the names of the batch before it, so
+//!   many small files cost a few syncs, not two each (`--no-fsync` skips
+//!   the syncs). The writers have the kernel start writing each block back
+//!   as soon as it is written, so a sync finds little left to do.
+//!
+//! Blocks never pass through the owner: it hears of each one only once it
+//! is written. Staging blocks come from one pool, so a slow disk stalls
+//! the network readers (and through TCP, the sender) instead of growing
+//! memory. Each writer's queue holds at most [`WRITE_QUEUE`] blocks: when
+//! the writers fall behind, the readers wait rather than fill the whole
+//! pool, so the few blocks in use are reused while still in the CPU's
+//! cache. How full those queues are is what the sender's tuner hears as
+//! "staged".
+
+mod driver;
+mod workers;
+
+use crate::error::{Error, Result};
+use crate::source::STATE_DIR;
+use crate::storage::Store;
+use crate::transport::Transport;
+use crate::wire::FrameWriter;
+use crossbeam_channel::Receiver;
+use dmover_proto::frame::TransferOptions;
+use dmover_proto::{ErrorKind, Msg};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub use dmover_proto::session::receive::{NameCheck, MAX_DAMAGED};
+
+/// What one server takes in across all of its receiving sessions, reported
+/// to each sender's tuner so that transfers sharing the server can balance.
+#[derive(Debug, Default)]
+pub struct Intake {
+    /// Payload bytes taken off data connections, all sessions.
+    received: AtomicU64,
+    /// Sessions receiving now.
+    transfers: AtomicU32,
+}
+
+/// Counts a session among those receiving while it lives.
+struct Receiving(Arc<Intake>);
+
+impl Receiving {
+    fn new(intake: Arc<Intake>) -> Receiving {
+        intake.transfers.fetch_add(1, Ordering::Relaxed);
+        Receiving(intake)
+    }
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.0.transfers.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Where and how to receive.
+pub struct RecvConfig {
+    /// Where files go: an export (every path confined beneath it), or the
+    /// local file system.
+    pub store: Store,
+    /// The destination directory (or file, see [`DEST_MAY_BE_FILE`]) in `store`.
+    pub dest: String,
+    pub options: TransferOptions,
+    /// Staging memory for blocks between network and disk.
+    pub staging: u64,
+    /// Threads writing to disk.
+    pub writers: usize,
+    /// A control connection silent this long is considered dead.
+    pub idle_timeout: Duration,
+    /// The intake of the server this session belongs to (a fresh one for a
+    /// receiver of its own).
+    pub intake: Arc<Intake>,
+    /// Which announced names to take (None: any that stays below `dest`).
+    pub accept: Option<NameCheck>,
+}
+
+/// Blocks waiting for one writer, at most.
+pub const WRITE_QUEUE: usize = 4;
+
+/// Flag in [`TransferOptions::flags`]: the sources are one file or one
+/// directory; if `dest` is not an existing directory, a lone file (a path
+/// with no `/`) is written as `dest` itself, as `cp a b` does.
+pub const DEST_MAY_BE_FILE: u32 = 16;
+
+/// What the receiver committed.
+pub use dmover_proto::session::receive::Totals as RecvSummary;
+
+/// Sends `Ping` on a shared control writer every `every` until dropped, so
+/// the peer's idle timeout does not fire during long quiet stretches.
+pub struct Pinger {
+    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl Pinger {
+    pub fn start(ctl: Arc<Mutex<FrameWriter>>, every: Duration) -> Pinger {
+        let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let s = stop.clone();
+        std::thread::spawn(move || {
+            let (lock, cv) = &*s;
+            let mut stopped = lock.lock().expect("pinger lock");
+            loop {
+                let (g, _) = cv.wait_timeout(stopped, every).expect("pinger lock");
+                stopped = g;
+                if *stopped || ctl.lock().expect("control lock").send(Msg::Ping).is_err() {
+                    return;
+                }
+            }
+        });
+        Pinger { stop }
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        *self.stop.0.lock().expect("pinger lock") = true;
+        self.stop.1.notify_all();
+    }
+}
+
+/// How often an endpoint pings its peer, given its own idle timeout. The
+/// peer's idle timeout is its own setting (`dmover serve --idle-timeout`)
+/// and may be much shorter, so pings go at least every second: a quiet
+/// control connection must never look idle while data flows.
+pub fn ping_interval(idle: Duration) -> Duration {
+    (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
+/// Where a transfer's files and resume state go. Settled by the first
+/// announcement when the destination may be a file.
+struct Layout {
+    /// The destination file itself, when a lone file is written as DEST.
+    dest_file: Option<PathBuf>,
+    state_dir: PathBuf,
+    /// Exists while this transfer is incomplete.
+    marker: PathBuf,
+    /// The marker existed: an earlier run of this transfer was interrupted.
+    resuming: bool,
+    /// This run's place in [`RUNS`], held while it receives.
+    _run: Running,
+}
+
+impl Layout {
+    /// Creates the state directory and marker under `parent`, once no
+    /// earlier run of this transfer in this process is still writing there.
+    fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
+        let state_dir = parent.join(STATE_DIR);
+        let marker = state_dir.join(format!("transfer-{}", hex::encode(transfer_id)));
+        let run = Running::enter(store, &marker)?;
+        store.make_dirs(&state_dir)?;
+        let resuming = store.stat(&marker).is_ok();
+        if !resuming {
+            store.create(&marker)?;
+        }
+        Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
+    }
+}
+
+/// The runs of transfers receiving in this process, by marker path; a run
+/// that ends signals the condition variable. A re-run started right after
+/// an interrupted one (its sender gone, its writers still emptying their
+/// queues) must not write the same partial files at the same time, so it
+/// waits until the earlier run has stopped writing. (Per process: several
+/// servers writing one transfer into a shared file system are one run,
+/// each sending its own files.)
+static RUNS: (Mutex<Vec<String>>, std::sync::Condvar) = (Mutex::new(Vec::new()), std::sync::Condvar::new());
+
+/// How long a run waits for an earlier run of the same transfer to finish
+/// writing.
+const RUN_WAIT: Duration = Duration::from_secs(30);
+
+/// A run's entry in [`RUNS`] (its marker's name), removed when dropped.
+struct Running(String);
+
+impl Running {
+    fn enter(store: &Store, marker: &Path) -> std::io::Result<Running> {
+        let marker = store.display(marker);
+        let (lock, cv) = &RUNS;
+        let deadline = std::time::Instant::now() + RUN_WAIT;
+        let mut runs = lock.lock().expect("runs lock");
+        if runs.contains(&marker) {
+            log::info!("{marker}: waiting for an earlier run of this transfer to finish writing");
+        }
+        while runs.contains(&marker) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                let msg = format!("an earlier run of this transfer is still writing here after {} s", RUN_WAIT.as_secs());
+                return Err(std::io::Error::new(std::io::ErrorKind::WouldBlock, msg));
+            }
+            runs = cv.wait_timeout(runs, left).expect("runs lock").0;
+        }
+        runs.push(marker.clone());
+        Ok(Running(marker))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let (lock, cv) = &RUNS;
+        lock.lock().expect("runs lock").retain(|p| *p != self.0);
+        cv.notify_all();
+    }
+}
+
+/// A receiving end whose destination has been checked, ready to [`run`](Prepared::run).
+pub struct Prepared {
+    cfg: RecvConfig,
+    dest_dir: PathBuf,
+    /// The destination is not a directory (yet) and may receive a lone file.
+    may_be_file: bool,
+    layout: Option<Layout>,
+}
+
+/// Checks and prepares the destination, so that problems (a read-only or
+/// missing directory, a path outside the export) are reported before a
+/// session starts.
+pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
+    let block_size = cfg.options.block_size as u64;
+    if block_size == 0 || block_size > dmover_proto::frame::MAX_BLOCK as u64 {
+        return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
+    }
+    crate::storage::check_path(cfg.store.as_ref(), &cfg.dest)?;
+    let dest_dir = PathBuf::from(&cfg.dest);
+    let label = cfg.store.display(&dest_dir);
+    let may_be_file = cfg.options.has(DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
+    let mut layout = None;
+    if !cfg.options.has(TransferOptions::DISCARD) {
+        if may_be_file {
+            // Whether DEST is the file or its directory is settled by the first file.
+            let parent = dest_dir.parent().map(Path::to_path_buf).unwrap_or_default();
+            cfg.store.make_dirs(&parent).map_err(|e| Error::io(&label, &e))?;
+        } else {
+            cfg.store.make_dirs(&dest_dir).map_err(|e| Error::io(&label, &e))?;
+            layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id).map_err(|e| Error::io(&label, &e))?);
+        }
+    }
+    Ok(Prepared { cfg, dest_dir, may_be_file, layout })
+}
+
+/// Receives one transfer. `control` is the control connection; data
+/// connections arrive on `streams`. Returns when the sender finishes (or on
+/// a fatal error); partial files stay journaled for a later resume.
+pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>, cfg: RecvConfig) -> Result<RecvSummary> {
+    prepare(cfg)?.run(control, streams)
+}
+
+impl Prepared {
+    pub fn run(self, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
+        driver::run(self, control, streams)
+    }
+}

@@ -1,0 +1,389 @@
+//! The receiving end's workers, on the per-block path: a reader per data
+//! connection, the disk writers and the committer. They do the I/O and
+//! report what they did to the owner thread as events; they decide
+//! nothing about the protocol beyond admitting a block through its file's
+//! [`Gate`](dmover_proto::session::receive::Gate).
+
+use crate::error::{classify, Error};
+use crate::journal::Journal;
+use crate::pool::{Block, Pool};
+use crate::storage::{Attrs, Store, WriteFile};
+use crate::transport::Transport;
+use crate::wire::{FrameReader, Incoming};
+use crossbeam_channel::{Receiver, Sender};
+use dmover_proto::digest::Sum;
+use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::phase::OnData;
+use dmover_proto::session::receive::{check_header, Event, Gate};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::Duration;
+
+use super::Receiving;
+
+/// How often an idle committer looks at the stop flag.
+const POLL: Duration = Duration::from_millis(50);
+/// Verified files the committer makes durable and renames together, at
+/// most: enough that small files share their syncs, few enough that the
+/// first of them is confirmed without a long wait.
+const COMMIT_BATCH: usize = 256;
+/// How long renamed files wait for the next batch, so that one sync makes
+/// their names and the next batch's data durable, before they are synced
+/// on their own.
+const SYNC_MERGE: Duration = Duration::from_millis(2);
+
+/// What the owner thread hears.
+pub(super) enum Input {
+    /// An event for the session.
+    Session(Event),
+    /// Events for the session, in order.
+    Batch(Vec<Event>),
+    /// A data connection attached.
+    Stream(Box<dyn Transport>),
+    /// A data connection broke, or its peer broke a rule: the session ends.
+    Broken(crate::Error),
+    /// The control connection broke or ended: the session ends.
+    ControlLost(crate::Error),
+}
+
+/// What the owner shares with the workers.
+pub(super) struct Shared {
+    pub options: TransferOptions,
+    pub block_size: u64,
+    pub store: Store,
+    pub dest_dir: PathBuf,
+    /// The directory whose file system the committer syncs: the state
+    /// directory, once the layout is settled (the destination before).
+    pub sync_dir: OnceLock<PathBuf>,
+    /// Files whose blocks may be written, by id: the owner adds and
+    /// removes them, data connections look them up for each block.
+    pub slots: RwLock<HashMap<u64, Arc<Slot>>>,
+    /// The owner's event channel; every worker sends, the owner waits.
+    pub events: Sender<Input>,
+    /// Verified files, for the committer; the owner sends.
+    pub commits: Sender<Arc<Slot>>,
+    pub pool: Arc<Pool>,
+    /// Blocks waiting in the writers' queues.
+    pub queued: AtomicUsize,
+    /// The session is over: workers stop reporting broken connections.
+    pub stop: AtomicBool,
+    /// Payload bytes taken off the data connections (for the sender's tuner).
+    pub received: AtomicU64,
+    /// Counts this session in its server's intake while it runs.
+    pub receiving: Receiving,
+}
+
+impl Shared {
+    fn report(&self, e: Event) {
+        // The owner outlives the workers' usefulness: after it stops, what
+        // they report is not needed.
+        let _ = self.events.send(Input::Session(e));
+    }
+
+    fn failed(&self, id: u64, e: &std::io::Error) {
+        self.report(Event::Failed { id, kind: classify(e), message: e.to_string() });
+    }
+}
+
+/// Where a file goes (empty paths when nothing is kept, `--discard`).
+#[derive(Default)]
+pub(super) struct Paths {
+    pub meta: Option<FileMeta>,
+    pub temp: PathBuf,
+    pub dest: PathBuf,
+    pub journal: Option<PathBuf>,
+}
+
+/// A file's open temporary file and journal.
+pub(super) struct FileIo {
+    file: Option<Arc<dyn WriteFile>>,
+    journal: Option<Journal>,
+    /// Create the temporary file afresh (and a new journal) when first opened.
+    fresh: bool,
+    /// Removed: nothing more is written.
+    closed: bool,
+}
+
+impl FileIo {
+    /// A file to create afresh.
+    pub fn fresh() -> FileIo {
+        FileIo { file: None, journal: None, fresh: true, closed: false }
+    }
+
+    /// The partial file of an earlier run, with its journal if it could be opened.
+    pub fn resumed(journal: Option<Journal>) -> FileIo {
+        FileIo { file: None, journal, fresh: false, closed: false }
+    }
+}
+
+/// A file open for its blocks.
+pub(super) struct Slot {
+    pub id: u64,
+    pub gate: Gate,
+    pub paths: Paths,
+    /// Taken by its writer for each block, by the committer, and by the
+    /// owner to rewrite the journal or remove the file.
+    pub io: Mutex<FileIo>,
+}
+
+impl Slot {
+    /// The file's temporary name, open: created afresh (with a new journal)
+    /// for a fresh file, the partial file of an earlier run when resuming.
+    fn open(&self, sh: &Shared, io: &mut FileIo) -> std::io::Result<Arc<dyn WriteFile>> {
+        if let Some(f) = &io.file {
+            return Ok(f.clone());
+        }
+        let f: Arc<dyn WriteFile> = if io.fresh {
+            log::debug!("{}: new partial file", self.paths.temp.display());
+            sh.store.create(&self.paths.temp)?.into()
+        } else {
+            let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file of an earlier run is gone");
+            sh.store.reopen(&self.paths.temp)?.ok_or_else(gone)?.into()
+        };
+        if io.fresh {
+            if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
+                io.journal = Some(Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32)?);
+            }
+        }
+        io.fresh = false;
+        io.file = Some(f.clone());
+        Ok(f)
+    }
+
+    /// Rewrites the journal to hold exactly `held`.
+    pub fn rejournal(&self, sh: &Shared, held: &[(u64, Sum)]) {
+        let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) else { return };
+        let mut io = self.io.lock().expect("file lock");
+        io.journal = None;
+        if let Ok(mut j) = Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32) {
+            for (b, s) in held {
+                let _ = j.record(*b, s);
+            }
+            io.journal = Some(j);
+        }
+    }
+
+    /// Stops writing the file and removes its partial file and journal.
+    pub fn remove(&self, sh: &Shared) {
+        let mut io = self.io.lock().expect("file lock");
+        io.closed = true;
+        io.file = None;
+        io.journal = None;
+        if !self.paths.temp.as_os_str().is_empty() {
+            let _ = sh.store.remove(&self.paths.temp);
+        }
+        if let Some(j) = &self.paths.journal {
+            let _ = sh.store.remove(j);
+        }
+    }
+}
+
+/// A block for a writer.
+pub(super) struct WriteJob {
+    slot: Arc<Slot>,
+    block: u64,
+    sum: Sum,
+    data: Block,
+}
+
+/// Reads blocks from one data connection until it ends, and queues them
+/// for the writers (each file's blocks to one writer).
+pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<WriteJob>]) {
+    let mut r = FrameReader::new(conn);
+    let broken = |e: Error| {
+        if !sh.stop.load(Ordering::SeqCst) {
+            let _ = sh.events.send(Input::Broken(e));
+        }
+    };
+    loop {
+        let h = match r.read::<OnData>() {
+            Ok(Incoming::Data(h)) => h,
+            Ok(Incoming::Msg(OnData::Ping {})) => continue,
+            Ok(Incoming::Msg(OnData::StreamEnd {})) => return,
+            Err(e) => return broken(e),
+        };
+        if let Err(m) = check_header(sh.block_size, h.offset, h.len) {
+            return broken(Error::protocol(r.peer(), m));
+        }
+        let Some(mut data) = sh.pool.take(h.len as usize) else { return };
+        let sum = match r.read_block(&mut data, &[&sh.received, &sh.receiving.0.received]) {
+            Ok(sum) => sum,
+            Err(e) => return broken(e),
+        };
+        let Some(slot) = sh.slots.read().expect("slots lock").get(&h.file).cloned() else {
+            continue; // aborted or failed meanwhile
+        };
+        let block = match slot.gate.admit(h.file, h.offset, h.len) {
+            Ok(b) => b,
+            Err(m) => return broken(Error::protocol(r.peer(), m)),
+        };
+        if sum != h.sum {
+            log::warn!("damaged block {block} of file {} from {}; asking again", h.file, r.peer());
+            sh.report(Event::Damaged { id: h.file, block });
+            continue;
+        }
+        if sh.options.has(TransferOptions::DISCARD) {
+            drop(data);
+            sh.report(Event::Written { id: h.file, block, sum });
+            continue;
+        }
+        let w = &wtx[(h.file % wtx.len() as u64) as usize];
+        sh.queued.fetch_add(1, Ordering::Relaxed);
+        if w.send(WriteJob { slot, block, sum, data }).is_err() {
+            return;
+        }
+    }
+}
+
+/// Writes queued blocks at their offsets and journals them.
+pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
+    for job in rx {
+        sh.queued.fetch_sub(1, Ordering::Relaxed);
+        let slot = &job.slot;
+        let handle = {
+            let mut io = slot.io.lock().expect("file lock");
+            if io.closed {
+                continue;
+            }
+            match slot.open(sh, &mut io) {
+                Ok(f) => f,
+                Err(e) => {
+                    sh.failed(slot.id, &e);
+                    continue;
+                }
+            }
+        };
+        let off = job.block * sh.block_size;
+        let written = handle.write_all_at(&job.data, off).and_then(|()| {
+            // Durable files are synced before they are confirmed: have the
+            // kernel start on it now, while the rest of the data arrives.
+            if sh.options.has(TransferOptions::NO_FSYNC) {
+                Ok(())
+            } else {
+                handle.write_back(off, job.data.len() as u64)
+            }
+        });
+        if let Err(e) = written {
+            sh.failed(slot.id, &e);
+            continue;
+        }
+        drop(job.data);
+        {
+            let mut io = slot.io.lock().expect("file lock");
+            if io.closed {
+                continue;
+            }
+            if let Some(j) = io.journal.as_mut() {
+                if let Err(e) = j.record(job.block, &job.sum) {
+                    log::warn!("cannot journal {}: {e}", slot.paths.temp.display());
+                    io.journal = None;
+                }
+            }
+        }
+        sh.report(Event::Written { id: slot.id, block: job.block, sum: job.sum });
+    }
+}
+
+/// Commits verified files in batches until the session stops (and what was
+/// verified before it stopped), as a pipeline with one file-system sync per
+/// batch: a batch's files get their mode and mtime, then the sync makes
+/// their data durable (and the names of the batch renamed before it, which
+/// are reported committed now), then they are renamed into place and wait
+/// for the next sync. A batch waits for the next one at most
+/// [`SYNC_MERGE`]; then a sync of their names follows.
+pub(super) fn committer(sh: &Shared, verified: &Receiver<Arc<Slot>>) {
+    // Without syncs there is nothing to merge: confirm at once.
+    let merge = if sh.options.has(TransferOptions::NO_FSYNC) { Duration::ZERO } else { SYNC_MERGE };
+    let mut renamed: Vec<Arc<Slot>> = Vec::new();
+    loop {
+        let first = if renamed.is_empty() {
+            match verified.recv_timeout(POLL) {
+                Ok(v) => Some(v),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !verified.is_empty() => continue,
+                Err(_) => return,
+            }
+        } else {
+            verified.recv_timeout(merge).ok()
+        };
+        let batch: Vec<Arc<Slot>> = first.into_iter().chain(verified.try_iter()).take(COMMIT_BATCH).collect();
+        let ready = prepare_commit(sh, batch);
+        if let Err(e) = sync(sh) {
+            log::warn!("{}: cannot make the received files durable: {e}", sh.store.display(&sh.dest_dir));
+            for s in renamed.drain(..).chain(ready.into_iter().map(|(s, _)| s)) {
+                sh.failed(s.id, &e);
+            }
+            continue;
+        }
+        let mut committed = Vec::with_capacity(renamed.len());
+        for s in renamed.drain(..) {
+            if s.io.lock().expect("file lock").closed {
+                continue; // aborted by the sender meanwhile: it counts the file as failed
+            }
+            log::debug!("{}: committed", s.paths.dest.display());
+            if let Some(j) = &s.paths.journal {
+                let _ = sh.store.remove(j);
+            }
+            committed.push(Event::Committed { id: s.id });
+        }
+        if !committed.is_empty() {
+            let _ = sh.events.send(Input::Batch(committed));
+        }
+        renamed = rename_into_place(sh, ready);
+    }
+}
+
+/// Sets mode and mtime on each file of a batch (opening, first, a file
+/// none of whose blocks were written in this run: an empty file, or one
+/// resumed with every block already on disk; afresh only if it is fresh,
+/// so a resumed file keeps its blocks). Returns the files ready for their
+/// data to be made durable.
+fn prepare_commit(sh: &Shared, batch: Vec<Arc<Slot>>) -> Vec<(Arc<Slot>, Arc<dyn WriteFile>)> {
+    let mut ready = Vec::with_capacity(batch.len());
+    for s in batch {
+        let Some(meta) = &s.paths.meta else { continue };
+        let attrs = Attrs { mode: dmover_proto::frame::permission_bits(meta.mode), mtime: Some((meta.mtime_s, meta.mtime_ns)) };
+        let opened = {
+            let mut io = s.io.lock().expect("file lock");
+            if io.closed {
+                continue;
+            }
+            s.open(sh, &mut io).and_then(|f| f.set_attrs(&attrs).map(|()| f))
+        };
+        match opened {
+            Ok(f) => ready.push((s, f)),
+            Err(e) => sh.failed(s.id, &e),
+        }
+    }
+    ready
+}
+
+/// Makes everything written so far durable, unless the transfer asked not to.
+fn sync(sh: &Shared) -> std::io::Result<()> {
+    if sh.options.has(TransferOptions::NO_FSYNC) {
+        return Ok(());
+    }
+    // The state directory is beside the files (the destination directory,
+    // or the directory of a lone destination file).
+    sh.store.sync(sh.sync_dir.get().unwrap_or(&sh.dest_dir))
+}
+
+/// Renames each file of a batch into place; returns those renamed.
+fn rename_into_place(sh: &Shared, ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>) -> Vec<Arc<Slot>> {
+    let mut renamed = Vec::with_capacity(ready.len());
+    for (s, f) in ready {
+        let committed = {
+            let mut io = s.io.lock().expect("file lock");
+            io.file = None;
+            io.journal = None;
+            sh.store.commit(f.as_ref(), &s.paths.temp, &s.paths.dest, None)
+        };
+        match committed {
+            Ok(()) => renamed.push(s),
+            Err(e) => sh.failed(s.id, &e),
+        }
+    }
+    renamed
+}

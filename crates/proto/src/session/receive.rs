@@ -1,0 +1,497 @@
+//! The receiving end of a transfer, as a state machine.
+//!
+//! [`Receive`] holds the rules of the receiving end and the state of each
+//! file in flight: what was announced, which blocks are held, whether the
+//! sender's digest came, whether the file is being committed. Its driver
+//! feeds it [`Event`]s — control messages from the sender, and what its
+//! workers did: the local checks for an announced file, a block that
+//! arrived damaged, a block written, a file committed, a file that failed —
+//! and carries out the [`Action`]s it yields: messages to send (plans,
+//! re-requests, confirmations), files to prepare, open, commit or remove.
+//!
+//! Data does not pass through the session. When a file may be written the
+//! session hands its driver the file's [`Gate`], which the data path uses
+//! to admit a block (within the announced size, of the right length)
+//! without asking; the session hears of each block only once it is
+//! written. Every number the sender gives is checked: a block outside its
+//! file, a file announced twice, more files in flight than any sender keeps
+//! ([`MAX_OPEN_FILES`]), an end before its plan, are protocol violations
+//! that end the session; a path or a size this end will not take fails
+//! that file alone.
+
+use crate::digest::{file_digest, SetDigest, Sum};
+use crate::frame::{file_blocks, FileMeta};
+use crate::phase::{ToReceiver, ToSender};
+use crate::ErrorKind;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+/// Says why an announced name is not taken, if it is not.
+pub type NameCheck = Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+/// Files announced and not yet settled, at most. A sender keeps 1,024 in
+/// flight per destination host; the rest of the room is for senders that
+/// keep more, while a sender that lies cannot grow this end's state
+/// without bound.
+pub const MAX_OPEN_FILES: usize = 4096;
+
+/// Times one block may arrive damaged before its file fails verification:
+/// a link that damages a block this often will not deliver it.
+pub const MAX_DAMAGED: u32 = 8;
+
+/// How the session receives.
+#[derive(Clone)]
+pub struct Config {
+    /// Bytes per block (not zero).
+    pub block_size: u64,
+    /// Check blocks and digests but keep nothing (`--discard`): no file is
+    /// prepared or committed.
+    pub discard: bool,
+    /// Which announced names to take (None: any relative path).
+    pub accept: Option<NameCheck>,
+}
+
+/// What the data path needs to admit a block of one file on its own: the
+/// file's announced size and the block size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gate {
+    size: u64,
+    block_size: u64,
+}
+
+impl Gate {
+    /// The file's announced size.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// How many blocks the file has.
+    pub fn blocks(&self) -> u64 {
+        self.size.div_ceil(self.block_size)
+    }
+
+    /// The block a data frame at `offset` of `len` bytes is, if it is a
+    /// whole block of the file: it starts on a block boundary inside the
+    /// file and is as long as the block (the last one may be shorter), so
+    /// writing it never reaches past the announced size.
+    pub fn admit(&self, file: u64, offset: u64, len: u32) -> Result<u64, String> {
+        check_header(self.block_size, offset, len)?;
+        let block = offset / self.block_size;
+        let expect = self.size.saturating_sub(offset).min(self.block_size);
+        if offset >= self.size || u64::from(len) != expect {
+            return Err(format!("block {block} of file {file} has the wrong length"));
+        }
+        Ok(block)
+    }
+}
+
+/// Whether a data frame's header can be a block at all, before its file is
+/// known: no longer than a block and on a block boundary.
+pub fn check_header(block_size: u64, offset: u64, len: u32) -> Result<(), String> {
+    if u64::from(len) > block_size || !offset.is_multiple_of(block_size) {
+        return Err(format!("bad block: offset {offset} length {len}"));
+    }
+    Ok(())
+}
+
+/// What happened, for the session to hear.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A control message from the sender.
+    Control(ToReceiver),
+    /// The driver looked at the destination for an announced file
+    /// ([`Action::Prepare`]).
+    Prepared { id: u64, outcome: Outcome },
+    /// A block the file's gate admitted arrived with a checksum that does
+    /// not match its data.
+    Damaged { id: u64, block: u64 },
+    /// A block the file's gate admitted is written (and journaled) with
+    /// this checksum.
+    Written { id: u64, block: u64, sum: Sum },
+    /// A file sent to [`Action::Commit`] is in place and durable.
+    Committed { id: u64 },
+    /// Writing or committing a file failed at this end.
+    Failed { id: u64, kind: ErrorKind, message: String },
+}
+
+/// What the destination says about an announced file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Receive it. Its partial file from an earlier run already holds
+    /// these blocks (from that run's journal; empty for a fresh file).
+    Receive { held: Vec<(u64, Sum)> },
+    /// The destination holds it already (`--sync` or a resumed run): skip.
+    Present,
+    /// It is an empty directory, now made.
+    Made,
+    /// It cannot be received here.
+    Refused { kind: ErrorKind, message: String },
+}
+
+/// What a file failure is about, as the sender will read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Subject {
+    /// Said as is (a name that is not taken, printable).
+    Said(String),
+    /// A path within the transfer, for the driver to name as the user
+    /// knows it (the export path, or the local one).
+    Path(String),
+}
+
+/// What the driver is to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Send this to the sender on the control connection.
+    Send(ToSender),
+    /// Look at the destination for this file (already there? a partial
+    /// file to resume? make the directory) and answer with
+    /// [`Event::Prepared`].
+    Prepare { id: u64, meta: FileMeta, digest: Option<Sum> },
+    /// Blocks of this file may be written from now on, as `gate` admits.
+    Open { id: u64, gate: Gate },
+    /// The journal of this file's partial file is to hold exactly these
+    /// blocks (the others are asked for again).
+    Rejournal { id: u64, held: Vec<(u64, Sum)> },
+    /// Every block is written and the digest matches: put the file in
+    /// place durably and answer with [`Event::Committed`].
+    Commit { id: u64, digest: Sum },
+    /// The file is settled: forget it.
+    Close { id: u64 },
+    /// Stop writing this file and remove its partial file and journal.
+    Remove { id: u64 },
+    /// Tell the sender that this file failed here.
+    Refuse { id: u64, kind: ErrorKind, subject: Subject, message: String },
+    /// Answer the sender's echo with this end's counters.
+    Echo { stamp: u64 },
+    /// The sender is finished: confirm with these totals. The session is over.
+    Finish(Totals),
+    /// The sender broke a rule of the protocol. The session is over.
+    Violation(String),
+    /// A failure every later file would share (a full disk). The session is over.
+    Fatal { kind: ErrorKind, path: String, message: String },
+    /// The sender ended the transfer with an error. The session is over.
+    PeerFailed { kind: ErrorKind, message: String },
+}
+
+/// What the receiving end confirmed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub files: u64,
+    pub bytes: u64,
+    pub set: SetDigest,
+}
+
+impl Totals {
+    fn add(&mut self, path: &str, size: u64, digest: &Sum) {
+        // Saturating: a sender may claim sizes whose sum does not fit.
+        self.files = self.files.saturating_add(1);
+        self.bytes = self.bytes.saturating_add(size);
+        self.set.add(path, size, digest);
+    }
+}
+
+/// Where a file in flight is.
+#[derive(Debug)]
+enum Stage {
+    /// Announced; the driver is looking at the destination.
+    Preparing,
+    /// Planned; blocks are coming.
+    Receiving,
+    /// Verified; the driver is committing it with this digest.
+    Committing(Sum),
+}
+
+/// A file announced and not yet settled.
+#[derive(Debug)]
+struct File {
+    meta: FileMeta,
+    blocks: u64,
+    stage: Stage,
+    /// Each block's checksum, once it is written (empty until planned).
+    sums: Vec<Option<Sum>>,
+    missing: u64,
+    /// Blocks taken from an earlier run's journal, suspect if the digest
+    /// does not match (asked for again once).
+    journaled: Vec<u64>,
+    /// Blocks that arrived damaged, and how often.
+    damaged: HashMap<u64, u32>,
+    /// The sender's digest, once it sent `FileEnd`.
+    end: Option<Sum>,
+}
+
+/// The receiving end of one transfer. See the module's documentation.
+pub struct Receive {
+    cfg: Config,
+    files: HashMap<u64, File>,
+    out: VecDeque<Action>,
+    totals: Totals,
+    /// Finished, failed or broken: nothing more is heard.
+    over: bool,
+}
+
+impl Receive {
+    pub fn new(cfg: Config) -> Receive {
+        assert!(cfg.block_size > 0, "a block size of zero");
+        Receive { cfg, files: HashMap::new(), out: VecDeque::new(), totals: Totals::default(), over: false }
+    }
+
+    /// The next thing to do, if any.
+    pub fn poll(&mut self) -> Option<Action> {
+        self.out.pop_front()
+    }
+
+    /// Files announced and not yet settled.
+    pub fn open_files(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Whether the session is over (finished, or ended by an error).
+    pub fn is_over(&self) -> bool {
+        self.over
+    }
+
+    /// Hears what happened.
+    pub fn handle(&mut self, e: Event) {
+        if self.over {
+            return;
+        }
+        match e {
+            Event::Control(m) => self.control(m),
+            Event::Prepared { id, outcome } => self.prepared(id, outcome),
+            Event::Damaged { id, block } => self.damaged(id, block),
+            Event::Written { id, block, sum } => self.written(id, block, sum),
+            Event::Committed { id } => {
+                if let Some(File { stage: Stage::Committing(digest), .. }) = self.files.get(&id) {
+                    let digest = *digest;
+                    self.confirm(id, digest);
+                }
+            }
+            Event::Failed { id, kind, message } => {
+                if self.files.contains_key(&id) {
+                    self.fail_file(id, kind, message);
+                }
+            }
+        }
+    }
+
+    fn control(&mut self, m: ToReceiver) {
+        match m {
+            ToReceiver::Announce { id, meta, digest } => self.announce(id, meta, digest),
+            ToReceiver::FileEnd { id, digest } => {
+                // An end for a file no longer here is late (the file was
+                // aborted or failed meanwhile).
+                let Some(f) = self.files.get_mut(&id) else { return };
+                match f.stage {
+                    Stage::Preparing => return self.violate(format!("file {id} ended before it was planned")),
+                    Stage::Committing(_) => return self.violate(format!("file {id} ended twice")),
+                    Stage::Receiving if f.end.is_some() => return self.violate(format!("file {id} ended twice")),
+                    Stage::Receiving => f.end = Some(digest),
+                }
+                if f.missing == 0 {
+                    self.verify(id);
+                }
+            }
+            ToReceiver::Abort { id, .. } => {
+                if self.files.remove(&id).is_some() {
+                    self.out.push_back(Action::Remove { id });
+                }
+            }
+            // A sender that lost its data connections may still say it
+            // has finished; its files in flight stay unconfirmed.
+            ToReceiver::Finish { .. } => self.end(Action::Finish(self.totals)),
+            ToReceiver::Echo { stamp, .. } => self.out.push_back(Action::Echo { stamp }),
+            ToReceiver::Ping {} => {}
+            ToReceiver::Error { kind, message } => self.end(Action::PeerFailed { kind, message }),
+        }
+    }
+
+    fn announce(&mut self, id: u64, meta: FileMeta, digest: Option<Sum>) {
+        if self.files.contains_key(&id) {
+            return self.violate(format!("file {id} announced twice"));
+        }
+        if self.files.len() >= MAX_OPEN_FILES {
+            return self.violate(format!("more than {MAX_OPEN_FILES} files announced and not settled"));
+        }
+        let refuse = |subject, message| Action::Refuse { id, kind: ErrorKind::Refused, subject, message };
+        if let Err(e) = crate::path::check_relative(&meta.path) {
+            return self.out.push_back(refuse(Subject::Said(meta.path.clone()), format!("path refused: {e}")));
+        }
+        if let Some(Err(e)) = self.cfg.accept.as_ref().map(|accept| accept(&meta.path)) {
+            return self.out.push_back(refuse(Subject::Said(meta.path.escape_debug().to_string()), e));
+        }
+        let blocks = match file_blocks(meta.size, self.cfg.block_size) {
+            Ok(b) => b,
+            Err(e) => return self.out.push_back(refuse(Subject::Path(meta.path), e)),
+        };
+        let f = File {
+            meta,
+            blocks,
+            stage: Stage::Preparing,
+            sums: Vec::new(),
+            missing: blocks,
+            journaled: Vec::new(),
+            damaged: HashMap::new(),
+            end: None,
+        };
+        if self.cfg.discard {
+            self.files.insert(id, f);
+            return self.plan(id, Vec::new());
+        }
+        self.out.push_back(Action::Prepare { id, meta: f.meta.clone(), digest });
+        self.files.insert(id, f);
+    }
+
+    fn prepared(&mut self, id: u64, outcome: Outcome) {
+        let Some(f) = self.files.get(&id) else { return };
+        if !matches!(f.stage, Stage::Preparing) {
+            return;
+        }
+        match outcome {
+            Outcome::Receive { held } => self.plan(id, held),
+            Outcome::Present => {
+                let f = self.files.remove(&id).expect("looked up above");
+                self.totals.add(&f.meta.path, f.meta.size, &[0; 16]);
+                self.out.push_back(Action::Send(ToSender::Plan { id, skip: true, ranges: vec![] }));
+            }
+            Outcome::Made => {
+                let f = self.files.remove(&id).expect("looked up above");
+                let digest = file_digest(&[]);
+                self.totals.add(&f.meta.path, 0, &digest);
+                self.out.push_back(Action::Send(ToSender::Done { id, digest }));
+            }
+            Outcome::Refused { kind, message } => {
+                let f = self.files.remove(&id).expect("looked up above");
+                self.out.push_back(Action::Refuse { id, kind, subject: Subject::Path(f.meta.path), message });
+            }
+        }
+    }
+
+    /// Opens a prepared file for its blocks and asks for those not held.
+    fn plan(&mut self, id: u64, held: Vec<(u64, Sum)>) {
+        let f = self.files.get_mut(&id).expect("planned files are in flight");
+        f.stage = Stage::Receiving;
+        f.sums = vec![None; f.blocks as usize];
+        for (b, s) in held {
+            if let Some(slot @ None) = f.sums.get_mut(b as usize) {
+                *slot = Some(s);
+                f.journaled.push(b);
+                f.missing -= 1;
+            }
+        }
+        let gate = Gate { size: f.meta.size, block_size: self.cfg.block_size };
+        let ranges = missing_ranges(&f.sums);
+        self.out.push_back(Action::Open { id, gate });
+        self.out.push_back(Action::Send(ToSender::Plan { id, skip: false, ranges }));
+    }
+
+    fn damaged(&mut self, id: u64, block: u64) {
+        let Some(f) = self.files.get_mut(&id) else { return };
+        if !matches!(f.stage, Stage::Receiving) {
+            return;
+        }
+        if block >= f.blocks {
+            return self.violate(format!("block {block} of file {id} is past its end"));
+        }
+        let n = f.damaged.entry(block).or_insert(0);
+        *n += 1;
+        if *n >= MAX_DAMAGED {
+            return self.fail_file(id, ErrorKind::Verify, format!("block {block} arrived damaged {MAX_DAMAGED} times"));
+        }
+        self.out.push_back(Action::Send(ToSender::Nack { id, block }));
+    }
+
+    fn written(&mut self, id: u64, block: u64, sum: Sum) {
+        // Blocks of a file no longer here, or one already verified, are late.
+        let Some(f) = self.files.get_mut(&id) else { return };
+        if !matches!(f.stage, Stage::Receiving) {
+            return;
+        }
+        let Some(slot) = f.sums.get_mut(block as usize) else {
+            return self.violate(format!("block {block} of file {id} is past its end"));
+        };
+        if slot.is_some() {
+            return; // sent again (it was asked for again, or its sender resent it)
+        }
+        *slot = Some(sum);
+        f.missing -= 1;
+        if f.missing == 0 && f.end.is_some() {
+            self.verify(id);
+        }
+    }
+
+    /// Checks a complete file's digest: commits it if it matches; if not,
+    /// asks again for blocks an earlier run left (once), or fails the file.
+    fn verify(&mut self, id: u64) {
+        let f = self.files.get_mut(&id).expect("verified files are in flight");
+        let digest = file_digest(f.sums.iter().map(|s| s.as_ref().expect("a complete file holds every block")));
+        if Some(digest) == f.end {
+            if self.cfg.discard {
+                return self.confirm(id, digest);
+            }
+            f.stage = Stage::Committing(digest);
+            return self.out.push_back(Action::Commit { id, digest });
+        }
+        if f.journaled.is_empty() {
+            return self.fail_file(id, ErrorKind::Verify, "checksum mismatch".into());
+        }
+        // Blocks kept from an earlier run disagree with the source.
+        let suspects = std::mem::take(&mut f.journaled);
+        for b in &suspects {
+            f.sums[*b as usize] = None;
+        }
+        f.missing += suspects.len() as u64;
+        let held = f.sums.iter().enumerate().filter_map(|(b, s)| s.map(|s| (b as u64, s))).collect();
+        self.out.push_back(Action::Rejournal { id, held });
+        for block in suspects {
+            self.out.push_back(Action::Send(ToSender::Nack { id, block }));
+        }
+    }
+
+    /// Counts a file as received and confirms it.
+    fn confirm(&mut self, id: u64, digest: Sum) {
+        let f = self.files.remove(&id).expect("confirmed files are in flight");
+        self.totals.add(&f.meta.path, f.meta.size, &digest);
+        self.out.push_back(Action::Send(ToSender::Done { id, digest }));
+        self.out.push_back(Action::Close { id });
+    }
+
+    /// A file failed at this end: its partial state goes, and the sender is
+    /// told — or, when the disk is full, the session ends (every later file
+    /// would fail the same way).
+    fn fail_file(&mut self, id: u64, kind: ErrorKind, message: String) {
+        let f = self.files.remove(&id).expect("failed files are in flight");
+        self.out.push_back(Action::Remove { id });
+        if kind == ErrorKind::NoSpace {
+            return self.end(Action::Fatal { kind, path: f.meta.path, message });
+        }
+        self.out.push_back(Action::Refuse { id, kind, subject: Subject::Path(f.meta.path), message });
+    }
+
+    fn violate(&mut self, why: String) {
+        self.end(Action::Violation(why));
+    }
+
+    fn end(&mut self, last: Action) {
+        self.out.push_back(last);
+        self.files.clear();
+        self.over = true;
+    }
+}
+
+/// Coalesces the blocks not held into ranges of block numbers.
+fn missing_ranges(sums: &[Option<Sum>]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (i, s) in sums.iter().enumerate() {
+        let i = i as u64;
+        if s.is_none() {
+            match out.last_mut() {
+                Some((_, e)) if *e == i => *e += 1,
+                _ => out.push((i, i + 1)),
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

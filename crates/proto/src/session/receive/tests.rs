@@ -1,0 +1,451 @@
+//! The receive session against simulated senders and drivers, in virtual
+//! time (each step is one event): random interleavings of announcements,
+//! blocks and ends, duplicated, dropped, reordered and late messages, and
+//! senders that lie about sizes, offsets and files.
+
+use super::*;
+use crate::session::audit::Audit;
+use proptest::prelude::*;
+use std::collections::HashSet;
+
+/// A small block size, so that small files have several blocks.
+const BS: u64 = 4;
+
+/// The checksum of block `b` of file `id`, as the sender computes it.
+fn sum(id: u64, b: u64) -> Sum {
+    let mut s = [0; 16];
+    s[..8].copy_from_slice(&id.to_le_bytes());
+    s[8..].copy_from_slice(&b.to_le_bytes());
+    s
+}
+
+fn meta(path: &str, size: u64) -> FileMeta {
+    FileMeta { path: path.into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644 }
+}
+
+fn session(discard: bool) -> Receive {
+    Receive::new(Config { block_size: BS, discard, accept: None })
+}
+
+/// The sender's digest of a file of `size` bytes.
+fn digest(id: u64, size: u64) -> Sum {
+    let sums: Vec<Sum> = (0..size.div_ceil(BS)).map(|b| sum(id, b)).collect();
+    file_digest(&sums)
+}
+
+/// What a simulated driver does, step by step.
+#[derive(Debug, Clone)]
+enum Step {
+    /// The sender announces file `f` (again, if it did), claiming `extra`
+    /// bytes more than it has.
+    Announce {
+        f: u8,
+        extra: u8,
+    },
+    /// Block `b` of file `f` arrives on a data connection.
+    Block {
+        f: u8,
+        b: u8,
+        damaged: bool,
+    },
+    /// A data frame with an arbitrary header for file `f`.
+    Frame {
+        f: u8,
+        offset: u8,
+        len: u8,
+    },
+    /// The sender ends file `f`, with its true digest or not.
+    End {
+        f: u8,
+        true_digest: bool,
+    },
+    Abort {
+        f: u8,
+    },
+    /// The driver answers the oldest preparation; `how` picks the outcome.
+    Prepare {
+        how: u8,
+    },
+    /// The driver ends the oldest commit, well or not.
+    Commit {
+        ok: bool,
+    },
+    /// A local event about a file the session may not know.
+    Stray {
+        f: u8,
+        what: u8,
+    },
+    Echo,
+    Finish,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => (0..6u8, prop_oneof![4 => Just(0u8), 1 => 1..9u8]).prop_map(|(f, extra)| Step::Announce { f, extra }),
+        8 => (0..6u8, 0..12u8, prop::bool::weighted(0.1)).prop_map(|(f, b, damaged)| Step::Block { f, b, damaged }),
+        1 => (0..6u8, any::<u8>(), 0..9u8).prop_map(|(f, offset, len)| Step::Frame { f, offset, len }),
+        3 => (0..6u8, prop::bool::weighted(0.9)).prop_map(|(f, true_digest)| Step::End { f, true_digest }),
+        1 => (0..6u8).prop_map(|f| Step::Abort { f }),
+        3 => any::<u8>().prop_map(|how| Step::Prepare { how }),
+        3 => prop::bool::weighted(0.9).prop_map(|ok| Step::Commit { ok }),
+        1 => (0..8u8, any::<u8>()).prop_map(|(f, what)| Step::Stray { f, what }),
+        1 => Just(Step::Echo),
+        1 => Just(Step::Finish),
+    ]
+}
+
+/// The sizes of the sender's files (by id), from 0 to 10 blocks.
+fn sizes() -> impl Strategy<Value = Vec<u64>> {
+    prop::collection::vec(0..41u64, 6)
+}
+
+/// A simulated driver: it carries out the session's actions, checks them
+/// with an [`Audit`] and with what it knows of the sender's lies.
+struct Driver {
+    rx: Receive,
+    audit: Audit,
+    /// Announced sizes (the truth is `sizes`; an announcement may lie).
+    announced: HashMap<u64, u64>,
+    prepares: VecDeque<u64>,
+    commits: VecDeque<u64>,
+    gates: HashMap<u64, Gate>,
+    /// Files in flight as the sender sees them, and those it ended.
+    flight: HashSet<u64>,
+    ended: HashSet<u64>,
+    planned: HashSet<u64>,
+    /// Files confirmed (`Done`), and how the session ended, if it did.
+    done: HashMap<u64, Sum>,
+    end: Option<Action>,
+    /// The driver refused a data frame the gate did not admit.
+    refused: bool,
+    /// Blocks asked for again, not yet sent.
+    nacks: Vec<(u64, u64)>,
+}
+
+impl Driver {
+    fn new(discard: bool) -> Driver {
+        Driver {
+            rx: session(discard),
+            audit: Audit::new(discard),
+            announced: HashMap::new(),
+            prepares: VecDeque::new(),
+            commits: VecDeque::new(),
+            gates: HashMap::new(),
+            flight: HashSet::new(),
+            ended: HashSet::new(),
+            planned: HashSet::new(),
+            done: HashMap::new(),
+            end: None,
+            refused: false,
+            nacks: Vec::new(),
+        }
+    }
+
+    /// Gives the session an event and carries out what it says.
+    fn feed(&mut self, e: Event) -> Vec<Action> {
+        self.audit.event(&e);
+        self.rx.handle(e);
+        assert!(self.rx.open_files() <= MAX_OPEN_FILES);
+        let mut out = Vec::new();
+        while let Some(a) = self.rx.poll() {
+            self.audit.action(&a).unwrap_or_else(|e| panic!("{e}"));
+            match &a {
+                Action::Prepare { id, .. } => self.prepares.push_back(*id),
+                Action::Open { id, gate } => {
+                    self.gates.insert(*id, *gate);
+                    self.planned.insert(*id);
+                }
+                Action::Commit { id, .. } => self.commits.push_back(*id),
+                Action::Send(ToSender::Nack { id, block }) => self.nacks.push((*id, *block)),
+                Action::Send(ToSender::Done { id, digest }) => {
+                    self.done.insert(*id, *digest);
+                    self.settle(*id);
+                }
+                Action::Send(ToSender::Plan { id, skip: true, .. }) | Action::Refuse { id, .. } => self.settle(*id),
+                Action::Close { id } | Action::Remove { id } => {
+                    self.gates.remove(id);
+                    self.settle(*id);
+                }
+                Action::Finish(_) | Action::Violation(_) | Action::Fatal { .. } | Action::PeerFailed { .. } => {
+                    self.end = Some(a.clone());
+                }
+                _ => {}
+            }
+            out.push(a);
+        }
+        out
+    }
+
+    fn settle(&mut self, id: u64) {
+        self.flight.remove(&id);
+        self.ended.remove(&id);
+        self.planned.remove(&id);
+    }
+
+    fn violated(out: &[Action]) -> bool {
+        out.iter().any(|a| matches!(a, Action::Violation(_)))
+    }
+
+    /// A data frame: the driver admits it through the file's gate, as the
+    /// engine's data connections do, then has it written (or reports it
+    /// damaged). Returns false if the frame was refused (the engine then
+    /// ends the session).
+    fn frame(&mut self, id: u64, offset: u64, len: u32, damaged: bool) -> bool {
+        let ok_header = check_header(BS, offset, len).is_ok();
+        let Some(gate) = self.gates.get(&id).copied() else {
+            return ok_header; // no such file (any more): dropped
+        };
+        let size = self.announced[&id];
+        let whole = offset.is_multiple_of(BS) && offset < size && u64::from(len) == (size - offset).min(BS);
+        let Ok(block) = gate.admit(id, offset, len) else {
+            assert!(!whole, "a whole block of file {id} at {offset}+{len} (size {size}) refused");
+            return false;
+        };
+        assert!(whole && offset + u64::from(len) <= size, "a write at {offset}+{len} admitted for a file of {size} bytes");
+        if damaged {
+            self.feed(Event::Damaged { id, block });
+        } else {
+            self.feed(Event::Written { id, block, sum: sum(id, block) });
+        }
+        true
+    }
+
+    fn step(&mut self, s: &Step, sizes: &[u64]) {
+        match *s {
+            Step::Announce { f, extra } => {
+                let id = u64::from(f);
+                let size = sizes[f as usize] + u64::from(extra);
+                let live = !self.rx.is_over();
+                let again = self.flight.contains(&id);
+                let e = Event::Control(ToReceiver::Announce { id, meta: meta(&format!("d/f{f}"), size), digest: None });
+                if !again {
+                    self.announced.insert(id, size);
+                    self.flight.insert(id);
+                }
+                let out = self.feed(e);
+                assert!(!live || again == Self::violated(&out), "a second announcement of file {id} in flight must end the session");
+            }
+            Step::Block { f, b, damaged } => {
+                let (id, b) = (u64::from(f), u64::from(b));
+                let size = sizes[f as usize];
+                let len = size.saturating_sub(b * BS).min(BS) as u32;
+                self.refused |= !self.frame(id, b * BS, len, damaged);
+            }
+            Step::Frame { f, offset, len } => {
+                self.refused |= !self.frame(u64::from(f), u64::from(offset), u32::from(len), false);
+            }
+            Step::End { f, true_digest } => {
+                let id = u64::from(f);
+                let d = if true_digest { digest(id, sizes[f as usize]) } else { [7; 16] };
+                let live = !self.rx.is_over();
+                let lie = self.flight.contains(&id) && (self.ended.contains(&id) || !self.planned.contains(&id));
+                if self.flight.contains(&id) {
+                    self.ended.insert(id);
+                }
+                let out = self.feed(Event::Control(ToReceiver::FileEnd { id, digest: d }));
+                assert!(!live || lie == Self::violated(&out), "an end twice or before the plan must end the session");
+            }
+            Step::Abort { f } => {
+                self.feed(Event::Control(ToReceiver::Abort { id: u64::from(f), kind: ErrorKind::Internal, message: "gone".into() }));
+            }
+            Step::Prepare { how } => {
+                let Some(id) = self.prepares.pop_front() else { return };
+                let blocks = self.announced[&id].div_ceil(BS);
+                let outcome = match how % 8 {
+                    0 => Outcome::Present,
+                    1 => Outcome::Refused { kind: ErrorKind::Permission, message: "no".into() },
+                    // Blocks from an earlier run, some of them stale.
+                    2 | 3 => Outcome::Receive {
+                        held: (0..blocks)
+                            .filter(|b| (b + u64::from(how)) % 3 == 0)
+                            .map(|b| (b, if how % 8 == 2 { sum(id, b) } else { [9; 16] }))
+                            .collect(),
+                    },
+                    _ => Outcome::Receive { held: vec![] },
+                };
+                self.feed(Event::Prepared { id, outcome });
+            }
+            Step::Commit { ok } => {
+                let Some(id) = self.commits.pop_front() else { return };
+                let e = if ok { Event::Committed { id } } else { Event::Failed { id, kind: ErrorKind::Internal, message: "disk".into() } };
+                self.feed(e);
+            }
+            Step::Stray { f, what } => {
+                let id = u64::from(f);
+                let e = match what % 5 {
+                    0 => Event::Committed { id },
+                    1 => Event::Prepared { id, outcome: Outcome::Made },
+                    2 => Event::Failed { id, kind: ErrorKind::Internal, message: "late".into() },
+                    3 => Event::Prepared { id, outcome: Outcome::Receive { held: vec![(u64::from(what), [1; 16])] } },
+                    _ => Event::Control(ToReceiver::Ping {}),
+                };
+                self.feed(e);
+            }
+            Step::Echo => {
+                let out =
+                    self.feed(Event::Control(ToReceiver::Echo { stamp: 5, received: 0, staged: 0, server_received: 0, transfers: 0 }));
+                assert!(out == vec![Action::Echo { stamp: 5 }] || self.rx.is_over());
+            }
+            Step::Finish => {
+                self.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// Whatever happens in whatever order, and whatever the sender claims,
+    /// the session's actions keep the rules (the audit), every lie it can
+    /// see ends the session, and a confirmed file carries the digest of
+    /// the blocks the sender really has.
+    #[test]
+    fn any_interleaving_keeps_the_rules(sizes in sizes(), steps in prop::collection::vec(step(), 0..300), discard in prop::bool::weighted(0.2)) {
+        let mut d = Driver::new(discard);
+        // After the session ends, whatever still comes must not be heard
+        // (the audit fails on any action); after the driver refused a
+        // frame, the engine would have ended the session.
+        for s in &steps {
+            if d.refused {
+                break;
+            }
+            d.step(s, &sizes);
+        }
+        for (id, dg) in &d.done {
+            let size = d.announced[id];
+            prop_assert!(*dg == digest(*id, size) || *dg == file_digest(&[]), "file {id} confirmed with a digest the sender does not have");
+        }
+    }
+
+    /// A faithful sender over data connections that reorder, repeat and
+    /// damage blocks, with the sender's ends arriving at any point after
+    /// each plan, gets every file confirmed with its digest, and the
+    /// totals count them all.
+    #[test]
+    fn a_faithful_sender_gets_every_file_confirmed(sizes in sizes(), order in prop::collection::vec(any::<prop::sample::Index>(), 200), damage in prop::collection::vec(prop::bool::weighted(0.1), 200)) {
+        let mut d = Driver::new(false);
+        for f in 0..sizes.len() {
+            d.step(&Step::Announce { f: f as u8, extra: 0 }, &sizes);
+            // Some resume with part of their blocks, some of those stale.
+            let how = [2, 3, 4][f % 3];
+            d.step(&Step::Prepare { how }, &sizes);
+        }
+        // What the sender still has to send: each planned block, and each end.
+        let mut todo: Vec<Step> = Vec::new();
+        for (f, size) in sizes.iter().enumerate() {
+            for b in 0..size.div_ceil(BS) {
+                todo.push(Step::Block { f: f as u8, b: b as u8, damaged: false });
+            }
+            todo.push(Step::End { f: f as u8, true_digest: true });
+        }
+        let mut i = 0;
+        while !todo.is_empty() {
+            let k = order[i % order.len()].index(todo.len());
+            let s = todo.swap_remove(k);
+            if let Step::Block { f, b, .. } = s {
+                let damaged = damage[i % damage.len()];
+                d.step(&Step::Block { f, b, damaged }, &sizes);
+                if i % 7 == 0 {
+                    todo.push(s.clone()); // and some arrive twice
+                }
+            } else {
+                d.step(&s, &sizes);
+            }
+            while !d.commits.is_empty() {
+                d.step(&Step::Commit { ok: true }, &sizes);
+            }
+            // Blocks asked for again (damaged, or stale from an earlier run).
+            todo.extend(d.nacks.drain(..).map(|(f, b)| Step::Block { f: f as u8, b: b as u8, damaged: false }));
+            i += 1;
+        }
+        prop_assert!(d.end.is_none() && !d.refused, "the session ended: {:?}", d.end);
+        prop_assert_eq!(d.done.len(), sizes.len());
+        for (id, dg) in &d.done {
+            prop_assert_eq!(*dg, digest(*id, sizes[*id as usize]));
+        }
+        d.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
+        let Some(Action::Finish(t)) = &d.end else { panic!("no totals") };
+        prop_assert_eq!(t.files, sizes.len() as u64);
+        prop_assert_eq!(t.bytes, sizes.iter().sum::<u64>());
+    }
+
+    /// A gate admits exactly the whole blocks of its file.
+    #[test]
+    fn a_gate_admits_only_whole_blocks_inside_the_file(size in 0..1000u64, offset in 0..1100u64, len in 0..20u32) {
+        let g = Gate { size, block_size: 16 };
+        match g.admit(1, offset, len) {
+            Ok(b) => {
+                prop_assert_eq!(b * 16, offset);
+                prop_assert!(offset + u64::from(len) <= size);
+                prop_assert_eq!(u64::from(len), (size - offset).min(16));
+            }
+            Err(_) => prop_assert!(!offset.is_multiple_of(16) || offset >= size || u64::from(len) != (size - offset).min(16)),
+        }
+    }
+}
+
+#[test]
+fn ranges_coalesce() {
+    let h = Some([0; 16]);
+    assert_eq!(missing_ranges(&[h, None, None, h, None]), vec![(1, 3), (4, 5)]);
+    assert_eq!(missing_ranges(&[]), vec![]);
+}
+
+#[test]
+fn more_files_in_flight_than_any_sender_keeps_end_the_session() {
+    let mut d = Driver::new(true);
+    for id in 0..MAX_OPEN_FILES as u64 {
+        d.feed(Event::Control(ToReceiver::Announce { id, meta: meta("a", 1), digest: None }));
+    }
+    assert!(d.end.is_none());
+    let out = d.feed(Event::Control(ToReceiver::Announce { id: u64::MAX, meta: meta("a", 1), digest: None }));
+    assert!(Driver::violated(&out));
+    assert_eq!(d.rx.open_files(), 0, "an ended session keeps no state");
+}
+
+#[test]
+fn a_file_refused_by_name_or_size_fails_alone() {
+    let mut rx = Receive::new(Config {
+        block_size: 1,
+        discard: false,
+        accept: Some(Arc::new(|p| if p == "no" { Err("not here".into()) } else { Ok(()) })),
+    });
+    rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("../x", 1), digest: None }));
+    rx.handle(Event::Control(ToReceiver::Announce { id: 2, meta: meta("no", 1), digest: None }));
+    rx.handle(Event::Control(ToReceiver::Announce { id: 3, meta: meta("big", u64::MAX), digest: None }));
+    let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+    assert!(matches!(&out[0], Action::Refuse { id: 1, kind: ErrorKind::Refused, subject: Subject::Said(p), .. } if p == "../x"));
+    assert!(matches!(&out[1], Action::Refuse { id: 2, message, .. } if message == "not here"));
+    assert!(matches!(&out[2], Action::Refuse { id: 3, subject: Subject::Path(_), .. }));
+    assert_eq!(out.len(), 3);
+    assert!(!rx.is_over());
+}
+
+#[test]
+fn stale_journaled_blocks_are_asked_for_once_then_the_file_fails() {
+    let mut rx = session(false);
+    let id = 4;
+    rx.handle(Event::Control(ToReceiver::Announce { id, meta: meta("f", 8), digest: None }));
+    rx.handle(Event::Prepared { id, outcome: Outcome::Receive { held: vec![(0, [9; 16])] } });
+    rx.handle(Event::Control(ToReceiver::FileEnd { id, digest: digest(id, 8) }));
+    rx.handle(Event::Written { id, block: 1, sum: sum(id, 1) });
+    let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+    assert!(out.contains(&Action::Rejournal { id, held: vec![(1, sum(id, 1))] }));
+    assert_eq!(out.last(), Some(&Action::Send(ToSender::Nack { id, block: 0 })));
+    rx.handle(Event::Written { id, block: 0, sum: [8; 16] });
+    let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+    assert_eq!(out[0], Action::Remove { id });
+    assert!(matches!(&out[1], Action::Refuse { kind: ErrorKind::Verify, .. }));
+}
+
+#[test]
+fn a_full_disk_ends_the_session() {
+    let mut rx = session(false);
+    rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("f", 8), digest: None }));
+    rx.handle(Event::Prepared { id: 1, outcome: Outcome::Receive { held: vec![] } });
+    rx.handle(Event::Failed { id: 1, kind: ErrorKind::NoSpace, message: "full".into() });
+    let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+    assert!(matches!(out.last(), Some(Action::Fatal { kind: ErrorKind::NoSpace, .. })));
+    assert!(rx.is_over());
+}
