@@ -122,6 +122,32 @@ fn socket_send_window(fd: impl AsFd) -> u64 {
     sockopt::socket_send_buffer_size(fd).map_or(0, |v| v as u64 / 2)
 }
 
+/// The methods a layer passes on unchanged to the transport below it
+/// (its field `inner`).
+macro_rules! passed_on {
+    () => {
+        fn close(&self) {
+            self.inner.close()
+        }
+        fn close_write(&self) {
+            self.inner.close_write()
+        }
+        fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+            self.inner.set_read_timeout(t)
+        }
+        fn peer(&self) -> String {
+            self.inner.peer()
+        }
+        fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
+            self.inner.set_options(o)
+        }
+        fn send_window(&self) -> u64 {
+            self.inner.send_window()
+        }
+    };
+}
+use passed_on;
+
 /// The methods every socket type implements the same way.
 macro_rules! socket_transport {
     ($t:ty) => {
@@ -248,24 +274,7 @@ impl Transport for Paced {
     fn split(&self) -> io::Result<Box<dyn Transport>> {
         Ok(Box::new(Paced::new(self.inner.split()?, self.pacer.clone())))
     }
-    fn close(&self) {
-        self.inner.close()
-    }
-    fn close_write(&self) {
-        self.inner.close_write()
-    }
-    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        self.inner.set_read_timeout(t)
-    }
-    fn peer(&self) -> String {
-        self.inner.peer()
-    }
-    fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
-        self.inner.set_options(o)
-    }
-    fn send_window(&self) -> u64 {
-        self.inner.send_window()
-    }
+    passed_on!();
 }
 
 /// The layers a sender puts on each of its data connections, the same for

@@ -200,24 +200,7 @@ impl Transport for Sealed {
     fn split(&self) -> io::Result<Box<dyn Transport>> {
         Ok(Box::new(Sealed { inner: self.inner.split()?, tx: self.tx.clone(), rx: self.rx.clone() }))
     }
-    fn close(&self) {
-        self.inner.close()
-    }
-    fn close_write(&self) {
-        self.inner.close_write()
-    }
-    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        self.inner.set_read_timeout(t)
-    }
-    fn peer(&self) -> String {
-        self.inner.peer()
-    }
-    fn set_options(&self, o: &SocketOptions) -> io::Result<()> {
-        self.inner.set_options(o)
-    }
-    fn send_window(&self) -> u64 {
-        self.inner.send_window()
-    }
+    super::passed_on!();
 }
 
 #[cfg(test)]
