@@ -61,6 +61,14 @@ fn copies_both_ways_and_lists_over_ssh_with_no_daemon() {
     r.cp([r.at(&far.join("src")), back.display().to_string()]).run().assert_ok();
     assert_same_tree(&src, &back.join("src"));
 
+    // --sync sends nothing that is already there; a glob takes what it matches.
+    let again = r.cp([src.display().to_string(), format!("{}/", r.at(&far)), "--sync".into()]).run();
+    assert_eq!(u(&again.assert_ok()["skipped_files"]), list_files(&src).len() as u64, "{}", again.stdout);
+    let txt = r.env.mkdir("txt");
+    r.cp([format!("{}/src/**/*.txt", r.at(&far)), txt.display().to_string()]).run().assert_ok();
+    let want = list_files(&src).into_keys().filter(|p| p.ends_with(".txt")).count();
+    assert_eq!(list_files(&txt).len(), want, "the glob over ssh took {:?}", list_files(&txt).keys());
+
     let mut ls = dmover(["ls", "--ssh", &r.sshd.ssh(), "--remote-dmover", r.dmover.to_str().unwrap()]);
     ls.arg(format!("127.0.0.1:{}/src", far.display()));
     let l = ls.run();
