@@ -142,8 +142,11 @@ fn many_clients_at_once_all_verify_with_bounded_memory_and_no_descriptor_leak() 
     //   their allocator arenas' bookkeeping: 1 MiB is generous;
     // * per connection (control or data; the uploads' tuners open data
     //   connections as they like, so they are counted as the most sockets
-    //   the server held at once, less those it held before): its frame
-    //   reader's 256 KiB buffer and its thread's stack pages, 384 KiB.
+    //   the server held at once, less those it held before): the sealing
+    //   layer's read buffer (a record and 4 KiB) and write batch (four
+    //   records, on connections it sends on), its frame reader's buffer
+    //   (256 KiB, of which a read through the sealing layer fills one
+    //   record's worth) and its thread's stack pages: 384 KiB.
     const SESSION_KIB: u64 = (STAGING + MIB) / 1024;
     const CONNECTION_KIB: u64 = 384;
     let connections = peak_sockets.saturating_sub(sockets_before);

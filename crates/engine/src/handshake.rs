@@ -33,8 +33,7 @@ fn seal(t: Box<dyn Transport>, r: FrameReader, channel: Channel) -> Result<Authe
     let peer = t.peer();
     let net = |e: std::io::Error| Error::network(&peer, &e);
     let early = r.into_buffered();
-    let sealed: Box<dyn Transport> =
-        Box::new(Sealed::new(t, channel.sealer, channel.opener, &early).map_err(|e| Error::protocol(&peer, e))?);
+    let sealed: Box<dyn Transport> = Box::new(Sealed::new(t, channel.sealer, channel.opener, &early));
     let reader = FrameReader::new(sealed.split().map_err(net)?);
     let writer = FrameWriter::new(sealed.split().map_err(net)?);
     Ok(Authenticated { transport: sealed, reader, writer, session_key: channel.session_key })

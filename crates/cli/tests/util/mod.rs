@@ -1222,7 +1222,7 @@ impl Raw {
     /// From now on, frames travel sealed with `channel`'s keys.
     pub fn seal(&mut self, channel: Channel) {
         let s = Box::new(self.s.try_clone().unwrap());
-        self.io = Box::new(Sealed::new(s, channel.sealer, channel.opener, &[]).unwrap());
+        self.io = Box::new(Sealed::new(s, channel.sealer, channel.opener, &[]));
         self.session_key = Some(channel.session_key);
     }
 

@@ -25,6 +25,9 @@ use std::time::Duration;
 pub const WRITE_BATCH: usize = 4;
 /// The largest record on the wire.
 const RECORD: usize = HEADER + MAX_RECORD + TAG;
+/// What a reader holds of what it read: a whole record, and room for the
+/// start of the next one to come in the same read.
+const READ_BUFFER: usize = RECORD + 4096;
 
 /// A transport whose bytes travel in sealed records.
 pub struct Sealed {
@@ -57,15 +60,12 @@ impl Sealed {
     /// `inner` with its bytes sealed by `sealer` and opened by `opener`.
     /// `early` holds bytes already read from `inner` that follow the
     /// handshake (a client may send its first request right away).
-    pub fn new(inner: Box<dyn Transport>, sealer: Sealer, opener: Opener, early: &[u8]) -> io::Result<Sealed> {
-        let mut buf = vec![0u8; 2 * RECORD].into_boxed_slice();
-        if early.len() > buf.len() {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "more bytes after the handshake than one record"));
-        }
+    pub fn new(inner: Box<dyn Transport>, sealer: Sealer, opener: Opener, early: &[u8]) -> Sealed {
+        let mut buf = vec![0u8; READ_BUFFER.max(early.len())].into_boxed_slice();
         buf[..early.len()].copy_from_slice(early);
         let rx = Rx { opener, buf, start: 0, end: early.len(), plain: 0..0, broken: None };
         let tx = Tx { sealer, buf: Vec::new(), broken: false };
-        Ok(Sealed { inner, tx: Arc::new(Mutex::new(tx)), rx: Arc::new(Mutex::new(rx)) })
+        Sealed { inner, tx: Arc::new(Mutex::new(tx)), rx: Arc::new(Mutex::new(rx)) }
     }
 }
 
@@ -213,8 +213,8 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let tap = b.try_clone().unwrap();
         let key = [5u8; 32];
-        let a = Sealed::new(Box::new(a), Sealer::new(&key, p), Opener::new(&[6; 32], p), &[]).unwrap();
-        let b = Sealed::new(Box::new(b), Sealer::new(&[6; 32], p), Opener::new(&key, p), &[]).unwrap();
+        let a = Sealed::new(Box::new(a), Sealer::new(&key, p), Opener::new(&[6; 32], p), &[]);
+        let b = Sealed::new(Box::new(b), Sealer::new(&[6; 32], p), Opener::new(&key, p), &[]);
         (a, b, tap)
     }
 
@@ -253,8 +253,7 @@ mod tests {
             Sealer::new(&[0; 32], Protection::Authenticated),
             Opener::new(&[5; 32], Protection::Authenticated),
             &[],
-        )
-        .unwrap();
+        );
         (&x).write_all(&rec).unwrap();
         let mut buf = [0u8; 64];
         let e = r.read(&mut buf).unwrap_err();
@@ -264,11 +263,29 @@ mod tests {
     }
 
     #[test]
+    fn bytes_read_ahead_during_the_handshake_are_opened_first_however_many() {
+        let mut s = Sealer::new(&[5; 32], Protection::Encrypted);
+        let mut early = Vec::new();
+        for i in 0..3u8 {
+            let mut rec = vec![i; HEADER + MAX_RECORD + TAG];
+            s.seal(&mut rec).unwrap();
+            early.extend_from_slice(&rec);
+        }
+        let (x, y) = UnixStream::pair().unwrap();
+        let mut r =
+            Sealed::new(Box::new(y), Sealer::new(&[0; 32], Protection::Encrypted), Opener::new(&[5; 32], Protection::Encrypted), &early);
+        drop(x);
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).unwrap();
+        assert_eq!(got.len(), 3 * MAX_RECORD);
+        assert!(got.chunks(MAX_RECORD).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));
+    }
+
+    #[test]
     fn a_huge_announced_record_is_refused_before_it_is_read() {
         let (x, y) = UnixStream::pair().unwrap();
         let mut r =
-            Sealed::new(Box::new(y), Sealer::new(&[0; 32], Protection::Encrypted), Opener::new(&[5; 32], Protection::Encrypted), &[])
-                .unwrap();
+            Sealed::new(Box::new(y), Sealer::new(&[0; 32], Protection::Encrypted), Opener::new(&[5; 32], Protection::Encrypted), &[]);
         (&x).write_all(&u32::MAX.to_be_bytes()).unwrap();
         let e = r.read(&mut [0u8; 8]).unwrap_err();
         assert!(e.to_string().contains("longer than"), "{e}");
