@@ -549,3 +549,15 @@ fn json_report_of_a_fatal_error_has_the_documented_shape() {
         );
     }
 }
+
+#[test]
+fn token_does_not_overwrite_an_existing_file_exits_2() {
+    let env = Env::new();
+    let file = env.path("made-token");
+    assert_eq!(dmover(["token".as_ref(), file.as_os_str()]).run().code, 0);
+    let before = fs::read(&file).unwrap();
+    let r = dmover(["token".as_ref(), file.as_os_str()]).run();
+    r.assert_fails(2, &["made-token", "already exists"]);
+    assert!(!r.stderr.contains("please report"), "an existing file is not an internal error: {}", r.stderr);
+    assert_eq!(fs::read(&file).unwrap(), before, "the token was overwritten");
+}
