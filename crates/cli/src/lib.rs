@@ -111,12 +111,14 @@ fn write_token(file: &std::path::Path) -> Result<(), Error> {
     use std::os::unix::fs::OpenOptionsExt;
     let bytes: [u8; 32] = dmover_engine::handshake::random();
     let hex = hex::encode(bytes);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(file)
-        .map_err(|e| Error::io(file.display().to_string(), &e))?;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(file).map_err(|e| match e.kind() {
+        // Never overwrite a token: servers and jobs may be using it.
+        std::io::ErrorKind::AlreadyExists => {
+            Error::new(ErrorKind::Usage, file.display().to_string(), "already exists; dmover token does not overwrite a file")
+                .advised("remove it first to make a new token, or keep using it")
+        }
+        _ => Error::io(file.display().to_string(), &e),
+    })?;
     writeln!(f, "{hex}").map_err(|e| Error::io(file.display().to_string(), &e))
 }
 

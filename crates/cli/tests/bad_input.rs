@@ -549,3 +549,44 @@ fn json_report_of_a_fatal_error_has_the_documented_shape() {
         );
     }
 }
+
+#[test]
+fn token_does_not_overwrite_an_existing_file_exits_2() {
+    let env = Env::new();
+    let file = env.path("made-token");
+    assert_eq!(dmover(["token".as_ref(), file.as_os_str()]).run().code, 0);
+    let before = fs::read(&file).unwrap();
+    let r = dmover(["token".as_ref(), file.as_os_str()]).run();
+    r.assert_fails(2, &["made-token", "already exists"]);
+    assert!(!r.stderr.contains("please report"), "an existing file is not an internal error: {}", r.stderr);
+    assert_eq!(fs::read(&file).unwrap(), before, "the token was overwritten");
+}
+
+#[test]
+fn a_submission_sbatch_refuses_is_one_line_with_sbatchs_reasons_exits_2() {
+    // An sbatch that cannot reach Slurm answers with several lines on stderr.
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.mkdir("src");
+    write_random(&src.join("a.dat"), 1000, 1);
+    let bin = env.mkdir("bin");
+    let sbatch = bin.join("sbatch");
+    fs::write(&sbatch, "#!/bin/sh\necho 'sbatch: error: no controller' >&2\necho 'sbatch: fatal: Could not establish a configuration source' >&2\nexit 1\n").unwrap();
+    fs::set_permissions(&sbatch, fs::Permissions::from_mode(0o755)).unwrap();
+    let job = env.path("move.toml");
+    fs::write(
+        &job,
+        format!(
+            "source_root = {:?}\nsources = [\"a.dat\"]\ndest_hosts = [{:?}]\ndest_root = \"e/x\"\n",
+            src.display().to_string(),
+            srv.addr()
+        ),
+    )
+    .unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let r = dmover(["submit".as_ref(), job.as_os_str()]).env("PATH", path).env("DMOVER_TOKEN", env.token_str()).run();
+    r.assert_fails(2, &["sbatch", "no controller; sbatch: fatal: Could not establish a configuration source", "sinfo"]);
+    assert!(!r.stderr.contains("\\n"), "sbatch's lines should not show as escaped newlines: {}", r.stderr);
+}

@@ -169,6 +169,7 @@ fn a_wrong_token_or_no_sink_fails_at_open_with_a_clear_error() {
     let e = Stream::open(config(&env, &[&server.addr()], &spill)).err().expect("dmover serve must refuse streams");
     assert_eq!(e.kind, dmover_proto::ErrorKind::Refused, "{e}");
     assert!(e.message.contains("dmover sink"), "{e}");
+    assert!(!e.hint().contains("export"), "the advice for a refused stream must not speak of exports: {}", e.hint());
 }
 
 #[test]

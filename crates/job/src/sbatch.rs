@@ -67,8 +67,12 @@ pub fn submit(script: &str) -> Result<String> {
     child.stdin.take().expect("piped").write_all(script.as_bytes()).map_err(|e| Error::io("sbatch", &e))?;
     let out = child.wait_with_output().map_err(|e| Error::io("sbatch", &e))?;
     if !out.status.success() {
+        // sbatch's message, one line per reason: joined, so that the error
+        // stays one readable line (escaped, a newline would show as `\n`).
         let err = String::from_utf8_lossy(&out.stderr);
-        return Err(Error::new(ErrorKind::Usage, "sbatch", format!("submission refused: {}", err.trim())));
+        let why = err.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ");
+        return Err(Error::new(ErrorKind::Usage, "sbatch", format!("submission refused: {why}"))
+            .advised("check that Slurm answers from this host (`sinfo`), and see the script with `dmover submit JOB --dry-run`"));
     }
     let text = String::from_utf8_lossy(&out.stdout);
     // --parsable prints "ID" or "ID;CLUSTER".

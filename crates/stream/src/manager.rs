@@ -669,7 +669,12 @@ impl Manager {
         let addr = self.dests[dest].addr.clone();
         let mut c = Conn::control(&addr, &self.cred)?;
         let session =
-            expect_session(&addr, c.request(Request::Stream { producer: self.cfg.producer.clone(), block_size: self.cfg.block_size })?)?;
+            expect_session(&addr, c.request(Request::Stream { producer: self.cfg.producer.clone(), block_size: self.cfg.block_size })?)
+                .map_err(|e| match e.kind {
+                    // A refused stream has nothing to do with exports, which the class's own hint speaks of.
+                    ErrorKind::Refused => e.advised("streams go to a `dmover sink`; its message says what it refused"),
+                    _ => e,
+                })?;
         let t = c.into_transport();
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&addr, &e));
         let reader = FrameReader::new(split(t.as_ref())?);
