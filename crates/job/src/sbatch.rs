@@ -64,9 +64,13 @@ pub fn submit(script: &str) -> Result<String> {
         Command::new("sbatch").arg("--parsable").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(
             |e| Error::new(ErrorKind::NotFound, "sbatch", format!("cannot run sbatch: {e}; is Slurm installed here and sbatch on PATH?")),
         )?;
-    child.stdin.take().expect("piped").write_all(script.as_bytes()).map_err(|e| Error::io("sbatch", &e))?;
+    // An sbatch that refuses may exit before it reads the script: its exit
+    // status and stderr say why, not the broken pipe.
+    let written = child.stdin.take().expect("piped").write_all(script.as_bytes());
     let out = child.wait_with_output().map_err(|e| Error::io("sbatch", &e))?;
-    if !out.status.success() {
+    if out.status.success() {
+        written.map_err(|e| Error::io("sbatch", &e))?;
+    } else {
         // sbatch's message, one line per reason: joined, so that the error
         // stays one readable line (escaped, a newline would show as `\n`).
         let err = String::from_utf8_lossy(&out.stderr);
