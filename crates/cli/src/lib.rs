@@ -66,10 +66,18 @@ enum Cmd {
     Ls(ls::LsArgs),
     /// Measure throughput to a server (memory to memory, or disk to disk).
     Bench(bench::BenchArgs),
-    /// Write a new random token to FILE (mode 0600).
+    /// Write a new random token to FILE (mode 0600); with --producer, a
+    /// producer's credential for a sink instead.
     Token {
         /// Where to write the token.
         file: PathBuf,
+        /// Write the credential of the producer NAME, made from the sink's
+        /// token (--token-file or DMOVER_TOKEN): it lets its holder stream
+        /// to the sink under that name only.
+        #[arg(long, value_name = "NAME")]
+        producer: Option<String>,
+        #[command(flatten)]
+        token: TokenArgs,
     },
     /// Check a job file and submit it to Slurm as a batch job (--dry-run: print the script).
     Submit(job::SubmitArgs),
@@ -106,11 +114,18 @@ impl TokenArgs {
     }
 }
 
-fn write_token(file: &std::path::Path) -> Result<(), Error> {
+/// Writes a new token to `file`, or with `producer` that producer's
+/// credential made from the sink's token.
+fn write_token(file: &std::path::Path, producer: Option<&str>, token: &TokenArgs) -> Result<(), Error> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let bytes: [u8; 32] = dmover_engine::handshake::random();
-    let hex = hex::encode(bytes);
+    let text = match producer {
+        Some(name) => {
+            dmover_server::sink::check_producer(name)?;
+            dmover_proto::auth::producer_credential_text(&token.token()?, name)
+        }
+        None => hex::encode(dmover_engine::handshake::random::<32>()),
+    };
     let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(file).map_err(|e| match e.kind() {
         // Never overwrite a token: servers and jobs may be using it.
         std::io::ErrorKind::AlreadyExists => {
@@ -119,7 +134,7 @@ fn write_token(file: &std::path::Path) -> Result<(), Error> {
         }
         _ => Error::io(file.display().to_string(), &e),
     })?;
-    writeln!(f, "{hex}").map_err(|e| Error::io(file.display().to_string(), &e))
+    writeln!(f, "{text}").map_err(|e| Error::io(file.display().to_string(), &e))
 }
 
 /// Runs the command named on the command line and exits with its status.
@@ -144,7 +159,7 @@ pub fn main() -> ! {
         Cmd::Cp(a) => cp::run(a),
         Cmd::Ls(a) => ls::run(a),
         Cmd::Bench(a) => bench::run(a),
-        Cmd::Token { file } => write_token(&file).map(|()| 0),
+        Cmd::Token { file, producer, token } => write_token(&file, producer.as_deref(), &token).map(|()| 0),
         Cmd::Submit(a) => job::submit(a),
         Cmd::Run(a) => job::run(a),
         Cmd::Status(a) => job::status(a),

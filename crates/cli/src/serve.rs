@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// Staging memory of each receiving transfer.
     #[arg(long, default_value = "64M")]
     pub staging: String,
+    /// Seconds a ticket for a third-party copy into this server lives
+    /// unless the client renews it; the transfer it opened ends with it.
+    #[arg(long, value_name = "SECS", default_value_t = dmover_server::TICKET_LIFETIME.as_secs(), value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub ticket_lifetime: u64,
 }
 
 /// The flags every daemon (`serve`, `sink`) takes.
@@ -59,6 +63,7 @@ impl DaemonArgs {
             staging: 1 << 20,
             writers: 1,
             sink: None,
+            ticket_lifetime: dmover_server::TICKET_LIFETIME,
         })
     }
 }
@@ -80,7 +85,8 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         }
     }
     let staging = parse_size(&a.staging).map_err(|m| usage("--staging", m))?;
-    let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ..a.daemon.config()? };
+    let ticket_lifetime = Duration::from_secs(a.ticket_lifetime);
+    let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ticket_lifetime, ..a.daemon.config()? };
     let names: Vec<String> = cfg.exports.keys().cloned().collect();
     let listener = bind(&a.listen)?;
     log::info!("serving {names:?} on {}", listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?);

@@ -371,6 +371,7 @@ pub fn remote(a: RemoteArgs) -> Result<i32> {
         staging: 64 << 20,
         writers: 2,
         sink: None,
+        ticket_lifetime: dmover_server::TICKET_LIFETIME,
     };
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     outln!("{READY} {} {ip} {port}", dmover_proto::frame::MAGIC[7]);

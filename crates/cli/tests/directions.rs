@@ -80,6 +80,27 @@ fn remote_to_remote_third_party_tree_is_identical() {
     assert_same_tree(&again, &src);
 }
 
+/// A third-party copy that runs longer than its tickets live: the client
+/// renews them while it runs, so the destination's session (which ends
+/// when its ticket expires) lasts to the end, with no retry.
+#[test]
+fn a_third_party_copy_outlives_its_tickets_by_renewing_them() {
+    let env = Env::new();
+    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
+    write_random(&ea.join("data/big.dat"), 5 << 20, 3);
+    let a = env.serve(&[("e", &ea)]);
+    let mut spec = ServerSpec::new(&env.token, &[("e", &eb)], &env.path("server-b.log"));
+    spec.extra = vec!["--ticket-lifetime".into(), "1".into()];
+    let b = Server::start(spec);
+    let started = std::time::Instant::now();
+    let r = env.cp([a.url("e/data"), b.url("e/t"), "--bwlimit".into(), "1M".into(), "--block-size".into(), "256K".into()]).run();
+    let j = r.assert_ok();
+    assert!(started.elapsed() > std::time::Duration::from_secs(3), "the copy was too quick to outlive its ticket");
+    assert_eq!(j["retries"], 0, "the copy was retried: {j:#}\n{}", r.stderr);
+    assert_same_tree(&ea.join("data"), &eb.join("t/data"));
+    assert!(!b.log().contains("expired without being renewed"), "{}", b.log());
+}
+
 #[test]
 fn token_from_the_environment_works() {
     let env = Env::new();

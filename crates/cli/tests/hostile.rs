@@ -8,7 +8,7 @@
 
 mod util;
 
-use dmover_proto::auth::TOKEN_KEY_ID;
+use dmover_proto::auth::{KeyId, TOKEN_KEY_ID};
 use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
@@ -684,14 +684,97 @@ fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_sta
 /// A raw producer's streaming session with a sink: the control connection
 /// and one data connection attached to it.
 fn stream_session(sink: &Server, token: &[u8], producer: &str) -> (Raw, Raw) {
-    let mut ctl = Raw::control(&sink.addr(), token);
-    let Some(Msg::SessionOpened { session }) = ctl.read_after(&Msg::Stream { producer: producer.into(), block_size: 65536 }) else {
+    let (ctl, Some(Msg::SessionOpened { session })) = open_stream(sink, TOKEN_KEY_ID, token, producer) else {
         panic!("the sink did not open a stream")
     };
-    let (mut data, _, _) = Raw::handshake(&sink.addr(), token);
-    assert_eq!(data.read(), Some(Msg::Welcome));
+    let mut data = authenticated(sink, TOKEN_KEY_ID, token);
     assert!(matches!(data.read_after(&Msg::OpenData { session, index: 0 }), Some(Msg::SessionOpened { .. })));
     (ctl, data)
+}
+
+/// A connection to `sink` authenticated with the secret `key_id` names.
+fn authenticated(sink: &Server, key_id: KeyId, secret: &[u8]) -> Raw {
+    let (mut c, _, _) = Raw::handshake_with(&sink.addr(), key_id, secret);
+    assert_eq!(c.read(), Some(Msg::Welcome), "the sink did not welcome the credential");
+    c
+}
+
+/// Asks `sink` for a stream as `producer`: the control connection and the
+/// sink's answer.
+fn open_stream(sink: &Server, key_id: KeyId, secret: &[u8], producer: &str) -> (Raw, Option<Msg>) {
+    let mut ctl = authenticated(sink, key_id, secret);
+    ctl.send(&Msg::OpenControl);
+    let answer = ctl.read_after(&Msg::Stream { producer: producer.into(), block_size: 65536 });
+    (ctl, answer)
+}
+
+/// Regression (7): sink producers were not authenticated by name: any
+/// holder of the sink's token could stream as any producer. A producer
+/// can now be given a credential of its own (`dmover token --producer
+/// NAME`), derived from the sink's token: it streams under that name and
+/// no other, joins no other producer's session, and asks nothing else of
+/// the server; the sink keeps no table of producers.
+#[test]
+fn sink_producers_are_authenticated_by_name() {
+    use dmover_proto::auth::{producer_credential, producer_key_id};
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let out = env.mkdir("sink");
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let cred_file = env.path("p.credential");
+    let made = dmover(["token", "--producer", "p", "--token-file"]).arg(&env.token).arg(&cred_file).run();
+    assert_eq!(made.code, 0, "{}", made.stderr);
+    assert_eq!(fs::metadata(&cred_file).unwrap().permissions().mode() & 0o777, 0o600);
+    let text = fs::read(&cred_file).unwrap();
+    assert!(!String::from_utf8_lossy(&text).contains(env.token_str().as_str()), "the credential holds the sink's token");
+    let (p_id, p_secret) = producer_credential(&text, "p").unwrap();
+
+    // Its own name: served.
+    let (mut ctl, Some(Msg::SessionOpened { session })) = open_stream(&sink, p_id, &p_secret, "p") else {
+        panic!("p's credential was refused for p")
+    };
+    let mut data = authenticated(&sink, p_id, &p_secret);
+    assert!(matches!(data.read_after(&Msg::OpenData { session, index: 0 }), Some(Msg::SessionOpened { .. })));
+    send_step_block(&mut data, 0, 0, &[1; 4096]);
+    assert!(matches!(ctl.read(), Some(Msg::Acked { .. })));
+    assert_eq!(ctl.read_after(&one_block_step(0, &[1; 4096])), Some(Msg::StepSaved { step: 0, complete: true }));
+
+    // Another name: refused, and nothing of q's is touched.
+    match open_stream(&sink, p_id, &p_secret, "q").1 {
+        Some(Msg::Error { kind, message }) => {
+            assert_eq!(kind, ErrorKind::Refused, "{message}");
+            assert!(message.contains("another producer name"), "{message}");
+        }
+        other => panic!("p's credential was not refused a stream as q: {other:?}"),
+    }
+    // p's credential joins none of q's sessions, even knowing its id.
+    let (q_id, q_secret) = producer_credential(env.token_str().as_bytes(), "q").unwrap();
+    assert_eq!(q_id, producer_key_id("q"));
+    let (_q_ctl, Some(Msg::SessionOpened { session: q_session })) = open_stream(&sink, q_id, &q_secret, "q") else {
+        panic!("q's own credential was refused")
+    };
+    let mut intruder = authenticated(&sink, p_id, &p_secret);
+    match intruder.read_after(&Msg::OpenData { session: q_session, index: 0 }) {
+        Some(Msg::Error { message, .. }) => assert!(message.contains("same credential"), "{message}"),
+        other => panic!("p's credential joined q's session: {other:?}"),
+    }
+    // Nothing but streams.
+    let mut other = authenticated(&sink, p_id, &p_secret);
+    other.send(&Msg::OpenControl);
+    match other.read_after(&Msg::List { path: "x".into() }) {
+        Some(Msg::Error { message, .. }) => assert!(message.contains("streaming to this sink only"), "{message}"),
+        other => panic!("a producer's credential was allowed a listing: {other:?}"),
+    }
+    // A made-up secret for a producer's key id does not authenticate.
+    let mut c = Raw::connect(&sink.addr());
+    c.send(&Raw::hello(p_id, b"not derived from the sink token").1);
+    assert!(matches!(c.read(), Some(Msg::Challenge { .. }) | None));
+    c.send(&Msg::Proof { proof: [0; 16] });
+    match c.read() {
+        Some(Msg::Error { kind, .. }) => assert_eq!(kind, ErrorKind::Auth),
+        other => panic!("a guessed producer secret was not refused: {other:?}"),
+    }
+    assert!(!out.join("q").join("step-000000.json").exists());
 }
 
 /// Sends block `offset` of `step` on a data connection.
@@ -865,7 +948,9 @@ fn tickets_are_single_use_and_join_only_the_session_they_opened() {
 
     // A ticket for e/in, as a client asks for one for a third-party copy.
     let mut owner = Raw::control(&addr, token.as_bytes());
-    let Some(Msg::Ticket { key_id, wrapped_secret }) = owner.read_after(&Msg::Grant { dest: "e/in".into() }) else { panic!("no ticket") };
+    let Some(Msg::Ticket { key_id, wrapped_secret, .. }) = owner.read_after(&Msg::Grant { dest: "e/in".into() }) else {
+        panic!("no ticket")
+    };
     let secret = owner.session_key.as_ref().unwrap().wrap(&key_id, &wrapped_secret);
     let with_ticket = || {
         let (mut c, _, _) = Raw::handshake_with(&addr, key_id, &secret);
@@ -890,4 +975,73 @@ fn tickets_are_single_use_and_join_only_the_session_they_opened() {
     with_ticket().refused(&Msg::OpenData { session: theirs, index: 0 }, ErrorKind::Refused);
     assert_eq!(with_ticket().read_after(&Msg::OpenData { session: mine, index: 0 }), Some(Msg::SessionOpened { session: mine }));
     assert!(srv.log().contains("a ticket is used once"), "{}", srv.log());
+}
+
+/// Regression (10): the session a ticket opened outlived the ticket, for as
+/// long as its holder kept it going. Now it ends when the ticket expires,
+/// unless the client that asked for the ticket (a token holder) renews it;
+/// a ticket holder cannot renew its own ticket.
+#[test]
+fn a_ticket_session_ends_when_its_ticket_expires_unrenewed() {
+    const LIFETIME: Duration = Duration::from_secs(2);
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--ticket-lifetime".into(), LIFETIME.as_secs().to_string().into()];
+    let srv = Server::start(spec);
+    let addr = srv.addr();
+    let token = env.token_str();
+    let mut owner = Raw::control(&addr, token.as_bytes());
+    // A ticket, and the session it opens as a source server would.
+    let ticket = |owner: &mut Raw, dest: &str| {
+        let Some(Msg::Ticket { key_id, wrapped_secret, lifetime }) = owner.read_after(&Msg::Grant { dest: dest.into() }) else {
+            panic!("no ticket")
+        };
+        assert_eq!(u64::from(lifetime), LIFETIME.as_secs());
+        let secret = owner.session_key.as_ref().unwrap().wrap(&key_id, &wrapped_secret);
+        let (mut c, _, _) = Raw::handshake_with(&addr, key_id, &secret);
+        assert_eq!(c.read(), Some(Msg::Welcome));
+        c.send(&Msg::OpenControl);
+        let options = TransferOptions { transfer_id: dmover_engine::handshake::random(), block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+        let Some(Msg::SessionOpened { session }) = c.read_after(&Msg::Receive { dest: dest.into(), options }) else { panic!("no session") };
+        (key_id, secret, session, c)
+    };
+
+    // Not renewed: the session ends with the ticket.
+    let opened = Instant::now();
+    let (key_id, _, _, mut unrenewed) = ticket(&mut owner, "e/a");
+    unrenewed.wait_closed();
+    let lasted = opened.elapsed();
+    assert!(lasted >= LIFETIME - Duration::from_millis(200) && lasted < LIFETIME + Duration::from_secs(3), "the session lasted {lasted:?}");
+    assert!(srv.log().contains("expired without being renewed"), "{}", srv.log());
+    match owner.read_after(&Msg::Renew { key_id }) {
+        Some(Msg::Error { kind, message }) => {
+            assert_eq!(kind, ErrorKind::Refused);
+            assert!(message.contains("expired"), "{message}");
+        }
+        other => panic!("an expired ticket was renewed: {other:?}"),
+    }
+
+    // Renewed by the token holder: the session outlives twice the lifetime,
+    // and a data connection with the ticket still joins it.
+    let (key_id, secret, session, mut renewed) = ticket(&mut owner, "e/b");
+    let until = Instant::now() + 2 * LIFETIME;
+    while Instant::now() < until {
+        assert_eq!(owner.read_after(&Msg::Renew { key_id }), Some(Msg::Renewed { lifetime: LIFETIME.as_secs() as u32 }));
+        std::thread::sleep(LIFETIME / 4);
+    }
+    let (mut data, _, _) = Raw::handshake_with(&addr, key_id, &secret);
+    assert_eq!(data.read(), Some(Msg::Welcome), "a renewed ticket was refused");
+    assert_eq!(data.read_after(&Msg::OpenData { session, index: 0 }), Some(Msg::SessionOpened { session }));
+
+    // The ticket's holder cannot renew it itself.
+    let (mut holder, _, _) = Raw::handshake_with(&addr, key_id, &secret);
+    assert_eq!(holder.read(), Some(Msg::Welcome));
+    holder.send(&Msg::OpenControl);
+    holder.refused(&Msg::Renew { key_id }, ErrorKind::Refused);
+
+    // Renewals stop: the session ends.
+    let stopped = Instant::now();
+    renewed.wait_closed();
+    assert!(stopped.elapsed() < LIFETIME + Duration::from_secs(3), "the session outlived its ticket by {:?}", stopped.elapsed());
 }

@@ -1112,6 +1112,43 @@ fn the_producer_and_sink_manifests_write_records_alike() {
     assert_eq!(producer["steps"][0]["records"], want, "{producer:#}");
 }
 
+/// A producer given its own credential (`dmover token --producer NAME`)
+/// streams under that name, and is refused under any other with a message
+/// that says whose credential it holds.
+#[test]
+fn a_producer_credential_streams_under_its_own_name_only() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let cred = env.path("sim.credential");
+    let made = dmover(["token", "--producer", "sim", "--token-file"]).arg(&env.token).arg(&cred).run();
+    assert_eq!(made.code, 0, "{}", made.stderr);
+    let script = r#"
+import sys
+from dmover_stream import Stream
+s = Stream("sim", [sys.argv[1]], sys.argv[2])
+s.write(b"x" * 100000)
+s.end_step()
+s.close()
+try:
+    Stream("other", [sys.argv[1]], sys.argv[2])
+    raise AssertionError("a credential made for 'sim' streamed as 'other'")
+except Exception as e:
+    assert "producer 'sim''s" in str(e), e
+print("ok")
+"#;
+    let r = Command::new("python3")
+        .args(["-c", script, &sink.addr(), spill.to_str().unwrap()])
+        .env("DMOVER_TOKEN_FILE", &cred)
+        .env_remove("DMOVER_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(std::fs::read(out.join("sim/step-000000.dat")).unwrap(), vec![b'x'; 100000]);
+    assert!(!out.join("other").exists());
+}
+
 /// Regression (security, token files): the streaming library read
 /// `DMOVER_TOKEN_FILE` whatever its mode, where every dmover command refuses
 /// a token file that group or others can read. A producer now refuses it the

@@ -50,6 +50,8 @@ impl Error {
         // a reader of the log. (A connect timeout is TimedOut and says so.)
         let message = match e.kind() {
             io::ErrorKind::WouldBlock => "nothing received from the peer within the timeout".to_string(),
+            // read_exact's "failed to fill whole buffer".
+            io::ErrorKind::UnexpectedEof => "the peer closed the connection".to_string(),
             _ => e.to_string(),
         };
         Error::new(ErrorKind::Unreachable, host, message)

@@ -152,7 +152,7 @@ impl Conn {
 pub fn expect_session(host: &str, m: Reply) -> Result<[u8; 16]> {
     match m {
         Reply::SessionOpened { session } => Ok(session),
-        Reply::Ticket { .. } => Err(Error::protocol(host, "expected a session, got a ticket")),
+        Reply::Ticket { .. } | Reply::Renewed { .. } => Err(Error::protocol(host, "expected a session")),
         Reply::Error { kind, message } => Err(Error::new(kind, host, message)),
     }
 }
@@ -234,13 +234,65 @@ pub fn receive_links(
     handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))).collect()
 }
 
+/// A ticket a server issued for a third party to receive into it.
+pub struct Ticket {
+    pub host: String,
+    pub key_id: KeyId,
+    pub secret: [u8; 32],
+    /// How long it lives unless renewed.
+    pub lifetime: Duration,
+}
+
 /// Asks `host` for a ticket to receive into `dest`, for a third party.
-pub fn grant(host: &str, cred: &Credential, dest: &str) -> Result<(KeyId, [u8; 32])> {
+pub fn grant(host: &str, cred: &Credential, dest: &str) -> Result<Ticket> {
     let mut c = Conn::control(host, cred)?;
     match c.request(Request::Grant { dest: dest.to_string() })? {
-        Reply::Ticket { key_id, wrapped_secret } => Ok((key_id, c.session_key.wrap(&key_id, &wrapped_secret))),
-        Reply::SessionOpened { .. } => Err(Error::protocol(host, "expected a ticket, got a session")),
+        Reply::Ticket { key_id, wrapped_secret, lifetime } => Ok(Ticket {
+            host: host.to_string(),
+            key_id,
+            secret: c.session_key.wrap(&key_id, &wrapped_secret),
+            lifetime: Duration::from_secs(lifetime.into()),
+        }),
         Reply::Error { kind, message } => Err(Error::new(kind, host, message)),
+        _ => Err(Error::protocol(host, "expected a ticket")),
+    }
+}
+
+/// Extends a ticket's life (and that of the session it opened) at its server.
+fn renew(t: &Ticket, cred: &Credential) -> Result<()> {
+    let mut c = Conn::control(&t.host, cred)?;
+    match c.request(Request::Renew { key_id: t.key_id })? {
+        Reply::Renewed { .. } => Ok(()),
+        Reply::Error { kind, message } => Err(Error::new(kind, &t.host, message)),
+        _ => Err(Error::protocol(&t.host, "expected a renewed ticket")),
+    }
+}
+
+/// Keeps the tickets of a third-party copy alive while it runs, renewing
+/// each at its server three times per lifetime, until dropped.
+struct Renewer {
+    /// Dropped to stop; the renewing thread waits on the other end.
+    _stop: crossbeam_channel::Sender<()>,
+}
+
+impl Renewer {
+    fn start(tickets: Vec<Ticket>, cred: &Credential) -> Renewer {
+        let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
+        let cred = cred.clone();
+        let every = tickets.iter().map(|t| t.lifetime / 3).min().unwrap_or(Duration::MAX);
+        std::thread::spawn(move || {
+            while stopped.recv_timeout(every) == Err(crossbeam_channel::RecvTimeoutError::Timeout) {
+                for t in &tickets {
+                    // A failed renewal is tried again next time; if the
+                    // ticket expires meanwhile, its session ends and the
+                    // copy is retried with new tickets.
+                    if let Err(e) = renew(t, &cred) {
+                        log::warn!("renewing a ticket: {e}");
+                    }
+                }
+            }
+        });
+        Renewer { _stop: stop }
     }
 }
 
@@ -319,21 +371,14 @@ pub fn push(
     params: EngineParams,
     progress: &Progress,
 ) -> Result<Stats> {
-    let mut tickets = Vec::new();
-    for h in dest_hosts {
-        let (key_id, secret) = grant(h, cred, dest)?;
-        tickets.push((h.clone(), key_id, secret));
-    }
+    let tickets = dest_hosts.iter().map(|h| grant(h, cred, dest)).collect::<Result<Vec<_>>>()?;
     let mut c = Conn::control(src, cred)?;
     let hosts = tickets
         .iter()
-        .map(|(addr, key_id, secret)| TicketedHost {
-            addr: addr.clone(),
-            key_id: *key_id,
-            wrapped_secret: c.session_key.wrap(key_id, secret),
-        })
+        .map(|t| TicketedHost { addr: t.host.clone(), key_id: t.key_id, wrapped_secret: c.session_key.wrap(&t.key_id, &t.secret) })
         .collect();
     c.send(Request::Push { sources, dest: dest.to_string(), hosts, options, params })?;
+    let _renewer = Renewer::start(tickets, cred);
     remote_report(|| c.read_msg(), src, progress)
 }
 

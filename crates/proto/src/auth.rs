@@ -26,10 +26,60 @@ use crate::record::{Opener, Protection, Sealer, TAG};
 #[derive(Clone)]
 pub struct Key([u8; 32]);
 
-/// Identifies which secret a client uses: all zeros is the server's token,
-/// anything else names a ticket the server issued.
+/// Identifies which secret a client uses: all zeros is the server's token;
+/// anything else names a ticket the server issued or, at a sink, a
+/// producer (see [`producer_key_id`]).
 pub type KeyId = [u8; 16];
 pub const TOKEN_KEY_ID: KeyId = [0; 16];
+
+/// The first word of a producer credential file:
+/// `dmover-producer NAME SECRET` (the secret in hex).
+pub const PRODUCER_CREDENTIAL: &str = "dmover-producer";
+
+/// The key id a producer named `name` authenticates with at a sink.
+pub fn producer_key_id(name: &str) -> KeyId {
+    let mut h = blake3::Hasher::new_derive_key("dmover 2 producer key id");
+    h.update(name.as_bytes());
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    id
+}
+
+/// The secret of the producer whose key id is `id`, derived from the
+/// sink's token: a sink needs no table of producers, and a producer given
+/// only its own secret cannot authenticate under another name.
+pub fn producer_secret(token: &[u8], id: &KeyId) -> [u8; 32] {
+    let key = blake3::derive_key("dmover 2 producer secret", token);
+    *blake3::keyed_hash(&key, id).as_bytes()
+}
+
+/// The key id and secret producer `name` authenticates with, from what it
+/// was given: the sink's token itself, or a producer credential
+/// (`dmover token --producer NAME`), which must name `name`.
+pub fn producer_credential(given: &[u8], name: &str) -> Result<(KeyId, Vec<u8>), String> {
+    let id = producer_key_id(name);
+    let text = String::from_utf8_lossy(given);
+    let mut words = text.split_whitespace();
+    if words.next() != Some(PRODUCER_CREDENTIAL) {
+        return Ok((id, producer_secret(given, &id).to_vec()));
+    }
+    let (Some(owner), Some(hex), None) = (words.next(), words.next(), words.next()) else {
+        return Err(format!("a producer credential is one line: {PRODUCER_CREDENTIAL} NAME SECRET"));
+    };
+    if owner != name {
+        return Err(format!("this credential is producer '{owner}''s; the stream is named '{name}'"));
+    }
+    match hex::decode(hex) {
+        Ok(secret) if secret.len() == 32 => Ok((id, secret)),
+        _ => Err("a producer credential's secret is 64 hex digits".to_string()),
+    }
+}
+
+/// The text of producer `name`'s credential file for a sink with `token`.
+pub fn producer_credential_text(token: &[u8], name: &str) -> String {
+    let secret = producer_secret(token, &producer_key_id(name));
+    format!("{PRODUCER_CREDENTIAL} {name} {}", hex::encode(secret))
+}
 
 /// Shortest token a server accepts, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -221,6 +271,23 @@ mod tests {
         r[HEADER..HEADER + msg.len()].copy_from_slice(msg);
         from.sealer.seal(&mut r).unwrap();
         to.opener.open(&mut r).unwrap().to_vec()
+    }
+
+    #[test]
+    fn a_producer_credential_serves_its_own_name_only() {
+        let token = b"the sink's token, 32 bytes long.";
+        let text = producer_credential_text(token, "gtc-1");
+        let (id, secret) = producer_credential(text.as_bytes(), "gtc-1").unwrap();
+        // What the producer holds is what the sink derives from its token.
+        assert_eq!((id, secret.clone()), producer_credential(token, "gtc-1").unwrap());
+        assert_eq!(secret, producer_secret(token, &id).to_vec());
+        let other = producer_credential(text.as_bytes(), "gtc-2").unwrap_err();
+        assert!(other.contains("producer 'gtc-1''s") && other.contains("'gtc-2'"), "{other}");
+        // Another name's key id gets another secret.
+        assert_ne!(producer_secret(token, &producer_key_id("gtc-2")).to_vec(), secret);
+        assert_ne!(producer_key_id("gtc-1"), TOKEN_KEY_ID);
+        assert!(producer_credential(b"dmover-producer gtc-1 abcd", "gtc-1").is_err());
+        assert!(producer_credential(b"dmover-producer gtc-1", "gtc-1").is_err());
     }
 
     #[test]

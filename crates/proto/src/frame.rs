@@ -319,6 +319,8 @@ pub mod kind {
     pub const REPORT: u8 = 22;
     pub const LIST: u8 = 23;
     pub const LISTING: u8 = 24;
+    pub const RENEW: u8 = 25;
+    pub const RENEWED: u8 = 26;
     pub const ANNOUNCE: u8 = 30;
     pub const PLAN: u8 = 31;
     pub const FILE_END: u8 = 32;
@@ -366,10 +368,15 @@ pub enum Msg {
     SessionOpened { session: [u8; 16] },
     /// C→S: all data streams are attached.
     Ready,
-    /// C→S: issue a ticket (valid 10 minutes) for receiving into `dest`.
+    /// C→S: issue a ticket for receiving into `dest`.
     Grant { dest: String },
-    /// S→C: the ticket; its secret is wrapped under this connection's session key.
-    Ticket { key_id: KeyId, wrapped_secret: [u8; 32] },
+    /// S→C: the ticket, valid for `lifetime` seconds unless renewed; its
+    /// secret is wrapped under this connection's session key.
+    Ticket { key_id: KeyId, wrapped_secret: [u8; 32], lifetime: u32 },
+    /// C→S: extend a valid ticket's life (it and the session it opened).
+    Renew { key_id: KeyId },
+    /// S→C: the ticket is valid for `lifetime` more seconds.
+    Renewed { lifetime: u32 },
     /// C→S: send `sources` from this server to `dest` on the given hosts (third party).
     Push { sources: Vec<String>, dest: String, hosts: Vec<TicketedHost>, options: TransferOptions, params: EngineParams },
     /// S→C during a push: running totals.
@@ -562,6 +569,8 @@ impl Msg {
             Ready => kind::READY,
             Grant { .. } => kind::GRANT,
             Ticket { .. } => kind::TICKET,
+            Renew { .. } => kind::RENEW,
+            Renewed { .. } => kind::RENEWED,
             Push { .. } => kind::PUSH,
             Progress { .. } => kind::PROGRESS,
             Report { .. } => kind::REPORT,
@@ -688,10 +697,13 @@ impl Msg {
                 w.params(params);
             }
             SessionOpened { session } => w.bytes(session),
-            Ticket { key_id, wrapped_secret } => {
+            Ticket { key_id, wrapped_secret, lifetime } => {
                 w.bytes(key_id);
                 w.bytes(wrapped_secret);
+                w.u32(*lifetime);
             }
+            Renew { key_id } => w.bytes(key_id),
+            Renewed { lifetime } => w.u32(*lifetime),
             Push { sources, dest, hosts, options, params } => {
                 w.strs(sources);
                 w.str(dest);
@@ -819,7 +831,9 @@ impl Msg {
             kind::SESSION_OPENED => SessionOpened { session: r.arr()? },
             kind::READY => Ready,
             kind::GRANT => Grant { dest: r.str()? },
-            kind::TICKET => Ticket { key_id: r.arr()?, wrapped_secret: r.arr()? },
+            kind::TICKET => Ticket { key_id: r.arr()?, wrapped_secret: r.arr()?, lifetime: r.u32()? },
+            kind::RENEW => Renew { key_id: r.arr()? },
+            kind::RENEWED => Renewed { lifetime: r.u32()? },
             kind::PUSH => {
                 let sources = r.strs()?;
                 let dest = r.str()?;
@@ -1071,7 +1085,9 @@ mod tests {
             Msg::SessionOpened { session: [8; 16] },
             Msg::Ready,
             Msg::Grant { dest: "out".into() },
-            Msg::Ticket { key_id: [9; 16], wrapped_secret: [10; 32] },
+            Msg::Ticket { key_id: [9; 16], wrapped_secret: [10; 32], lifetime: 600 },
+            Msg::Renew { key_id: [9; 16] },
+            Msg::Renewed { lifetime: 600 },
             Msg::Push {
                 sources: vec!["s".into()],
                 dest: "d".into(),

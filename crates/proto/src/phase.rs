@@ -112,6 +112,7 @@ phase! {
         Receive { dest: String, options: TransferOptions },
         Send { sources: Vec<String>, options: TransferOptions, params: EngineParams },
         Grant { dest: String },
+        Renew { key_id: KeyId },
         Push { sources: Vec<String>, dest: String, hosts: Vec<TicketedHost>, options: TransferOptions, params: EngineParams },
         List { path: String },
         Stream { producer: String, block_size: u32 },
@@ -124,7 +125,8 @@ phase! {
     /// S→C: the answer to a request.
     Reply = "the answer to a request" {
         SessionOpened { session: [u8; 16] },
-        Ticket { key_id: KeyId, wrapped_secret: [u8; 32] },
+        Ticket { key_id: KeyId, wrapped_secret: [u8; 32], lifetime: u32 },
+        Renewed { lifetime: u32 },
         Error { kind: ErrorKind, message: String },
     }
 }

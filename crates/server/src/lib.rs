@@ -22,7 +22,7 @@ use dmover_engine::session::{self, Credential};
 use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
-use dmover_proto::auth::{KeyId, TOKEN_KEY_ID};
+use dmover_proto::auth::{self, KeyId, TOKEN_KEY_ID};
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
 use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::ErrorKind;
@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tickets::Tickets;
+pub use tickets::TICKET_LIFETIME;
 
 /// The server's settings.
 #[derive(Clone)]
@@ -52,6 +53,8 @@ pub struct Config {
     pub writers: usize,
     /// Accept streams from producers (`dmover sink`); `None` refuses them.
     pub sink: Option<Arc<sink::SinkConfig>>,
+    /// How long a ticket (and the session it opens) lives unless renewed.
+    pub ticket_lifetime: Duration,
 }
 
 /// Time a client has to authenticate, however its bytes are spread over it.
@@ -102,7 +105,9 @@ type Attach = crossbeam_channel::Sender<Box<dyn Transport>>;
 /// a stream the client's tuner added as the transfer finished, is refused
 /// at once instead of waiting for a session that will not appear).
 enum Slot {
-    Open(Attach),
+    /// Open, with the key id of the credential that opened it: only
+    /// connections authenticated by the same credential may join.
+    Open(Attach, KeyId),
     Ended(Instant),
 }
 
@@ -123,9 +128,9 @@ struct Server {
 /// to the grace period for running connections.
 pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std::io::Result<()> {
     let srv = Arc::new(Server {
+        tickets: Tickets::new(cfg.ticket_lifetime),
         cfg,
         sessions: Mutex::new(HashMap::new()),
-        tickets: Tickets::default(),
         active: AtomicUsize::new(0),
         handshakes: Mutex::new(VecDeque::new()),
         intake: Arc::default(),
@@ -251,6 +256,18 @@ enum Grant {
     /// A ticket (its key id): receive into this export path only, in one
     /// session only.
     Ticket(KeyId, String),
+    /// A producer's credential (its key id): stream under the name it was
+    /// made for, nothing else.
+    Producer(KeyId),
+}
+
+impl Grant {
+    fn key_id(&self) -> KeyId {
+        match self {
+            Grant::Token => TOKEN_KEY_ID,
+            Grant::Ticket(id, _) | Grant::Producer(id) => *id,
+        }
+    }
 }
 
 /// Closes a connection that has not authenticated by a deadline.
@@ -288,7 +305,7 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     let peer = t.peer();
     let net = |e: std::io::Error| Error::network(&peer, &e);
     let watchdog = Watchdog::arm(t.split().map_err(net)?, HANDSHAKE_TIMEOUT);
-    let authenticated = handshake::server(t, |id| if *id == TOKEN_KEY_ID { Some(srv.cfg.token.clone()) } else { srv.tickets.secret(id) });
+    let authenticated = handshake::server(t, |id| Some(secret(srv, id)));
     if watchdog.disarm() {
         let message = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
         return Err(Error::new(ErrorKind::Refused, &peer, message));
@@ -312,7 +329,11 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     // An authenticated client may take a while to say what the connection
     // is for (a data connection waits for its session to be set up).
     t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
-    let grant = if key_id == TOKEN_KEY_ID { Grant::Token } else { Grant::Ticket(key_id, srv.tickets.dest(&key_id).unwrap_or_default()) };
+    let grant = match srv.tickets.dest(&key_id) {
+        _ if key_id == TOKEN_KEY_ID => Grant::Token,
+        Some(dest) => Grant::Ticket(key_id, dest),
+        None => Grant::Producer(key_id),
+    };
     let first = match r.read_msg::<Open>() {
         Ok(m) => m,
         // A client that only checks that it can connect and authenticate
@@ -327,6 +348,17 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
         Open::OpenControl {} => control(srv, t, r, w, &grant, &skey),
         Open::OpenData { session, .. } => attach(srv, t, w, session, &grant),
     }
+}
+
+/// The secret a client authenticating with key id `id` must know: the
+/// token, a ticket's, or else a producer's, derived from the token. (A
+/// producer's connection may only stream, which a server that is not a
+/// sink refuses, saying so.)
+fn secret(srv: &Server, id: &KeyId) -> Vec<u8> {
+    if *id == TOKEN_KEY_ID {
+        return srv.cfg.token.clone();
+    }
+    srv.tickets.secret(id).unwrap_or_else(|| auth::producer_secret(&srv.cfg.token, id).to_vec())
 }
 
 fn refuse(w: &mut FrameWriter, e: &Error) -> Result<()> {
@@ -344,7 +376,11 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
     let deadline = Instant::now() + ATTACH_TIMEOUT;
     loop {
         let tx = match srv.sessions.lock().expect("sessions lock").get(&session) {
-            Some(Slot::Open(tx)) => Some(tx.clone()),
+            Some(Slot::Open(_, opener)) if *opener != grant.key_id() => {
+                let e = Error::new(ErrorKind::Refused, t.peer(), "a connection may join only a session opened with the same credential");
+                return refuse(&mut w, &e);
+            }
+            Some(Slot::Open(tx, _)) => Some(tx.clone()),
             Some(Slot::Ended(_)) => return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "the session has ended")),
             None => None,
         };
@@ -360,6 +396,31 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
             return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "no such session"));
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Ends the session a ticket opened when the ticket expires unrenewed, by
+/// closing the session's control connection; stops watching when dropped.
+struct EndAtExpiry {
+    /// Dropped to stop; the watching thread waits on the other end.
+    _stop: crossbeam_channel::Sender<()>,
+}
+
+impl EndAtExpiry {
+    fn watch(srv: &Arc<Server>, id: KeyId, control: Box<dyn Transport>) -> EndAtExpiry {
+        let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
+        let srv = srv.clone();
+        std::thread::spawn(move || loop {
+            let Some(left) = srv.tickets.left(&id) else {
+                log::warn!("{}: its ticket expired without being renewed: the session it opened ends", control.peer());
+                control.close();
+                return;
+            };
+            if stopped.recv_timeout(left) != Err(crossbeam_channel::RecvTimeoutError::Timeout) {
+                return;
+            }
+        });
+        EndAtExpiry { _stop: stop }
     }
 }
 
@@ -383,12 +444,12 @@ impl Drop for SessionGuard<'_> {
     }
 }
 
-fn open_session(srv: &Server) -> (SessionGuard<'_>, crossbeam_channel::Receiver<Box<dyn Transport>>) {
+fn open_session<'a>(srv: &'a Server, grant: &Grant) -> (SessionGuard<'a>, crossbeam_channel::Receiver<Box<dyn Transport>>) {
     let id: [u8; 16] = random();
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut sessions = srv.sessions.lock().expect("sessions lock");
     sessions.retain(|_, slot| !matches!(slot, Slot::Ended(at) if at.elapsed() > ATTACH_TIMEOUT));
-    sessions.insert(id, Slot::Open(tx));
+    sessions.insert(id, Slot::Open(tx, grant.key_id()));
     drop(sessions);
     (SessionGuard { srv, id }, rx)
 }
@@ -448,6 +509,16 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
             return Err(Error::new(ErrorKind::Refused, dest.clone(), "a ticket only allows receiving into its destination"));
         }
     }
+    if let Grant::Producer(id) = grant {
+        match &m {
+            Request::Stream { producer, .. } if auth::producer_key_id(producer) != *id => {
+                let msg = "this credential was made for another producer name (`dmover token --producer NAME`)";
+                return Err(Error::new(ErrorKind::Refused, producer, msg));
+            }
+            Request::Stream { .. } | Request::Ping {} => {}
+            _ => return Err(Error::new(ErrorKind::Refused, "", "a producer's credential allows streaming to this sink only")),
+        }
+    }
     Ok(match m {
         Request::Receive { dest, options } => {
             blocks_fit(srv, options.block_size, 0)?;
@@ -464,7 +535,15 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
             let (root, rest) = locate(srv, &dest)?;
             storage::check_path(root.as_ref(), rest)?;
             let (key_id, secret) = srv.tickets.issue(&dest);
-            Action::Reply(Reply::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret) })
+            let lifetime = srv.tickets.lifetime().as_secs() as u32;
+            Action::Reply(Reply::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret), lifetime })
+        }
+        Request::Renew { key_id } => {
+            if !srv.tickets.renew(&key_id) {
+                let msg = "no such ticket, or it has expired (and its session has ended): the transfer must start again with a new one";
+                return Err(Error::new(ErrorKind::Refused, "", msg));
+            }
+            Action::Reply(Reply::Renewed { lifetime: srv.tickets.lifetime().as_secs() as u32 })
         }
         Request::Push { sources, dest, hosts, options, params } => {
             if hosts.is_empty() {
@@ -561,7 +640,7 @@ fn control(
                         continue;
                     }
                 };
-                let (guard, rx) = open_session(srv);
+                let (guard, rx) = open_session(srv, grant);
                 if let Grant::Ticket(id, dest) = grant {
                     // Two connections racing with one ticket: one session only.
                     if !srv.tickets.claim(id, guard.id) {
@@ -576,12 +655,16 @@ fn control(
                 }
                 w.send(Reply::SessionOpened { session: guard.id })?;
                 drop(r);
+                let _expiry = match grant {
+                    Grant::Ticket(id, _) => Some(EndAtExpiry::watch(srv, *id, t.split().map_err(|e| Error::network(t.peer(), &e))?)),
+                    _ => None,
+                };
                 let s = prepared.run(t, rx)?;
                 log::info!("received {} files, {} bytes into {label}", s.files, s.bytes);
                 return Ok(());
             }
             Ok(Action::Send { root, specs, options, params }) => {
-                let (guard, rx) = open_session(srv);
+                let (guard, rx) = open_session(srv, grant);
                 w.send(Reply::SessionOpened { session: guard.id })?;
                 let Attached::Ready {} = r.read_msg()?;
                 drop(r);
@@ -599,7 +682,7 @@ fn control(
             }
             Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
             Ok(Action::Stream { sink, producer, dir, block_size }) => {
-                let (guard, rx) = open_session(srv);
+                let (guard, rx) = open_session(srv, grant);
                 w.send(Reply::SessionOpened { session: guard.id })?;
                 return sink::run(&sink, &producer, dir, block_size, t, r, w, rx);
             }

@@ -1,7 +1,9 @@
 //! Tickets: short-lived secrets a server issues so that another server can
 //! deliver files to it on a client's behalf (third-party transfers). A
 //! ticket allows receiving into one destination only, opens one session
-//! only (its connections may join that session and no other), and expires.
+//! only (its connections may join that session and no other), and expires:
+//! the session it opened ends with it unless the client that asked for it
+//! (a token holder) renews it.
 
 use dmover_engine::handshake::random;
 use dmover_proto::auth::KeyId;
@@ -9,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// How long a ticket stays valid after it is issued.
+/// How long a ticket stays valid after it is issued or renewed, by default.
 pub const TICKET_LIFETIME: Duration = Duration::from_secs(600);
 
 struct Ticket {
@@ -21,20 +23,50 @@ struct Ticket {
 }
 
 /// The tickets a server has issued; the control threads issue and look up.
-#[derive(Default)]
 pub struct Tickets {
+    lifetime: Duration,
     map: Mutex<HashMap<KeyId, Ticket>>,
 }
 
 impl Tickets {
+    /// Tickets that live `lifetime` unless renewed.
+    pub fn new(lifetime: Duration) -> Tickets {
+        Tickets { lifetime, map: Mutex::default() }
+    }
+
+    /// How long a ticket lives unless renewed.
+    pub fn lifetime(&self) -> Duration {
+        self.lifetime
+    }
+
     /// A new ticket for receiving into `dest` (an export path).
     pub fn issue(&self, dest: &str) -> (KeyId, [u8; 32]) {
         let (id, secret): (KeyId, [u8; 32]) = (random(), random());
         let mut m = self.map.lock().expect("tickets lock");
         let now = Instant::now();
         m.retain(|_, t| t.expires > now);
-        m.insert(id, Ticket { secret, dest: dest.to_string(), expires: now + TICKET_LIFETIME, session: None });
+        m.insert(id, Ticket { secret, dest: dest.to_string(), expires: now + self.lifetime, session: None });
         (id, secret)
+    }
+
+    /// Extends a valid ticket's life by the lifetime from now; false if
+    /// there is no such ticket or it has expired.
+    pub fn renew(&self, id: &KeyId) -> bool {
+        let mut m = self.map.lock().expect("tickets lock");
+        let now = Instant::now();
+        match m.get_mut(id) {
+            Some(t) if t.expires > now => {
+                t.expires = now + self.lifetime;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// How long a ticket has left; None once it has expired.
+    pub fn left(&self, id: &KeyId) -> Option<Duration> {
+        let m = self.map.lock().expect("tickets lock");
+        m.get(id).and_then(|t| t.expires.checked_duration_since(Instant::now())).filter(|d| !d.is_zero())
     }
 
     /// The secret of a valid ticket.

@@ -38,6 +38,7 @@ pub mod ring;
 pub mod spill;
 
 use dmover_engine::error::{Error, Result};
+use dmover_engine::session::Credential;
 use dmover_proto::digest::block_sum;
 use dmover_proto::ErrorKind;
 use manager::{Event, Manager};
@@ -71,7 +72,8 @@ pub struct Config {
     /// Sinks as `host:port`, in order of preference; the later ones are
     /// alternates that take over when the earlier ones fail.
     pub destinations: Vec<String>,
-    /// The sinks' shared token.
+    /// The sinks' shared token, or this producer's own credential
+    /// (`dmover token --producer NAME`).
     pub token: Vec<u8>,
     /// Where overflowing blocks and the manifest go.
     pub spill_dir: PathBuf,
@@ -132,6 +134,14 @@ impl Config {
             return Err(Error::new(ErrorKind::NotFound, self.spill_dir.display().to_string(), "the spill directory does not exist"));
         }
         Ok(())
+    }
+
+    /// The credential this producer authenticates with: its own, derived
+    /// from the sinks' token, or the one it was given for its name.
+    fn credential(&self) -> Result<Credential> {
+        let (key_id, secret) = dmover_proto::auth::producer_credential(&self.token, &self.producer)
+            .map_err(|m| Error::new(ErrorKind::Usage, &self.producer, m).advised("give each producer the credential made for its name"))?;
+        Ok(Credential { key_id, secret, via: None })
     }
 }
 
@@ -273,11 +283,12 @@ impl Stream {
     /// destination that takes the stream, and starts the queue manager.
     pub fn open(cfg: Config) -> Result<Stream> {
         cfg.check()?;
+        let cred = cfg.credential()?;
         let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
         let spill = Arc::new(Spill::new(&cfg.spill_dir, &cfg.producer));
         let (events, rx) = crossbeam_channel::unbounded();
         let (max_wait, block_size) = (cfg.max_wait, cfg.block_size as usize);
-        let mut m = Manager::new(cfg, ring.clone(), spill.clone(), events.clone(), rx);
+        let mut m = Manager::new(cfg, cred, ring.clone(), spill.clone(), events.clone(), rx);
         m.connect_first()?;
         let manager = std::thread::Builder::new()
             .name("dmover-stream".into())
@@ -449,6 +460,7 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
     cfg.block_size = m.block_size;
     cfg.close_timeout = close_timeout;
     cfg.check()?;
+    let cred = cfg.credential()?;
     let spill = match Spill::open(&m.spill) {
         Ok(s) => s,
         // Nothing left to read from it: every block is at a sink, or lost.
@@ -458,7 +470,7 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
     let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
     let (events, rx) = crossbeam_channel::unbounded();
     let deadline = Instant::now() + close_timeout;
-    let mut mgr = Manager::new(cfg, ring, Arc::new(spill), events, rx).resume(&m, manifest)?;
+    let mut mgr = Manager::new(cfg, cred, ring, Arc::new(spill), events, rx).resume(&m, manifest)?;
     let mut pause = Duration::from_secs(1);
     loop {
         match mgr.connect_first() {

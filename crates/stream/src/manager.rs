@@ -217,11 +217,11 @@ pub struct Manager {
 }
 
 impl Manager {
-    pub fn new(cfg: Config, ring: Arc<Ring>, spill: Arc<Spill>, events: Sender<Event>, rx: Receiver<Event>) -> Manager {
+    pub fn new(cfg: Config, cred: Credential, ring: Arc<Ring>, spill: Arc<Spill>, events: Sender<Event>, rx: Receiver<Event>) -> Manager {
         let dests = cfg.destinations.iter().map(|a| Destination::new(a, a)).collect();
         let manifest_path = manifest::beside(spill.path());
         Manager {
-            cred: Credential::token(&cfg.token),
+            cred,
             policy: Policy::new(cfg.max_streams),
             cfg,
             ring,
