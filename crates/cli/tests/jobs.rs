@@ -645,6 +645,28 @@ fn closed_stdout_ends_every_command_quietly() {
     }
     // (`dmover drain`: stream.rs, drain_ends_quietly_when_its_stdout_is_closed.)
 
+    // `dmover ... 2>&1 | head -2`: stderr is closed too. Summaries, notes and
+    // errors on stderr are dropped, and each command still ends with its own
+    // exit code, not a panic's 101.
+    let src_file = src.join(list_files(&src).keys().next().unwrap());
+    let bad_job = env.path("bad.toml");
+    std::fs::write(&bad_job, std::fs::read_to_string(&job.path).unwrap().replace("[\"**\"]", "[\"*.h5\"]")).unwrap();
+    let nothing = env.path("nothing").display().to_string();
+    let cases: Vec<(Vec<String>, i32)> = vec![
+        (vec!["status".into(), job_path.clone()], 0),
+        (vec!["run".into(), job_path.clone()], 0),
+        (vec!["submit".into(), job_path.clone()], 0),
+        (vec!["submit".into(), "--dry-run".into(), bad_job.display().to_string()], 3),
+        (vec!["cp".into(), "--token-file".into(), token.clone(), src_file.display().to_string(), srv.url("dst/one/")], 0),
+        (vec!["cp".into(), "--token-file".into(), token.clone(), nothing.clone(), srv.url("dst/one/")], 3),
+        (vec!["ls".into(), "--token-file".into(), token.clone(), srv.url("dst/in")], 0),
+        (vec!["cp".into()], 2),
+    ];
+    for (args, want) in cases {
+        let r = dmover(&args).env("PATH", &path).output_closed().run();
+        assert_eq!(r.code, want, "dmover {args:?} with stdout and stderr closed");
+    }
+
     // A server whose stdout is closed keeps serving.
     let port = closed_port();
     let listen = format!("127.0.0.1:{port}");

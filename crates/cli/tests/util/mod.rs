@@ -598,6 +598,7 @@ pub struct Cmd {
     cwd: Option<PathBuf>,
     timeout: Duration,
     stdout_closed: bool,
+    stderr_closed: bool,
 }
 
 pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
@@ -609,6 +610,7 @@ pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
         cwd: None,
         timeout: CMD_TIMEOUT,
         stdout_closed: false,
+        stderr_closed: false,
     }
 }
 
@@ -711,6 +713,14 @@ impl Cmd {
         self
     }
 
+    /// Gives it one stdout and stderr whose reader has already gone (as in
+    /// `dmover run JOB 2>&1 | head -2`): the [`Run`] has only its exit code.
+    pub fn output_closed(&mut self) -> &mut Cmd {
+        self.stdout_closed = true;
+        self.stderr_closed = true;
+        self
+    }
+
     /// Starts it in the background.
     pub fn spawn(&self) -> Proc {
         let out = tempfile::tempfile().unwrap();
@@ -731,7 +741,8 @@ impl Cmd {
             c.current_dir(d);
         }
         let stdout = if self.stdout_closed { closed_pipe() } else { Stdio::from(out.try_clone().unwrap()) };
-        c.stdin(Stdio::null()).stdout(stdout).stderr(Stdio::from(err.try_clone().unwrap()));
+        let stderr = if self.stderr_closed { closed_pipe() } else { Stdio::from(err.try_clone().unwrap()) };
+        c.stdin(Stdio::null()).stdout(stdout).stderr(stderr);
         die_with_parent(&mut c);
         let child = c.spawn().expect("spawn dmover");
         Proc { child: Some(child), out, err, started: Instant::now(), timeout: self.timeout, desc: format!("{:?}", self.args) }
