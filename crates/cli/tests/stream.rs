@@ -612,7 +612,36 @@ print("ok")
         .unwrap();
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+    // C (and Fortran, through the same function): dms_open says DMS_EUSAGE.
+    let dir = env.mkdir("build");
+    std::fs::write(dir.join("usage.c"), USAGE_C).unwrap();
+    let exe = dir.join("usage");
+    build("cc", &[dir.join("usage.c")], &exe);
+    for dests in ["ana1".to_string(), format!("{},ana1", sink.addr())] {
+        let r = Command::new(&exe)
+            .args([&dests, spill.to_str().unwrap()])
+            .env("DMOVER_TOKEN_FILE", &env.token)
+            .env_remove("DMOVER_TOKEN")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&r.stdout);
+        let (code, message) = said.trim().split_once(' ').unwrap_or((said.trim(), ""));
+        assert_eq!(code, "2", "{dests}: dms_open did not answer DMS_EUSAGE: {said}");
+        assert!(message.contains("\"ana1\"") && message.contains("port") && !message.contains("re-running"), "{dests}: {message}");
+    }
 }
+
+/// Opens a stream to argv[1] and prints dms_open's answer and message.
+const USAGE_C: &str = r#"
+#include <stdio.h>
+#include "dmover_stream.h"
+int main(int argc, char **argv) {
+    dms_stream *s;
+    int rc = dms_open("usage", argv[1], argv[2], 0, 0, 0, &s);
+    printf("%d %s\n", rc, rc ? dms_last_error() : "");
+    return 0;
+}
+"#;
 
 /// CLI.md "dmover drain": `--timeout` is how long it keeps trying, so a
 /// drain started while the sink is still down delivers once it is back.
