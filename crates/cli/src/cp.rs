@@ -132,10 +132,10 @@ fn copy(a: &CpArgs) -> Result<i32> {
     if a.json {
         outln!("{}", r.to_json());
     } else if !a.quiet {
-        eprintln!("{}", r.summary());
+        errln!("{}", r.summary());
     }
     for e in &stats.errors {
-        eprintln!("dmover: error: {}: {}", printable(&e.path), printable(&e.message));
+        errln!("dmover: error: {}: {}", printable(&e.path), printable(&e.message));
     }
     Ok(r.exit_code())
 }

@@ -183,7 +183,7 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
     std::fs::write(&kept, &script).map_err(|e| Error::io(kept.display().to_string(), &e))?;
     let id = sbatch::submit(&script)?;
     outln!("{id}");
-    eprintln!("dmover: submitted batch job {id}; follow it with `dmover status {}`", a.job.display());
+    errln!("dmover: submitted batch job {id}; follow it with `dmover status {}`", a.job.display());
     Ok(0)
 }
 
@@ -198,7 +198,7 @@ pub fn run(a: RunArgs) -> Result<i32> {
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
     }
-    eprintln!("{}", report.summary());
+    errln!("{}", report.summary());
     Ok(report.exit_code())
 }
 

@@ -24,6 +24,16 @@ macro_rules! outln {
     ($($arg:tt)*) => { $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
+/// Prints a line to stderr like `eprintln!`, except that a stderr whose
+/// reader has gone away (`dmover run JOB 2>&1 | head -2`) drops the line
+/// instead of panicking: the command still ends with its own exit code.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod bench;
 mod cp;
 mod drain;
@@ -169,7 +179,7 @@ pub fn main() -> ! {
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("dmover: error: {}", printable(&format!("{e} ({})", e.hint())));
+            errln!("dmover: error: {}", printable(&format!("{e} ({})", e.hint())));
             std::process::exit(e.kind as i32);
         }
     }

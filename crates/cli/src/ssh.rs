@@ -227,7 +227,7 @@ impl Endpoint {
             }),
         };
         if let Err(why) = direct {
-            eprintln!("dmover: {host}: {why}; every connection goes over ssh");
+            errln!("dmover: {host}: {why}; every connection goes over ssh");
             let addr = endpoint.addr.clone();
             endpoint.cred.via = Some(Arc::new(OverSsh { target: t.clone(), options: o.clone(), addr }));
         }
@@ -324,7 +324,7 @@ fn forward_stderr(err: impl Read + Send + 'static, host: String) -> Arc<Mutex<Sa
         for line in BufReader::new(err).lines().map_while(std::io::Result::ok) {
             let mut s = keep.lock().expect("stderr lock");
             if s.forward {
-                eprintln!("{host}: {}", dmover_proto::path::printable(&line));
+                errln!("{host}: {}", dmover_proto::path::printable(&line));
             } else if s.text.len() < 4096 {
                 s.text.push_str(&line);
                 s.text.push('\n');

@@ -605,31 +605,6 @@ fn a_job_with_the_wrong_token_is_refused_before_anything_runs() {
     assert!(list_tree(&out).is_empty(), "a refused job wrote to the destination: {:?}", list_tree(&out));
 }
 
-/// The writing end of a pipe whose reading end is already closed.
-fn closed_pipe() -> std::process::Stdio {
-    use std::os::fd::{FromRawFd, OwnedFd};
-    let mut fds = [0; 2];
-    // SAFETY: pipe() fills both descriptors, which are then owned here.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
-    let (reader, writer) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    drop(reader);
-    writer.into()
-}
-
-/// Runs `dmover ARGS` with its stdout a pipe whose reader has already gone
-/// (as `dmover status JOB | head -2` once `head` has its lines).
-fn run_with_stdout_closed<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> (i32, String) {
-    let out = std::process::Command::new(BIN)
-        .args(args)
-        .env_remove("DMOVER_TOKEN")
-        .stdin(std::process::Stdio::null())
-        .stdout(closed_pipe())
-        .stderr(std::process::Stdio::piped())
-        .output()
-        .expect("spawn dmover");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
 #[test]
 fn closed_stdout_ends_every_command_quietly() {
     let env = Env::new();
@@ -643,11 +618,19 @@ fn closed_stdout_ends_every_command_quietly() {
     let token = env.token.display().to_string();
     let job_path = job.path.display().to_string();
     let down = env.mkdir("down").display().to_string();
+    // `dmover submit` past its checks, with an sbatch that takes the script
+    // and answers with a job id, as Slurm's does.
+    let bin = env.mkdir("bin");
+    let sbatch = bin.join("sbatch");
+    std::fs::write(&sbatch, "#!/bin/sh\ncat >/dev/null\necho 4242\n").unwrap();
+    chmod(&sbatch, 0o755);
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     let cases: Vec<Vec<String>> = vec![
         vec!["status".into(), job_path.clone()],
         vec!["status".into(), "--json".into(), job_path.clone()],
         vec!["run".into(), "--json".into(), job_path.clone()],
         vec!["submit".into(), "--dry-run".into(), job_path.clone()],
+        vec!["submit".into(), job_path.clone()],
         vec!["ls".into(), "--token-file".into(), token.clone(), srv.url("dst/in")],
         vec!["ls".into(), "--json".into(), "--token-file".into(), token.clone(), srv.url("dst/in")],
         vec!["cp".into(), "--json".into(), "-q".into(), "--token-file".into(), token.clone(), srv.url("dst/in/"), down],
@@ -656,9 +639,32 @@ fn closed_stdout_ends_every_command_quietly() {
         vec!["--version".into()],
     ];
     for args in cases {
-        let (code, stderr) = run_with_stdout_closed(&args);
-        assert_eq!(code, 0, "dmover {args:?} with stdout closed; stderr:\n{stderr}");
-        assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "dmover {args:?}: {stderr}");
+        let r = dmover(&args).env("PATH", &path).stdout_closed().run();
+        assert_eq!(r.code, 0, "dmover {args:?} with stdout closed; stderr:\n{}", r.stderr);
+        assert!(!r.stderr.contains("panicked") && !r.stderr.contains("Broken pipe"), "dmover {args:?}: {}", r.stderr);
+    }
+    // (`dmover drain`: stream.rs, drain_ends_quietly_when_its_stdout_is_closed.)
+
+    // `dmover ... 2>&1 | head -2`: stderr is closed too. Summaries, notes and
+    // errors on stderr are dropped, and each command still ends with its own
+    // exit code, not a panic's 101.
+    let src_file = src.join(list_files(&src).keys().next().unwrap());
+    let bad_job = env.path("bad.toml");
+    std::fs::write(&bad_job, std::fs::read_to_string(&job.path).unwrap().replace("[\"**\"]", "[\"*.h5\"]")).unwrap();
+    let nothing = env.path("nothing").display().to_string();
+    let cases: Vec<(Vec<String>, i32)> = vec![
+        (vec!["status".into(), job_path.clone()], 0),
+        (vec!["run".into(), job_path.clone()], 0),
+        (vec!["submit".into(), job_path.clone()], 0),
+        (vec!["submit".into(), "--dry-run".into(), bad_job.display().to_string()], 3),
+        (vec!["cp".into(), "--token-file".into(), token.clone(), src_file.display().to_string(), srv.url("dst/one/")], 0),
+        (vec!["cp".into(), "--token-file".into(), token.clone(), nothing.clone(), srv.url("dst/one/")], 3),
+        (vec!["ls".into(), "--token-file".into(), token.clone(), srv.url("dst/in")], 0),
+        (vec!["cp".into()], 2),
+    ];
+    for (args, want) in cases {
+        let r = dmover(&args).env("PATH", &path).output_closed().run();
+        assert_eq!(r.code, want, "dmover {args:?} with stdout and stderr closed");
     }
 
     // A server whose stdout is closed keeps serving.
@@ -708,6 +714,12 @@ fn job_errors_give_one_hint_and_point_to_the_job_docs() {
         }
         assert!(!line.contains("dmover --help"), "{name}: --help does not describe job files: {line}");
     }
+    // The section the hint names is there, and describes the keys refused above.
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/CLI.md")).unwrap();
+    let section = docs.split("\n## ").find(|s| s.starts_with("Batch jobs")).expect("docs/CLI.md has a section \"Batch jobs\"");
+    for key in ["`slurm.nodes`", "`transfer.staging`", "`source_root`", "`sources`", "`dest_root`", "`token_file`"] {
+        assert!(section.contains(key), "docs/CLI.md's section \"Batch jobs\" does not describe {key}");
+    }
 }
 
 #[test]
@@ -732,6 +744,10 @@ fn server_logs_no_warnings_for_destination_checks_and_clients_that_hang_up() {
     assert!(hung_up, "the hang-up is not logged as one:\n{log}");
     let noise: Vec<&str> = log.lines().filter(|l| l.contains("WARN") || l.contains("authentication failed")).collect();
     assert!(noise.is_empty(), "checks and hang-ups logged as problems:\n{log}");
+    // The checks themselves leave nothing about a short read: the one
+    // hang-up logged is the client's above.
+    let short_reads: Vec<&str> = log.lines().filter(|l| l.contains("failed to fill whole buffer") || l.contains("hung up")).collect();
+    assert_eq!(short_reads.len(), 1, "the destination checks are logged as cut-short connections:\n{log}");
 
     // A client with another token is still logged as an authentication failure.
     let other = env.path("other-token");

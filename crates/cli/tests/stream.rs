@@ -612,7 +612,36 @@ print("ok")
         .unwrap();
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+    // C (and Fortran, through the same function): dms_open says DMS_EUSAGE.
+    let dir = env.mkdir("build");
+    std::fs::write(dir.join("usage.c"), USAGE_C).unwrap();
+    let exe = dir.join("usage");
+    build("cc", &[dir.join("usage.c")], &exe);
+    for dests in ["ana1".to_string(), format!("{},ana1", sink.addr())] {
+        let r = Command::new(&exe)
+            .args([&dests, spill.to_str().unwrap()])
+            .env("DMOVER_TOKEN_FILE", &env.token)
+            .env_remove("DMOVER_TOKEN")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&r.stdout);
+        let (code, message) = said.trim().split_once(' ').unwrap_or((said.trim(), ""));
+        assert_eq!(code, "2", "{dests}: dms_open did not answer DMS_EUSAGE: {said}");
+        assert!(message.contains("\"ana1\"") && message.contains("port") && !message.contains("re-running"), "{dests}: {message}");
+    }
 }
+
+/// Opens a stream to argv[1] and prints dms_open's answer and message.
+const USAGE_C: &str = r#"
+#include <stdio.h>
+#include "dmover_stream.h"
+int main(int argc, char **argv) {
+    dms_stream *s;
+    int rc = dms_open("usage", argv[1], argv[2], 0, 0, 0, &s);
+    printf("%d %s\n", rc, rc ? dms_last_error() : "");
+    return 0;
+}
+"#;
 
 /// CLI.md "dmover drain": `--timeout` is how long it keeps trying, so a
 /// drain started while the sink is still down delivers once it is back.
@@ -638,6 +667,28 @@ fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
     assert!(r.stderr.contains("trying again"), "{}", r.stderr);
     let sinks = HashMap::from([(sink.addr(), out.clone())]);
     check_manifest(&report.manifest, &written, &sinks);
+}
+
+/// `dmover drain MANIFEST | head -1`: a drain whose stdout is closed still
+/// delivers everything, and ends quietly.
+#[test]
+fn drain_ends_quietly_when_its_stdout_is_closed() {
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut c = config(&env, &[&sink.addr()], &spill);
+    c.close_timeout = Duration::from_secs(1);
+    let mut s = Stream::open(c).unwrap();
+    sink.kill9();
+    let written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
+    let report = s.close().unwrap();
+    assert!(report.undelivered_blocks > 0, "{report:?}");
+    sink.restart();
+    let manifest = report.manifest.to_str().unwrap();
+    let r = dmover(["drain", "--timeout", "30", "--token-file", env.token.to_str().unwrap(), manifest]).stdout_closed().run();
+    assert_eq!(r.code, 0, "drain with its stdout closed:\n{}", r.stderr);
+    assert!(!r.stderr.contains("panicked") && !r.stderr.contains("Broken pipe"), "{}", r.stderr);
+    check_manifest(&report.manifest, &written, &HashMap::from([(sink.addr(), out.clone())]));
 }
 
 /// STREAMING.md "Parameters": a hung sink is taken for dead after the ack
@@ -673,56 +724,163 @@ fn a_hung_sink_is_failed_over_at_the_ack_timeout_not_before() {
     check_delivery(&report, &written, &sinks);
 }
 
-/// A producer that opens a stream to `sink`, says "open" on stdout, waits
-/// for a line on stdin (the test kills the sink meanwhile), then writes a
-/// step and closes: C, with the close timeout set by `dms_set_timeouts`.
-const CLOSE_AFTER_SINK_DIED_C: &str = r#"
+/// A producer that opens a stream to SINKS (comma-separated) with its spill
+/// file in SPILL, says "open" on stdout, waits for a line on stdin (the test
+/// kills or stops a sink meanwhile), then writes a 1 MiB step, closes and
+/// says "failovers=N": C, giving CLOSE and ACK (seconds, 0 for unchanged)
+/// to `dms_set_timeouts` when they follow on its command line.
+const TIMEOUTS_PRODUCER_C: &str = r#"
 #include <stdio.h>
+#include <stdlib.h>
 #include "dmover_stream.h"
 int main(int argc, char **argv) {
     dms_stream *s;
+    dms_report r = {0};
     static char data[1 << 20];
     char line[8];
-    if (dms_open("close-c", argv[1], argv[2], 0, 0, 0, &s)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
-    if (argc > 3 && dms_set_timeouts(s, 1.0, 0)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+    if (dms_open("timeouts-c", argv[1], argv[2], 0, 0, 0, &s)) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+    if (argc > 4 && dms_set_timeouts(s, atof(argv[3]), atof(argv[4]))) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
     printf("open\n");
     fflush(stdout);
     if (!fgets(line, sizeof line, stdin)) return 2;
     dms_write(s, data, sizeof data);
     dms_end_step(s);
-    int rc = dms_close(s, NULL);
+    int rc = dms_close(s, &r);
+    printf("failovers=%llu\n", (unsigned long long)r.failovers);
     if (rc) fprintf(stderr, "%s\n", dms_last_error());
     return rc;
 }
 "#;
 
-/// The same in Python, with `close_timeout=1` when a third argument is given.
-const CLOSE_AFTER_SINK_DIED_PY: &str = r#"
+/// The same in Fortran, through the module's `dms_set_timeouts`.
+const TIMEOUTS_PRODUCER_F90: &str = r#"
+program timeouts
+  use iso_c_binding
+  use dmover_stream
+  implicit none
+  character(len=4096) :: sinks, spill, arg
+  character(len=8) :: line
+  real(c_double) :: close_s, ack_s
+  real(c_double), allocatable, target :: data(:)
+  type(c_ptr) :: h
+  type(dms_report) :: r
+  integer(c_int) :: rc
+
+  call get_command_argument(1, sinks)
+  call get_command_argument(2, spill)
+  if (dms_open(dms_str("timeouts-f"), dms_str(sinks), dms_str(spill), &
+      0_c_int64_t, 0_c_int64_t, 0_c_int32_t, h) /= 0) then
+    write(0, '(A)') dms_error_message()
+    call exit(2)
+  end if
+  if (command_argument_count() > 3) then
+    call get_command_argument(3, arg); read(arg, *) close_s
+    call get_command_argument(4, arg); read(arg, *) ack_s
+    if (dms_set_timeouts(h, close_s, ack_s) /= 0) then
+      write(0, '(A)') dms_error_message()
+      call exit(2)
+    end if
+  end if
+  write(*, '(A)') "open"
+  flush(6)
+  read(*, '(A)') line
+  allocate(data(131072))
+  data = 0
+  rc = dms_write(h, c_loc(data), int(1048576, c_size_t))
+  if (rc == 0) rc = dms_end_step(h)
+  rc = dms_close(h, r)
+  write(*, '(A,I0)') "failovers=", r%failovers
+  flush(6)
+  if (rc /= 0) write(0, '(A)') dms_error_message()
+  call exit(int(rc))
+end program
+"#;
+
+/// The same in Python, with `close_timeout=` and `ack_timeout=`.
+const TIMEOUTS_PRODUCER_PY: &str = r#"
 import sys
 from dmover_stream import Stream
-kw = {"close_timeout": 1.0} if len(sys.argv) > 3 else {}
-s = Stream("close-py", [sys.argv[1]], sys.argv[2], **kw)
+kw = {}
+if len(sys.argv) > 4:
+    for name, v in (("close_timeout", sys.argv[3]), ("ack_timeout", sys.argv[4])):
+        if float(v):
+            kw[name] = float(v)
+s = Stream("timeouts-py", sys.argv[1].split(","), sys.argv[2], **kw)
 print("open", flush=True)
 sys.stdin.readline()
 s.write(bytes(1 << 20))
 s.end_step()
 try:
-    s.close()
+    r = s.close()
 except ConnectionError as e:
     print(e, file=sys.stderr)
     sys.exit(6)
+print(f"failovers={r['failovers']}")
 "#;
 
-/// Runs `producer` against a sink it kills once the stream is open; returns
-/// the producer's exit code, stderr and how long it took to close.
-fn close_after_the_sink_died(env: &Env, producer: &mut Command, set: bool) -> (i32, String, Duration) {
-    use std::io::{BufRead, Write};
-    let (out, spill) = (env.mkdir(&format!("sink-{}", unique())), env.mkdir(&format!("spill-{}", unique())));
-    let mut sink = env.sink(&out, [] as [&str; 0]);
+/// The three producers above, built (C, Fortran) or as a command (Python).
+struct TimeoutsProducers {
+    c: PathBuf,
+    fortran: PathBuf,
+}
+
+impl TimeoutsProducers {
+    fn build(env: &Env) -> TimeoutsProducers {
+        let dir = env.mkdir("build");
+        let (c_src, f_src) = (dir.join("timeouts.c"), dir.join("timeouts.f90"));
+        std::fs::write(&c_src, TIMEOUTS_PRODUCER_C).unwrap();
+        std::fs::write(&f_src, TIMEOUTS_PRODUCER_F90).unwrap();
+        let (c, fortran) = (dir.join("timeouts-c"), dir.join("timeouts-f"));
+        build("cc", &[c_src], &c);
+        build("gfortran", &[crate_dir().join("include/dmover_stream.f90"), f_src], &fortran);
+        TimeoutsProducers { c, fortran }
+    }
+
+    fn command(&self, lang: &str) -> Command {
+        match lang {
+            "C" => Command::new(&self.c),
+            "Fortran" => Command::new(&self.fortran),
+            _ => {
+                let mut c = Command::new("python3");
+                c.args(["-c", TIMEOUTS_PRODUCER_PY]);
+                c
+            }
+        }
+    }
+
+    /// Each producer, setting the timeouts through its API (true) or through
+    /// the environment variable `var` (false).
+    fn cases(&self, var: &str) -> Vec<(String, Command, bool)> {
+        let mut cases = Vec::new();
+        for (lang, api) in [("C", "dms_set_timeouts"), ("Fortran", "dms_set_timeouts"), ("Python", "close_timeout=, ack_timeout=")] {
+            cases.push((format!("{lang}, {api}"), self.command(lang), true));
+            let mut c = self.command(lang);
+            c.env(var, "1");
+            cases.push((format!("{lang}, {var}"), c, false));
+        }
+        cases
+    }
+}
+
+/// What a producer from [`TimeoutsProducers`] did.
+struct Closed {
+    code: i32,
+    stdout: String,
+    stderr: String,
+    /// From the line that let it write to its exit.
+    took: Duration,
+}
+
+/// Runs `producer SINKS SPILL [CLOSE ACK]`; once its stream is open, `meanwhile`
+/// (the test kills or stops a sink), then lets it write and close. A
+/// producer still running after 60 s is killed.
+fn run_producer(env: &Env, producer: &mut Command, sinks: &[&str], timeouts: Option<(f64, f64)>, meanwhile: impl FnOnce()) -> Closed {
+    use std::io::{BufRead, Read, Write};
+    let spill = env.mkdir(&format!("spill-{}", unique()));
     let mut child = producer
-        .arg(sink.addr())
+        .arg(sinks.join(","))
         .arg(&spill)
-        .args(set.then_some("--set"))
+        .args(timeouts.map(|(close, ack)| [close.to_string(), ack.to_string()]).into_iter().flatten())
         .env("DMOVER_TOKEN_FILE", &env.token)
         .env_remove("DMOVER_TOKEN")
         .stdin(std::process::Stdio::piped())
@@ -730,10 +888,16 @@ fn close_after_the_sink_died(env: &Env, producer: &mut Command, set: bool) -> (i
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut first = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
-    assert_eq!(first.trim(), "open", "the producer did not open its stream");
-    sink.kill9();
+    stdout.read_line(&mut first).unwrap();
+    if first.trim() != "open" {
+        let _ = child.kill();
+        let mut stderr = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        panic!("the producer did not open its stream: {first}\n{stderr}");
+    }
+    meanwhile();
     let start = std::time::Instant::now();
     child.stdin.take().unwrap().write_all(b"go\n").unwrap();
     let end = start + Duration::from_secs(60);
@@ -743,40 +907,53 @@ fn close_after_the_sink_died(env: &Env, producer: &mut Command, set: bool) -> (i
     let took = start.elapsed();
     let _ = child.kill();
     let r = child.wait_with_output().unwrap();
-    (r.status.code().unwrap_or(-1), String::from_utf8_lossy(&r.stderr).into_owned(), took)
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    Closed { code: r.status.code().unwrap_or(-1), stdout: rest, stderr: String::from_utf8_lossy(&r.stderr).into_owned(), took }
 }
 
-/// STREAMING.md "Parameters": the close timeout can be set from C (and
-/// Fortran, through the same function), Python and the environment, and a
-/// close that leaves blocks undelivered says to run `dmover drain`.
+/// STREAMING.md "Parameters": the close timeout can be set from C,
+/// Fortran, Python and the environment, and a close that leaves blocks
+/// undelivered says to run `dmover drain`.
 #[test]
-fn close_timeout_is_settable_from_c_python_and_the_environment_and_points_to_drain() {
+fn close_timeout_is_settable_from_c_fortran_python_and_the_environment_and_points_to_drain() {
     let env = Env::new();
-    let dir = env.mkdir("build");
-    let src = dir.join("close.c");
-    std::fs::write(&src, CLOSE_AFTER_SINK_DIED_C).unwrap();
-    let exe = dir.join("close");
-    build("cc", &[src], &exe);
-    let python = || {
-        let mut c = Command::new("python3");
-        c.args(["-c", CLOSE_AFTER_SINK_DIED_PY]);
-        c
-    };
-    let with_env = |mut c: Command| {
-        c.env("DMOVER_CLOSE_TIMEOUT", "1");
-        c
-    };
-    let cases = [
-        ("C, dms_set_timeouts", Command::new(&exe), true),
-        ("C, DMOVER_CLOSE_TIMEOUT", with_env(Command::new(&exe)), false),
-        ("Python, close_timeout", python(), true),
-        ("Python, DMOVER_CLOSE_TIMEOUT", with_env(python()), false),
-    ];
-    for (what, mut cmd, set) in cases {
-        let (code, stderr, took) = close_after_the_sink_died(&env, &mut cmd, set);
-        assert_eq!(code, 6, "{what}: {stderr}");
-        assert!(took < Duration::from_secs(30), "{what}: close took {took:?} with a 1 s close timeout");
-        assert!(stderr.contains("dmover drain") && stderr.contains("manifest.json"), "{what}: the error does not say to drain: {stderr}");
+    let producers = TimeoutsProducers::build(&env);
+    for (what, mut cmd, api) in producers.cases("DMOVER_CLOSE_TIMEOUT") {
+        let out = env.mkdir(&format!("sink-{}", unique()));
+        let mut sink = env.sink(&out, [] as [&str; 0]);
+        let addr = sink.addr();
+        let r = run_producer(&env, &mut cmd, &[&addr], api.then_some((1.0, 0.0)), || sink.kill9());
+        assert_eq!(r.code, 6, "{what}: {}", r.stderr);
+        assert!(r.took < Duration::from_secs(30), "{what}: close took {:?} with a 1 s close timeout", r.took);
+        assert!(
+            r.stderr.contains("dmover drain") && r.stderr.contains("manifest.json"),
+            "{what}: the error does not say to drain: {}",
+            r.stderr
+        );
+    }
+}
+
+/// STREAMING.md "Parameters": the ack timeout can be set from C, Fortran,
+/// Python and the environment. With it at 1 s, a producer whose sink hangs
+/// (SIGSTOP) fails over to the next sink and closes within seconds, where
+/// the default (90 s) would keep it waiting.
+#[test]
+fn ack_timeout_is_settable_from_c_fortran_python_and_the_environment() {
+    let env = Env::new();
+    let producers = TimeoutsProducers::build(&env);
+    for (what, mut cmd, api) in producers.cases("DMOVER_ACK_TIMEOUT") {
+        let (out_a, out_b) = (env.mkdir(&format!("sink-a-{}", unique())), env.mkdir(&format!("sink-b-{}", unique())));
+        let (primary, alternate) = (env.sink(&out_a, [] as [&str; 0]), env.sink(&out_b, [] as [&str; 0]));
+        let r = run_producer(&env, &mut cmd, &[&primary.addr(), &alternate.addr()], api.then_some((0.0, 1.0)), || {
+            primary.signal(libc::SIGSTOP)
+        });
+        primary.signal(libc::SIGCONT);
+        assert_eq!(r.code, 0, "{what}: {}\n{}", r.stdout, r.stderr);
+        assert!(r.took < Duration::from_secs(30), "{what}: the hung sink was failed over after {:?}, with a 1 s ack timeout", r.took);
+        assert_eq!(r.stdout.trim(), "failovers=1", "{what}: {}", r.stderr);
+        let saved = std::fs::read_dir(&out_b).unwrap().map(|e| e.unwrap().path().join("step-000000.json")).collect::<Vec<_>>();
+        assert!(saved.len() == 1 && saved[0].is_file(), "{what}: the step is not at the alternate sink: {saved:?}");
     }
 }
 

@@ -597,6 +597,8 @@ pub struct Cmd {
     envs: Vec<(OsString, OsString)>,
     cwd: Option<PathBuf>,
     timeout: Duration,
+    stdout_closed: bool,
+    stderr_closed: bool,
 }
 
 pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
@@ -607,6 +609,8 @@ pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
         envs: Vec::new(),
         cwd: None,
         timeout: CMD_TIMEOUT,
+        stdout_closed: false,
+        stderr_closed: false,
     }
 }
 
@@ -701,6 +705,22 @@ impl Cmd {
         self
     }
 
+    /// Gives it a stdout whose reader has already gone (as in
+    /// `dmover status JOB | head -2` once `head` has its lines): what it
+    /// prints is lost, and the [`Run`]'s stdout is empty.
+    pub fn stdout_closed(&mut self) -> &mut Cmd {
+        self.stdout_closed = true;
+        self
+    }
+
+    /// Gives it one stdout and stderr whose reader has already gone (as in
+    /// `dmover run JOB 2>&1 | head -2`): the [`Run`] has only its exit code.
+    pub fn output_closed(&mut self) -> &mut Cmd {
+        self.stdout_closed = true;
+        self.stderr_closed = true;
+        self
+    }
+
     /// Starts it in the background.
     pub fn spawn(&self) -> Proc {
         let out = tempfile::tempfile().unwrap();
@@ -720,7 +740,9 @@ impl Cmd {
         if let Some(d) = &self.cwd {
             c.current_dir(d);
         }
-        c.stdin(Stdio::null()).stdout(Stdio::from(out.try_clone().unwrap())).stderr(Stdio::from(err.try_clone().unwrap()));
+        let stdout = if self.stdout_closed { closed_pipe() } else { Stdio::from(out.try_clone().unwrap()) };
+        let stderr = if self.stderr_closed { closed_pipe() } else { Stdio::from(err.try_clone().unwrap()) };
+        c.stdin(Stdio::null()).stdout(stdout).stderr(stderr);
         die_with_parent(&mut c);
         let child = c.spawn().expect("spawn dmover");
         Proc { child: Some(child), out, err, started: Instant::now(), timeout: self.timeout, desc: format!("{:?}", self.args) }
@@ -730,6 +752,17 @@ impl Cmd {
     pub fn run(&self) -> Run {
         self.spawn().wait()
     }
+}
+
+/// The writing end of a pipe whose reading end is already closed.
+pub fn closed_pipe() -> Stdio {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: pipe() fills both descriptors, which are then owned here.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
+    let (reader, writer) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(reader);
+    writer.into()
 }
 
 /// A background dmover process; killed (SIGKILL) if dropped while running.
