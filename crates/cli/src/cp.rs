@@ -2,10 +2,10 @@
 //! direction — local to local, upload, download, or third party — with
 //! automatic retries, a live progress display and a final report.
 
-use crate::location::{self, Location};
+use crate::location::{self, Hosts, Location};
 use crate::report::{self, ProgressDisplay};
 use crate::sizes::parse_size;
-use crate::ssh::{Endpoint, SshOptions};
+use crate::ssh::SshOptions;
 use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
@@ -13,7 +13,7 @@ use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig, DEST_MAY_BE_FILE};
 use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
-use dmover_engine::session::{self, Credential};
+use dmover_engine::session;
 use dmover_engine::storage;
 use dmover_engine::transport::Transport;
 use dmover_engine::{Error, Result};
@@ -96,11 +96,11 @@ struct Plan {
     dest: Location,
     options: TransferOptions,
     params: EngineParams,
-    cred: Option<Credential>,
+    /// How to reach and authenticate with each server (the remote ends of
+    /// ssh locations run while this lives).
+    hosts: Hosts,
     /// The destination path to give the receiver (a directory, or maybe a file: DEST_MAY_BE_FILE).
     dest_path: String,
-    /// The remote end of an ssh location, running while the copy does.
-    _remote: Option<Endpoint>,
 }
 
 pub fn run(a: CpArgs) -> Result<i32> {
@@ -143,12 +143,7 @@ fn copy(a: &CpArgs) -> Result<i32> {
 fn make_plan(a: &CpArgs) -> Result<Plan> {
     let (dest, sources) = a.paths.split_last().expect("clap requires two paths");
     let mut all = sources.iter().chain([dest]).map(|s| Location::parse(s)).collect::<Result<Vec<_>>>()?;
-    let ssh_used = all.iter().any(|l| matches!(l, Location::Ssh { .. }));
-    if ssh_used && all.iter().any(|l| matches!(l, Location::Remote { .. })) {
-        let msg = "a host reached over ssh and a dmover:// server in one command are not supported yet";
-        return Err(Error::new(ErrorKind::Usage, "", msg).advised("copy through a local directory, or start dmover serve on the ssh host"));
-    }
-    let remote = location::resolve_ssh(&mut all, &a.ssh)?;
+    let hosts = location::resolve(&mut all, &a.ssh, &a.token)?;
     let dest = all.pop().expect("a destination");
     let sources = all;
     if let Some(Location::Remote { hosts, .. }) = sources.first() {
@@ -159,12 +154,6 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     if sources.windows(2).any(|w| !same_host(&w[0], &w[1])) {
         return Err(Error::new(ErrorKind::Usage, "", "all sources must be on one host (all local, or all on the same server)"));
     }
-    let needs_token = dest.is_remote() || sources[0].is_remote();
-    let cred = match &remote {
-        Some(r) => Some(r.cred.clone()),
-        None if needs_token => Some(Credential::token(&a.token.token()?)),
-        None => None,
-    };
     let mut flags = 0;
     if a.sync {
         flags |= TransferOptions::SYNC;
@@ -195,8 +184,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         dest_path: dest.path().trim_end_matches('/').to_string(),
         sources,
         dest,
-        cred,
-        _remote: remote,
+        hosts,
     };
     if may_be_file_to_file(&plan) {
         plan.options.flags |= DEST_MAY_BE_FILE;
@@ -298,8 +286,7 @@ fn remote_parts(l: &Location) -> (&[String], &str) {
 
 fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (hosts, _) = remote_parts(&p.dest);
-    let cred = p.cred.clone().expect("remote needs a token");
-    let creds: Vec<(String, Credential)> = hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
+    let creds = p.hosts.creds(hosts)?;
     let socket = a.net.socket()?;
     let stats = with_retries(a.retries, |_| {
         let links = session::receive_links(&creds, &p.dest_path, p.options, a.net.initial(), &socket)?;
@@ -310,7 +297,7 @@ fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
 
 fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (hosts, _) = remote_parts(&p.sources[0]);
-    let cred = p.cred.clone().expect("remote needs a token");
+    let cred = p.hosts.cred(&hosts[0])?;
     a.net.untunable("downloads")?;
     let socket = a.net.socket()?;
     with_retries(a.retries, |_| {
@@ -322,10 +309,16 @@ fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
 fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (src_hosts, _) = remote_parts(&p.sources[0]);
     let (dest_hosts, _) = remote_parts(&p.dest);
-    let cred = p.cred.clone().expect("remote needs a token");
+    let src = (src_hosts[0].clone(), p.hosts.cred(&src_hosts[0])?);
+    let dests = p.hosts.creds(dest_hosts)?;
     a.net.untunable("third-party copies")?;
+    if let Some((host, _)) = dests.iter().find(|(_, c)| c.via.is_some()) {
+        let msg = format!("{host} can be reached only through ssh, so the source host cannot deliver to it directly");
+        return Err(Error::new(ErrorKind::Usage, p.dest.path(), msg)
+            .advised("copy through a local directory: first from the source, then to the destination"));
+    }
     // Each attempt asks the destinations for fresh tickets (a ticket opens
     // one session), so the retries of a third-party copy are the client's:
     // the source server tries once and says why it stopped.
-    with_retries(a.retries, |_| session::push(&src_hosts[0], dest_hosts, &cred, specs(p), &p.dest_path, p.options, p.params, progress))
+    with_retries(a.retries, |_| session::push(&src, &dests, specs(p), &p.dest_path, p.options, p.params, progress))
 }

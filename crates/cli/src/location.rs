@@ -3,8 +3,11 @@
 //! over ssh (`[user@]host:path`, `ssh://[user@]host[:port]/path`; see `ssh`).
 
 use crate::ssh::{Endpoint, SshOptions, SshTarget};
+use crate::TokenArgs;
+use dmover_engine::session::Credential;
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
+use std::collections::HashMap;
 
 /// Port a server listens on when a URL names none.
 pub const DEFAULT_PORT: u16 = 7450;
@@ -19,10 +22,10 @@ pub enum Location {
         /// `EXPORT/path` as the server sees it, with any trailing `/` kept.
         path: String,
     },
-    /// A host reached over ssh; `path` as its remote end exports it
-    /// (`home/...` or `root/...`). Becomes `Remote` once the remote end runs.
+    /// Hosts reached over ssh; `path` as their remote ends export it
+    /// (`home/...` or `root/...`). Becomes `Remote` once the remote ends run.
     Ssh {
-        target: SshTarget,
+        targets: Vec<SshTarget>,
         path: String,
     },
 }
@@ -60,8 +63,8 @@ impl Location {
             return Err(Error::new(ErrorKind::Usage, "", "empty path"));
         }
         let Some(rest) = s.strip_prefix(SCHEME) else {
-            if let Some((target, path)) = crate::ssh::parse(s)? {
-                return Ok(Location::Ssh { target, path });
+            if let Some((targets, path)) = crate::ssh::parse(s)? {
+                return Ok(Location::Ssh { targets, path });
             }
             if s.contains("://") {
                 return Err(bad(s, "unknown scheme"));
@@ -92,31 +95,64 @@ impl Location {
     }
 }
 
-/// Replaces each ssh location in `locations` with the remote end started
-/// for it, and returns the endpoints (to keep alive while they are used).
-/// All ssh locations must name one host (one remote end serves them all).
-pub fn resolve_ssh(locations: &mut [Location], o: &SshOptions) -> Result<Option<Endpoint>> {
-    let mut target: Option<SshTarget> = None;
+/// The servers a command talks to, and how to authenticate with each: the
+/// remote ends started over ssh (running while this lives) with their
+/// one-time secrets, and dmover:// servers with the token.
+pub struct Hosts {
+    started: HashMap<String, Credential>,
+    token: Option<Credential>,
+    _endpoints: Vec<Endpoint>,
+}
+
+impl Hosts {
+    /// How to authenticate with `host` (`ip:port`, as a resolved location names it).
+    pub fn cred(&self, host: &str) -> Result<Credential> {
+        match self.started.get(host) {
+            Some(c) => Ok(c.clone()),
+            None => self.token.clone().ok_or_else(|| Error::internal(format!("no credential for {host}"))),
+        }
+    }
+
+    /// Each of `hosts` with its credential.
+    pub fn creds(&self, hosts: &[String]) -> Result<Vec<(String, Credential)>> {
+        hosts.iter().map(|h| Ok((h.clone(), self.cred(h)?))).collect()
+    }
+}
+
+/// Starts a remote end over ssh for each host the ssh locations in
+/// `locations` name (one per host, at the same time), replaces those
+/// locations with the remote ends' addresses, and reads the token if a
+/// dmover:// server is named too.
+pub fn resolve(locations: &mut [Location], o: &SshOptions, token: &TokenArgs) -> Result<Hosts> {
+    let token = match locations.iter().any(|l| matches!(l, Location::Remote { .. })) {
+        true => Some(Credential::token(&token.token()?)),
+        false => None,
+    };
+    let mut targets: Vec<SshTarget> = Vec::new();
     for l in locations.iter() {
-        if let Location::Ssh { target: t, .. } = l {
-            match &target {
-                None => target = Some(t.clone()),
-                Some(first) if first == t => {}
-                Some(first) => {
-                    let msg = format!("one command reaches one host over ssh; here {} and {}", first.destination(), t.destination());
-                    return Err(Error::new(ErrorKind::Usage, &t.host, msg).advised("copy to or from each host in its own command"));
+        if let Location::Ssh { targets: ts, .. } = l {
+            for t in ts {
+                if !targets.contains(t) {
+                    targets.push(t.clone());
                 }
             }
         }
     }
-    let Some(target) = target else { return Ok(None) };
-    let endpoint = Endpoint::start(&target, o)?;
+    let endpoints = std::thread::scope(|s| {
+        let started: Vec<_> = targets.iter().map(|t| s.spawn(|| Endpoint::start(t, o))).collect();
+        started
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("starting a remote end panicked"))))
+            .collect::<Result<Vec<_>>>()
+    })?;
+    let addr_of = |t: &SshTarget| endpoints[targets.iter().position(|x| x == t).expect("started")].addr.clone();
     for l in locations.iter_mut() {
-        if let Location::Ssh { path, .. } = l {
-            *l = Location::Remote { hosts: vec![endpoint.addr.clone()], path: std::mem::take(path) };
+        if let Location::Ssh { targets, path } = l {
+            *l = Location::Remote { hosts: targets.iter().map(addr_of).collect(), path: std::mem::take(path) };
         }
     }
-    Ok(Some(endpoint))
+    let started = endpoints.iter().map(|e| (e.addr.clone(), e.cred.clone())).collect();
+    Ok(Hosts { started, token, _endpoints: endpoints })
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use crate::location::{self, Location};
 use crate::ssh::SshOptions;
 use crate::TokenArgs;
 use clap::Args;
-use dmover_engine::session::{self, Credential};
+use dmover_engine::session;
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::FileMeta;
 use dmover_proto::ErrorKind;
@@ -25,16 +25,12 @@ pub struct LsArgs {
 
 pub fn run(a: LsArgs) -> Result<i32> {
     let mut loc = [Location::parse(&a.url)?];
-    let remote = location::resolve_ssh(&mut loc, &a.ssh)?;
+    let reach = location::resolve(&mut loc, &a.ssh, &a.token)?;
     let [Location::Remote { hosts, path }] = loc else {
         return Err(Error::new(ErrorKind::Usage, &a.url, "ls needs a dmover:// URL or [user@]host:path (use ls(1) for local paths)"));
     };
-    let cred = match &remote {
-        Some(r) => r.cred.clone(),
-        None => Credential::token(&a.token.token()?),
-    };
     let mut all = Vec::new();
-    session::list(&hosts[0], &cred, path, &mut |entries| {
+    session::list(&hosts[0], &reach.cred(&hosts[0])?, path, &mut |entries| {
         if a.json {
             all.extend(entries);
         } else {

@@ -101,10 +101,14 @@ fn export_path(s: &str, path: &str) -> Result<String> {
 /// Parses an ssh location, or None if `s` is not one. As in rsync, a
 /// colon before any slash makes a location remote; a local path with such
 /// a colon is written `./a:b`.
-pub fn parse(s: &str) -> Result<Option<(SshTarget, String)>> {
+/// Several hosts, separated by commas (`host1,host2:path`), name the same
+/// path on each.
+pub fn parse(s: &str) -> Result<Option<(Vec<SshTarget>, String)>> {
+    let targets =
+        |authorities: &str, with_port: bool| authorities.split(',').map(|a| parse_authority(s, a, with_port)).collect::<Result<Vec<_>>>();
     if let Some(rest) = s.strip_prefix("ssh://") {
         let (authority, path) = rest.split_once('/').ok_or_else(|| bad(s, "no path"))?;
-        let target = parse_authority(s, authority, true)?;
+        let target = targets(authority, true)?;
         // ssh://host/~/dir is relative to the home directory, ssh://host/dir absolute.
         let path = match path.strip_prefix('~') {
             Some(home) => home.trim_start_matches('/').to_string(),
@@ -117,7 +121,7 @@ pub fn parse(s: &str) -> Result<Option<(SshTarget, String)>> {
     }
     let colon = if s.starts_with('[') { s.find("]:").map(|i| i + 1) } else { s.find(':') };
     let Some(colon) = colon.filter(|&c| !s[..c].contains('/')) else { return Ok(None) };
-    Ok(Some((parse_authority(s, &s[..colon], false)?, export_path(s, &s[colon + 1..])?)))
+    Ok(Some((targets(&s[..colon], false)?, export_path(s, &s[colon + 1..])?)))
 }
 
 /// How to reach hosts over ssh, as rsync's `-e` and `--rsync-path`.
@@ -452,12 +456,14 @@ mod tests {
             ("ssh://[::1]:22/tmp", t(None, "::1", Some(22)), "root/tmp"),
         ];
         for (s, target, path) in cases {
-            assert_eq!(parse(s).unwrap(), Some((target, path.to_string())), "{s}");
+            assert_eq!(parse(s).unwrap(), Some((vec![target], path.to_string())), "{s}");
         }
+        let two = parse("a,me@b:x").unwrap().unwrap();
+        assert_eq!(two, (vec![t(None, "a", None), t(Some("me"), "b", None)], "home/x".to_string()));
         for local in ["./a:b", "/tmp/a:b", "dir/x:y", "plain", "dmover://h/e"] {
             assert_eq!(parse(local).unwrap(), None, "{local}");
         }
-        for bad in ["@host:x", ":x", "-oProxyCommand=x:y", "host:../x", "ssh://host", "ssh://host:0/x", "ssh://h:x/y"] {
+        for bad in ["@host:x", ":x", "-oProxyCommand=x:y", "host:../x", "ssh://host", "ssh://host:0/x", "ssh://h:x/y", "a,:x", "a,-ob:x"] {
             assert_eq!(parse(bad).unwrap_err().kind, ErrorKind::Usage, "{bad}");
         }
     }

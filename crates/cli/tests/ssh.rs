@@ -30,7 +30,9 @@ impl Remote {
 
     /// `dmover cp ARGS` reaching 127.0.0.1 over this sshd.
     fn cp<S: AsRef<std::ffi::OsStr>>(&self, args: impl IntoIterator<Item = S>) -> Cmd {
-        let mut c = dmover(["cp", "--json", "-q", "--ssh", &self.sshd.ssh(), "--remote-dmover", self.dmover.to_str().unwrap()]);
+        let mut c =
+            dmover(["cp", "--json", "-q", "--ssh", &self.sshd.ssh(), "--remote-dmover", self.dmover.to_str().unwrap(), "--token-file"]);
+        c.arg(&self.env.token);
         c.args(args);
         c
     }
@@ -97,6 +99,46 @@ fn a_killed_client_leaves_nothing_behind_and_the_rerun_resumes() {
     assert_same_tree(&src, &dest);
     let sent = u(&rerun.json()["sent_bytes"]);
     assert!(sent < 24 << 20, "the re-run sent {sent} bytes: it did not resume");
+}
+
+/// Two hosts reached over ssh (here one sshd under two names, so two
+/// remote ends, each with its own one-time secret): a third-party copy
+/// from one to the other goes straight between them; several hosts as a
+/// destination share the files; a dmover:// server and an ssh host mix.
+#[test]
+fn third_party_between_ssh_hosts_several_hosts_and_a_server_mixed_in() {
+    let r = Remote::new();
+    let src = r.env.path("src");
+    make_tree(&src, 7, 30);
+    let far = r.env.mkdir("far");
+    r.cp([src.display().to_string(), format!("{}/", r.at(&far))]).run().assert_ok();
+
+    let mut p = r.cp([r.at(&far.join("src")), format!("localhost:{}/", r.env.mkdir("third").display())]).spawn();
+    let two = wait_until(Duration::from_secs(20), || r.remotes() == 2 || !p.running());
+    let third = p.wait();
+    third.assert_ok();
+    assert!(two, "not one remote end per host");
+    assert_same_tree(&src, &r.env.path("third/src"));
+
+    // Two destination hosts: each takes a share.
+    let shared = r.env.mkdir("shared");
+    let both = r.cp([src.display().to_string(), format!("127.0.0.1,localhost:{}/", shared.display())]).run();
+    let j = both.assert_ok();
+    let shares: Vec<u64> = j["hosts"].as_array().expect("per-host shares").iter().map(|h| u(&h["files"])).collect();
+    assert!(shares.len() == 2 && shares.iter().all(|n| *n > 0), "the files were not shared between the two hosts: {j:#}");
+    assert_same_tree(&src, &shared.join("src"));
+
+    // A dmover:// server to an ssh host, and back.
+    let export = r.env.mkdir("export");
+    let srv = r.env.serve(&[("e", &export)]);
+    r.cp([src.display().to_string(), srv.url("e/")]).run().assert_ok();
+    let mixed = r.env.mkdir("mixed");
+    r.cp([srv.url("e/src"), format!("{}/", r.at(&mixed))]).run().assert_ok();
+    assert_same_tree(&src, &mixed.join("src"));
+    let back = r.env.mkdir("back");
+    r.cp([r.at(&mixed.join("src")), srv.url("e/back/")]).run().assert_ok();
+    assert_same_tree(&src, &export.join("back/src"));
+    assert!(wait_until(Duration::from_secs(10), || r.remotes() == 0), "a remote dmover outlived its command");
 }
 
 /// Bytes in the partial files under `dir` (those a killed copy leaves).
@@ -190,5 +232,83 @@ fn behind_a_firewall_that_lets_only_ssh_through_dmover_falls_back_to_ssh() {
         String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("dmover")).map(String::from).collect::<Vec<_>>()
     };
     assert!(wait_until(Duration::from_secs(10), || left().is_empty()), "dmover still listens on the host: {:?}", left());
+    drop(sshd);
+}
+
+/// The link to a host reached over ssh dies in the middle of an upload
+/// (every packet dropped in the host's namespace): the remote end notices
+/// by itself (sshd ends the session, and with it the remote end's input)
+/// and exits, leaving no process and no listening socket; once the link is
+/// back, the re-run resumes.
+#[test]
+fn a_cut_link_leaves_nothing_behind_and_the_rerun_resumes() {
+    if !dmover_testkit::wan_link_possible() {
+        return;
+    }
+    const NS_A: &str = "dmcutA";
+    const NS_B: &str = "dmcutB";
+    let link = dmover_testkit::Link::up(dmover_testkit::LinkSpec {
+        ns_a: NS_A,
+        ns_b: NS_B,
+        subnet: 18,
+        delay_ms: 5.0,
+        rate_mbit: 200.0,
+        timeout_s: 300,
+    });
+    let env = Env::new();
+    let sshd = Sshd::start_in(&env.path("sshd"), Some(NS_B), &link.ip_b(), 22);
+    let remote_dmover = env.path(&format!("bin/dmover-cut-{}", unique()));
+    std::fs::create_dir_all(remote_dmover.parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(BIN, &remote_dmover).unwrap();
+    let remotes = || {
+        let out = std::process::Command::new("pgrep").arg("-f").arg(format!("^{} remote", remote_dmover.display())).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    let listening = || {
+        let out = in_netns(Some(NS_B), "ss").args(["-Hltnp"]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("dmover")).count()
+    };
+    let src = env.path("big");
+    std::fs::create_dir_all(&src).unwrap();
+    write_random(&src.join("data.bin"), 24 << 20, 11);
+    let far = env.mkdir("far");
+    let cp = |extra: &[&str]| {
+        let mut c = dmover(["cp", "--json", "-q", "--ssh", &sshd.ssh(), "--remote-dmover", remote_dmover.to_str().unwrap()]);
+        c.prefix(["ip", "netns", "exec", NS_A]);
+        c.arg(src.display().to_string()).arg(format!("{}:{}/", link.ip_b(), far.display())).args(extra);
+        c
+    };
+    let mut p = cp(&["--bwlimit", "3M", "-p", "2"]).spawn();
+    let dest = far.join("big");
+    let partial = || {
+        let Ok(rd) = std::fs::read_dir(dest.join(".dmover-partial")) else { return 0 };
+        rd.flatten().filter_map(|e| e.metadata().ok()).map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512).sum::<u64>()
+    };
+    assert!(wait_until(Duration::from_secs(60), || written_bytes(&far) + partial() >= 4 << 20), "the upload did not start");
+    assert_eq!(remotes(), 1);
+
+    let nft = |rule: &str| {
+        let st = in_netns(Some(NS_B), "nft").args(["-f", "-"]).stdin(std::process::Stdio::piped()).spawn().and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(rule.as_bytes())?;
+            c.wait()
+        });
+        assert!(st.is_ok_and(|s| s.success()), "nft could not apply {rule:?} (apt install nftables)");
+    };
+    nft(&format!(
+        "table inet dmover_cut {{\n chain input {{\n  type filter hook input priority 0;\n  iifname \"{NS_B}-tun\" drop\n }}\n}}\n"
+    ));
+    let gone = wait_until(Duration::from_secs(30), || remotes() == 0 && listening() == 0);
+    assert!(gone, "after the link was cut, {} remote dmover(s) and {} listening socket(s) remained", remotes(), listening());
+    assert!(p.running(), "the client gave up before the remote end did");
+    p.kill9();
+
+    nft("delete table inet dmover_cut\n");
+    let rerun = cp(&[]).run();
+    rerun.assert_ok();
+    assert_same_tree(&src, &dest);
+    let sent = u(&rerun.json()["sent_bytes"]);
+    assert!(sent < 24 << 20, "the re-run sent {sent} bytes: it did not resume");
+    assert!(wait_until(Duration::from_secs(10), || remotes() == 0 && listening() == 0), "the re-run left a remote end behind");
     drop(sshd);
 }

@@ -258,7 +258,8 @@ pub fn grant(host: &str, cred: &Credential, dest: &str) -> Result<Ticket> {
     }
 }
 
-/// Extends a ticket's life (and that of the session it opened) at its server.
+/// Extends a ticket's life (and that of the session it opened) at its
+/// server, as the holder of `cred` that asked for it.
 fn renew(t: &Ticket, cred: &Credential) -> Result<()> {
     let mut c = Conn::control(&t.host, cred)?;
     match c.request(Request::Renew { key_id: t.key_id })? {
@@ -276,17 +277,17 @@ struct Renewer {
 }
 
 impl Renewer {
-    fn start(tickets: Vec<Ticket>, cred: &Credential) -> Renewer {
+    /// Renews each ticket with the credential that got it.
+    fn start(tickets: Vec<(Ticket, Credential)>) -> Renewer {
         let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
-        let cred = cred.clone();
-        let every = tickets.iter().map(|t| t.lifetime / 3).min().unwrap_or(Duration::MAX);
+        let every = tickets.iter().map(|(t, _)| t.lifetime / 3).min().unwrap_or(Duration::MAX);
         std::thread::spawn(move || {
             while stopped.recv_timeout(every) == Err(crossbeam_channel::RecvTimeoutError::Timeout) {
-                for t in &tickets {
+                for (t, cred) in &tickets {
                     // A failed renewal is tried again next time; if the
                     // ticket expires meanwhile, its session ends and the
                     // copy is retried with new tickets.
-                    if let Err(e) = renew(t, &cred) {
+                    if let Err(e) = renew(t, cred) {
                         log::warn!("renewing a ticket: {e}");
                     }
                 }
@@ -357,29 +358,28 @@ pub fn download(
     Ok(Stats { hosts, ..s })
 }
 
-/// One attempt at a third-party copy: gets a ticket for `dest` from each of
-/// `dest_hosts` and asks `src` to send `sources` there, following its
-/// progress. Returns the source server's report.
-#[allow(clippy::too_many_arguments)]
+/// One attempt at a third-party copy: gets a ticket for `dest` from each
+/// destination host and asks the source host `src` to send `sources`
+/// there, following its progress and renewing the tickets while it runs.
+/// Returns the source server's report.
 pub fn push(
-    src: &str,
-    dest_hosts: &[String],
-    cred: &Credential,
+    src: &(String, Credential),
+    dests: &[(String, Credential)],
     sources: Vec<String>,
     dest: &str,
     options: TransferOptions,
     params: EngineParams,
     progress: &Progress,
 ) -> Result<Stats> {
-    let tickets = dest_hosts.iter().map(|h| grant(h, cred, dest)).collect::<Result<Vec<_>>>()?;
-    let mut c = Conn::control(src, cred)?;
+    let tickets = dests.iter().map(|(h, cred)| Ok((grant(h, cred, dest)?, cred.clone()))).collect::<Result<Vec<_>>>()?;
+    let mut c = Conn::control(&src.0, &src.1)?;
     let hosts = tickets
         .iter()
-        .map(|t| TicketedHost { addr: t.host.clone(), key_id: t.key_id, wrapped_secret: c.session_key.wrap(&t.key_id, &t.secret) })
+        .map(|(t, _)| TicketedHost { addr: t.host.clone(), key_id: t.key_id, wrapped_secret: c.session_key.wrap(&t.key_id, &t.secret) })
         .collect();
     c.send(Request::Push { sources, dest: dest.to_string(), hosts, options, params })?;
-    let _renewer = Renewer::start(tickets, cred);
-    remote_report(|| c.read_msg(), src, progress)
+    let _renewer = Renewer::start(tickets);
+    remote_report(|| c.read_msg(), &src.0, progress)
 }
 
 /// Lists what `path` (a file, directory or glob below an export) names on
