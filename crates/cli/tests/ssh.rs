@@ -135,7 +135,6 @@ fn third_party_between_ssh_hosts_several_hosts_and_a_server_mixed_in() {
     let mixed = r.env.mkdir("mixed");
     r.cp([srv.url("e/src"), format!("{}/", r.at(&mixed))]).run().assert_ok();
     assert_same_tree(&src, &mixed.join("src"));
-    let back = r.env.mkdir("back");
     r.cp([r.at(&mixed.join("src")), srv.url("e/back/")]).run().assert_ok();
     assert_same_tree(&src, &export.join("back/src"));
     assert!(wait_until(Duration::from_secs(10), || r.remotes() == 0), "a remote dmover outlived its command");
