@@ -198,23 +198,8 @@ fn behind_a_firewall_that_lets_only_ssh_through_dmover_falls_back_to_ssh() {
     }
     const NS_A: &str = "dmsshA";
     const NS_B: &str = "dmsshB";
-    let link = dmover_testkit::Link::up(dmover_testkit::LinkSpec {
-        ns_a: NS_A,
-        ns_b: NS_B,
-        subnet: 17,
-        delay_ms: 5.0,
-        rate_mbit: 200.0,
-        timeout_s: 300,
-    });
-    let env = Env::new();
-    let sshd = Sshd::start_in(&env.path("sshd"), Some(NS_B), &link.ip_b(), 22);
-    let rule = format!("table inet dmover_test {{\n chain input {{\n  type filter hook input priority 0;\n  iifname \"{NS_B}-tun\" tcp dport != 22 drop\n }}\n}}\n");
-    let st = in_netns(Some(NS_B), "nft").args(["-f", "-"]).stdin(std::process::Stdio::piped()).spawn().and_then(|mut c| {
-        use std::io::Write;
-        c.stdin.take().unwrap().write_all(rule.as_bytes())?;
-        c.wait()
-    });
-    assert!(st.is_ok_and(|s| s.success()), "nft could not load the firewall rule (apt install nftables)");
+    let (link, env, sshd) = ssh_host_behind_a_link(NS_A, NS_B, 17);
+    nft(NS_B, &format!("table inet dmover_test {{\n chain input {{\n  type filter hook input priority 0;\n  iifname \"{NS_B}-tun\" tcp dport != 22 drop\n }}\n}}\n"));
 
     let src = env.path("src");
     make_tree(&src, 9, 20);
@@ -226,12 +211,34 @@ fn behind_a_firewall_that_lets_only_ssh_through_dmover_falls_back_to_ssh() {
     r.assert_ok();
     assert!(r.stderr.contains("cannot be reached directly") && r.stderr.contains("every connection goes over ssh"), "{}", r.stderr);
     assert_same_tree(&src, &far.join("src"));
-    let left = || {
-        let out = in_netns(Some(NS_B), "ss").args(["-Hltnp"]).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("dmover")).map(String::from).collect::<Vec<_>>()
-    };
+    let left = || dmover_listening(NS_B);
     assert!(wait_until(Duration::from_secs(10), || left().is_empty()), "dmover still listens on the host: {:?}", left());
     drop(sshd);
+}
+
+/// An emulated link between namespaces `ns_a` and `ns_b` (10.250.`subnet`.x)
+/// and an sshd on port 22 in `ns_b`.
+fn ssh_host_behind_a_link(ns_a: &'static str, ns_b: &'static str, subnet: u8) -> (dmover_testkit::Link, Env, Sshd) {
+    let link = dmover_testkit::Link::up(dmover_testkit::LinkSpec { ns_a, ns_b, subnet, delay_ms: 5.0, rate_mbit: 200.0, timeout_s: 300 });
+    let env = Env::new();
+    let sshd = Sshd::start_in(&env.path("sshd"), Some(ns_b), &link.ip_b(), 22);
+    (link, env, sshd)
+}
+
+/// Applies an nftables script in namespace `ns`.
+fn nft(ns: &str, script: &str) {
+    let st = in_netns(Some(ns), "nft").args(["-f", "-"]).stdin(std::process::Stdio::piped()).spawn().and_then(|mut c| {
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(script.as_bytes())?;
+        c.wait()
+    });
+    assert!(st.is_ok_and(|s| s.success()), "nft could not apply {script:?} (apt install nftables)");
+}
+
+/// dmover's listening sockets in namespace `ns`.
+fn dmover_listening(ns: &str) -> Vec<String> {
+    let out = in_netns(Some(ns), "ss").args(["-Hltnp"]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("dmover")).map(String::from).collect()
 }
 
 /// The link to a host reached over ssh dies in the middle of an upload
@@ -246,16 +253,7 @@ fn a_cut_link_leaves_nothing_behind_and_the_rerun_resumes() {
     }
     const NS_A: &str = "dmcutA";
     const NS_B: &str = "dmcutB";
-    let link = dmover_testkit::Link::up(dmover_testkit::LinkSpec {
-        ns_a: NS_A,
-        ns_b: NS_B,
-        subnet: 18,
-        delay_ms: 5.0,
-        rate_mbit: 200.0,
-        timeout_s: 300,
-    });
-    let env = Env::new();
-    let sshd = Sshd::start_in(&env.path("sshd"), Some(NS_B), &link.ip_b(), 22);
+    let (link, env, sshd) = ssh_host_behind_a_link(NS_A, NS_B, 18);
     let remote_dmover = env.path(&format!("bin/dmover-cut-{}", unique()));
     std::fs::create_dir_all(remote_dmover.parent().unwrap()).unwrap();
     std::os::unix::fs::symlink(BIN, &remote_dmover).unwrap();
@@ -263,10 +261,7 @@ fn a_cut_link_leaves_nothing_behind_and_the_rerun_resumes() {
         let out = std::process::Command::new("pgrep").arg("-f").arg(format!("^{} remote", remote_dmover.display())).output().unwrap();
         String::from_utf8_lossy(&out.stdout).lines().count()
     };
-    let listening = || {
-        let out = in_netns(Some(NS_B), "ss").args(["-Hltnp"]).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("dmover")).count()
-    };
+    let listening = || dmover_listening(NS_B).len();
     let src = env.path("big");
     std::fs::create_dir_all(&src).unwrap();
     write_random(&src.join("data.bin"), 24 << 20, 11);
@@ -286,23 +281,18 @@ fn a_cut_link_leaves_nothing_behind_and_the_rerun_resumes() {
     assert!(wait_until(Duration::from_secs(60), || written_bytes(&far) + partial() >= 4 << 20), "the upload did not start");
     assert_eq!(remotes(), 1);
 
-    let nft = |rule: &str| {
-        let st = in_netns(Some(NS_B), "nft").args(["-f", "-"]).stdin(std::process::Stdio::piped()).spawn().and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().unwrap().write_all(rule.as_bytes())?;
-            c.wait()
-        });
-        assert!(st.is_ok_and(|s| s.success()), "nft could not apply {rule:?} (apt install nftables)");
-    };
-    nft(&format!(
-        "table inet dmover_cut {{\n chain input {{\n  type filter hook input priority 0;\n  iifname \"{NS_B}-tun\" drop\n }}\n}}\n"
-    ));
+    nft(
+        NS_B,
+        &format!(
+            "table inet dmover_cut {{\n chain input {{\n  type filter hook input priority 0;\n  iifname \"{NS_B}-tun\" drop\n }}\n}}\n"
+        ),
+    );
     let gone = wait_until(Duration::from_secs(30), || remotes() == 0 && listening() == 0);
     assert!(gone, "after the link was cut, {} remote dmover(s) and {} listening socket(s) remained", remotes(), listening());
     assert!(p.running(), "the client gave up before the remote end did");
     p.kill9();
 
-    nft("delete table inet dmover_cut\n");
+    nft(NS_B, "delete table inet dmover_cut\n");
     let rerun = cp(&[]).run();
     rerun.assert_ok();
     assert_same_tree(&src, &dest);

@@ -643,20 +643,28 @@ int main(int argc, char **argv) {
 }
 "#;
 
+/// A stream of `steps` steps whose only sink was killed after it opened:
+/// the (stopped) sink, its directory, the close report (blocks left in the
+/// spill file) and what each step wrote.
+fn undelivered_steps(env: &Env, steps: u64) -> (Server, PathBuf, Report, Vec<Vec<u8>>) {
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut c = config(env, &[&sink.addr()], &spill);
+    c.close_timeout = Duration::from_secs(1);
+    let mut s = Stream::open(c).unwrap();
+    sink.kill9();
+    let written: Vec<Vec<u8>> = (0..steps).map(|step| write_step(&mut s, step)).collect();
+    let report = s.close().unwrap();
+    assert!(report.undelivered_blocks > 0, "{report:?}");
+    (sink, out, report, written)
+}
+
 /// CLI.md "dmover drain": `--timeout` is how long it keeps trying, so a
 /// drain started while the sink is still down delivers once it is back.
 #[test]
 fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
     let env = Env::new();
-    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
-    let mut sink = env.sink(&out, [] as [&str; 0]);
-    let mut c = config(&env, &[&sink.addr()], &spill);
-    c.close_timeout = Duration::from_secs(1);
-    let mut s = Stream::open(c).unwrap();
-    sink.kill9();
-    let written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
-    let report = s.close().unwrap();
-    assert!(report.undelivered_blocks > 0, "{report:?}");
+    let (mut sink, out, report, written) = undelivered_steps(&env, 3);
     let manifest = report.manifest.to_str().unwrap().to_string();
     let drain = dmover(["drain", "--timeout", "60", "--token-file", env.token.to_str().unwrap(), &manifest]).spawn();
     std::thread::sleep(Duration::from_secs(3));
@@ -674,15 +682,7 @@ fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
 #[test]
 fn drain_ends_quietly_when_its_stdout_is_closed() {
     let env = Env::new();
-    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
-    let mut sink = env.sink(&out, [] as [&str; 0]);
-    let mut c = config(&env, &[&sink.addr()], &spill);
-    c.close_timeout = Duration::from_secs(1);
-    let mut s = Stream::open(c).unwrap();
-    sink.kill9();
-    let written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
-    let report = s.close().unwrap();
-    assert!(report.undelivered_blocks > 0, "{report:?}");
+    let (mut sink, out, report, written) = undelivered_steps(&env, 2);
     sink.restart();
     let manifest = report.manifest.to_str().unwrap();
     let r = dmover(["drain", "--timeout", "30", "--token-file", env.token.to_str().unwrap(), manifest]).stdout_closed().run();
@@ -1314,14 +1314,7 @@ except Exception as e:
     assert "producer 'sim''s" in str(e), e
 print("ok")
 "#;
-    let r = Command::new("python3")
-        .args(["-c", script, &sink.addr(), spill.to_str().unwrap()])
-        .env("DMOVER_TOKEN_FILE", &cred)
-        .env_remove("DMOVER_TOKEN")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&r.stdout);
-    assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
+    python_with_token_file(script, &sink, &spill, &cred);
     assert_eq!(std::fs::read(out.join("sim/step-000000.dat")).unwrap(), vec![b'x'; 100000]);
     assert!(!out.join("other").exists());
 }
@@ -1349,9 +1342,16 @@ except Exception as e:
     assert "chmod 600" in str(e), e
 print("ok")
 "#;
+    python_with_token_file(script, &sink, &spill, &open);
+}
+
+/// Runs a Python `script` (its arguments: the sink's address and the
+/// spill directory) with `DMOVER_TOKEN_FILE` set to `token_file`; it must
+/// print "ok".
+fn python_with_token_file(script: &str, sink: &Server, spill: &Path, token_file: &Path) {
     let r = Command::new("python3")
         .args(["-c", script, &sink.addr(), spill.to_str().unwrap()])
-        .env("DMOVER_TOKEN_FILE", &open)
+        .env("DMOVER_TOKEN_FILE", token_file)
         .env_remove("DMOVER_TOKEN")
         .output()
         .unwrap();
