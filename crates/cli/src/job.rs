@@ -4,10 +4,12 @@
 //! parsed as `dmover cp` parses them); everything else is in `dmover-job`.
 
 use crate::cp::{parse_block_size, parse_staging};
-use crate::location::Location;
+use crate::location::{self, Location};
 use crate::sizes::parse_size;
+use crate::ssh::SshOptions;
 use crate::TokenArgs;
 use clap::Args;
+use dmover_engine::session::Credential;
 use dmover_engine::{Error, Result};
 use dmover_job::agent::{self, AgentSpec};
 use dmover_job::jobfile::{self, JobFile};
@@ -87,9 +89,13 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
     let job = JobFile::load(&job_path).map_err(|e| if e.kind == ErrorKind::Usage { e.advised(JOB_DOCS) } else { e })?;
     let subject = job_path.display().to_string();
     let command = job.command().map_err(|m| job_error(&subject, m))?;
-    let (hosts, dest, token) = if command.is_some() {
+    let (hosts, dest, creds) = if command.is_some() {
         // The command's own destinations: taken as written.
         (job.dest_hosts.clone(), job.dest_root.clone(), Vec::new())
+    } else if job.ssh.is_some() {
+        // Reached when the remote ends are started (see `reach`).
+        let (_, dest) = ssh_location(&job).map_err(|e| job_error(&subject, format!("dest_hosts / dest_root: {}", e.message)))?;
+        (job.dest_hosts.clone(), dest, Vec::new())
     } else {
         if let Some(h) = job.dest_hosts.iter().find(|h| h.contains([',', '/'])) {
             return Err(job_error(&subject, format!("dest_hosts: {h:?} is not host or host:port (one host per list entry)")));
@@ -107,7 +113,9 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
                     .advised("set token_file in the job file or export DMOVER_TOKEN (it is passed on to the batch job)")
             })?,
         };
-        (hosts, dest, token)
+        let cred = Credential::token(&token);
+        let creds = hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
+        (hosts, dest, creds)
     };
     let t = &job.transfer;
     let size = |key: &str, v: &str, parse: fn(&str) -> std::result::Result<u64, String>| {
@@ -124,7 +132,7 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
         sources: job.sources.clone(),
         hosts,
         dest,
-        token,
+        creds,
         streams: t.streams,
         concurrency: t.concurrency,
         block_size: size("block_size", &t.block_size, parse_block_size)?,
@@ -142,20 +150,53 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
     Ok((job, plan))
 }
 
-/// Loads the job and checks it against the world: sources that match
-/// nothing and destinations that do not answer are refused here.
-fn load_checked(path: &Path) -> Result<(JobFile, Plan)> {
-    let (job, plan) = load(path)?;
+/// The job's destination as an ssh location: each host of `dest_hosts`
+/// with `dest_root` on it.
+fn ssh_location(job: &JobFile) -> Result<(Vec<crate::ssh::SshTarget>, String)> {
+    let mut targets = Vec::new();
+    let mut path = String::new();
+    for h in &job.dest_hosts {
+        match crate::ssh::parse(&format!("{h}:{}", job.dest_root))? {
+            Some((t, p)) if t.len() == 1 => {
+                targets.extend(t);
+                path = p;
+            }
+            _ => return Err(usage(h, "a host reached over ssh is [user@]host, one per list entry")),
+        }
+    }
+    Ok((targets, path.trim_end_matches('/').to_string()))
+}
+
+/// Starts a remote end over ssh on each destination host of a job file
+/// with `[ssh]`, and gives the plan their addresses and one-time secrets.
+/// The remote ends run while the returned value lives.
+fn reach(job: &JobFile, plan: &mut Plan) -> Result<Option<location::Hosts>> {
+    let Some(ssh) = &job.ssh else { return Ok(None) };
+    let options = SshOptions { ssh: ssh.command.clone(), remote_dmover: ssh.remote_dmover.clone(), via_ssh: false };
+    let (targets, path) = ssh_location(job)?;
+    let mut locations = [Location::Ssh { targets, path }];
+    let hosts = location::resolve(&mut locations, &options, &TokenArgs { token_file: None })?;
+    let [Location::Remote { hosts: addrs, .. }] = &locations else { unreachable!("resolved to the remote ends") };
+    plan.creds = hosts.creds(addrs)?;
+    Ok(Some(hosts))
+}
+
+/// Loads the job, starts what reaches its hosts, and checks it against the
+/// world: sources that match nothing and destinations that do not answer
+/// are refused here.
+fn load_checked(path: &Path) -> Result<(JobFile, Plan, Option<location::Hosts>)> {
+    let (job, mut plan) = load(path)?;
     jobfile::check_sources(&plan.source_root, &plan.sources)?;
+    let reach = reach(&job, &mut plan)?;
     match &plan.command {
         Some(c) => c.check_program()?,
-        None => jobfile::check_hosts(&plan.hosts, &plan.token, &plan.dest)?,
+        None => jobfile::check_hosts(&plan.hosts, &plan.creds, &plan.dest)?,
     }
-    Ok((job, plan))
+    Ok((job, plan, reach))
 }
 
 pub fn submit(a: SubmitArgs) -> Result<i32> {
-    let (job, plan) = load_checked(&a.job)?;
+    let (job, plan, _reach) = load_checked(&a.job)?;
     let mut slurm = job.slurm.clone();
     slurm.nodes = a.nodes.unwrap_or(slurm.nodes);
     slurm.tasks_per_node = a.ntasks_per_node.unwrap_or(slurm.tasks_per_node);
@@ -188,7 +229,7 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
 }
 
 pub fn run(a: RunArgs) -> Result<i32> {
-    let (_, plan) = load_checked(&a.job)?;
+    let (_, plan, _reach) = load_checked(&a.job)?;
     let launch = if std::env::var_os("SLURM_JOB_ID").is_some() {
         Launch::Srun { exe: std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))? }
     } else {
@@ -231,7 +272,8 @@ pub fn status(a: StatusArgs) -> Result<i32> {
 }
 
 pub fn agent(a: AgentArgs) -> Result<i32> {
-    let (_, plan) = load(&a.job)?;
+    let (job, mut plan) = load(&a.job)?;
+    let _reach = reach(&job, &mut plan)?;
     let token = std::env::var(agent::TOKEN_ENV)
         .map_err(|_| usage(agent::TOKEN_ENV, "not set: agents are started by `dmover run`, which sets it"))?;
     let task = std::env::var("SLURM_PROCID").ok().and_then(|v| v.parse().ok()).unwrap_or(0);

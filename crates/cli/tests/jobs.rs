@@ -175,6 +175,50 @@ fn run_without_slurm_uses_local_agents_and_a_rerun_sends_nothing() {
     assert!(s.stdout.contains("finished") && s.stdout.contains("308/308"), "{}", s.stdout);
 }
 
+/// Writes a job file sending `src` to `dst` on `host` reached over `sshd`
+/// (no dmover serve there: each agent starts a remote end over ssh).
+fn ssh_job(env: &Env, name: &str, src: &Path, host: &str, sshd: &Sshd, dst: &Path, extra: &str) -> Job {
+    let text = format!(
+        "source_root = \"{}\"\nsources = [\"**\"]\ndest_hosts = [\"{host}\"]\ndest_root = \"{}\"\n\
+         [ssh]\ncommand = \"{}\"\nremote_dmover = \"{BIN}\"\n{extra}",
+        src.display(),
+        dst.display(),
+        sshd.ssh()
+    );
+    let path = env.path(&format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    Job { state: env.path(&format!("{name}.dmover")), path }
+}
+
+/// A job whose destination host is reached over ssh, with no token and no
+/// server there: `dmover run` (agents on this machine) starts the remote
+/// ends, every file arrives, and no remote end is left behind.
+#[test]
+fn a_job_reaches_its_destination_over_ssh() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 6, 120);
+    let dst = env.mkdir("far");
+    let sshd = Sshd::start(&env.path("sshd"));
+    let job = ssh_job(&env, "over-ssh", &src, "127.0.0.1", &sshd, &dst.join("in"), "[slurm]\ntasks_per_node = 2\n");
+    let r = dmover(["run", "--json"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "stderr:\n{}", r.stderr);
+    let j = r.json();
+    assert_eq!((j["state"].as_str(), j["check"]["passed"].as_bool()), (Some("finished"), Some(true)), "{j:#}");
+    assert_eq!(j["hosts"][0]["host"], "127.0.0.1", "{j:#}");
+    assert_spread(&src, &[dst.join("in")]);
+    let left = || {
+        let out = std::process::Command::new("pgrep").args(["-f", &format!("^{BIN} remote")]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    assert!(wait_until(Duration::from_secs(10), || left() == 0), "a remote end outlived the job");
+    // A host that ssh cannot reach is refused before anything runs, with ssh's own words.
+    let bad = ssh_job(&env, "unreachable", &src, "nobody@127.0.0.1", &sshd, &dst.join("x"), "");
+    let r = dmover(["run"]).arg(&bad.path).run();
+    assert_ne!(r.code, 0);
+    assert!(r.stderr.contains("ssh failed") && !dst.join("x").exists(), "{}", r.stderr);
+}
+
 // ---------------------------------------------------------------------------
 // On a three-node Slurm cluster
 

@@ -21,7 +21,7 @@ use crossbeam_channel::Sender;
 use dmover_engine::progress::Progress;
 use dmover_engine::retry::backoff;
 use dmover_engine::send::{self, FedFile, Files, SendConfig, SettleHook, Settled};
-use dmover_engine::session::{self, Credential};
+use dmover_engine::session;
 use dmover_engine::source::Entry;
 use dmover_engine::transport::SocketOptions;
 use dmover_engine::{Error, Result};
@@ -145,10 +145,8 @@ fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16]) -> Result<
         });
         return Ok(Session::Command(Runner::start(plan, cmd, report)));
     }
-    let cred = Credential::token(&plan.token);
-    let creds: Vec<(String, Credential)> = plan.hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
     let options = plan.options(transfer_id);
-    let links = session::receive_links(&creds, &plan.dest, options, plan.streams as usize, &SocketOptions::default())?;
+    let links = session::receive_links(&plan.creds, &plan.dest, options, plan.streams as usize, &SocketOptions::default())?;
     let (feed, entries) = crossbeam_channel::unbounded();
     let (b, hosts) = (book.clone(), plan.hosts.clone());
     let settled: SettleHook = Arc::new(move |meta: &FileMeta, host: usize, how: Settled<'_>| {
@@ -182,10 +180,8 @@ fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16]) -> Result<
 /// sending a file: each receiver then removes the transfer's marker from
 /// `.dmover-partial/`, where an agent lost in the middle of it left it.
 pub fn finish_transfer(plan: &Plan, transfer_id: [u8; 16]) -> Result<()> {
-    let cred = Credential::token(&plan.token);
-    let creds: Vec<(String, Credential)> = plan.hosts.iter().map(|h| (h.clone(), cred.clone())).collect();
     let options = plan.options(transfer_id);
-    let links = session::receive_links(&creds, &plan.dest, options, 1, &SocketOptions::default())?;
+    let links = session::receive_links(&plan.creds, &plan.dest, options, 1, &SocketOptions::default())?;
     // No file will come: the feed is closed from the start.
     let (_, entries) = crossbeam_channel::unbounded();
     let settled: SettleHook = Arc::new(|_: &FileMeta, _: usize, _: Settled<'_>| {});

@@ -33,6 +33,10 @@ pub struct JobFile {
     pub dest_root: String,
     /// File with the servers' token (else the DMOVER_TOKEN environment variable).
     pub token_file: Option<String>,
+    /// Reach `dest_hosts` over ssh (`[user@]host` each; `dest_root` a path
+    /// there, absolute or relative to the home directory) instead of
+    /// `dmover serve` on them.
+    pub ssh: Option<Ssh>,
     /// `native` (dmover's engine) or a command template such as
     /// `rsync -a {src} {dst}`.
     #[serde(default = "native")]
@@ -45,6 +49,23 @@ pub struct JobFile {
 
 fn native() -> String {
     NATIVE.to_string()
+}
+
+/// How agents reach destination hosts over ssh, as `dmover cp` does with
+/// `--ssh` and `--remote-dmover`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Ssh {
+    /// The ssh command, with its options.
+    pub command: String,
+    /// The dmover to run on the hosts.
+    pub remote_dmover: String,
+}
+
+impl Default for Ssh {
+    fn default() -> Ssh {
+        Ssh { command: "ssh".into(), remote_dmover: "dmover".into() }
+    }
 }
 
 /// The agent kind that sends with dmover's own engine.
@@ -166,9 +187,12 @@ impl JobFile {
                 if self.dest_hosts.is_empty() {
                     return Err("dest_hosts is empty: name at least one destination server (host or host:port)".into());
                 }
-                if self.dest_root.is_empty() || self.dest_root.starts_with('/') {
+                if self.ssh.is_none() && (self.dest_root.is_empty() || self.dest_root.starts_with('/')) {
                     return Err(format!("dest_root = {:?}: give EXPORT/path as the destination servers export it", self.dest_root));
                 }
+            }
+            Some(_) if self.ssh.is_some() => {
+                return Err("[ssh] is for the native agent; a command agent reaches its hosts its own way".into());
             }
             Some(c) => {
                 if c.uses_host() && self.dest_hosts.is_empty() {
@@ -346,17 +370,17 @@ pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
     Ok(())
 }
 
-/// Checks that every destination host answers, accepts the token and
+/// Checks that every destination host answers, accepts its credential and
 /// would take files into `dest` (`EXPORT/path`): the export exists and the
 /// path stays inside it. It asks each host for a ticket to receive there,
-/// which checks exactly that, and lets the ticket expire unused.
-pub fn check_hosts(hosts: &[String], token: &[u8], dest: &str) -> Result<(), Error> {
-    let cred = Credential::token(token);
-    let checks: Vec<_> = hosts
+/// which checks exactly that, and lets the ticket expire unused. `hosts`
+/// name the hosts of `creds` in messages.
+pub fn check_hosts(hosts: &[String], creds: &[(String, Credential)], dest: &str) -> Result<(), Error> {
+    let checks: Vec<_> = creds
         .iter()
-        .map(|h| {
-            let (h, cred, dest) = (h.clone(), cred.clone(), dest.to_string());
-            std::thread::spawn(move || session::grant(&h, &cred, &dest).map(drop))
+        .map(|(addr, cred)| {
+            let (addr, cred, dest) = (addr.clone(), cred.clone(), dest.to_string());
+            std::thread::spawn(move || session::grant(&addr, &cred, &dest).map(drop))
         })
         .collect();
     for (h, c) in hosts.iter().zip(checks) {

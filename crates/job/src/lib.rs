@@ -36,6 +36,7 @@ pub mod state;
 
 pub use jobfile::JobFile;
 
+use dmover_engine::session::Credential;
 use dmover_proto::frame::TransferOptions;
 use std::path::PathBuf;
 
@@ -49,14 +50,17 @@ pub struct Plan {
     /// The source root, canonical.
     pub source_root: PathBuf,
     pub sources: Vec<String>,
-    /// `host:port` of each destination server (for a command agent: the
-    /// hosts as written).
+    /// Each destination host as the job file names it (`host:port` of a
+    /// server, or a host reached over ssh, or for a command agent the hosts
+    /// as written): how reports name it.
     pub hosts: Vec<String>,
     /// `EXPORT/path` on the destination servers (for a command agent: the
     /// root of `{dst}`).
     pub dest: String,
-    /// The destination servers' token (empty for a command agent).
-    pub token: Vec<u8>,
+    /// The address of each destination host's server, in the order of
+    /// `hosts`, with how to authenticate there (empty for a command agent,
+    /// and until the remote ends of hosts reached over ssh are started).
+    pub creds: Vec<(String, Credential)>,
     pub streams: u32,
     pub concurrency: u32,
     pub block_size: u64,

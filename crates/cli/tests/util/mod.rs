@@ -396,7 +396,7 @@ impl Sshd {
             format!(
                 "Port {port}\nListenAddress {ip}\nHostKey {}\nAuthorizedKeysFile {}\nPidFile {}\nPermitRootLogin prohibit-password\n\
                  StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nLogLevel ERROR\n\
-                 ClientAliveInterval 1\nClientAliveCountMax 3\n",
+                 ClientAliveInterval 1\nClientAliveCountMax 3\nMaxStartups 100\n",
                 host_key.display(),
                 dir.join("authorized_keys").display(),
                 dir.join("sshd.pid").display()
