@@ -58,7 +58,7 @@ pub const CHUNK_BLOCKS: u64 = 16;
 /// enough that a stream finds its next block waiting, few enough that the
 /// staging blocks in use are reused while still in the CPU's cache.
 const AHEAD_PER_STREAM: usize = 2;
-/// Entries the walker may list ahead of the announcer.
+/// Entries the walker may list ahead of the owner announcing them.
 const WALK_AHEAD: usize = 4096;
 /// How long the control connections are still read after a data
 /// connection was lost, for the receiver's reason.

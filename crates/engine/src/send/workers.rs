@@ -396,26 +396,30 @@ pub(super) fn read_control(sh: &Shared, host: usize, control: Box<dyn Transport>
             Ok(Incoming::Msg(ToSender::Echo { stamp, received, staged, server_received, transfers })) => {
                 let server = ServerLoad { delivered: server_received, transfers: transfers as usize };
                 sh.meters[host].echo(sh.started.elapsed(), stamp, received, staged, server);
-                continue;
+                None
             }
-            Ok(Incoming::Msg(ToSender::Ping {})) => continue,
+            Ok(Incoming::Msg(ToSender::Ping {})) => None,
             Ok(Incoming::Msg(msg)) => {
                 let last = matches!(msg, ToSender::Finished { .. } | ToSender::Error { .. });
                 batch.push(Event::Control { host, msg });
-                if !last && r.buffered() > 0 {
-                    continue;
-                }
-                if sh.events.send(Input::Batch(std::mem::take(&mut batch))).is_err() || last {
+                if last {
+                    let _ = sh.events.send(Input::Batch(batch));
                     return;
                 }
-                continue;
+                None
             }
-            Ok(Incoming::Data(_)) => Error::protocol(r.peer(), "data frame on the control connection"),
-            Err(e) => e,
+            Ok(Incoming::Data(_)) => Some(Error::protocol(r.peer(), "data frame on the control connection")),
+            Err(e) => Some(e),
         };
-        let _ = sh.events.send(Input::Batch(batch));
-        let _ = sh.events.send(Input::Broken(lost));
-        return;
+        if let Some(lost) = lost {
+            let _ = sh.events.send(Input::Batch(batch));
+            let _ = sh.events.send(Input::Broken(lost));
+            return;
+        }
+        // What this read brought goes together, before the next read waits.
+        if r.buffered() == 0 && !batch.is_empty() && sh.events.send(Input::Batch(std::mem::take(&mut batch))).is_err() {
+            return;
+        }
     }
 }
 
