@@ -18,7 +18,7 @@ use crate::transport::{Layers, Transport};
 use crate::tuning::{self, Meter};
 use crate::wire::FrameWriter;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use dmover_proto::frame::{HostShare, Stats, TransferOptions};
+use dmover_proto::frame::{FileError, HostShare, Stats, TransferOptions};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
@@ -165,7 +165,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
 struct Owner {
     sh: Arc<Shared>,
     session: Send,
-    /// Each host's control connection's writing half; its pinger shares it.
+    /// Each host's control connection's writing half, behind a lock
+    /// because the host's pinger writes on it too.
     ctl: Vec<Arc<Mutex<FrameWriter>>>,
     /// Hosts with messages queued and not yet written.
     queued: Vec<bool>,
@@ -214,7 +215,7 @@ impl Owner {
                     self.session_event(Event::Offer { meta: entry.meta, digest, pinned });
                 }
                 Next::Walked(Walked::Error(e)) => {
-                    let e = dmover_proto::frame::FileError { path: e.subject, kind: e.kind, message: e.message };
+                    let e = FileError { path: e.subject, kind: e.kind, message: e.message };
                     self.session_event(Event::WalkError(e));
                 }
                 Next::WalkEnd => {

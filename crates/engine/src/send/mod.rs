@@ -94,7 +94,7 @@ pub enum Settled<'a> {
 
 /// Hears of each file once it is settled: its attributes (the name is its
 /// destination name), the index of the host it went to, and the outcome.
-/// Called from the engine's threads; keep it short.
+/// Called from the sending end's owner thread; keep it short.
 pub type SettleHook = Arc<dyn Fn(&FileMeta, usize, Settled<'_>) + Send + Sync>;
 
 /// A file fed to a transfer, and the host it must go to (an index into

@@ -251,11 +251,6 @@ impl Send {
         self.over
     }
 
-    /// The totals so far.
-    pub fn summary(&self) -> &Summary {
-        &self.summary
-    }
-
     /// Hears what happened.
     pub fn handle(&mut self, e: Event) {
         if self.over {
