@@ -1,6 +1,6 @@
 //! Runs a stream tuner against a live transfer.
 //!
-//! Every [`TICK`] the tuning thread sends an `Echo` on each host's control
+//! Every [`TICK`] the tuning thread has an `Echo` sent on each host's control
 //! connection; the receiver answers at once with the bytes it has taken off
 //! the network and how full its write queues are. The answers give the round-trip
 //! time `R` (mean of the last ten) and the delivered bytes; the sender adds

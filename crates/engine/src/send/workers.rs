@@ -1,0 +1,543 @@
+//! The sending end's workers, on the per-block path: the walker, the
+//! readers, one thread per data connection and one per control
+//! connection's reading half. They do the I/O and report what they did to
+//! the owner thread as events; they decide nothing about the protocol
+//! beyond reading the blocks a [`Read`] names. The tuner reaches them
+//! through [`Tunable`].
+
+use super::{Connector, Files, AHEAD_PER_STREAM, POLL};
+use crate::error::{classify, Error};
+use crate::pool::{Block, Pool};
+use crate::progress::Progress;
+use crate::source::{self, Entry};
+use crate::storage::{digest_of, read_block, ReadFile, Store};
+use crate::transport::{Layers, Transport};
+use crate::tuning::{Meter, Tunable};
+use crate::wire::{FrameReader, FrameWriter, Incoming};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use dmover_proto::digest::{block_sum, Sum};
+use dmover_proto::frame::{DataHeader, FileMeta, TransferOptions};
+use dmover_proto::phase::{OnData, ToSender};
+use dmover_proto::session::send::{Event, Read};
+use dmover_proto::ErrorKind;
+use dmover_tune::ServerLoad;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What the owner thread hears.
+pub(super) enum Input {
+    /// An event for the session.
+    Session(Event),
+    /// Events for the session, in order (what one read of a control connection brought).
+    Batch(Vec<Event>),
+    /// A connection broke: the transfer ends.
+    Broken(Error),
+}
+
+/// What the walker hands the owner: a file, the host it is pinned to, and
+/// its digest (with `--checksum`); or a source it could not list.
+pub(super) enum Walked {
+    File { entry: Entry, pinned: Option<usize>, digest: Option<Sum> },
+    Error(Error),
+}
+
+/// A file being sent, as the readers see it.
+pub(super) struct Source {
+    pub id: u64,
+    /// Where to read it.
+    pub path: PathBuf,
+    /// The source's name in messages.
+    pub label: String,
+    pub meta: FileMeta,
+    /// Inode change time when listed (see [`Entry::ctime`]).
+    pub ctime: (i64, i64),
+    /// Settled or abandoned: readers skip what is left of it.
+    pub done: AtomicBool,
+}
+
+/// A chunk to read, for the readers.
+pub(super) struct Job {
+    pub source: Arc<Source>,
+    pub read: Read,
+}
+
+/// A block read and checksummed, waiting for a data stream.
+struct Outgoing {
+    header: DataHeader,
+    /// The block as read; it also holds the block's place in the staging
+    /// budget until it is sent.
+    data: Block,
+}
+
+/// The blocks queued for one host's data streams.
+pub(super) struct HostQueue {
+    tx: Sender<Outgoing>,
+    rx: Receiver<Outgoing>,
+    /// How to open more streams (None: the set is fixed).
+    pub connect: Option<Connector>,
+    /// Streams connected and running.
+    open: AtomicU64,
+    /// Readers wait on `room_freed` while the queue holds
+    /// [`AHEAD_PER_STREAM`] blocks per open stream; a stream signals it each
+    /// time it takes a block. The lock guards nothing but that wait.
+    room: Mutex<()>,
+    room_freed: Condvar,
+}
+
+impl HostQueue {
+    pub fn new(connect: Option<Connector>) -> HostQueue {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        HostQueue { tx, rx, connect, open: AtomicU64::new(0), room: Mutex::default(), room_freed: Condvar::new() }
+    }
+
+    /// Waits while the queue is full (or until `stopped`).
+    fn wait_for_room(&self, stopped: impl Fn() -> bool) {
+        let mut g = self.room.lock().expect("room lock");
+        loop {
+            let open = self.open.load(Ordering::SeqCst) as usize;
+            if open == 0 || self.tx.len() < AHEAD_PER_STREAM * open || stopped() {
+                return;
+            }
+            g = self.room_freed.wait_timeout(g, POLL).expect("room lock").0;
+        }
+    }
+
+    /// Wakes the readers waiting for room (a stream took a block).
+    fn took_one(&self) {
+        drop(self.room.lock().expect("room lock"));
+        self.room_freed.notify_all();
+    }
+}
+
+/// The threads that come and go while sending (data streams and readers)
+/// and every open data connection.
+#[derive(Default)]
+pub(super) struct Crew {
+    /// One lock, because the tuner resizes the crew while streams register
+    /// their connections and leave, and the owner closes them all on a
+    /// fatal error. Held only to change the lists, never across I/O.
+    state: Mutex<CrewState>,
+}
+
+#[derive(Default)]
+struct CrewState {
+    /// Per host: the streams wanted, newest last; each one's flag tells it to stop.
+    streams: HashMap<usize, Vec<Arc<AtomicBool>>>,
+    /// Readers wanted, newest last, likewise.
+    readers: Vec<Arc<AtomicBool>>,
+    /// Open data connections by stream id, with their host.
+    conns: HashMap<u64, (usize, Box<dyn Transport>)>,
+    next_stream: u64,
+    /// Every thread started, joined at the end.
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Crew {
+    /// Closes every data connection (their streams then end).
+    pub fn close_all(&self) {
+        self.state.lock().expect("crew lock").conns.values().for_each(|c| c.1.close());
+    }
+
+    /// Waits for every stream and reader thread (they end once the transfer stops).
+    pub fn join(&self) {
+        loop {
+            let threads = std::mem::take(&mut self.state.lock().expect("crew lock").threads);
+            if threads.is_empty() {
+                return;
+            }
+            for t in threads {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// Grows or shrinks a set of threads, given by their stop flags (newest
+/// last), to `n` (at least one): the newest are told to stop; `start` runs
+/// a new one with its flag.
+fn resize(flags: &mut Vec<Arc<AtomicBool>>, n: usize, mut start: impl FnMut(Arc<AtomicBool>)) {
+    while flags.len() > n.max(1) {
+        flags.pop().expect("a thread").store(true, Ordering::SeqCst);
+    }
+    while flags.len() < n {
+        let flag = Arc::new(AtomicBool::new(false));
+        flags.push(flag.clone());
+        start(flag);
+    }
+}
+
+/// What the owner shares with the workers.
+pub(super) struct Shared {
+    pub options: TransferOptions,
+    pub block_size: u64,
+    /// Blocks are made up (benchmarks), not read.
+    pub generate: bool,
+    /// Where the files are read from.
+    pub store: Store,
+    pub progress: Arc<Progress>,
+    pub pool: Arc<Pool>,
+    /// The owner's event channel; every worker sends, the owner waits.
+    pub events: Sender<Input>,
+    /// Chunks to read; the owner sends, the readers take.
+    pub jobs: Receiver<Job>,
+    pub hosts: Vec<HostQueue>,
+    pub crew: Crew,
+    /// The transfer is over (or failed): workers stop.
+    pub stop: AtomicBool,
+    /// Payload bytes written to data connections.
+    pub sent: AtomicU64,
+    /// Put on every data connection as its stream starts.
+    pub layers: Layers,
+    pub ping_every: Duration,
+    /// Control-channel measurements per host (the control readers fill them).
+    pub meters: Vec<Meter>,
+    pub started: Instant,
+}
+
+impl Shared {
+    pub fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    fn report(&self, e: Event) {
+        // After the owner stops, what workers report is not needed.
+        let _ = self.events.send(Input::Session(e));
+    }
+
+    /// Reports a broken connection, unless the transfer is stopping anyway.
+    fn broken(&self, e: Error) {
+        if !self.stopped() {
+            let _ = self.events.send(Input::Broken(e));
+        }
+    }
+
+    /// Runs a data stream to `host` in its own thread, on `conn` or on a new connection.
+    fn start_stream(self: &Arc<Self>, st: &mut CrewState, host: usize, conn: Option<Box<dyn Transport>>, retire: Arc<AtomicBool>) {
+        let sh = self.clone();
+        let t = std::thread::spawn(move || {
+            let conn = match conn {
+                Some(c) => c,
+                None => match sh.hosts[host].connect.as_ref().map(|c| c()) {
+                    Some(Ok(c)) => c,
+                    failed => {
+                        if let Some(Err(e)) = failed {
+                            log::warn!("could not open another stream: {e}");
+                        }
+                        let mut st = sh.crew.state.lock().expect("crew lock");
+                        st.streams.entry(host).or_default().retain(|f| !Arc::ptr_eq(f, &retire));
+                        return;
+                    }
+                },
+            };
+            let conn = sh.layers.wrap(conn);
+            let id = {
+                let mut st = sh.crew.state.lock().expect("crew lock");
+                let id = st.next_stream;
+                st.next_stream += 1;
+                match conn.split() {
+                    Ok(c) => st.conns.insert(id, (host, c)),
+                    Err(e) => {
+                        drop(st);
+                        return sh.broken(Error::network(conn.peer(), &e));
+                    }
+                };
+                id
+            };
+            let q = &sh.hosts[host];
+            if sh.stopped() && q.rx.is_empty() {
+                conn.close();
+            } else {
+                q.open.fetch_add(1, Ordering::SeqCst);
+                data_stream(&sh, host, conn, &retire);
+                q.open.fetch_sub(1, Ordering::SeqCst);
+            }
+            sh.crew.state.lock().expect("crew lock").conns.remove(&id);
+        });
+        st.threads.push(t);
+    }
+
+    /// Starts the data streams given at the start, on their connections.
+    pub fn start_streams(self: &Arc<Self>, host: usize, conns: Vec<Box<dyn Transport>>) {
+        let mut st = self.crew.state.lock().expect("crew lock");
+        for c in conns {
+            let flag = Arc::new(AtomicBool::new(false));
+            st.streams.entry(host).or_default().push(flag.clone());
+            self.start_stream(&mut st, host, Some(c), flag);
+        }
+    }
+
+    /// Starts or stops reader threads until `n` are wanted.
+    pub fn set_readers(self: &Arc<Self>, n: usize) {
+        let mut st = self.crew.state.lock().expect("crew lock");
+        let CrewState { readers, threads, .. } = &mut *st;
+        resize(readers, n, |flag| {
+            let sh = self.clone();
+            threads.push(std::thread::spawn(move || reader(&sh, &flag)));
+        });
+    }
+}
+
+impl Tunable for Arc<Shared> {
+    fn hosts(&self) -> usize {
+        self.hosts.len()
+    }
+
+    fn can_add_streams(&self, host: usize) -> bool {
+        self.hosts[host].connect.is_some()
+    }
+
+    fn open_streams(&self, host: usize) -> usize {
+        self.hosts[host].open.load(Ordering::SeqCst) as usize
+    }
+
+    /// Opens or drops streams to `host` until `n` are wanted.
+    fn set_streams(&self, host: usize, n: usize) {
+        if self.hosts[host].connect.is_none() {
+            return;
+        }
+        let mut st = self.crew.state.lock().expect("crew lock");
+        let mut flags = st.streams.remove(&host).unwrap_or_default();
+        resize(&mut flags, n, |flag| self.start_stream(&mut st, host, None, flag));
+        st.streams.insert(host, flags);
+    }
+
+    /// Reader threads running or wanted.
+    fn readers(&self) -> usize {
+        self.crew.state.lock().expect("crew lock").readers.len()
+    }
+
+    fn set_readers(&self, n: usize) {
+        Shared::set_readers(self, n)
+    }
+
+    fn stopped(&self) -> bool {
+        Shared::stopped(self)
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Asks the owner to send an `Echo` probe to `host` (its session knows
+    /// whether anything may still be sent there).
+    fn probe(&self, host: usize, stamp: u64) {
+        self.report(Event::Probe { host, stamp });
+    }
+
+    /// Whether no block waits for `host`'s streams.
+    fn starved(&self, host: usize) -> bool {
+        self.hosts[host].rx.is_empty()
+    }
+
+    /// What one data connection to `host` can have in flight (W).
+    fn window(&self, host: usize) -> u64 {
+        let w = self.crew.state.lock().expect("crew lock").conns.values().find(|c| c.0 == host).map_or(0, |c| c.1.send_window());
+        match self.options.tcp_buffer {
+            0 => w,
+            b if w == 0 => b as u64,
+            b => w.min(b as u64),
+        }
+    }
+
+    fn meter(&self, host: usize) -> &Meter {
+        &self.meters[host]
+    }
+}
+
+/// Lists the files to send into `tx` (in its own thread), each with its
+/// digest when `--checksum` asks for one. Ends when the sources are listed
+/// (or the feed is closed), or when the owner stops taking files.
+pub(super) fn walk(files: Files, store: Store, with_digest: bool, block_size: u64, tx: &Sender<Walked>) {
+    let digest = |e: &Entry| if with_digest { digest_of(store.as_ref(), &e.path, block_size).ok() } else { None };
+    let file = |entry: Entry, pinned| {
+        let digest = digest(&entry);
+        tx.send(Walked::File { entry, pinned, digest }).is_ok()
+    };
+    match files {
+        Files::Walk { store, specs } => source::walk(store.as_ref(), &specs, &mut |ev| match ev {
+            source::Event::File(e) => file(e, None),
+            source::Event::Error(e) => {
+                log::info!("{e}");
+                tx.send(Walked::Error(e)).is_ok()
+            }
+            source::Event::SkippedLink(p) => {
+                log::warn!("{p}: symbolic link skipped");
+                true
+            }
+        }),
+        Files::Feed { entries, .. } => {
+            for f in entries {
+                if !file(f.entry, f.host) {
+                    return;
+                }
+            }
+        }
+        Files::Generate { name, size } => {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644 };
+            let _ = tx.send(Walked::File { entry: Entry { path: PathBuf::new(), meta, ctime: (0, 0) }, pinned: None, digest: None });
+        }
+    }
+}
+
+/// Reads `host`'s control connection for the owner, up to the receiver's
+/// last word (`Finished`, or an error). Echo answers go straight to the
+/// host's meter, stamped with their time of arrival; what one read brought
+/// goes to the owner together.
+pub(super) fn read_control(sh: &Shared, host: usize, control: Box<dyn Transport>) {
+    let mut r = FrameReader::new(control);
+    let mut batch = Vec::new();
+    loop {
+        let lost = match r.read::<ToSender>() {
+            Ok(Incoming::Msg(ToSender::Echo { stamp, received, staged, server_received, transfers })) => {
+                let server = ServerLoad { delivered: server_received, transfers: transfers as usize };
+                sh.meters[host].echo(sh.started.elapsed(), stamp, received, staged, server);
+                None
+            }
+            Ok(Incoming::Msg(ToSender::Ping {})) => None,
+            Ok(Incoming::Msg(msg)) => {
+                let last = matches!(msg, ToSender::Finished { .. } | ToSender::Error { .. });
+                batch.push(Event::Control { host, msg });
+                if last {
+                    let _ = sh.events.send(Input::Batch(batch));
+                    return;
+                }
+                None
+            }
+            Ok(Incoming::Data(_)) => Some(Error::protocol(r.peer(), "data frame on the control connection")),
+            Err(e) => Some(e),
+        };
+        if let Some(lost) = lost {
+            let _ = sh.events.send(Input::Batch(batch));
+            let _ = sh.events.send(Input::Broken(lost));
+            return;
+        }
+        // What this read brought goes together, before the next read waits.
+        if r.buffered() == 0 && !batch.is_empty() && sh.events.send(Input::Batch(std::mem::take(&mut batch))).is_err() {
+            return;
+        }
+    }
+}
+
+fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
+    while !retire.load(Ordering::SeqCst) {
+        let job = match sh.jobs.recv_timeout(POLL) {
+            Ok(j) => j,
+            Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
+            Err(_) => return,
+        };
+        if sh.stopped() {
+            return;
+        }
+        let s = &job.source;
+        if s.done.load(Ordering::SeqCst) {
+            continue;
+        }
+        match read_chunk(sh, &job) {
+            Ok(Some(sums)) => sh.report(Event::Read { id: s.id, first: job.read.first, sums }),
+            Ok(None) => {}
+            Err((kind, message)) => {
+                // The rest of the file is not worth reading.
+                s.done.store(true, Ordering::SeqCst);
+                sh.report(Event::ReadFailed { id: s.id, kind, subject: s.label.clone(), message });
+            }
+        }
+    }
+}
+
+/// Reads (and queues) the blocks of one chunk; returns their checksums,
+/// unless it was a resend or the transfer stopped. Errors concern the
+/// file, not the transfer.
+fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<Vec<Sum>>, (ErrorKind, String)> {
+    let (s, r) = (&job.source, &job.read);
+    let file = if sh.generate {
+        None
+    } else {
+        let file: Arc<dyn ReadFile> = sh.store.open(&s.path).map_err(|e| (classify(&e), e.to_string()))?.into();
+        unchanged(file.as_ref(), s)?;
+        Some(file)
+    };
+    let q = &sh.hosts[r.host];
+    let mut sums = Vec::with_capacity((r.end - r.first) as usize);
+    for b in r.first..r.end {
+        let off = b * sh.block_size;
+        let len = (s.meta.size - off).min(sh.block_size) as usize;
+        q.wait_for_room(|| sh.stopped());
+        let Some(mut data) = sh.pool.take(len) else { return Ok(None) };
+        let sum = match &file {
+            Some(file) => {
+                let (n, sum) = read_block(file.as_ref(), &mut data, off).map_err(|e| (classify(&e), e.to_string()))?;
+                if n < len {
+                    return Err((ErrorKind::SourceChanged, "the file shrank while it was read".into()));
+                }
+                sum
+            }
+            None => block_sum(&data),
+        };
+        sums.push(sum);
+        if r.sends(b) {
+            let header = DataHeader { file: s.id, offset: off, sum, len: len as u32 };
+            if q.tx.send(Outgoing { header, data }).is_err() {
+                return Ok(None);
+            }
+        }
+    }
+    if let Some(file) = &file {
+        unchanged(file.as_ref(), s)?;
+    }
+    Ok((!r.resend).then_some(sums))
+}
+
+/// Fails if the open file no longer has the size, mtime and change time
+/// it was listed with. The change time catches a writer that puts the
+/// mtime back afterwards (as `cp -p` or `rsync` into the source would).
+fn unchanged(file: &dyn ReadFile, s: &Source) -> std::result::Result<(), (ErrorKind, String)> {
+    let m = file.stat().map_err(|e| (classify(&e), e.to_string()))?;
+    let meta = &s.meta;
+    if m.size != meta.size || m.mtime != (meta.mtime_s, meta.mtime_ns) || m.ctime != s.ctime {
+        return Err((ErrorKind::SourceChanged, "the file changed while it was being copied".into()));
+    }
+    Ok(())
+}
+
+fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: &AtomicBool) {
+    let q = &sh.hosts[host];
+    let mut w = FrameWriter::new(conn);
+    let mut last = Instant::now();
+    loop {
+        if retire.load(Ordering::SeqCst) {
+            // Dropped by the tuner: nothing more comes on this connection.
+            if w.send(OnData::StreamEnd {}).is_ok() {
+                w.close_write();
+            }
+            return;
+        }
+        match q.rx.recv_timeout(POLL) {
+            Ok(mut o) => {
+                q.took_one();
+                crate::fault::corrupt_in_flight(&mut o.data);
+                if let Err(e) = w.send_block(&o.header, &o.data) {
+                    return sh.broken(e);
+                }
+                last = Instant::now();
+                let n = o.header.len as u64;
+                sh.sent.fetch_add(n, Ordering::Relaxed);
+                Progress::add(&sh.progress.sent_bytes, n);
+            }
+            Err(RecvTimeoutError::Timeout) if sh.stopped() => return,
+            Err(RecvTimeoutError::Timeout) => {
+                if last.elapsed() >= sh.ping_every {
+                    if w.send(OnData::Ping {}).is_err() {
+                        return;
+                    }
+                    last = Instant::now();
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
