@@ -963,6 +963,13 @@ fn read_job(sh: &Arc<Shared>, job: &Job) -> std::result::Result<(), (ErrorKind, 
         }
         file_digest(&st.sums)
     };
+    // A storage that keeps a digest with the file (an object store) has it
+    // checked end to end: what was read must be what was stored.
+    if let Some(kept) = file.as_ref().and_then(|f| f.digest()).filter(|d| d.block_size == sh.block_size) {
+        if kept.sum != digest {
+            return Err((ErrorKind::Verify, "what was read differs from the digest stored with the file".into()));
+        }
+    }
     sh.tell(f.host, ToReceiver::FileEnd { id: f.id, digest });
     Ok(())
 }
@@ -996,7 +1003,11 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
                 sh.streams[host].took_one();
                 crate::fault::corrupt_in_flight(&mut o.data);
                 if let Err(e) = w.send_block(&o.header, &o.data) {
-                    if !sh.stopped() {
+                    // Once `Finish` is going out every file is settled: a
+                    // block still queued is of a file that failed at the
+                    // source, and the receiver, done, may have closed the
+                    // connection already.
+                    if !sh.stopped() && !sh.finishing.load(Ordering::SeqCst) {
                         sh.fail(e);
                     }
                     return;
