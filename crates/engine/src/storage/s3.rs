@@ -22,7 +22,7 @@
 //! own; the engine's threads wait on it.
 
 use super::{Attrs, Digest, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
-use crate::error::{Error, Refused, Result};
+use crate::error::{Damaged, Error, Refused, Result};
 use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
 use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
@@ -45,6 +45,9 @@ const PART: u64 = 16 << 20;
 const MAX_PARTS: u64 = 10_000;
 /// Parts being sent at once, per storage (each holds a part in memory).
 const PARTS_IN_FLIGHT: usize = 8;
+/// Bytes one GET fetches at least: the pieces a block is read in, and the
+/// next blocks of a file read in order, come from one request.
+const READ_AHEAD: u64 = 4 << 20;
 /// HEAD requests at once while listing.
 const HEADS_IN_FLIGHT: usize = 32;
 /// The largest object one CopyObject copies; larger ones are copied in parts.
@@ -329,6 +332,38 @@ struct S3Read {
     stat: Stat,
     etag: Option<String>,
     digest: Option<Digest>,
+    /// The bytes the last GET fetched, and the offset of the first.
+    window: Mutex<(u64, Vec<u8>)>,
+}
+
+impl S3Read {
+    /// Fetches `off..end`.
+    fn get(&self, off: u64, end: u64) -> io::Result<Vec<u8>> {
+        let i = &self.inner;
+        let get = i.client.get_object().bucket(&i.bucket).key(&self.key).range(format!("bytes={off}-{}", end - 1));
+        let data = i.rt.block_on(async {
+            let r = get.set_if_match(self.etag.clone()).send().await.map_err(|e| match status(&e) {
+                Some(412) => io::Error::other(format!("{}: the object was replaced while it was read", self.key)),
+                _ => io_error(&self.key, e),
+            })?;
+            let body = r.body.collect().await;
+            body.map(|b| b.to_vec()).map_err(|e| {
+                if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
+                    let msg = format!(
+                        "{}: what was read differs from the checksum the server keeps for the object ({})",
+                        self.key,
+                        DisplayErrorContext(&e)
+                    );
+                    return io::Error::other(Damaged(msg));
+                }
+                io::Error::new(io::ErrorKind::ConnectionReset, format!("{}: {}", self.key, DisplayErrorContext(&e)))
+            })
+        })?;
+        if data.len() as u64 != end - off {
+            return Err(io::Error::other(format!("{}: asked for {} bytes, got {}", self.key, end - off, data.len())));
+        }
+        Ok(data)
+    }
 }
 
 impl ReadFile for S3Read {
@@ -336,28 +371,14 @@ impl ReadFile for S3Read {
         if off >= self.stat.size || buf.is_empty() {
             return Ok(0);
         }
-        let end = (off + buf.len() as u64).min(self.stat.size);
-        let i = &self.inner;
-        let get = i
-            .client
-            .get_object()
-            .bucket(&i.bucket)
-            .key(&self.key)
-            .range(format!("bytes={off}-{}", end - 1))
-            .set_if_match(self.etag.clone());
-        let data = i.rt.block_on(async {
-            let r = get.send().await.map_err(|e| match status(&e) {
-                Some(412) => io::Error::other(format!("{}: the object was replaced while it was read", self.key)),
-                _ => io_error(&self.key, e),
-            })?;
-            r.body
-                .collect()
-                .await
-                .map(|b| b.into_bytes())
-                .map_err(|e| io::Error::new(io::ErrorKind::ConnectionReset, format!("{}: {e}", self.key)))
-        })?;
-        let n = data.len().min(buf.len());
-        buf[..n].copy_from_slice(&data[..n]);
+        let mut w = self.window.lock().expect("read window lock");
+        if !(w.0..w.0 + w.1.len() as u64).contains(&off) {
+            let end = (off + READ_AHEAD.max(buf.len() as u64)).min(self.stat.size);
+            *w = (off, self.get(off, end)?);
+        }
+        let start = (off - w.0) as usize;
+        let n = buf.len().min(w.1.len() - start);
+        buf[..n].copy_from_slice(&w.1[start..start + n]);
         Ok(n)
     }
 
@@ -489,11 +510,14 @@ impl S3Write {
                     let c = i.client.complete_multipart_upload().bucket(&i.bucket).key(&self.key).upload_id(id).multipart_upload(all);
                     c.send().await.map_err(|e| io_error(&self.key, e))?;
                     // Onto its own key, the copy only sets the metadata.
-                    i.copy(&self.key, to, size, meta).await?;
-                    if to != self.key {
-                        i.client.delete_object().bucket(&i.bucket).key(&self.key).send().await.map_err(|e| io_error(&self.key, e))?;
+                    let copied = i.copy(&self.key, to, size, meta).await;
+                    if to == self.key && copied.is_ok() {
+                        return Ok(());
                     }
-                    Ok(())
+                    // The object under its first key goes, and so does one
+                    // left without its metadata when the copy failed.
+                    let deleted = i.client.delete_object().bucket(&i.bucket).key(&self.key).send().await;
+                    copied.and(deleted.map(drop).map_err(|e| io_error(&self.key, e)))
                 })
             })
         };
@@ -668,7 +692,7 @@ impl Storage for S3 {
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
         let k = key(path)?;
         let (stat, etag, digest) = self.inner.head(&k)?;
-        Ok(Box::new(S3Read { inner: self.inner.clone(), key: k, stat, etag, digest }))
+        Ok(Box::new(S3Read { inner: self.inner.clone(), key: k, stat, etag, digest, window: Mutex::new((0, Vec::new())) }))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
