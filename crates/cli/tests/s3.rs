@@ -199,6 +199,20 @@ fn wrong_credentials_say_so() {
 }
 
 #[test]
+fn no_credentials_or_no_server_say_so() {
+    let t = Setup::new();
+    t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    make_tree(&src, 28, 1);
+    let mut c = t.cp([src.to_str().unwrap(), "s3://data/"]);
+    c.env_remove("AWS_ACCESS_KEY_ID").env_remove("AWS_SECRET_ACCESS_KEY");
+    c.run().assert_fails(ErrorKind::Usage as i32, &["s3://data", "no S3 credentials found", "AWS_ACCESS_KEY_ID", "AWS_PROFILE"]);
+    let endpoint = format!("http://127.0.0.1:{}", closed_port());
+    let r = t.cp([src.to_str().unwrap(), "s3://data/", "--s3-endpoint", &endpoint]).run();
+    r.assert_fails(ErrorKind::Unreachable as i32, &["s3://data", "cannot reach the S3 server", &endpoint, "--s3-endpoint"]);
+}
+
+#[test]
 fn a_missing_bucket_says_what_to_do() {
     let t = Setup::new();
     let src = t.env.mkdir("src");

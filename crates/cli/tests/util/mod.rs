@@ -598,9 +598,8 @@ pub struct Cmd {
     bin: &'static str,
     prefix: Vec<OsString>,
     args: Vec<OsString>,
-    envs: Vec<(OsString, OsString)>,
-    /// Variables removed from the environment it inherits.
-    unset: Vec<OsString>,
+    /// Variables set (or, None, removed), in order: a later one wins.
+    envs: Vec<(OsString, Option<OsString>)>,
     cwd: Option<PathBuf>,
     timeout: Duration,
     stdout_closed: bool,
@@ -613,7 +612,6 @@ pub fn dmover<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Cmd {
         prefix: Vec::new(),
         args: args.into_iter().map(|a| a.as_ref().to_os_string()).collect(),
         envs: Vec::new(),
-        unset: Vec::new(),
         cwd: None,
         timeout: CMD_TIMEOUT,
         stdout_closed: false,
@@ -686,12 +684,12 @@ impl Cmd {
     }
 
     pub fn env(&mut self, k: impl AsRef<OsStr>, v: impl AsRef<OsStr>) -> &mut Cmd {
-        self.envs.push((k.as_ref().into(), v.as_ref().into()));
+        self.envs.push((k.as_ref().into(), Some(v.as_ref().into())));
         self
     }
 
     pub fn env_remove(&mut self, k: impl AsRef<OsStr>) -> &mut Cmd {
-        self.unset.push(k.as_ref().into());
+        self.envs.push((k.as_ref().into(), None));
         self
     }
 
@@ -760,11 +758,11 @@ impl Cmd {
         };
         c.args(&self.args);
         c.env_remove("DMOVER_TOKEN").env_remove("DMOVER_LOG");
-        for k in &self.unset {
-            c.env_remove(k);
-        }
         for (k, v) in &self.envs {
-            c.env(k, v);
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
         }
         if let Some(d) = &self.cwd {
             c.current_dir(d);

@@ -27,7 +27,7 @@ use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
 use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
-use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart, MetadataDirective};
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_sdk_s3::Client;
 use dmover_proto::ErrorKind;
 use std::collections::{BTreeMap, HashMap};
@@ -50,11 +50,13 @@ const PARTS_IN_FLIGHT: usize = 8;
 const READ_AHEAD: u64 = 4 << 20;
 /// HEAD requests at once while listing.
 const HEADS_IN_FLIGHT: usize = 32;
-/// The largest object one CopyObject copies; larger ones are copied in parts.
-const MAX_COPY: u64 = 5 << 30;
-/// Part size of a copy in parts.
+/// Part size of a copy made by the server (at most 5 GiB).
 const COPY_PART: u64 = 1 << 30;
 
+/// How long connecting to the server may take.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long the server may take to answer a request.
+const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 /// Object metadata (`x-amz-meta-*`).
 const META_DIGEST: &str = "dmover-digest";
 const META_MTIME: &str = "dmover-mtime";
@@ -108,7 +110,12 @@ impl S3 {
         let region = RegionProviderChain::first_try(aws_config::environment::EnvironmentVariableRegionProvider::new())
             .or_else(aws_config::profile::ProfileFileRegionProvider::new())
             .or_else(aws_config::Region::new("us-east-1"));
-        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).credentials_provider(credentials).region(region);
+        // A server that stops answering is given up on, as a dmover peer is.
+        let timeouts = aws_config::timeout::TimeoutConfig::builder().connect_timeout(CONNECT_TIMEOUT).read_timeout(READ_TIMEOUT).build();
+        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .credentials_provider(credentials)
+            .region(region)
+            .timeout_config(timeouts);
         if let Some(e) = &o.endpoint {
             loader = loader.endpoint_url(e);
         }
@@ -276,15 +283,11 @@ impl Inner {
         m
     }
 
-    /// Copies `from` (of `size` bytes) to `to` with `meta` in place of its metadata.
+    /// Copies `from` (of `size` bytes) to `to` with `meta` in place of its
+    /// metadata, by the server, in parts (so of any size).
     async fn copy(&self, from: &str, to: &str, size: u64, meta: HashMap<String, String>) -> io::Result<()> {
         let c = &self.client;
         let source = copy_source(&self.bucket, from);
-        if size <= MAX_COPY {
-            let r = c.copy_object().bucket(&self.bucket).key(to).copy_source(source).metadata_directive(MetadataDirective::Replace);
-            r.set_metadata(Some(meta)).send().await.map_err(|e| io_error(to, e))?;
-            return Ok(());
-        }
         let up =
             c.create_multipart_upload().bucket(&self.bucket).key(to).set_metadata(Some(meta)).send().await.map_err(|e| io_error(to, e))?;
         let id = up.upload_id().unwrap_or_default().to_string();
