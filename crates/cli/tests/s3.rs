@@ -221,4 +221,7 @@ fn a_missing_bucket_says_what_to_do() {
     r.assert_fails(ErrorKind::NotFound as i32, &["s3://nobucket", "no such bucket", "create it first"]);
     let r = t.cp(["s3://nobucket/x", t.env.mkdir("dst").to_str().unwrap()]).run();
     r.assert_fails(ErrorKind::NotFound as i32, &["s3://nobucket", "no such bucket"]);
+    // A name S3 does not take (too short).
+    let r = t.cp([src.to_str().unwrap(), "s3://ab/x"]).run();
+    r.assert_fails(ErrorKind::Usage as i32, &["s3://ab", "HTTP 400", "bucket's name"]);
 }

@@ -25,7 +25,7 @@ use super::{Attrs, Digest, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
 use crate::error::{Damaged, Error, Refused, Result};
 use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
-use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
+use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_sdk_s3::Client;
@@ -150,6 +150,10 @@ impl S3 {
                     "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the profile AWS_PROFILE names in ~/.aws/credentials), and that they may use this bucket",
                 )
             }
+            Some(400) => Error::new(ErrorKind::Usage, &label, format!("the S3 server{at} refused a request for this bucket (HTTP 400)"))
+                .advised(
+                    "check the bucket's name (S3 names are 3 to 63 lowercase letters, digits, '.' and '-') and the region (AWS_REGION)",
+                ),
             _ => {
                 let e = io_error("reaching the bucket", e);
                 Error::new(crate::error::classify(&e), &label, format!("cannot reach the S3 server{at}: {e}"))
@@ -165,8 +169,12 @@ fn status<E>(e: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> Option<
 }
 
 /// An I/O error for a failed request: NotFound for 404, PermissionDenied
-/// for 403, a lost connection as such.
-fn io_error<E: std::error::Error + Send + Sync + 'static>(what: &str, e: SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> io::Error {
+/// for 403, a lost connection as such; the server's status, error code and
+/// message if it answered.
+fn io_error<E>(what: &str, e: SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> io::Error
+where
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+{
     let kind = match (status(&e), &e) {
         (Some(404), _) => io::ErrorKind::NotFound,
         (Some(401 | 403), _) => io::ErrorKind::PermissionDenied,
@@ -174,7 +182,15 @@ fn io_error<E: std::error::Error + Send + Sync + 'static>(what: &str, e: SdkErro
         (_, SdkError::TimeoutError(_)) => io::ErrorKind::TimedOut,
         _ => io::ErrorKind::Other,
     };
-    io::Error::new(kind, format!("{what}: {}", DisplayErrorContext(&e)))
+    let msg = match status(&e) {
+        Some(s) => {
+            let code = e.code().map(|c| format!(" {c}")).unwrap_or_default();
+            let message = e.message().map(|m| format!(": {m}")).unwrap_or_default();
+            format!("the S3 server answered HTTP {s}{code}{message}")
+        }
+        None => DisplayErrorContext(&e).to_string(),
+    };
+    io::Error::new(kind, format!("{what}: {msg}"))
 }
 
 fn unsupported(what: &str) -> io::Error {
