@@ -1,5 +1,6 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
-//! loopback): a tree up and back down identical, from bucket to bucket,
+//! loopback): a tree up and back down identical, an upload killed midway,
+//! from bucket to bucket,
 //! globs, --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
@@ -55,6 +56,23 @@ fn a_tree_goes_up_and_comes_back_identical() {
     let dst = t.env.mkdir("dst");
     t.cp(["s3://data/run1/src", dst.to_str().unwrap()]).run().assert_ok();
     assert_same_tree(&src, &dst.join("src"));
+}
+
+#[test]
+fn an_upload_killed_midway_leaves_nothing_visible_and_a_rerun_completes() {
+    let t = Setup::new();
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    let mut rng = Rng::new(11);
+    make_file(&src.join("large.bin"), 40 << 20, &mut rng);
+    let p = t.cp([src.to_str().unwrap(), "s3://data/", "--bwlimit", "8M"]).spawn();
+    // Some parts are sent, the upload is not complete.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    p.kill9();
+    assert!(list_files(&bucket).is_empty(), "visible after the copy was killed: {:?}", list_files(&bucket));
+    t.cp([src.to_str().unwrap(), "s3://data/"]).run().assert_ok();
+    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["src/large.bin"]);
+    assert_eq!(fs::read(bucket.join("src/large.bin")).unwrap(), fs::read(src.join("large.bin")).unwrap());
 }
 
 #[test]
