@@ -759,3 +759,35 @@ impl Storage for S3 {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn written_ranges_merge_and_cover() {
+        let mut up = Upload::default();
+        up.mark(10, 20);
+        up.mark(30, 40);
+        assert!(up.covered(10, 20) && !up.covered(10, 21) && !up.covered(0, 5));
+        up.mark(20, 30); // adjacent on both sides: one range
+        assert_eq!(up.written.iter().collect::<Vec<_>>(), [(&10, &40)]);
+        up.mark(5, 12); // overlapping the start
+        up.mark(35, 50); // overlapping the end
+        assert_eq!(up.written.iter().collect::<Vec<_>>(), [(&5, &50)]);
+        assert!(up.covered(5, 50) && up.covered(7, 7));
+        up.mark(60, 70);
+        assert!(!up.covered(40, 65), "a hole between ranges");
+    }
+
+    #[test]
+    fn metadata_round_trips() {
+        let sum = [7u8; 16];
+        let d = Digest { block_size: 1 << 20, sum };
+        let m = Inner::metadata(&Attrs { mode: 0o640, mtime: Some((1_700_000_000, 5)), digest: Some(d) });
+        let st = object_stat(9, None, Some(&m));
+        assert_eq!((st.mode, st.mtime, st.size), (0o640, (1_700_000_000, 5), 9));
+        assert_eq!(parse_digest(&m[META_DIGEST]), Some(d));
+        assert_eq!(copy_source("b", "a dir/é+x"), "b/a%20dir/%C3%A9%2Bx");
+    }
+}
