@@ -1,7 +1,6 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
 //! loopback): a tree up and back down identical, an upload killed midway,
-//! from bucket to bucket,
-//! globs, --sync, the digest kept with each object and checked on the way
+//! from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
 
@@ -123,6 +122,15 @@ fn a_glob_picks_objects() {
         .filter(|n| n.ends_with(".dat"))
         .collect();
     assert_eq!(u(&j["files"]), want.len() as u64, "{j:#}");
+    // ls names what the copy sent.
+    let r = dmover(["ls", "--json", "s3://data/a/*.dat"]).s3(&t.s3, &t.env.path("home")).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let listed: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    let mut names: Vec<String> = listed.as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap().to_string()).collect();
+    let mut want = want;
+    names.sort();
+    want.sort();
+    assert_eq!(names, want);
     for n in want {
         assert_eq!(fs::read(dst.join(&n)).unwrap(), fs::read(src.join("a").join(&n)).unwrap(), "{n}");
     }
