@@ -148,6 +148,9 @@ fn sync_skips_what_is_there_both_ways() {
     // Unchanged: nothing goes up again.
     let j = t.cp([src.to_str().unwrap(), "s3://data/", "--sync"]).run().assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "--sync should skip every unchanged file: {j:#}");
+    // By content too.
+    let j = t.cp([src.to_str().unwrap(), "s3://data/", "--sync", "--checksum"]).run().assert_ok();
+    assert_eq!(u(&j["skipped_files"]), files, "--sync -c should skip every unchanged file: {j:#}");
     // One file changed: only it goes.
     fs::write(src.join("one.bin"), b"changed").unwrap();
     let j = t.cp([src.to_str().unwrap(), "s3://data/", "--sync"]).run().assert_ok();
