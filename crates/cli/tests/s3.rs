@@ -41,6 +41,8 @@ fn a_tree_goes_up_and_comes_back_identical() {
     // Several parts of a multipart upload, the last one short.
     let mut rng = Rng::new(5);
     make_file(&src.join("big/large.bin"), 40 * (1 << 20) + 4321, &mut rng);
+    // Exactly two parts: no short last part.
+    make_file(&src.join("big/parts.bin"), 32 << 20, &mut rng);
     let j = t.cp([src.to_str().unwrap(), "s3://data/run1/"]).run().assert_ok();
     assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
     // The objects are the files, byte for byte, under the prefix, and no

@@ -515,8 +515,10 @@ impl S3Write {
             let put = i.client.put_object().bucket(&i.bucket).key(to).body(ByteStream::from(data)).set_metadata(Some(meta));
             i.rt.block_on(put.send()).map(|_| ()).map_err(|e| io_error(to, e))
         } else {
+            // The rest is the last part (none when the parts sent hold it all).
             let len = up.buf.len() as u64;
-            self.send_part(&mut up, len).and_then(|()| {
+            let last = if len > 0 { self.send_part(&mut up, len) } else { Ok(()) };
+            last.and_then(|()| {
                 let id = up.id.clone().unwrap_or_default();
                 let parts = std::mem::take(&mut up.parts);
                 let size = up.size;
