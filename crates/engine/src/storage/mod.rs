@@ -7,12 +7,14 @@
 //! through it, its receiver, journal and state directory write through it,
 //! and the stream sink keeps its steps in one.
 //!
-//! [`posix`] is the file-system implementation; [`s3`] (with the `s3`
-//! feature) keeps files as the objects of an S3 bucket. An export is *confined*:
+//! [`posix`] is the file-system implementation. An export is *confined*:
 //! every path is resolved beneath the export's directory handle and no
 //! symlink is followed on the way, by the kernel at the moment of use, so
 //! a directory swapped for a symlink cannot lead out. The client's own file
 //! system is *local*: paths are used as the user gave them.
+//!
+//! [`s3`] (with the `s3` feature) keeps files as the objects of an S3
+//! bucket: a file exists once committed, and directories are key prefixes.
 //!
 //! What a storage does not do: decide what to send or ask for, verify
 //! digests, or keep resume state of its own; those belong to the engine.
