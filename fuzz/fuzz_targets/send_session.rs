@@ -74,7 +74,7 @@ impl Driver {
                     return Ok(None);
                 } else {
                     let sums = (r.first..r.end).map(|_| sum(u)).collect::<Result<Vec<_>>>()?;
-                    Event::Read { id: r.id, first: r.first, sums }
+                    Event::Read { id: r.id, first: r.first, sums, kept: None }
                 }
             }
             5 => Event::Probe { host: u.int_in_range(0..=3)?, stamp: u.arbitrary()? },

@@ -2,7 +2,7 @@
 //! direction — local to local, upload, download, or third party — with
 //! automatic retries, a live progress display and a final report.
 
-use crate::location::{self, Hosts, Location};
+use crate::location::{self, Hosts, Location, S3Args};
 use crate::report::{self, ProgressDisplay};
 use crate::sizes::parse_size;
 use crate::ssh::SshOptions;
@@ -14,7 +14,7 @@ use dmover_engine::recv::{self, RecvConfig, DEST_MAY_BE_FILE};
 use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
 use dmover_engine::session;
-use dmover_engine::storage;
+use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::Transport;
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TransferOptions};
@@ -72,6 +72,8 @@ pub struct CpArgs {
     pub token: TokenArgs,
     #[command(flatten)]
     pub ssh: SshOptions,
+    #[command(flatten)]
+    pub s3: S3Args,
 }
 
 pub fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
@@ -101,6 +103,10 @@ struct Plan {
     hosts: Hosts,
     /// The destination path to give the receiver (a directory, or maybe a file: DEST_MAY_BE_FILE).
     dest_path: String,
+    /// Where the sources are read and the destination written when this
+    /// process does it: the local file system, or an S3 bucket.
+    src_store: Store,
+    dest_store: Store,
 }
 
 pub fn run(a: CpArgs) -> Result<i32> {
@@ -152,8 +158,22 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         }
     }
     if sources.windows(2).any(|w| !same_host(&w[0], &w[1])) {
-        return Err(Error::new(ErrorKind::Usage, "", "all sources must be on one host (all local, or all on the same server)"));
+        return Err(Error::new(
+            ErrorKind::Usage,
+            "",
+            "all sources must be on one host (all local, all on the same server, or all in one bucket)",
+        ));
     }
+    let is_s3 = |l: &Location| matches!(l, Location::S3 { .. });
+    if (is_s3(&sources[0]) && dest.is_remote()) || (is_s3(&dest) && sources[0].is_remote()) {
+        return Err(Error::new(ErrorKind::Usage, "", "copies between s3:// and a server (dmover:// or ssh) are not supported yet")
+            .advised("copy through a local directory: first from the source, then to the destination"));
+    }
+    let store = |l: &Location| match l {
+        Location::S3 { bucket, .. } => a.s3.open(bucket),
+        _ => Ok(storage::local()),
+    };
+    let (src_store, dest_store) = (store(&sources[0])?, store(&dest)?);
     let mut flags = 0;
     if a.sync {
         flags |= TransferOptions::SYNC;
@@ -185,6 +205,8 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         sources,
         dest,
         hosts,
+        src_store,
+        dest_store,
     };
     if may_be_file_to_file(&plan) {
         plan.options.flags |= DEST_MAY_BE_FILE;
@@ -196,6 +218,7 @@ fn same_host(a: &Location, b: &Location) -> bool {
     match (a, b) {
         (Location::Local(_), Location::Local(_)) => true,
         (Location::Remote { hosts: x, .. }, Location::Remote { hosts: y, .. }) => x == y,
+        (Location::S3 { bucket: x, .. }, Location::S3 { bucket: y, .. }) => x == y,
         _ => false,
     }
 }
@@ -237,7 +260,7 @@ fn send_config(p: &Plan, progress: &Arc<Progress>, tuner: Option<send::TunerFact
 
 fn recv_config(p: &Plan) -> RecvConfig {
     RecvConfig {
-        store: storage::local(),
+        store: p.dest_store.clone(),
         dest: p.dest_path.clone(),
         options: p.options,
         staging: p.params.staging,
@@ -252,7 +275,7 @@ fn pair() -> Result<(UnixStream, UnixStream)> {
     UnixStream::pair().map_err(|e| Error::io("socket pair", &e))
 }
 
-/// Both ends in this process, joined by socket pairs.
+/// Both ends in this process, joined by socket pairs: local paths and S3 buckets.
 fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     a.net.untunable("local copies")?;
     let (ctl_a, ctl_b) = pair()?;
@@ -267,7 +290,7 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
     let prepared = recv::prepare(recv_config(p))?;
     let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
     let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data, connect: None };
-    let sent = send::send(Files::Walk { store: storage::local(), specs: specs(p) }, vec![link], send_config(p, progress, None));
+    let sent = send::send(Files::Walk { store: p.src_store.clone(), specs: specs(p) }, vec![link], send_config(p, progress, None));
     let received = receiver.join().unwrap_or_else(|_| Err(Error::internal("receiver panicked")));
     match (sent, received) {
         (Ok(stats), Ok(_)) => Ok(stats),
@@ -280,7 +303,7 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
 fn remote_parts(l: &Location) -> (&[String], &str) {
     match l {
         Location::Remote { hosts, path } => (hosts, path),
-        Location::Local(_) | Location::Ssh { .. } => unreachable!("checked and resolved by the caller"),
+        Location::Local(_) | Location::Ssh { .. } | Location::S3 { .. } => unreachable!("checked and resolved by the caller"),
     }
 }
 
@@ -290,7 +313,7 @@ fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let socket = a.net.socket()?;
     let stats = with_retries(a.retries, |_| {
         let links = session::receive_links(&creds, &p.dest_path, p.options, a.net.initial(), &socket)?;
-        send::send(Files::Walk { store: storage::local(), specs: specs(p) }, links, send_config(p, progress, a.net.tuner_factory()))
+        send::send(Files::Walk { store: p.src_store.clone(), specs: specs(p) }, links, send_config(p, progress, a.net.tuner_factory()))
     })?;
     Ok(Stats { sent_bytes: progress.snapshot().sent_bytes, ..stats })
 }

@@ -103,7 +103,7 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
         let url = format!("dmover://{}/{}", job.dest_hosts.join(","), job.dest_root);
         let (hosts, dest) = match Location::parse(&url) {
             Ok(Location::Remote { hosts, path }) => (hosts, path.trim_end_matches('/').to_string()),
-            Ok(Location::Local(_) | Location::Ssh { .. }) => unreachable!("a dmover:// URL"),
+            Ok(Location::Local(_) | Location::Ssh { .. } | Location::S3 { .. }) => unreachable!("a dmover:// URL"),
             Err(e) => return Err(job_error(&subject, format!("dest_hosts / dest_root: {}", e.message))),
         };
         let token = match &job.token_file {

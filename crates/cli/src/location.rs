@@ -1,10 +1,13 @@
 //! Locations on the command line: a local path,
-//! `dmover://HOST[:PORT][,HOST[:PORT]...]/EXPORT/path`, or a host reached
-//! over ssh (`[user@]host:path`, `ssh://[user@]host[:port]/path`; see `ssh`).
+//! `dmover://HOST[:PORT][,HOST[:PORT]...]/EXPORT/path`, a host reached
+//! over ssh (`[user@]host:path`, `ssh://[user@]host[:port]/path`; see `ssh`),
+//! or an S3 bucket (`s3://bucket/prefix`, read and written by this process).
 
 use crate::ssh::{Endpoint, SshOptions, SshTarget};
 use crate::TokenArgs;
+use clap::Args;
 use dmover_engine::session::Credential;
+use dmover_engine::storage::Store;
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
@@ -12,6 +15,7 @@ use std::collections::HashMap;
 /// Port a server listens on when a URL names none.
 pub const DEFAULT_PORT: u16 = 7450;
 pub const SCHEME: &str = "dmover://";
+pub const S3_SCHEME: &str = "s3://";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Location {
@@ -28,6 +32,39 @@ pub enum Location {
         targets: Vec<SshTarget>,
         path: String,
     },
+    /// Objects of an S3 bucket; `path` is the key prefix (a trailing `/` kept).
+    S3 {
+        bucket: String,
+        path: String,
+    },
+}
+
+/// Where and how to reach S3 buckets.
+#[derive(Args, Clone, Debug)]
+pub struct S3Args {
+    /// URL of the S3 server for s3:// locations (else AWS_ENDPOINT_URL, the
+    /// profile's endpoint_url, or AWS itself); addressed path-style.
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
+}
+
+impl S3Args {
+    /// The storage of `bucket`.
+    pub fn open(&self, bucket: &str) -> Result<Store> {
+        let o = dmover_engine::storage::s3::Options { endpoint: self.s3_endpoint.clone() };
+        Ok(std::sync::Arc::new(dmover_engine::storage::s3::S3::open(bucket, &o)?))
+    }
+}
+
+fn parse_s3(s: &str, rest: &str) -> Result<Location, Error> {
+    let bad = |why: &str| Error::new(ErrorKind::Usage, s, format!("malformed URL: {why} (expected s3://BUCKET/prefix)"));
+    let (bucket, path) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty() || !bucket.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+        return Err(bad(&format!("bad bucket name '{bucket}'")));
+    }
+    let body = path.trim_end_matches('/');
+    dmover_proto::path::check_relative(body).map_err(|e| bad(&e.to_string()))?;
+    Ok(Location::S3 { bucket: bucket.to_string(), path: path.to_string() })
 }
 
 fn bad(url: &str, why: &str) -> Error {
@@ -62,6 +99,9 @@ impl Location {
         if s.is_empty() {
             return Err(Error::new(ErrorKind::Usage, "", "empty path"));
         }
+        if let Some(rest) = s.strip_prefix(S3_SCHEME) {
+            return parse_s3(s, rest);
+        }
         let Some(rest) = s.strip_prefix(SCHEME) else {
             if let Some((targets, path)) = crate::ssh::parse(s)? {
                 return Ok(Location::Ssh { targets, path });
@@ -82,15 +122,16 @@ impl Location {
         Ok(Location::Remote { hosts, path: path.to_string() })
     }
 
+    /// Whether a server holds it (an S3 bucket is read and written here).
     pub fn is_remote(&self) -> bool {
-        !matches!(self, Location::Local(_))
+        matches!(self, Location::Remote { .. } | Location::Ssh { .. })
     }
 
-    /// The path part (local path, or `EXPORT/path`).
+    /// The path part (local path, `EXPORT/path`, or the key prefix).
     pub fn path(&self) -> &str {
         match self {
             Location::Local(p) => p,
-            Location::Remote { path, .. } | Location::Ssh { path, .. } => path,
+            Location::Remote { path, .. } | Location::Ssh { path, .. } | Location::S3 { path, .. } => path,
         }
     }
 }
@@ -167,6 +208,8 @@ mod tests {
         );
         assert_eq!(Location::parse("dmover://h/ex").unwrap(), Location::Remote { hosts: vec!["h:7450".into()], path: "ex".into() });
         assert_eq!(Location::parse("/tmp/x").unwrap(), Location::Local("/tmp/x".into()));
+        assert_eq!(Location::parse("s3://b").unwrap(), Location::S3 { bucket: "b".into(), path: "".into() });
+        assert_eq!(Location::parse("s3://b.1/d/e/").unwrap(), Location::S3 { bucket: "b.1".into(), path: "d/e/".into() });
         for bad in [
             "dmover://",
             "dmover://h",
@@ -177,6 +220,11 @@ mod tests {
             "dmover://h/e/../x",
             "ftp://h/e",
             "dmover://h//x",
+            "s3://",
+            "s3:///x",
+            "s3://b/../x",
+            "s3://b//x",
+            "s3://b c/x",
         ] {
             assert_eq!(Location::parse(bad).unwrap_err().kind, ErrorKind::Usage, "{bad}");
         }

@@ -1,18 +1,18 @@
-//! `dmover ls`: lists what a path, directory or glob names on a server —
-//! the same names a copy of it would send.
+//! `dmover ls`: lists what a path, directory or glob names on a server or
+//! in an S3 bucket — the same names a copy of it would send.
 
-use crate::location::{self, Location};
+use crate::location::{self, Location, S3Args};
 use crate::ssh::SshOptions;
 use crate::TokenArgs;
 use clap::Args;
-use dmover_engine::session;
+use dmover_engine::{session, source};
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::FileMeta;
 use dmover_proto::ErrorKind;
 
 #[derive(Args)]
 pub struct LsArgs {
-    /// What to list: dmover://HOST[:PORT]/EXPORT/path or [user@]host:path (a file, directory or glob).
+    /// What to list: dmover://HOST[:PORT]/EXPORT/path, [user@]host:path or s3://BUCKET/prefix (a file, directory or glob).
     pub url: String,
     /// Print a JSON array of {path, size, mtime, mode}.
     #[arg(long)]
@@ -21,22 +21,34 @@ pub struct LsArgs {
     pub token: TokenArgs,
     #[command(flatten)]
     pub ssh: SshOptions,
+    #[command(flatten)]
+    pub s3: S3Args,
 }
 
 pub fn run(a: LsArgs) -> Result<i32> {
     let mut loc = [Location::parse(&a.url)?];
-    let reach = location::resolve(&mut loc, &a.ssh, &a.token)?;
-    let [Location::Remote { hosts, path }] = loc else {
-        return Err(Error::new(ErrorKind::Usage, &a.url, "ls needs a dmover:// URL or [user@]host:path (use ls(1) for local paths)"));
-    };
     let mut all = Vec::new();
-    session::list(&hosts[0], &reach.cred(&hosts[0])?, path, &mut |entries| {
+    let mut show = |entries: Vec<FileMeta>| {
         if a.json {
             all.extend(entries);
         } else {
             entries.iter().for_each(|m| outln!("{}", line(m)));
         }
-    })?;
+    };
+    if let [Location::S3 { bucket, path }] = &loc {
+        let store = a.s3.open(bucket)?;
+        source::list(store.as_ref(), path, &mut |m| {
+            show(vec![m]);
+            true
+        })?;
+    } else {
+        let reach = location::resolve(&mut loc, &a.ssh, &a.token)?;
+        let [Location::Remote { hosts, path }] = loc else {
+            let msg = "ls needs a dmover:// URL, [user@]host:path or s3://BUCKET/prefix (use ls(1) for local paths)";
+            return Err(Error::new(ErrorKind::Usage, &a.url, msg));
+        };
+        session::list(&hosts[0], &reach.cred(&hosts[0])?, path, &mut show)?;
+    }
     if a.json {
         let v: Vec<_> = all
             .iter()

@@ -108,6 +108,20 @@ impl std::fmt::Display for Refused {
 
 impl std::error::Error for Refused {}
 
+/// Data read from a storage failed that storage's own check (the checksum
+/// an object store keeps). Carried inside an `io::Error`;
+/// [`crate::error::classify`] makes it [`ErrorKind::Verify`].
+#[derive(Debug)]
+pub struct Damaged(pub String);
+
+impl std::fmt::Display for Damaged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Damaged {}
+
 impl Refused {
     pub fn io(why: &'static str) -> io::Error {
         io::Error::other(Refused(why))
@@ -124,6 +138,9 @@ pub fn classify(e: &io::Error) -> ErrorKind {
     use io::ErrorKind as K;
     if Refused::is(e) {
         return ErrorKind::Refused;
+    }
+    if e.get_ref().is_some_and(|x| x.is::<Damaged>()) {
+        return ErrorKind::Verify;
     }
     match e.kind() {
         K::NotFound => ErrorKind::NotFound,

@@ -52,6 +52,31 @@ pub fn entry(path: PathBuf, name: String, s: &Stat) -> Entry {
     Entry { path, meta, ctime: s.ctime }
 }
 
+/// Lists what `spec` names in `store`, as a copy of it would send it:
+/// `emit` gets each file (and empty directory) and returns false to stop.
+/// Fails with the first error only if nothing was listed; later errors
+/// concern single entries and are logged.
+pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> bool) -> Result<(), Error> {
+    let mut listed = false;
+    let mut first_error = None;
+    walk(store, &[spec.to_string()], &mut |ev| match ev {
+        Event::File(e) => {
+            listed = true;
+            emit(e.meta)
+        }
+        Event::Error(e) => {
+            log::info!("listing {}: {e}", store.display(Path::new(spec)));
+            first_error.get_or_insert(e);
+            true
+        }
+        Event::SkippedLink(_) => true,
+    });
+    match first_error {
+        Some(e) if !listed => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// Walks every source in `store`, calling `emit` for each event; stops
 /// early if `emit` returns false.
 pub fn walk(store: &dyn Storage, specs: &[String], emit: &mut dyn FnMut(Event) -> bool) {

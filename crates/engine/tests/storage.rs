@@ -19,6 +19,7 @@ fn subject(store: impl Fn(&std::path::Path) -> Arc<dyn Storage>, local: bool) ->
         disk: Some(root),
         outside: outside.path().to_path_buf(),
         keep: vec![Box::new(dir), Box::new(outside)],
+        objects: false,
     }
 }
 

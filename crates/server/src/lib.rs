@@ -700,30 +700,18 @@ const LISTING_BATCH: usize = 512;
 /// Streams the files `spec` names, in batches, as the walk finds them.
 fn list(w: &mut FrameWriter, root: &Store, spec: &str) -> Result<()> {
     let mut batch = Vec::new();
-    let mut listed = 0usize;
-    let mut first_error = None;
     let mut sent = Ok(());
-    dmover_engine::source::walk(root.as_ref(), &[spec.to_string()], &mut |ev| {
-        match ev {
-            dmover_engine::source::Event::File(e) => {
-                batch.push(e.meta);
-                listed += 1;
-                if batch.len() == LISTING_BATCH {
-                    sent = w.send(ListReply::Listing { entries: std::mem::take(&mut batch), done: false });
-                }
-            }
-            dmover_engine::source::Event::Error(e) => {
-                log::info!("listing {}: {e}", root.display(std::path::Path::new(spec)));
-                first_error.get_or_insert(e);
-            }
-            dmover_engine::source::Event::SkippedLink(_) => {}
+    let listed = dmover_engine::source::list(root.as_ref(), spec, &mut |meta| {
+        batch.push(meta);
+        if batch.len() == LISTING_BATCH {
+            sent = w.send(ListReply::Listing { entries: std::mem::take(&mut batch), done: false });
         }
         sent.is_ok()
     });
     sent?;
-    match first_error {
-        Some(e) if listed == 0 => refuse(w, &e),
-        _ => w.send(ListReply::Listing { entries: batch, done: true }),
+    match listed {
+        Err(e) => refuse(w, &e),
+        Ok(()) => w.send(ListReply::Listing { entries: batch, done: true }),
     }
 }
 

@@ -11,11 +11,26 @@
 //!   says so on the terminal and skips only where it is truly missing; under
 //!   CI (`CI=true`) it fails instead;
 //! * [`storage::run`]: the conformance suite every `Storage` implementation
-//!   of the engine must pass.
+//!   of the engine must pass;
+//! * [`s3::S3Server`]: a real S3 server (versitygw) on loopback, stopped
+//!   when dropped.
 //!
 //! This crate is the one place that knows where the tools are.
 
+pub mod s3;
 pub mod storage;
+
+/// Has the child killed when this process dies.
+fn die_with_parent(c: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

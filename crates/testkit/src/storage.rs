@@ -5,6 +5,13 @@
 //! the interface alone, except those on confinement: a storage backed by a
 //! directory on disk ([`Subject::disk`]) and confined to it is also tried
 //! with symlinks and hard links planted on the disk, leading out.
+//!
+//! An object store ([`Subject::objects`]) is held to what objects can do:
+//! a file exists once committed (nothing is kept of one dropped before),
+//! nothing is reopened for writing, and directories are the prefixes of
+//! the names below them (making one does nothing, none is empty, and they
+//! have no modes of their own). The checks of those things alone are
+//! skipped for it, each saying why; the rest hold for it as for files.
 
 use dmover_engine::error::classify;
 use dmover_engine::storage::{self, Attrs, Kind, Storage, Store};
@@ -27,6 +34,8 @@ pub struct Subject {
     pub outside: PathBuf,
     /// Kept alive while the check runs (temporary directories).
     pub keep: Vec<Box<dyn std::any::Any>>,
+    /// An object store: see the module's documentation.
+    pub objects: bool,
 }
 
 impl Subject {
@@ -75,9 +84,27 @@ pub fn run(make: &dyn Fn() -> Subject) {
     assert!(failed.is_empty(), "{} of {} storage checks failed:\n{}", failed.len(), checks.len(), failed.join("\n"));
 }
 
+/// Creates `rel` with `data`, committed under its own name.
 fn write_file(t: &Subject, rel: &str, data: &[u8]) {
     let f = t.s().create(&t.p(rel)).unwrap_or_else(|e| panic!("create {rel}: {e}"));
     f.write_all_at(data, 0).unwrap();
+    close(t, f, rel);
+}
+
+/// Done writing `rel`: an object store's file is committed under its own
+/// name, another storage's is just closed (it exists already).
+fn close(t: &Subject, f: Box<dyn storage::WriteFile>, rel: &str) {
+    if t.objects {
+        t.s().commit(f.as_ref(), &t.p(rel), &t.p(rel), None).unwrap_or_else(|e| panic!("commit {rel}: {e}"));
+    }
+}
+
+/// Skips the rest of a check for an object store, saying why.
+fn not_for_objects(t: &Subject, why: &str) -> bool {
+    if t.objects {
+        eprintln!("storage check skipped for an object store: {why}");
+    }
+    t.objects
 }
 
 fn read(t: &Subject, rel: &str) -> Vec<u8> {
@@ -99,6 +126,10 @@ fn root_is_empty_dir(t: &Subject) {
 fn make_dirs_every_level(t: &Subject) {
     t.s().make_dirs(&t.p("a/b/c")).unwrap();
     t.s().make_dirs(&t.p("a/b/c")).unwrap();
+    if t.objects {
+        // Directories appear with the first object below them.
+        write_file(t, "a/b/c/f", b"x");
+    }
     for d in ["a", "a/b", "a/b/c"] {
         assert!(t.s().stat(&t.p(d)).unwrap().is_dir(), "{d} is not a directory");
     }
@@ -113,12 +144,15 @@ fn write_and_read_back(t: &Subject) {
     assert_eq!(f.read_at(&mut buf, 0).unwrap(), 11);
     assert_eq!(&buf, b"hello world");
     assert_eq!(f.stat().unwrap().size, 11);
-    drop(f);
+    close(t, f, "d/f");
     assert_eq!(read(t, "d/f"), b"hello world");
     let r = t.s().open(&t.p("d/f")).unwrap();
     let mut tail = [0u8; 16];
     assert_eq!(r.read_at(&mut tail, 6).unwrap(), 5, "a read past the end returns what is there");
     assert_eq!(r.read_at(&mut tail, 11).unwrap(), 0, "a read at the end returns 0");
+    if not_for_objects(t, "a committed object cannot be reopened and shortened") {
+        return;
+    }
     let w = t.s().reopen(&t.p("d/f")).unwrap().expect("reopen");
     w.set_len(5).unwrap();
     assert_eq!(read(t, "d/f"), b"hello");
@@ -134,6 +168,10 @@ fn create_replaces(t: &Subject) {
 fn reopen_finds_own_files(t: &Subject) {
     assert!(t.s().reopen(&t.p("nothing")).unwrap().is_none());
     write_file(t, "f", b"abc");
+    if t.objects {
+        assert!(t.s().reopen(&t.p("f")).unwrap().is_none(), "an object is never reopened for writing");
+        return;
+    }
     let f = t.s().reopen(&t.p("f")).unwrap().expect("a file created earlier");
     f.write_all_at(b"d", 3).unwrap();
     assert_eq!(read(t, "f"), b"abcd");
@@ -145,7 +183,7 @@ fn commit_renames(t: &Subject) {
     t.s().make_dirs(&t.p("d")).unwrap();
     let f = t.s().create(&t.p("d/.f.part")).unwrap();
     f.write_all_at(b"data", 0).unwrap();
-    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)) };
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)), digest: None };
     t.s().commit(f.as_ref(), &t.p("d/.f.part"), &t.p("d/f"), Some(&attrs)).unwrap();
     drop(f);
     let s = t.s().stat(&t.p("d/f")).unwrap();
@@ -178,6 +216,9 @@ fn removes(t: &Subject) {
 }
 
 fn make_dir_modes(t: &Subject) {
+    if not_for_objects(t, "an object store keeps no empty directories and no modes of directories") {
+        return;
+    }
     t.s().make_dir(&t.p("d"), 0o750).unwrap();
     assert_eq!(t.s().stat(&t.p("d")).unwrap().mode, 0o750);
     t.s().make_dir(&t.p("d"), 0o705).unwrap();
@@ -189,6 +230,9 @@ fn make_dir_modes(t: &Subject) {
 
 fn lists(t: &Subject) {
     t.s().make_dirs(&t.p("d/sub")).unwrap();
+    if t.objects {
+        write_file(t, "d/sub/x", b"");
+    }
     write_file(t, "d/a", b"12345");
     let mut got: Vec<(String, Kind, u64)> = t
         .s()
@@ -215,6 +259,9 @@ fn missing_is_not_found(t: &Subject) {
     assert_eq!(t.s().stat(&t.p("nope")).unwrap_err().kind(), nf);
     assert_eq!(t.s().open(&t.p("nope")).err().expect("open of a missing file").kind(), nf);
     assert_eq!(t.s().list(&t.p("nope")).unwrap_err().kind(), nf);
+    if not_for_objects(t, "no directory has to exist for an object to be made below it") {
+        return;
+    }
     assert_eq!(t.s().create(&t.p("nope/f")).err().expect("create in a missing directory").kind(), nf);
 }
 
@@ -227,6 +274,7 @@ fn parallel_writes(t: &Subject) {
             sc.spawn(move || f.write_all_at(&vec![i; PART], i as u64 * PART as u64).unwrap());
         }
     });
+    close(t, f, "f");
     let all = read(t, "f");
     assert_eq!(all.len(), 8 * PART);
     for (i, part) in all.chunks(PART).enumerate() {

@@ -16,6 +16,8 @@
 //!   bytes crossing it each way (what was sent, seen from outside dmover).
 //! * [`Mount`]: a tmpfs or read-only bind mount, unmounted when dropped.
 //! * [`proc_status`], [`open_fds`]: what a process holds.
+//! * [`S3Server`]: a real S3 server (versitygw, from `dmover-testkit`);
+//!   [`Cmd::s3`] points a command at it.
 //! * [`Raw`]: a connection that speaks the wire protocol by hand (for
 //!   hostile peers and for holding a session open).
 #![allow(dead_code)]
@@ -25,6 +27,7 @@ use dmover_proto::auth::{Channel, Initiator, KeyId, Responder, SessionKey, TOKEN
 use dmover_proto::frame::{Header, HEADER_LEN};
 use dmover_proto::record::Protection;
 use dmover_proto::{ErrorKind, Msg};
+pub use dmover_testkit::s3::{foreign_env, S3Server};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
@@ -595,7 +598,8 @@ pub struct Cmd {
     bin: &'static str,
     prefix: Vec<OsString>,
     args: Vec<OsString>,
-    envs: Vec<(OsString, OsString)>,
+    /// Variables set (or, None, removed), in order: a later one wins.
+    envs: Vec<(OsString, Option<OsString>)>,
     cwd: Option<PathBuf>,
     timeout: Duration,
     stdout_closed: bool,
@@ -680,7 +684,26 @@ impl Cmd {
     }
 
     pub fn env(&mut self, k: impl AsRef<OsStr>, v: impl AsRef<OsStr>) -> &mut Cmd {
-        self.envs.push((k.as_ref().into(), v.as_ref().into()));
+        self.envs.push((k.as_ref().into(), Some(v.as_ref().into())));
+        self
+    }
+
+    pub fn env_remove(&mut self, k: impl AsRef<OsStr>) -> &mut Cmd {
+        self.envs.push((k.as_ref().into(), None));
+        self
+    }
+
+    /// Reaches `s3` with its keys, and with nothing of this environment's
+    /// own S3 settings (credentials, endpoint, CA bundles, proxies), nor the
+    /// user's ~/.aws (HOME is `home`).
+    pub fn s3(&mut self, s3: &S3Server, home: &Path) -> &mut Cmd {
+        for k in foreign_env() {
+            self.env_remove(k);
+        }
+        self.env("HOME", home);
+        for (k, v) in s3.client_env() {
+            self.env(k, v);
+        }
         self
     }
 
@@ -736,7 +759,10 @@ impl Cmd {
         c.args(&self.args);
         c.env_remove("DMOVER_TOKEN").env_remove("DMOVER_LOG");
         for (k, v) in &self.envs {
-            c.env(k, v);
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
         }
         if let Some(d) = &self.cwd {
             c.current_dir(d);

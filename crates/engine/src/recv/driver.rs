@@ -42,7 +42,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(&peer, &e))?;
     let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?)));
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
-    let (commits, verified) = crossbeam_channel::unbounded::<Arc<Slot>>();
+    let (commits, verified) = crossbeam_channel::unbounded::<(Arc<Slot>, Sum)>();
     let sync_dir = OnceLock::new();
     if let Some(l) = &layout {
         let _ = sync_dir.set(l.state_dir.clone());
@@ -258,10 +258,10 @@ impl Owner {
                     slot.rejournal(&self.sh, &held);
                 }
             }
-            Action::Commit { id, .. } => {
+            Action::Commit { id, digest } => {
                 if let Some(slot) = self.slot(id) {
                     // The committer lives as long as the session, so the channel is open.
-                    let _ = self.sh.commits.send(slot);
+                    let _ = self.sh.commits.send((slot, digest));
                 }
             }
             Action::Close { id } => {

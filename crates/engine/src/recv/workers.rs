@@ -7,7 +7,7 @@
 use crate::error::{classify, Error};
 use crate::journal::Journal;
 use crate::pool::{Block, Pool};
-use crate::storage::{Attrs, Store, WriteFile};
+use crate::storage::{Attrs, Digest, Store, WriteFile};
 use crate::transport::Transport;
 use crate::wire::{FrameReader, Incoming};
 use crossbeam_channel::{Receiver, Sender};
@@ -62,8 +62,8 @@ pub(super) struct Shared {
     pub slots: RwLock<HashMap<u64, Arc<Slot>>>,
     /// The owner's event channel; every worker sends, the owner waits.
     pub events: Sender<Input>,
-    /// Verified files, for the committer; the owner sends.
-    pub commits: Sender<Arc<Slot>>,
+    /// Verified files with their digests, for the committer; the owner sends.
+    pub commits: Sender<(Arc<Slot>, Sum)>,
     pub pool: Arc<Pool>,
     /// Blocks waiting in the writers' queues.
     pub queued: AtomicUsize,
@@ -293,7 +293,7 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
 /// are reported committed now), then they are renamed into place and wait
 /// for the next sync. A batch waits for the next one at most
 /// [`SYNC_MERGE`]; then a sync of their names follows.
-pub(super) fn committer(sh: &Shared, verified: &Receiver<Arc<Slot>>) {
+pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
     // Without syncs there is nothing to merge: confirm at once.
     let merge = if sh.options.has(TransferOptions::NO_FSYNC) { Duration::ZERO } else { SYNC_MERGE };
     let mut renamed: Vec<Arc<Slot>> = Vec::new();
@@ -308,7 +308,7 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<Arc<Slot>>) {
         } else {
             verified.recv_timeout(merge).ok()
         };
-        let batch: Vec<Arc<Slot>> = first.into_iter().chain(verified.try_iter()).take(COMMIT_BATCH).collect();
+        let batch: Vec<(Arc<Slot>, Sum)> = first.into_iter().chain(verified.try_iter()).take(COMMIT_BATCH).collect();
         let ready = prepare_commit(sh, batch);
         if let Err(e) = sync(sh) {
             log::warn!("{}: cannot make the received files durable: {e}", sh.store.display(&sh.dest_dir));
@@ -340,11 +340,15 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<Arc<Slot>>) {
 /// resumed with every block already on disk; afresh only if it is fresh,
 /// so a resumed file keeps its blocks). Returns the files ready for their
 /// data to be made durable.
-fn prepare_commit(sh: &Shared, batch: Vec<Arc<Slot>>) -> Vec<(Arc<Slot>, Arc<dyn WriteFile>)> {
+fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Vec<(Arc<Slot>, Arc<dyn WriteFile>)> {
     let mut ready = Vec::with_capacity(batch.len());
-    for s in batch {
+    for (s, sum) in batch {
         let Some(meta) = &s.paths.meta else { continue };
-        let attrs = Attrs { mode: dmover_proto::frame::permission_bits(meta.mode), mtime: Some((meta.mtime_s, meta.mtime_ns)) };
+        let attrs = Attrs {
+            mode: dmover_proto::frame::permission_bits(meta.mode),
+            mtime: Some((meta.mtime_s, meta.mtime_ns)),
+            digest: Some(Digest { block_size: sh.block_size, sum }),
+        };
         let opened = {
             let mut io = s.io.lock().expect("file lock");
             if io.closed {

@@ -438,7 +438,7 @@ fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
             continue;
         }
         match read_chunk(sh, &job) {
-            Ok(Some(sums)) => sh.report(Event::Read { id: s.id, first: job.read.first, sums }),
+            Ok(Some((sums, kept))) => sh.report(Event::Read { id: s.id, first: job.read.first, sums, kept }),
             Ok(None) => {}
             Err((kind, message)) => {
                 // The rest of the file is not worth reading.
@@ -449,10 +449,14 @@ fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
     }
 }
 
-/// Reads (and queues) the blocks of one chunk; returns their checksums,
-/// unless it was a resend or the transfer stopped. Errors concern the
-/// file, not the transfer.
-fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<Vec<Sum>>, (ErrorKind, String)> {
+/// A chunk's block checksums, and the digest kept with its file.
+type ChunkRead = (Vec<Sum>, Option<Sum>);
+
+/// Reads (and queues) the blocks of one chunk; returns their checksums and
+/// the digest the storage keeps with the file (if it keeps one for this
+/// block size), unless it was a resend or the transfer stopped. Errors
+/// concern the file, not the transfer.
+fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<ChunkRead>, (ErrorKind, String)> {
     let (s, r) = (&job.source, &job.read);
     let file = if sh.generate {
         None
@@ -489,7 +493,8 @@ fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<Vec<Sum>>, (
     if let Some(file) = &file {
         unchanged(file.as_ref(), s)?;
     }
-    Ok((!r.resend).then_some(sums))
+    let kept = file.as_ref().and_then(|f| f.digest()).filter(|d| d.block_size == sh.block_size).map(|d| d.sum);
+    Ok((!r.resend).then_some((sums, kept)))
 }
 
 /// Fails if the open file no longer has the size, mtime and change time

@@ -13,12 +13,17 @@
 //! a directory swapped for a symlink cannot lead out. The client's own file
 //! system is *local*: paths are used as the user gave them.
 //!
+//! [`s3`] (with the `s3` feature) keeps files as the objects of an S3
+//! bucket: a file exists once committed, and directories are key prefixes.
+//!
 //! What a storage does not do: decide what to send or ask for, verify
 //! digests, or keep resume state of its own; those belong to the engine.
 //! The tests in `dmover-testkit`'s conformance suite say what every
 //! implementation must do.
 
 pub mod posix;
+#[cfg(feature = "s3")]
+pub mod s3;
 
 use crate::error::{Error, Result};
 use crate::wire::PIECE;
@@ -74,6 +79,17 @@ pub struct Attrs {
     pub mode: u32,
     /// Modification time to set (seconds, nanoseconds); None leaves it.
     pub mtime: Option<(i64, u32)>,
+    /// The verified digest of the content, for a storage that keeps it
+    /// with the file (an object store, as metadata); others ignore it.
+    pub digest: Option<Digest>,
+}
+
+/// A file's digest as dmover computes it: from the checksums of its
+/// blocks of `block_size` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Digest {
+    pub block_size: u64,
+    pub sum: Sum,
 }
 
 /// One entry of a directory listing.
@@ -91,6 +107,11 @@ pub trait ReadFile: Send + Sync {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize>;
     /// The open file's attributes now.
     fn stat(&self) -> io::Result<Stat>;
+    /// The digest the storage keeps with the file, if any (written with
+    /// [`Attrs::digest`]): a reader of the whole file checks it.
+    fn digest(&self) -> Option<Digest> {
+        None
+    }
 }
 
 /// A file open for writing (and reading back what was written).
@@ -103,6 +124,8 @@ pub trait WriteFile: ReadFile {
     fn write_back(&self, _off: u64, _len: u64) -> io::Result<()> {
         Ok(())
     }
+    /// The file itself, for its own storage's [`Storage::commit`].
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// A tree of files under a root. Paths are relative to the root (a local

@@ -233,6 +233,10 @@ impl WriteFile for PosixFile {
             Err(io::Error::last_os_error())
         }
     }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 impl Storage for Posix {

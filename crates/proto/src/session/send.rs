@@ -67,8 +67,9 @@ pub enum Event {
     WalkDone,
     /// The chunk of file `id` starting at block `first` (of a
     /// [`Action::Read`] that was not a resend) is read, its blocks queued,
-    /// with these checksums.
-    Read { id: u64, first: u64, sums: Vec<Sum> },
+    /// with these checksums. `kept`: the digest the storage keeps with the
+    /// file (an object store does), which what was read must match.
+    Read { id: u64, first: u64, sums: Vec<Sum>, kept: Option<Sum> },
     /// File `id` could not be read (or changed while it was read);
     /// `subject` names it as the user knows it.
     ReadFailed { id: u64, kind: ErrorKind, subject: String, message: String },
@@ -267,7 +268,7 @@ impl Send {
                 self.walk_done = true;
                 self.finish_if_settled();
             }
-            Event::Read { id, first, sums } => self.read(id, first, sums),
+            Event::Read { id, first, sums, kept } => self.read(id, first, sums, kept),
             Event::ReadFailed { id, kind, subject, message } => {
                 let Some(f) = self.files.get(&id) else { return };
                 let host = f.host;
@@ -317,7 +318,7 @@ impl Send {
         }
     }
 
-    fn read(&mut self, id: u64, first: u64, chunk: Vec<Sum>) {
+    fn read(&mut self, id: u64, first: u64, chunk: Vec<Sum>, kept: Option<Sum>) {
         let Some(f) = self.files.get_mut(&id) else { return };
         let host = f.host;
         let Stage::Reading { sums, chunks_left } = &mut f.stage else { return };
@@ -325,11 +326,19 @@ impl Send {
         let end = (start + chunk.len()).min(sums.len());
         sums[start..end].copy_from_slice(&chunk[..end - start]);
         *chunks_left -= 1;
-        if *chunks_left == 0 {
-            let digest = file_digest(sums.iter());
-            f.stage = Stage::Ended(digest);
-            self.out.push_back(Action::Send { host, msg: ToReceiver::FileEnd { id, digest } });
+        if *chunks_left > 0 {
+            return;
         }
+        let digest = file_digest(sums.iter());
+        if kept.is_some_and(|k| k != digest) {
+            let message = "what was read differs from the digest stored with the file".to_string();
+            self.abandoned.insert(id);
+            self.out.push_back(Action::Send { host, msg: ToReceiver::Abort { id, kind: ErrorKind::Verify, message: message.clone() } });
+            let subject = f.meta.path.clone();
+            return self.fail(id, subject, ErrorKind::Verify, message);
+        }
+        f.stage = Stage::Ended(digest);
+        self.out.push_back(Action::Send { host, msg: ToReceiver::FileEnd { id, digest } });
     }
 
     fn control(&mut self, host: usize, msg: ToSender) {

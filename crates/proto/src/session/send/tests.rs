@@ -260,7 +260,7 @@ impl Sim {
                     self.hosts[r.host].data.push((r.id, b, sum(&meta.path, b)));
                 }
                 if !r.resend {
-                    self.feed(Event::Read { id: r.id, first: r.first, sums });
+                    self.feed(Event::Read { id: r.id, first: r.first, sums, kept: None });
                 }
             }
             Step::Arrive { h, i, damaged } => {

@@ -1,0 +1,116 @@
+//! A real S3 server for the tests: versitygw with its POSIX backend, on a
+//! free loopback port, each bucket a directory under its root. `./test`
+//! installs it (`go install` into [`bin_dir`]).
+
+use std::fs::{self, File};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The versitygw release `./test` installs.
+pub const VERSION: &str = "v1.8.0";
+
+/// Where `./test` installs versitygw: `$XDG_CACHE_HOME/dmover/bin`, else
+/// `~/.cache/dmover/bin`.
+pub fn bin_dir() -> PathBuf {
+    match std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        Some(d) => PathBuf::from(d).join("dmover/bin"),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dmover/bin"),
+    }
+}
+
+/// Variables of the environment that would change how an S3 client finds
+/// its credentials, endpoint or certificates: the tests set their own.
+pub fn foreign_env() -> Vec<String> {
+    std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| {
+            let u = k.to_ascii_uppercase();
+            u.starts_with("AWS_") || u.contains("CA_BUNDLE") || u.starts_with("SSL_CERT") || u.ends_with("_PROXY")
+        })
+        .collect()
+}
+
+/// A running versitygw; stopped when dropped.
+pub struct S3Server {
+    pub port: u16,
+    pub access_key: String,
+    pub secret_key: String,
+    /// The backend's directory: each bucket is a directory in it, each
+    /// object a file below.
+    pub root: PathBuf,
+    log: PathBuf,
+    child: Child,
+}
+
+impl S3Server {
+    /// Starts versitygw with its data and log under `dir`.
+    pub fn start(dir: &Path) -> S3Server {
+        let bin = bin_dir().join("versitygw");
+        assert!(
+            bin.exists(),
+            "{} is missing: run ./test once, or `GOBIN={} go install github.com/versity/versitygw/cmd/versitygw@{VERSION}`",
+            bin.display(),
+            bin_dir().display()
+        );
+        let root = dir.join("s3-root");
+        fs::create_dir_all(&root).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let (access_key, secret_key) = ("dmovertest".to_string(), format!("secret-{}", std::process::id()));
+        let log = dir.join("versitygw.log");
+        let mut c = Command::new(&bin);
+        c.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .args(["--access", &access_key, "--secret", &secret_key, "--port", &format!("127.0.0.1:{port}"), "--quiet", "posix"])
+            .arg(&root)
+            .stdin(Stdio::null())
+            .stdout(File::create(&log).unwrap())
+            .stderr(File::create(&log).unwrap());
+        crate::die_with_parent(&mut c);
+        let child = c.spawn().expect("start versitygw");
+        let end = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < end, "versitygw did not start: {}", fs::read_to_string(&log).unwrap_or_default());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        S3Server { port, access_key, secret_key, root, log, child }
+    }
+
+    /// Its URL.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Makes an empty bucket; returns its directory.
+    pub fn bucket(&self, name: &str) -> PathBuf {
+        let d = self.root.join(name);
+        fs::create_dir(&d).unwrap();
+        d
+    }
+
+    /// What a client needs in its environment (besides clearing
+    /// [`foreign_env`]): the keys, the endpoint and a region.
+    pub fn client_env(&self) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID".into(), self.access_key.clone()),
+            ("AWS_SECRET_ACCESS_KEY".into(), self.secret_key.clone()),
+            ("AWS_ENDPOINT_URL".into(), self.endpoint()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+        ]
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- versitygw log ---\n{}", self.log());
+        }
+    }
+}
