@@ -205,7 +205,7 @@ fn a_job_reaches_its_destination_over_ssh() {
     assert_eq!(r.code, 0, "stderr:\n{}", r.stderr);
     let j = r.json();
     assert_eq!((j["state"].as_str(), j["check"]["passed"].as_bool()), (Some("finished"), Some(true)), "{j:#}");
-    assert_eq!(j["hosts"][0]["host"], "127.0.0.1", "{j:#}");
+    assert_eq!(j["hosts"][0]["name"], "127.0.0.1", "{j:#}");
     assert_spread(&src, &[dst.join("in")]);
     let left = || {
         let out = std::process::Command::new("pgrep").args(["-f", &format!("^{BIN} remote")]).output().unwrap();

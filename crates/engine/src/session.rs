@@ -280,7 +280,9 @@ impl Renewer {
     /// Renews each ticket with the credential that got it.
     fn start(tickets: Vec<(Ticket, Credential)>) -> Renewer {
         let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
-        let every = tickets.iter().map(|(t, _)| t.lifetime / 3).min().unwrap_or(Duration::MAX);
+        // A lifetime is the server's word: however short it says, renew at
+        // most five times a second.
+        let every = tickets.iter().map(|(t, _)| (t.lifetime / 3).max(Duration::from_millis(200))).min().unwrap_or(Duration::MAX);
         std::thread::spawn(move || {
             while stopped.recv_timeout(every) == Err(crossbeam_channel::RecvTimeoutError::Timeout) {
                 for (t, cred) in &tickets {
