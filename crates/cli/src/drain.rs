@@ -27,6 +27,9 @@ pub fn run(a: DrainArgs) -> Result<i32> {
     let r = dmover_stream::drain(&a.manifest, &a.token.token()?, Duration::from_secs(a.timeout))?;
     let sent: Vec<String> = r.destinations.iter().filter(|d| d.blocks > 0).map(|d| format!("{}: {} blocks", d.addr, d.blocks)).collect();
     outln!("dmover: drained {} steps; sent {}", r.steps, if sent.is_empty() { "nothing".into() } else { sent.join(", ") });
+    if !r.damaged.is_empty() {
+        return Err(r.undelivered().expect("blocks given up as damaged are undelivered"));
+    }
     if r.undelivered_blocks > 0 || r.unsaved_steps > 0 {
         let msg = format!(
             "{} blocks undelivered and {} steps unsaved; they stay in {} (run drain again when a sink is up)",

@@ -200,6 +200,19 @@ impl Report {
         }
         let spill = self.spill_file.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into());
         let manifest = self.manifest.display().to_string();
+        if let Some((step, offset)) = self.damaged.first() {
+            let msg = format!(
+                "{} blocks arrived damaged at the sink every time they were sent ({} times; the first: step {step}, offset {offset}), \
+                 so neither they nor their steps were acknowledged; they and the other {} undelivered blocks are in {spill} and \
+                 {manifest} says where each block is",
+                self.damaged.len(),
+                dmover_proto::session::receive::MAX_DAMAGED,
+                self.undelivered_blocks - self.damaged.len() as u64
+            );
+            let advice =
+                format!("the network path to the sink damages data; once it is repaired, send them with `dmover drain {manifest}`");
+            return Some(Error::new(ErrorKind::Verify, "", msg).advised(advice));
+        }
         let msg =
             format!("{} blocks were not delivered; they are in {spill} and {manifest} says where each block is", self.undelivered_blocks);
         Some(Error::new(ErrorKind::Unreachable, "", msg).advised(format!("once a sink is up, send them with `dmover drain {manifest}`")))
@@ -227,6 +240,11 @@ pub struct Report {
     pub spilled_bytes: u64,
     /// Blocks sent again: after a failover or a damaged arrival.
     pub resent_blocks: u64,
+    /// Blocks (step, offset) that arrived damaged at a sink every time they
+    /// were sent, [`MAX_DAMAGED`](dmover_proto::session::receive::MAX_DAMAGED)
+    /// times: never acknowledged, kept in the spill file, their steps not
+    /// ended (counted in `undelivered_blocks` too).
+    pub damaged: Vec<(u64, u64)>,
     /// Times a destination failed and the next one took over.
     pub failovers: u64,
     /// Blocks no sink acknowledged by the close timeout (they are in the spill file).

@@ -42,6 +42,7 @@ use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::digest::{block_sum, file_digest, Sum};
 use dmover_proto::frame::{DataHeader, StepBlock, StepInfo};
 use dmover_proto::phase::{FromSink, OnData, Open, Request, ToSink};
+use dmover_proto::session::receive::MAX_DAMAGED;
 use dmover_proto::ErrorKind;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -127,6 +128,9 @@ struct StepState {
     end_sent: Option<u64>,
     /// Where its manifest was saved.
     saved: Option<usize>,
+    /// A block of it arrived damaged at a sink [`MAX_DAMAGED`] times and
+    /// was given up (kept in the spill file): this run never ends the step.
+    damaged: bool,
     /// Read from the manifest of a producer that stopped before the step
     /// was whole (not ended, or blocks that were only in its memory):
     /// nothing of it can be sent (`drain`).
@@ -200,6 +204,8 @@ pub struct Manager {
     unsent: BTreeSet<u64>,
     /// Steps whose `StepEnd` went on the current link and is not yet saved.
     unconfirmed: usize,
+    /// Times each block in flight arrived damaged (`Nack`).
+    damage: HashMap<(u64, u64), u32>,
     dests: Vec<Destination>,
     link: Option<Link>,
     links_opened: u64,
@@ -234,6 +240,7 @@ impl Manager {
             steps: BTreeMap::new(),
             unsent: BTreeSet::new(),
             unconfirmed: 0,
+            damage: HashMap::new(),
             dests,
             link: None,
             links_opened: 0,
@@ -423,9 +430,17 @@ impl Manager {
                 self.end_steps()?;
             }
             Event::Nack { link, step, offset } if Some(link) == current => {
-                if let (Some(b), Some(l)) = (self.inflight.get(&(step, offset)), &self.link) {
+                let l = self.link.as_mut().expect("current link");
+                l.last_ack = Instant::now();
+                let Some(b) = self.inflight.get(&(step, offset)) else { return Ok(()) };
+                let times = self.damage.entry((step, offset)).or_insert(0);
+                *times += 1;
+                if *times < MAX_DAMAGED {
                     self.report.resent_blocks += 1;
                     let _ = l.work.send(b.clone());
+                } else {
+                    let sink = self.dests[l.dest].name.clone();
+                    self.give_up_damaged(step, offset, &sink)?;
                 }
             }
             Event::Saved { link, step } if Some(link) == current => {
@@ -541,15 +556,39 @@ impl Manager {
         Ok(())
     }
 
+    /// Gives up a block that arrived damaged at `sink` [`MAX_DAMAGED`]
+    /// times: the path damages it, and sending it again would loop. It
+    /// goes to the spill file (freeing its slot) for `drain` to send once
+    /// the path is repaired; its step is not ended in this run, and close
+    /// reports it ([`Report::damaged`]). Nothing damaged was acknowledged.
+    fn give_up_damaged(&mut self, step: u64, offset: u64, sink: &str) -> Result<()> {
+        let Some(b) = self.inflight.remove(&(step, offset)) else { return Ok(()) };
+        self.damage.remove(&(step, offset));
+        log::warn!(
+            "stream {}: step {step}, block at offset {offset} arrived damaged at {sink} {MAX_DAMAGED} times; keeping it in the spill file",
+            self.cfg.producer
+        );
+        self.report.damaged.push((step, offset));
+        if let Some(s) = self.steps.get_mut(&step) {
+            s.damaged = true;
+        }
+        self.spill_blocks(vec![b], false)?;
+        self.end_steps()
+    }
+
     /// Sends `StepEnd` for the ended steps whose blocks are all
     /// acknowledged, in step order: it stops at the first step still waiting
-    /// for a block, so that a sink saves steps, and runs their hooks, in order.
+    /// for a block, so that a sink saves steps, and runs their hooks, in
+    /// order. A step with a block given up as damaged is passed over.
     fn end_steps(&mut self) -> Result<()> {
         let Some(l) = &mut self.link else { return Ok(()) };
         let mut failed = None;
         let mut sent = Vec::new();
         for &step in &self.unsent {
             let s = self.steps.get_mut(&step).expect("unsent steps exist");
+            if s.damaged {
+                continue;
+            }
             let Some(end) = &s.end else { break };
             if s.blocks.len() as u64 != end.blocks || !s.blocks.values().all(|b| matches!(b.place, Place::At(_))) {
                 break;
@@ -593,7 +632,7 @@ impl Manager {
         self.queue.is_empty()
             && self.inflight.is_empty()
             && self.spilled.is_empty()
-            && self.steps.values().all(|s| s.lost || (s.end.is_some() && s.saved.is_some()))
+            && self.steps.values().all(|s| s.lost || s.damaged || (s.end.is_some() && s.saved.is_some()))
     }
 
     /// Opens or closes data connections of the current link to reach `n`.
@@ -629,6 +668,7 @@ impl Manager {
         log::warn!("stream {}: destination {} failed ({error}); failing over", self.cfg.producer, dest.addr);
         dest.down_until = Some(Instant::now() + RETRY_DOWN);
         self.report.failovers += 1;
+        self.damage.clear();
         let mut back: Vec<Arc<Block>> = self.inflight.drain().map(|(_, b)| b).collect();
         back.sort_by_key(|b| (b.step, b.offset));
         self.report.resent_blocks += back.len() as u64;
@@ -873,7 +913,10 @@ impl StreamCtx {
             match self.work.recv_timeout(WORK_WAIT) {
                 Ok(b) => {
                     let h = DataHeader { file: b.step, offset: b.offset, sum: b.sum, len: b.data.len() as u32 };
-                    w.send_block(&h, &b.data)?;
+                    match dmover_engine::fault::damaged_copy(&b.data) {
+                        Some(damaged) => w.send_block(&h, &damaged)?,
+                        None => w.send_block(&h, &b.data)?,
+                    }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,

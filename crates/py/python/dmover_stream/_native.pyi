@@ -16,6 +16,7 @@ class Report(TypedDict):
     resent_blocks: int
     failovers: int
     undelivered_blocks: int
+    damaged_blocks: int
     max_streams: int
     seconds: float
     manifest: str
