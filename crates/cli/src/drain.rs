@@ -39,6 +39,11 @@ pub fn run(a: DrainArgs) -> Result<i32> {
         );
         return Err(Error::new(ErrorKind::Unreachable, a.manifest.display().to_string(), msg));
     }
+    if !r.split_steps.is_empty() {
+        let msg = format!("steps {:?} are split between sinks and could not be gathered to one, so no hook ran for them", r.split_steps);
+        return Err(Error::new(ErrorKind::Unreachable, a.manifest.display().to_string(), msg)
+            .advised("every block is safe at a sink; run drain again when the sinks its manifest names are up"));
+    }
     if !r.lost_steps.is_empty() {
         let mut steps: Vec<String> = r.lost_steps.iter().take(SHOW_LOST).map(u64::to_string).collect();
         if r.lost_steps.len() > SHOW_LOST {

@@ -1358,3 +1358,102 @@ print("ok")
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
 }
+
+/// Writes step `step` (12 blocks) in two halves: the first, then
+/// `meanwhile` once the sink had time to acknowledge it, then the second.
+fn write_split_step(s: &mut Stream, step: u64, meanwhile: impl FnOnce()) -> Vec<u8> {
+    let data = step_data(step, 12 * BLOCK as usize);
+    s.write_metadata("step", &step.to_string()).unwrap();
+    let half = data.len() / 2;
+    s.write(&data[..half]).unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    meanwhile();
+    s.write(&data[half..]).unwrap();
+    s.end_step().unwrap();
+    data
+}
+
+/// The manifests the hook was run with (the hook appends each to `log`).
+fn hooked(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log).unwrap_or_default().lines().map(str::to_string).collect()
+}
+
+/// Checks that step `step` is whole at the sink in `out`, its manifest
+/// complete and every block there, and that its hook ran exactly once,
+/// there, as the hook log `log` says.
+fn assert_gathered(out: &Path, log: &Path, step: u64, want: &[u8]) {
+    let dir = out.join(PRODUCER);
+    assert!(std::fs::read(dir.join(format!("step-{step:06}.dat"))).unwrap() == want, "step {step} is not whole at {}", out.display());
+    let m = read_json(&dir.join(format!("step-{step:06}.json")));
+    assert_eq!(m["complete"], true, "{m}");
+    assert!(m["blocks"].as_array().unwrap().iter().all(|b| b["here"] == true), "{m}");
+    let name = format!("step-{step:06}.json");
+    assert!(wait_until(Duration::from_secs(20), || hooked(log).iter().any(|l| l.ends_with(&name))), "no hook ran for step {step}");
+    std::thread::sleep(Duration::from_secs(1));
+    let runs: Vec<String> = hooked(log).into_iter().filter(|l| l.ends_with(&name)).collect();
+    assert_eq!(runs, [dir.join(&name).display().to_string()], "the hook of step {step} must run once, where the step is whole");
+}
+
+/// STREAMING.md "Failover": the primary dies in the middle of a step, so
+/// the step's first blocks are at the primary and the rest at the
+/// alternate. Once the primary is back, the producer fetches its blocks
+/// and sends them to the alternate, where the step is complete, verified,
+/// and its hook runs once.
+#[test]
+fn a_step_split_by_failover_is_gathered_to_one_sink_where_its_hook_runs_once() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let log = env.path("hooks.log");
+    let hook = format!("printf '%s\\n' >> {}", log.display());
+    let mut primary = env.sink(&out_a, ["--hook", &hook]);
+    let alternate = env.sink(&out_b, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    written.push(write_split_step(&mut s, 3, || primary.kill9()));
+    primary.restart();
+    written.extend((4..6).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert!(report.failovers >= 1, "{report:?}");
+    assert!(report.split_steps.is_empty(), "{report:?}");
+    assert!(out_a.join(PRODUCER).join("step-000003.dat").is_file(), "the primary held none of step 3: nothing was split");
+    assert!(!out_a.join(PRODUCER).join("step-000003.json").exists(), "the primary saved step 3, which it does not hold whole");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_delivery(&report, &written, &sinks);
+    assert!(m["steps"][3]["blocks"].as_array().unwrap().iter().all(|b| b["at"] == alternate.addr()), "{}", m["steps"][3]);
+    assert_gathered(&out_b, &log, 3, &written[3]);
+}
+
+/// The same with the primary still down at close: the step stays split
+/// (the report says so, and no hook runs for it); `dmover drain` gathers it
+/// once the primary is back, and its hook runs once.
+#[test]
+fn drain_gathers_a_step_left_split_and_its_hook_runs_once() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let log = env.path("hooks.log");
+    let hook = format!("printf '%s\\n' >> {}", log.display());
+    let mut primary = env.sink(&out_a, ["--hook", &hook]);
+    let alternate = env.sink(&out_b, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    written.push(write_split_step(&mut s, 2, || primary.kill9()));
+    let report = s.close().unwrap();
+    assert_eq!(report.split_steps, [2], "{report:?}");
+    assert_eq!(report.undelivered_blocks, 0, "{report:?}");
+    let partial = read_json(&out_b.join(PRODUCER).join("step-000002.json"));
+    assert_eq!(partial["complete"], false, "{partial}");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!hooked(&log).iter().any(|l| l.ends_with("step-000002.json")), "a hook ran for a split step");
+
+    primary.restart();
+    let manifest = report.manifest.to_str().unwrap().to_string();
+    let r = dmover(["drain", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    // Drain sends to the first sink that takes it, the primary: the step is gathered there.
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_manifest(&report.manifest, &written, &sinks);
+    assert!(m["steps"][2]["blocks"].as_array().unwrap().iter().all(|b| b["at"] == primary.addr()), "{}", m["steps"][2]);
+    assert_gathered(&out_a, &log, 2, &written[2]);
+}

@@ -163,6 +163,7 @@ fn report<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("failovers", r.failovers)?;
     d.set_item("undelivered_blocks", r.undelivered_blocks)?;
     d.set_item("damaged_blocks", r.damaged.len())?;
+    d.set_item("split_steps", r.split_steps.clone())?;
     d.set_item("max_streams", r.max_streams)?;
     d.set_item("seconds", r.seconds)?;
     d.set_item("manifest", r.manifest.display().to_string())?;

@@ -254,6 +254,11 @@ pub struct Report {
     /// Steps that cannot be sent, ever (`drain` only): the producer stopped
     /// before they were whole, so some of their bytes were only in its memory.
     pub lost_steps: Vec<u64>,
+    /// Steps whose blocks failover left on more than one sink and that could
+    /// not be gathered to one (a sink holding some was down): every block
+    /// is safe, but no sink has the whole step, so no hook ran for it.
+    /// `drain` gathers them once those sinks are up.
+    pub split_steps: Vec<u64>,
     /// Most data connections open at once.
     pub max_streams: usize,
     /// Policy looks spent in states A, B and C.

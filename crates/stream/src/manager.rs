@@ -38,7 +38,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_engine::error::{Error, Result};
 use dmover_engine::session::{expect_session, Conn, Credential, SETUP_TIMEOUT};
 use dmover_engine::transport::Transport;
-use dmover_engine::wire::{FrameReader, FrameWriter};
+use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
 use dmover_proto::digest::{block_sum, file_digest, Sum};
 use dmover_proto::frame::{DataHeader, StepBlock, StepInfo};
 use dmover_proto::phase::{FromSink, OnData, Open, Request, ToSink};
@@ -94,8 +94,13 @@ pub enum Event {
     Acked { link: u64, blocks: Vec<(u64, u64)> },
     /// Link `link`'s sink got this block damaged.
     Nack { link: u64, step: u64, offset: u64 },
-    /// Link `link`'s sink saved the step's manifest.
-    Saved { link: u64, step: u64 },
+    /// Link `link`'s sink saved the step's manifest; `complete` if every
+    /// block of the step is there.
+    Saved { link: u64, step: u64, complete: bool },
+    /// A block of a split step, fetched back from the sink that held it.
+    Fetched { step: u64, offset: u64, data: Slot },
+    /// Fetching a split step's blocks back from `holder` ended.
+    Gathered { step: u64, holder: usize, error: Option<Error> },
     /// Link `link`'s sink told its name.
     Named { link: u64, name: String },
     /// Link `link` failed.
@@ -128,6 +133,11 @@ struct StepState {
     end_sent: Option<u64>,
     /// Where its manifest was saved.
     saved: Option<usize>,
+    /// That manifest says every block is there.
+    complete: bool,
+    /// Saved split (some blocks at another sink) and left so: gathering it
+    /// failed while closing (`drain` tries again).
+    left_split: bool,
     /// A block of it arrived damaged at a sink [`MAX_DAMAGED`] times and
     /// was given up (kept in the spill file): this run never ends the step.
     damaged: bool,
@@ -206,6 +216,8 @@ pub struct Manager {
     unconfirmed: usize,
     /// Times each block in flight arrived damaged (`Nack`).
     damage: HashMap<(u64, u64), u32>,
+    /// The split step whose blocks are being fetched back, if any.
+    gathering: Option<u64>,
     dests: Vec<Destination>,
     link: Option<Link>,
     links_opened: u64,
@@ -241,6 +253,7 @@ impl Manager {
             unsent: BTreeSet::new(),
             unconfirmed: 0,
             damage: HashMap::new(),
+            gathering: None,
             dests,
             link: None,
             links_opened: 0,
@@ -309,6 +322,7 @@ impl Manager {
                 records: s.records.clone(),
             });
             st.saved = s.manifest_at.as_deref().map(|a| self.dest_index(a));
+            st.complete = st.saved.is_some_and(|d| st.blocks.values().all(|b| b.place == Place::At(d)));
             if st.saved.is_none() && !lost {
                 self.unsent.insert(step);
             }
@@ -443,7 +457,7 @@ impl Manager {
                     self.give_up_damaged(step, offset, &sink)?;
                 }
             }
-            Event::Saved { link, step } if Some(link) == current => {
+            Event::Saved { link, step, complete } if Some(link) == current => {
                 let l = self.link.as_mut().expect("current link");
                 l.last_ack = Instant::now();
                 let dest = l.dest;
@@ -452,7 +466,28 @@ impl Manager {
                         self.unconfirmed -= 1;
                     }
                     s.saved = Some(dest);
+                    s.complete = complete;
                     self.manifest_dirty = true;
+                }
+            }
+            Event::Fetched { step, offset, data } => {
+                let sum = block_sum(&data);
+                let Some(rec) = self.steps.get_mut(&step).and_then(|s| s.blocks.get_mut(&offset)) else { return Ok(()) };
+                if rec.sum != sum || rec.len as usize != data.len() || !matches!(rec.place, Place::At(_)) {
+                    log::warn!("stream {}: step {step}, block at offset {offset} came back damaged; not gathering it", self.cfg.producer);
+                    return Ok(());
+                }
+                rec.place = Place::Memory;
+                self.queue.push_back(Arc::new(Block { step, offset, sum, data, spilled_at: None }));
+            }
+            Event::Gathered { step, holder, error } => {
+                self.gathering = None;
+                if let Some(e) = error {
+                    log::warn!("stream {}: cannot gather step {step} from {}: {e}", self.cfg.producer, self.dests[holder].name);
+                    self.dests[holder].down_until = Some(Instant::now() + RETRY_DOWN);
+                    if self.closing.is_some() {
+                        self.steps.get_mut(&step).expect("gathered steps exist").left_split = true;
+                    }
                 }
             }
             Event::Named { link, name } if Some(link) == current => {
@@ -477,6 +512,7 @@ impl Manager {
             let blocks: Vec<Arc<Block>> = self.queue.drain(..).collect();
             self.spill_blocks(blocks, true)?;
         }
+        self.gather();
         self.keep_manifest();
         let backlog = self.queue.len() + self.link.as_ref().map_or(0, |l| l.work.len());
         let o = Observation {
@@ -556,6 +592,75 @@ impl Manager {
         Ok(())
     }
 
+    /// Makes a step that failover split whole again at the sink this
+    /// producer sends to: once the step is saved split, its blocks at other
+    /// sinks are fetched back from them (`Fetch`, one sink and one step at a
+    /// time) and sent here like any block, and when every block is here the
+    /// step ends again, so that this sink's manifest says it is complete
+    /// and runs the hook, once (a sink runs the hook only of a complete
+    /// step). A sink that cannot be reached is tried again after
+    /// [`RETRY_DOWN`]; while closing, the step is left split instead
+    /// (`drain` tries again).
+    fn gather(&mut self) {
+        let Some(cur) = self.link.as_ref().map(|l| l.dest) else { return };
+        if self.gathering.is_some() {
+            return;
+        }
+        let now = Instant::now();
+        let mut whole = Vec::new();
+        for (&step, s) in &self.steps {
+            if s.saved.is_none() || s.complete || s.left_split || s.lost || s.damaged {
+                continue;
+            }
+            let elsewhere = |d: usize| s.blocks.values().filter(move |b| b.place == Place::At(d)).count();
+            let holder = s.blocks.values().find_map(|b| match b.place {
+                Place::At(d) if d != cur => Some(d),
+                _ => None,
+            });
+            match holder {
+                Some(h) if self.dests[h].down_until.is_some_and(|t| t > now) => continue,
+                Some(h) => {
+                    let blocks: Vec<(u64, u32)> =
+                        s.blocks.iter().filter(|(_, b)| b.place == Place::At(h)).map(|(&offset, b)| (offset, b.len)).collect();
+                    log::info!(
+                        "stream {}: step {step} is split; gathering its {} blocks at {} to {}",
+                        self.cfg.producer,
+                        elsewhere(h),
+                        self.dests[h].name,
+                        self.dests[cur].name
+                    );
+                    let fetch = Fetch {
+                        addr: self.dests[h].addr.clone(),
+                        cred: self.cred.clone(),
+                        producer: self.cfg.producer.clone(),
+                        block_size: self.cfg.block_size,
+                        step,
+                        holder: h,
+                        blocks,
+                        ring: self.ring.clone(),
+                        events: self.events.clone(),
+                        setup: self.cfg.ack_timeout.max(SETUP_TIMEOUT),
+                    };
+                    self.gathering = Some(step);
+                    std::thread::spawn(move || fetch.run());
+                    break;
+                }
+                // Every block is here (or on its way): end the step again.
+                None if s.blocks.values().all(|b| b.place == Place::At(cur)) => whole.push(step),
+                None => {}
+            }
+        }
+        for step in whole {
+            let s = self.steps.get_mut(&step).expect("whole steps exist");
+            s.saved = None;
+            s.end_sent = None;
+            self.unsent.insert(step);
+        }
+        if !self.unsent.is_empty() {
+            let _ = self.end_steps();
+        }
+    }
+
     /// Gives up a block that arrived damaged at `sink` [`MAX_DAMAGED`]
     /// times: the path damages it, and sending it again would loop. It
     /// goes to the spill file (freeing its slot) for `drain` to send once
@@ -632,7 +737,8 @@ impl Manager {
         self.queue.is_empty()
             && self.inflight.is_empty()
             && self.spilled.is_empty()
-            && self.steps.values().all(|s| s.lost || s.damaged || (s.end.is_some() && s.saved.is_some()))
+            && self.gathering.is_none()
+            && self.steps.values().all(|s| s.lost || s.damaged || (s.end.is_some() && s.saved.is_some() && (s.complete || s.left_split)))
     }
 
     /// Opens or closes data connections of the current link to reach `n`.
@@ -810,6 +916,7 @@ impl Manager {
         self.report.undelivered_blocks = undelivered;
         self.report.unsaved_steps = self.steps.values().filter(|s| !s.lost && s.saved.is_none()).count() as u64;
         self.report.lost_steps = self.steps.iter().filter(|(_, s)| s.lost).map(|(&step, _)| step).collect();
+        self.report.split_steps = self.steps.iter().filter(|(_, s)| s.saved.is_some() && !s.complete).map(|(&step, _)| step).collect();
         if undelivered == 0 {
             self.spill.remove();
         } else {
@@ -866,7 +973,7 @@ fn read_control(mut r: FrameReader, link: u64, block_size: u64, events: Sender<E
         let ev = match r.read_msg::<FromSink>() {
             Ok(FromSink::Acked { blocks }) => Event::Acked { link, blocks },
             Ok(FromSink::Nack { id, block }) => Event::Nack { link, step: id, offset: block * block_size },
-            Ok(FromSink::StepSaved { step, .. }) => Event::Saved { link, step },
+            Ok(FromSink::StepSaved { step, complete }) => Event::Saved { link, step, complete },
             Ok(FromSink::Identity { name }) => Event::Named { link, name },
             Ok(FromSink::Ping {}) => continue,
             Ok(FromSink::Error { kind, message }) => Event::Down { link, error: Error::new(kind, r.peer(), message) },
@@ -875,6 +982,76 @@ fn read_control(mut r: FrameReader, link: u64, block_size: u64, events: Sender<E
         let down = matches!(ev, Event::Down { .. });
         if events.send(ev).is_err() || down {
             return;
+        }
+    }
+}
+
+/// Fetches blocks of a split step back from the sink that holds them
+/// (`Fetch` in a session of its own there), into ring slots, for the
+/// manager to send to the sink that holds the rest.
+struct Fetch {
+    addr: String,
+    cred: Credential,
+    producer: String,
+    block_size: u32,
+    step: u64,
+    holder: usize,
+    blocks: Vec<(u64, u32)>,
+    ring: Arc<Ring>,
+    events: Sender<Event>,
+    setup: Duration,
+}
+
+impl Fetch {
+    fn run(self) {
+        let error = self.fetch().err();
+        let _ = self.events.send(Event::Gathered { step: self.step, holder: self.holder, error });
+    }
+
+    fn fetch(&self) -> Result<()> {
+        let mut c = Conn::control(&self.addr, &self.cred)?;
+        expect_session(&self.addr, c.request(Request::Stream { producer: self.producer.clone(), block_size: self.block_size })?)?;
+        let t = c.into_transport();
+        let mut r = FrameReader::new(t.split().map_err(|e| Error::network(&self.addr, &e))?);
+        let mut w = FrameWriter::new(t);
+        w.send(ToSink::Fetch { step: self.step, blocks: self.blocks.clone() })?;
+        let mut buf = vec![0u8; self.block_size as usize];
+        for _ in 0..self.blocks.len() {
+            let h = match r.read::<FromSink>()? {
+                Incoming::Data(h) => h,
+                Incoming::Msg(FromSink::Error { kind, message }) => return Err(Error::new(kind, &self.addr, message)),
+                Incoming::Msg(m) => return Err(Error::protocol(&self.addr, format!("{m:?} instead of a block of step {}", self.step))),
+            };
+            if h.file != self.step || h.len > self.block_size {
+                return Err(Error::protocol(
+                    &self.addr,
+                    format!("a block of {} bytes of step {} instead of step {}", h.len, h.file, self.step),
+                ));
+            }
+            let data = &mut buf[..h.len as usize];
+            r.read_block(data, &[])?;
+            let mut slot = self.slot()?;
+            slot.fill(data);
+            if self.events.send(Event::Fetched { step: self.step, offset: h.offset, data: slot }).is_err() {
+                break;
+            }
+        }
+        w.close();
+        Ok(())
+    }
+
+    /// A free slot, leaving half the ring to the writer; waits for one up
+    /// to the setup time.
+    fn slot(&self) -> Result<Slot> {
+        let deadline = Instant::now() + self.setup;
+        loop {
+            if let Some(s) = self.ring.take_sparing(self.ring.slots() / 2) {
+                return Ok(s);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::new(ErrorKind::Unreachable, &self.addr, "no room in the buffer to gather a split step"));
+            }
+            std::thread::sleep(WORK_WAIT);
         }
     }
 }

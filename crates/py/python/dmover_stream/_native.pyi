@@ -17,6 +17,7 @@ class Report(TypedDict):
     failovers: int
     undelivered_blocks: int
     damaged_blocks: int
+    split_steps: list[int]
     max_streams: int
     seconds: float
     manifest: str
