@@ -44,6 +44,7 @@ use dmover_proto::ErrorKind;
 use manager::{Event, Manager};
 use ring::{Ring, Slot};
 use spill::Spill;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -90,6 +91,12 @@ pub struct Config {
     /// A sink that acknowledges nothing for this long while it has blocks
     /// or step ends to confirm is taken for dead (it hangs): failover.
     pub ack_timeout: Duration,
+    /// How many sinks each step goes to, whole (1 to the number of
+    /// destinations): the first `replicas` destinations that are up each
+    /// get every block, a block's slot is freed only when that many hold
+    /// it, and when one fails the next destination takes its place and
+    /// gets a copy of what it held.
+    pub replicas: usize,
 }
 
 impl Config {
@@ -107,6 +114,7 @@ impl Config {
             max_streams: DEFAULT_MAX_STREAMS,
             close_timeout: DEFAULT_CLOSE_TIMEOUT,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+            replicas: 1,
         }
     }
 
@@ -123,6 +131,12 @@ impl Config {
             let msg = format!("sink address {d:?} is not host:port");
             return Err(Error::new(ErrorKind::Usage, &self.producer, msg)
                 .advised("give every sink with its port, as `dmover sink --listen` shows it, e.g. \"ana1:7460\""));
+        }
+        if self.replicas == 0 || self.replicas > self.destinations.len() {
+            let msg = format!("{} replicas with {} destinations", self.replicas, self.destinations.len());
+            return Err(Error::new(ErrorKind::Usage, &self.producer, msg).advised(
+                "ask for 1 copy of each step up to one per destination, and give a spare destination to take over a dead one's copies",
+            ));
         }
         if !(4096..=dmover_proto::frame::MAX_BLOCK).contains(&self.block_size) {
             return usage(format!("block size {} is outside 4 KiB..64 MiB", self.block_size));
@@ -147,13 +161,18 @@ impl Config {
 
 impl Config {
     /// Sets the close and ack timeouts from `DMOVER_CLOSE_TIMEOUT` and
-    /// `DMOVER_ACK_TIMEOUT` (seconds), where set: what the C, Fortran and
-    /// Python bindings start from.
-    pub fn timeouts_from_env(&mut self) -> Result<()> {
+    /// `DMOVER_ACK_TIMEOUT` (seconds), and the replicas from
+    /// `DMOVER_REPLICAS`, where set: what the C, Fortran and Python
+    /// bindings start from.
+    pub fn options_from_env(&mut self) -> Result<()> {
         for (var, field) in [("DMOVER_CLOSE_TIMEOUT", &mut self.close_timeout), ("DMOVER_ACK_TIMEOUT", &mut self.ack_timeout)] {
             if let Ok(v) = std::env::var(var) {
                 *field = seconds(&v).map_err(|m| Error::new(ErrorKind::Usage, var, format!("{v:?}: {m}")))?;
             }
+        }
+        if let Ok(v) = std::env::var("DMOVER_REPLICAS") {
+            self.replicas =
+                v.trim().parse().map_err(|_| Error::new(ErrorKind::Usage, "DMOVER_REPLICAS", format!("{v:?} is not a number")))?;
         }
         Ok(())
     }
@@ -259,6 +278,8 @@ pub struct Report {
     /// is safe, but no sink has the whole step, so no hook ran for it.
     /// `drain` gathers them once those sinks are up.
     pub split_steps: Vec<u64>,
+    /// For each step, the sinks that saved it whole (its copies).
+    pub complete_at: BTreeMap<u64, Vec<String>>,
     /// Most data connections open at once.
     pub max_streams: usize,
     /// Policy looks spent in states A, B and C.
@@ -290,6 +311,8 @@ pub struct Stream {
     manager: Option<JoinHandle<Result<Report>>>,
     max_wait: Duration,
     block_size: usize,
+    /// How many destinations there are: the most replicas.
+    destinations: usize,
     step: u64,
     /// Bytes written in this step.
     step_bytes: u64,
@@ -310,7 +333,7 @@ impl Stream {
         let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
         let spill = Arc::new(Spill::new(&cfg.spill_dir, &cfg.producer));
         let (events, rx) = crossbeam_channel::unbounded();
-        let (max_wait, block_size) = (cfg.max_wait, cfg.block_size as usize);
+        let (max_wait, block_size, destinations) = (cfg.max_wait, cfg.block_size as usize, cfg.destinations.len());
         let mut m = Manager::new(cfg, cred, ring.clone(), spill.clone(), events.clone(), rx);
         m.connect_first()?;
         let manager = std::thread::Builder::new()
@@ -324,6 +347,7 @@ impl Stream {
             manager: Some(manager),
             max_wait,
             block_size,
+            destinations,
             step: 0,
             step_bytes: 0,
             blocks: 0,
@@ -338,6 +362,17 @@ impl Stream {
     /// the open stream; `None` leaves one as it is.
     pub fn set_timeouts(&mut self, close: Option<Duration>, ack: Option<Duration>) -> Result<()> {
         self.send(Event::Timeouts { close, ack })
+    }
+
+    /// Changes how many sinks each step goes to (see [`Config::replicas`]),
+    /// 1 to the number of destinations. Raising it also gives the steps
+    /// already sent their new copies.
+    pub fn set_replicas(&mut self, replicas: usize) -> Result<()> {
+        if replicas == 0 || replicas > self.destinations {
+            let msg = format!("{replicas} replicas with {} destinations", self.destinations);
+            return Err(Error::new(ErrorKind::Usage, "", msg).advised("ask for 1 copy of each step up to one per destination"));
+        }
+        self.send(Event::Replicas { replicas })
     }
 
     /// The step being written (0 first).
@@ -481,6 +516,7 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
     let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut cfg = Config::new(&m.producer, &m.destinations.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
     cfg.block_size = m.block_size;
+    cfg.replicas = m.replicas;
     cfg.close_timeout = close_timeout;
     cfg.check()?;
     let cred = cfg.credential()?;
