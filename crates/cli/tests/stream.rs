@@ -1644,3 +1644,27 @@ fn two_replicas_from_c_and_python_survive_a_sink_killed_mid_run() {
     py.args(["-c", REPLICAS_PRODUCER_PY]);
     replicas_from(&env, "Python, replicas=", "replicas-py", py, &["2"]);
 }
+
+/// With `replicas = 2` and only two sinks, killing one leaves fewer up than
+/// copies wanted: the stream goes on (a block's slot is freed once every
+/// sink that is up holds it, so the writer does not spill the rest of the
+/// run) and close returns without waiting for copies no sink can take.
+#[test]
+fn with_fewer_sinks_up_than_replicas_the_stream_goes_on_and_close_returns() {
+    let env = Env::new();
+    let (outs, spill): (Vec<PathBuf>, PathBuf) = ((0..2).map(|i| env.mkdir(&format!("sink-{i}"))).collect(), env.mkdir("spill"));
+    let mut sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
+    let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
+    let mut c = config(&env, &addrs.iter().map(String::as_str).collect::<Vec<_>>(), &spill);
+    c.replicas = 2;
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    written.push(write_split_step(&mut s, 3, || sinks[0].kill9()));
+    written.extend((4..12).map(|step| write_step(&mut s, step)));
+    let start = std::time::Instant::now();
+    let report = s.close().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(30), "close took {:?}", start.elapsed());
+    assert_eq!(report.undelivered_blocks, 0, "{report:?}");
+    let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
+    assert_copies(&report.manifest, PRODUCER, &written, &dirs, &addrs[0], 1);
+}

@@ -17,10 +17,11 @@
 //! * [`policy`] — the queue manager's policy (the paper's states A, B and
 //!   C): how many connections, and when to fetch spilled blocks back.
 //! * [`manager`] — the queue manager thread: sends blocks to the first
-//!   destination that takes them (a `dmover sink`), keeps each block until
-//!   it is acknowledged, fails over to the next destination when a sink
-//!   dies, and records where every block is in a manifest it keeps on disk
-//!   as the stream goes.
+//!   destination that takes them (a `dmover sink`; the first k, for k
+//!   replicas), keeps each block until it is acknowledged (by k sinks),
+//!   fails over to the next destination when a sink dies, makes a step
+//!   that failover split whole at one sink, and records where every block
+//!   is in a manifest it keeps on disk as the stream goes.
 //! * [`manifest`] — that manifest, which [`drain`] reads, also when the
 //!   producer was killed before close.
 //! * [`ffi`] — the C ABI (`include/dmover_stream.h`), used from C, C++ and

@@ -11,16 +11,20 @@
 //! A *link* is a streaming session on one destination: a control
 //! connection (the manager writes `StepEnd` and `Ping`; a reader thread
 //! turns `Acked`, `Nack` and `StepSaved` into events) and data connections,
-//! each a thread that takes blocks from a shared work channel. When any of
-//! them fails the link is down: its unacknowledged blocks go back to the
-//! front of the queue and the manager opens a link to the next destination
-//! (failover). A destination that failed is tried again after
-//! [`RETRY_DOWN`], once the others have failed too.
+//! each a thread that takes blocks from the link's work channel. There is
+//! one link per copy wanted ([`Config::replicas`], 1 by default), to the
+//! most preferred destinations that are up, and every block goes to each.
+//! When any connection of a link fails the link is down: the blocks it had
+//! not confirmed stay in memory and go to the link the manager opens to
+//! the next destination (failover). A destination that failed is tried
+//! again after [`RETRY_DOWN`], once the others have failed too.
 //!
 //! A step is settled when each of its blocks is acknowledged somewhere and
-//! the current destination has saved its manifest (`StepSaved`); its
-//! `StepEnd` says where each block is, so a sink that took over midway
-//! records the blocks its predecessor holds.
+//! a sink has saved its manifest (`StepSaved`), complete: its `StepEnd`
+//! says where each block is, so a sink that took over midway records the
+//! blocks its predecessor holds, and the manager then fetches those back
+//! and sends them on, so that the step is whole at one sink (`gather`).
+//! With replicas, it is settled once `replicas` live sinks hold it whole.
 //!
 //! While no destination is reachable, blocks waiting in memory go to the
 //! spill file, so that nothing the simulation ended sits only in memory.
@@ -610,14 +614,22 @@ impl Manager {
     }
 
     /// Whether a block in memory is where it must be: at the sink it was
-    /// fetched back for, or at `replicas` sinks.
+    /// fetched back for; or at `replicas` sinks, or, while fewer are up and
+    /// no other will take it, at every one that is (its slot would
+    /// otherwise stay taken for good; the missing copies are made from the
+    /// sinks, as for a dead sink's, once another is up).
     fn done_with(&self, key: (u64, u64)) -> bool {
         let (Some(b), Some(rec)) = (self.memory.get(&key), self.steps.get(&key.0).and_then(|s| s.blocks.get(&key.1))) else {
             return true;
         };
         match b.gather_to {
             Some(d) => rec.at.contains(&d),
-            None => self.live_copies(rec) >= self.cfg.replicas,
+            None => {
+                self.live_copies(rec) >= self.cfg.replicas
+                    || (!self.links.is_empty()
+                        && self.links.len() < self.cfg.replicas
+                        && self.links.iter().all(|l| rec.at.contains(&l.dest)))
+            }
         }
     }
 
@@ -627,6 +639,10 @@ impl Manager {
     /// fewer sinks than that are up to take waits in memory for another.
     fn dispatch(&mut self) {
         while let Some(key) = self.fresh.pop_front() {
+            if self.done_with(key) {
+                self.memory.remove(&key);
+                continue;
+            }
             let Some(b) = self.memory.get(&key) else { continue };
             let Some(rec) = self.steps.get(&key.0).and_then(|s| s.blocks.get(&key.1)) else { continue };
             let sending = self.links.iter().filter(|l| l.sent.contains(&key)).count();
