@@ -226,6 +226,9 @@ pub struct Manager {
     /// One link per sink taking copies: `replicas` of them when enough
     /// destinations are up, the most preferred first.
     links: Vec<Link>,
+    /// The last try to open links left fewer than `replicas`: no other
+    /// destination takes the stream now.
+    short_of_sinks: bool,
     links_opened: u64,
     policy: Policy,
     start: Instant,
@@ -260,6 +263,7 @@ impl Manager {
             gathering: None,
             dests,
             links: Vec::new(),
+            short_of_sinks: false,
             links_opened: 0,
             start: Instant::now(),
             spilled_since: 0,
@@ -286,6 +290,7 @@ impl Manager {
                 first_error.get_or_insert(e);
             }
         }
+        self.short_of_sinks = self.links.len() < self.cfg.replicas;
         match first_error {
             Some(e) if self.links.is_empty() => Err(e),
             _ if self.links.is_empty() => Err(Error::new(ErrorKind::Usage, "", "no destination given")),
@@ -452,6 +457,7 @@ impl Manager {
             Event::Replicas { replicas } => {
                 // More links open at the next tick; blocks and steps get their copies.
                 self.cfg.replicas = replicas;
+                self.short_of_sinks = false;
                 self.fresh = self.memory.keys().copied().collect();
                 self.end_steps();
             }
@@ -608,6 +614,23 @@ impl Manager {
         Ok(())
     }
 
+    /// Whether nothing more is to be done for step `s` with the links up
+    /// (what [`settled`](Manager::settled) asks of every step):
+    /// saved, whole wherever saved at a sink that is up, no step end
+    /// pending and none wanted; or never to be sent again in this run
+    /// (lost, damaged, left split).
+    fn step_done(&self, s: &StepState) -> bool {
+        let up = |d: usize| self.links.iter().any(|l| l.dest == d);
+        s.lost
+            || s.damaged
+            || s.left_split
+            || (s.end.is_some()
+                && s.pending.is_empty()
+                && !s.saved.is_empty()
+                && s.saved.iter().all(|(&d, &complete)| complete || !up(d))
+                && !self.links.iter().any(|l| self.wants_end(s, l.dest)))
+    }
+
     /// The destinations holding a block that count as copies: not failed.
     fn live_copies(&self, rec: &BlockRec) -> usize {
         rec.at.iter().filter(|&&d| !self.dests[d].failed).count()
@@ -615,7 +638,8 @@ impl Manager {
 
     /// Whether a block in memory is where it must be: at the sink it was
     /// fetched back for; or at `replicas` sinks, or, while fewer are up and
-    /// no other will take it, at every one that is (its slot would
+    /// no other takes the stream ([`short_of_sinks`](Manager::short_of_sinks)),
+    /// at every one that is (its slot would
     /// otherwise stay taken for good; the missing copies are made from the
     /// sinks, as for a dead sink's, once another is up).
     fn done_with(&self, key: (u64, u64)) -> bool {
@@ -626,9 +650,7 @@ impl Manager {
             Some(d) => rec.at.contains(&d),
             None => {
                 self.live_copies(rec) >= self.cfg.replicas
-                    || (!self.links.is_empty()
-                        && self.links.len() < self.cfg.replicas
-                        && self.links.iter().all(|l| rec.at.contains(&l.dest)))
+                    || (self.short_of_sinks && !self.links.is_empty() && self.links.iter().all(|l| rec.at.contains(&l.dest)))
             }
         }
     }
@@ -880,24 +902,11 @@ impl Manager {
     /// sink that is up, and every step is saved (whole at `replicas` sinks,
     /// or at every sink up if fewer are), left split, or cannot be sent.
     fn settled(&self) -> bool {
-        let up = |d: usize| self.links.iter().any(|l| l.dest == d);
         let blocks_done = self.memory.iter().all(|(key, b)| {
             let rec = &self.steps[&key.0].blocks[&key.1];
             b.gather_to.is_none() && !rec.at.is_empty() && self.links.iter().all(|l| rec.at.contains(&l.dest))
         });
-        blocks_done
-            && self.spilled.is_empty()
-            && self.gathering.is_none()
-            && self.steps.values().all(|s| {
-                s.lost
-                    || s.damaged
-                    || s.left_split
-                    || (s.end.is_some()
-                        && s.pending.is_empty()
-                        && !s.saved.is_empty()
-                        && s.saved.iter().all(|(&d, &complete)| complete || !up(d))
-                        && !self.links.iter().any(|l| self.wants_end(s, l.dest)))
-            })
+        blocks_done && self.spilled.is_empty() && self.gathering.is_none() && self.steps.values().all(|s| self.step_done(s))
     }
 
     /// Opens or closes data connections of each link to reach `n`.
@@ -962,6 +971,12 @@ impl Manager {
                 self.dests[d].down_until = Some(now + RETRY_DOWN);
             }
         }
+        let short = self.links.len() < self.cfg.replicas;
+        if short && !self.short_of_sinks {
+            // Blocks every sink up holds can now be let go (see `done_with`).
+            self.fresh = self.memory.keys().copied().collect();
+        }
+        self.short_of_sinks = short;
         self.end_steps();
     }
 
