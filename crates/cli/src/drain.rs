@@ -27,6 +27,9 @@ pub fn run(a: DrainArgs) -> Result<i32> {
     let r = dmover_stream::drain(&a.manifest, &a.token.token()?, Duration::from_secs(a.timeout))?;
     let sent: Vec<String> = r.destinations.iter().filter(|d| d.blocks > 0).map(|d| format!("{}: {} blocks", d.addr, d.blocks)).collect();
     outln!("dmover: drained {} steps; sent {}", r.steps, if sent.is_empty() { "nothing".into() } else { sent.join(", ") });
+    if !r.damaged.is_empty() {
+        return Err(r.undelivered().expect("blocks given up as damaged are undelivered"));
+    }
     if r.undelivered_blocks > 0 || r.unsaved_steps > 0 {
         let msg = format!(
             "{} blocks undelivered and {} steps unsaved; they stay in {} (run drain again when a sink is up)",
@@ -35,6 +38,11 @@ pub fn run(a: DrainArgs) -> Result<i32> {
             r.spill_file.map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into())
         );
         return Err(Error::new(ErrorKind::Unreachable, a.manifest.display().to_string(), msg));
+    }
+    if !r.split_steps.is_empty() {
+        let msg = format!("steps {:?} are split between sinks and could not be gathered to one, so no hook ran for them", r.split_steps);
+        return Err(Error::new(ErrorKind::Unreachable, a.manifest.display().to_string(), msg)
+            .advised("every block is safe at a sink; run drain again when the sinks its manifest names are up"));
     }
     if !r.lost_steps.is_empty() {
         let mut steps: Vec<String> = r.lost_steps.iter().take(SHOW_LOST).map(u64::to_string).collect();

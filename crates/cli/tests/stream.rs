@@ -1358,3 +1358,313 @@ fn python_with_token_file(script: &str, sink: &Server, spill: &Path, token_file:
     let stdout = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
 }
+
+/// Writes step `step` (12 blocks) in two halves: the first, then
+/// `meanwhile` once the sink had time to acknowledge it, then the second.
+fn write_split_step(s: &mut Stream, step: u64, meanwhile: impl FnOnce()) -> Vec<u8> {
+    let data = step_data(step, 12 * BLOCK as usize);
+    s.write_metadata("step", &step.to_string()).unwrap();
+    let half = data.len() / 2;
+    s.write(&data[..half]).unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    meanwhile();
+    s.write(&data[half..]).unwrap();
+    s.end_step().unwrap();
+    data
+}
+
+/// The manifests the hook was run with (the hook appends each to `log`).
+fn hooked(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log).unwrap_or_default().lines().map(str::to_string).collect()
+}
+
+/// Checks that step `step` is whole at the sink in `out`, its manifest
+/// complete and every block there, and that its hook ran exactly once,
+/// there, as the hook log `log` says.
+fn assert_gathered(out: &Path, log: &Path, step: u64, want: &[u8]) {
+    let dir = out.join(PRODUCER);
+    assert!(std::fs::read(dir.join(format!("step-{step:06}.dat"))).unwrap() == want, "step {step} is not whole at {}", out.display());
+    let m = read_json(&dir.join(format!("step-{step:06}.json")));
+    assert_eq!(m["complete"], true, "{m}");
+    assert!(m["blocks"].as_array().unwrap().iter().all(|b| b["here"] == true), "{m}");
+    let name = format!("step-{step:06}.json");
+    assert!(wait_until(Duration::from_secs(20), || hooked(log).iter().any(|l| l.ends_with(&name))), "no hook ran for step {step}");
+    std::thread::sleep(Duration::from_secs(1));
+    let runs: Vec<String> = hooked(log).into_iter().filter(|l| l.ends_with(&name)).collect();
+    assert_eq!(runs, [dir.join(&name).display().to_string()], "the hook of step {step} must run once, where the step is whole");
+}
+
+/// STREAMING.md "Failover": the primary dies in the middle of a step, so
+/// the step's first blocks are at the primary and the rest at the
+/// alternate. Once the primary is back, the producer fetches its blocks
+/// and sends them to the alternate, where the step is complete, verified,
+/// and its hook runs once.
+#[test]
+fn a_step_split_by_failover_is_gathered_to_one_sink_where_its_hook_runs_once() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let log = env.path("hooks.log");
+    let hook = format!("printf '%s\\n' >> {}", log.display());
+    let mut primary = env.sink(&out_a, ["--hook", &hook]);
+    let alternate = env.sink(&out_b, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    written.push(write_split_step(&mut s, 3, || primary.kill9()));
+    primary.restart();
+    written.extend((4..6).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert!(report.failovers >= 1, "{report:?}");
+    assert!(report.split_steps.is_empty(), "{report:?}");
+    assert!(out_a.join(PRODUCER).join("step-000003.dat").is_file(), "the primary held none of step 3: nothing was split");
+    assert!(!out_a.join(PRODUCER).join("step-000003.json").exists(), "the primary saved step 3, which it does not hold whole");
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_delivery(&report, &written, &sinks);
+    assert!(m["steps"][3]["blocks"].as_array().unwrap().iter().all(|b| b["at"] == alternate.addr()), "{}", m["steps"][3]);
+    assert_gathered(&out_b, &log, 3, &written[3]);
+}
+
+/// The same with the primary still down at close: the step stays split
+/// (the report says so, and no hook runs for it); `dmover drain` gathers it
+/// once the primary is back, and its hook runs once.
+#[test]
+fn drain_gathers_a_step_left_split_and_its_hook_runs_once() {
+    let env = Env::new();
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let log = env.path("hooks.log");
+    let hook = format!("printf '%s\\n' >> {}", log.display());
+    let mut primary = env.sink(&out_a, ["--hook", &hook]);
+    let alternate = env.sink(&out_b, ["--hook", &hook]);
+    let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    written.push(write_split_step(&mut s, 2, || primary.kill9()));
+    let report = s.close().unwrap();
+    assert_eq!(report.split_steps, [2], "{report:?}");
+    assert_eq!(report.undelivered_blocks, 0, "{report:?}");
+    let partial = read_json(&out_b.join(PRODUCER).join("step-000002.json"));
+    assert_eq!(partial["complete"], false, "{partial}");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!hooked(&log).iter().any(|l| l.ends_with("step-000002.json")), "a hook ran for a split step");
+
+    primary.restart();
+    let manifest = report.manifest.to_str().unwrap().to_string();
+    let r = dmover(["drain", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    // Drain sends to the first sink that takes it, the primary: the step is gathered there.
+    let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
+    let m = check_manifest(&report.manifest, &written, &sinks);
+    assert!(m["steps"][2]["blocks"].as_array().unwrap().iter().all(|b| b["at"] == primary.addr()), "{}", m["steps"][2]);
+    assert_gathered(&out_a, &log, 2, &written[2]);
+}
+
+/// Checks that every step is whole at exactly `copies` of the sinks (name →
+/// directory) other than `dead`, as written, and that the producer's
+/// manifest says where: each step's `complete_at` names the sinks holding
+/// it whole (the dead one too, if it did before it died) and every block's
+/// `at` is one of them.
+fn assert_copies(manifest: &Path, producer: &str, written: &[Vec<u8>], sinks: &HashMap<String, PathBuf>, dead: &str, copies: usize) {
+    let m = read_json(manifest);
+    for (step, want) in written.iter().enumerate() {
+        let holders: Vec<&String> = sinks
+            .iter()
+            .filter(|(_, dir)| {
+                let dir = dir.join(producer);
+                let whole = std::fs::read(dir.join(format!("step-{step:06}.dat"))).is_ok_and(|d| d == *want);
+                whole && read_json_opt(&dir.join(format!("step-{step:06}.json"))).is_some_and(|j| j["complete"] == true)
+            })
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(holders.iter().filter(|h| **h != dead).count(), copies, "step {step} is whole at {holders:?}; {dead} is dead");
+        let s = &m["steps"][step];
+        let mut listed: Vec<&str> = s["complete_at"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        let mut holders: Vec<&str> = holders.iter().map(|h| h.as_str()).collect();
+        listed.sort_unstable();
+        holders.sort_unstable();
+        assert_eq!(listed, holders, "step {step}: the producer's manifest says its copies are elsewhere");
+        for b in s["blocks"].as_array().unwrap() {
+            let copies: Vec<&str> = b["copies"].as_array().map(|c| c.iter().map(|v| v.as_str().unwrap()).collect()).unwrap_or_default();
+            assert!(holders.contains(&b["at"].as_str().unwrap()), "step {step}: {b}");
+            assert!(copies.len() + 1 >= holders.len(), "step {step}: not every copy of the block is listed: {b}");
+        }
+    }
+}
+
+fn read_json_opt(p: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+}
+
+/// STREAMING.md "Replicas": with `replicas = 2` and three sinks, the two
+/// preferred ones get every step; killing one in the middle of a step makes
+/// the third take its place, with a copy of everything the dead one held,
+/// so that every step ends whole at two sinks.
+#[test]
+fn two_replicas_survive_a_sink_killed_in_the_middle_of_a_step() {
+    let env = Env::new();
+    let (outs, spill): (Vec<PathBuf>, PathBuf) = ((0..3).map(|i| env.mkdir(&format!("sink-{i}"))).collect(), env.mkdir("spill"));
+    let mut sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
+    let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
+    let mut c = config(&env, &addrs.iter().map(String::as_str).collect::<Vec<_>>(), &spill);
+    c.replicas = 2;
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    written.push(write_split_step(&mut s, 3, || sinks[0].kill9()));
+    written.extend((4..7).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert!(report.failovers >= 1, "{report:?}");
+    assert_eq!(report.undelivered_blocks, 0, "{report:?}");
+    assert!(report.complete_at.values().all(|at| at.iter().filter(|a| **a != addrs[0]).count() == 2), "{:?}", report.complete_at);
+    let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
+    assert_copies(&report.manifest, PRODUCER, &written, &dirs, &addrs[0], 2);
+    assert!(outs[2].join(PRODUCER).join("step-000000.json").is_file(), "the spare did not take the dead sink's copies");
+}
+
+/// A producer for the replication tests: streams STEPS steps of N doubles
+/// (value step * 1000003 + i) to SINKS with SPILL, in 64 KiB blocks; in the
+/// middle of step STEPS / 2 it says "half" and waits for a line on stdin (the
+/// test kills a sink meanwhile). C, giving REPLICAS to `dms_set_replicas`
+/// when it follows on its command line.
+const REPLICAS_PRODUCER_C: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include "dmover_stream.h"
+#define FAIL(x) if (x) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+int main(int argc, char **argv) {
+    dms_stream *s;
+    dms_report r = {0};
+    char line[8], num[32];
+    long steps = atol(argv[3]), n = atol(argv[4]);
+    double *phi = malloc(n * sizeof *phi);
+    FAIL(dms_open("replicas-c", argv[1], argv[2], 0, 65536, 0, &s));
+    if (argc > 5) FAIL(dms_set_replicas(s, atoi(argv[5])));
+    for (long step = 0; step < steps; step++) {
+        for (long i = 0; i < n; i++) phi[i] = (double)(step * 1000003 + i);
+        snprintf(num, sizeof num, "%ld", step);
+        FAIL(dms_write_metadata(s, "step", num));
+        if (step == steps / 2) {
+            FAIL(dms_write(s, phi, n / 2 * sizeof *phi));
+            printf("half\n");
+            fflush(stdout);
+            if (!fgets(line, sizeof line, stdin)) return 2;
+            FAIL(dms_write(s, phi + n / 2, (n - n / 2) * sizeof *phi));
+        } else {
+            FAIL(dms_write(s, phi, n * sizeof *phi));
+        }
+        FAIL(dms_end_step(s));
+    }
+    FAIL(dms_close(s, &r));
+    printf("failovers=%llu\n", (unsigned long long)r.failovers);
+    return 0;
+}
+"#;
+
+/// The same in Python, with `replicas=`.
+const REPLICAS_PRODUCER_PY: &str = r#"
+import sys
+import numpy as np
+from dmover_stream import Stream
+sinks, spill, steps, n = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+kw = {"replicas": int(sys.argv[5])} if len(sys.argv) > 5 else {}
+s = Stream("replicas-py", sinks, spill, block_size=65536, **kw)
+for step in range(steps):
+    phi = np.arange(n, dtype="<f8") + step * 1000003
+    s.write_metadata("step", step)
+    if step == steps // 2:
+        s.write(phi[: n // 2])
+        print("half", flush=True)
+        sys.stdin.readline()
+        s.write(phi[n // 2 :])
+    else:
+        s.write(phi)
+    s.end_step()
+r = s.close()
+assert all(len(at) >= 2 for at in r["complete_at"].values()), r["complete_at"]
+print(f"failovers={r['failovers']}")
+"#;
+
+/// Runs a replication producer (`cmd`, then SINKS SPILL STEPS N and
+/// `extra`) against three sinks and kills the first in the middle of a
+/// step; every step must end whole at two of them.
+fn replicas_from(env: &Env, what: &str, producer: &str, mut cmd: Command, extra: &[&str]) {
+    use std::io::{BufRead, Read, Write};
+    let (steps, n) = (8u64, 60_000u64);
+    let outs: Vec<PathBuf> = (0..3).map(|i| env.mkdir(&format!("sink-{}-{i}", unique()))).collect();
+    let mut sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
+    let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
+    let spill = env.mkdir(&format!("spill-{}", unique()));
+    let mut child = cmd
+        .arg(addrs.join(","))
+        .arg(&spill)
+        .args([steps.to_string(), n.to_string()])
+        .args(extra)
+        .env("DMOVER_TOKEN_FILE", &env.token)
+        .env_remove("DMOVER_TOKEN")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    if first.trim() != "half" {
+        let _ = child.kill();
+        let mut stderr = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        panic!("{what}: the producer did not get to the middle: {first}\n{stderr}");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    sinks[0].kill9();
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let r = child.wait_with_output().unwrap();
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(r.status.success(), "{what}: {rest}\n{}", String::from_utf8_lossy(&r.stderr));
+    assert!(!rest.contains("failovers=0"), "{what}: {rest}");
+    let written: Vec<Vec<u8>> =
+        (0..steps).map(|step| (0..n).flat_map(|i| ((step * 1_000_003 + i) as f64).to_le_bytes()).collect()).collect();
+    let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
+    let manifest = std::fs::read_dir(&spill).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().ends_with(".manifest.json"));
+    assert_copies(&manifest.expect("the producer's manifest"), producer, &written, &dirs, &addrs[0], 2);
+}
+
+#[test]
+fn two_replicas_from_c_and_python_survive_a_sink_killed_mid_run() {
+    let env = Env::new();
+    let dir = env.mkdir("build");
+    let src = dir.join("replicas.c");
+    std::fs::write(&src, REPLICAS_PRODUCER_C).unwrap();
+    let c = dir.join("replicas-c");
+    build("cc", &[src], &c);
+    replicas_from(&env, "C, dms_set_replicas", "replicas-c", Command::new(&c), &["2"]);
+    let mut by_env = Command::new(&c);
+    by_env.env("DMOVER_REPLICAS", "2");
+    replicas_from(&env, "C, DMOVER_REPLICAS", "replicas-c", by_env, &[]);
+    let mut py = Command::new("python3");
+    py.args(["-c", REPLICAS_PRODUCER_PY]);
+    replicas_from(&env, "Python, replicas=", "replicas-py", py, &["2"]);
+}
+
+/// With `replicas = 2` and only two sinks, killing one leaves fewer up than
+/// copies wanted: the stream goes on (a block's slot is freed once every
+/// sink that is up holds it, so the writer does not spill the rest of the
+/// run) and close returns without waiting for copies no sink can take.
+#[test]
+fn with_fewer_sinks_up_than_replicas_the_stream_goes_on_and_close_returns() {
+    let env = Env::new();
+    let (outs, spill): (Vec<PathBuf>, PathBuf) = ((0..2).map(|i| env.mkdir(&format!("sink-{i}"))).collect(), env.mkdir("spill"));
+    let mut sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
+    let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
+    let mut c = config(&env, &addrs.iter().map(String::as_str).collect::<Vec<_>>(), &spill);
+    c.replicas = 2;
+    let mut s = Stream::open(c).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    written.push(write_split_step(&mut s, 3, || sinks[0].kill9()));
+    written.extend((4..12).map(|step| write_step(&mut s, step)));
+    let start = std::time::Instant::now();
+    let report = s.close().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(30), "close took {:?}", start.elapsed());
+    assert_eq!(report.undelivered_blocks, 0, "{report:?}");
+    let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
+    assert_copies(&report.manifest, PRODUCER, &written, &dirs, &addrs[0], 1);
+}

@@ -2,8 +2,9 @@
 //!
 //! The engine has no fault of its own and reads no setting for one: a
 //! program may install an [`Injector`] once, at start-up, and the sending
-//! end then hands it every data block after checksumming it. Without one
-//! (always, in `dmover`) every block goes out as read.
+//! ends — a transfer's and a stream's (`dmover-stream`) — then hand it
+//! every data block after checksumming it. Without one (always, in
+//! `dmover` and in the stream library) every block goes out as read.
 //!
 //! The only program that installs one is `dmover-faulty`
 //! (`crates/cli/src/bin/dmover-faulty.rs`), a test-only build of the same
@@ -37,4 +38,13 @@ pub(crate) fn corrupt_in_flight(block: &mut [u8]) {
     if let Some(inject) = INJECTOR.get() {
         inject(block);
     }
+}
+
+/// A copy of `block` as the injector damaged it, if one is installed and
+/// damaged it: for a sender whose block is shared and must stay intact
+/// (a stream keeps it until a sink holds it).
+pub fn damaged_copy(block: &[u8]) -> Option<Vec<u8>> {
+    let inject = INJECTOR.get()?;
+    let mut copy = block.to_vec();
+    inject(&mut copy).then_some(copy)
 }

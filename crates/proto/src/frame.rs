@@ -339,6 +339,7 @@ pub mod kind {
     pub const STEP_SAVED: u8 = 45;
     pub const IDENTIFY: u8 = 46;
     pub const IDENTITY: u8 = 47;
+    pub const FETCH: u8 = 48;
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -432,6 +433,10 @@ pub enum Msg {
     Identify,
     /// S→C: the sink's name, as its manifests write it (`dmover sink --name`).
     Identity { name: String },
+    /// C→S in a streaming session: send these (offset, length) blocks of
+    /// the step back, as data frames on this connection (to gather a step
+    /// that failover split to the sink that holds the rest).
+    Fetch { step: u64, blocks: Vec<(u64, u32)> },
 }
 
 struct W<'a>(&'a mut Vec<u8>);
@@ -594,6 +599,7 @@ impl Msg {
             StepSaved { .. } => kind::STEP_SAVED,
             Identify => kind::IDENTIFY,
             Identity { .. } => kind::IDENTITY,
+            Fetch { .. } => kind::FETCH,
         }
     }
 
@@ -687,6 +693,14 @@ impl Msg {
                 w.u8(*complete as u8);
             }
             Identity { name } => w.str(name),
+            Fetch { step, blocks } => {
+                w.u64(*step);
+                w.u32(blocks.len() as u32);
+                for (offset, len) in blocks {
+                    w.u64(*offset);
+                    w.u32(*len);
+                }
+            }
             Receive { dest, options } => {
                 w.str(dest);
                 w.options(options);
@@ -952,6 +966,15 @@ impl Msg {
             kind::STEP_SAVED => StepSaved { step: r.u64()?, complete: r.bool()? },
             kind::IDENTIFY => Identify,
             kind::IDENTITY => Identity { name: r.str()? },
+            kind::FETCH => {
+                let step = r.u64()?;
+                let n = r.count(12)?;
+                let mut blocks = Vec::with_capacity(n);
+                for _ in 0..n {
+                    blocks.push((r.u64()?, r.u32()?));
+                }
+                Fetch { step, blocks }
+            }
             k => return Err(DecodeError::UnknownKind(k)),
         };
         if !r.buf.is_empty() {
@@ -1136,6 +1159,7 @@ mod tests {
             Msg::StepSaved { step: 3, complete: true },
             Msg::Identify,
             Msg::Identity { name: "ana-1".into() },
+            Msg::Fetch { step: 4, blocks: vec![(0, 5), (1 << 20, 7)] },
         ]
     }
 

@@ -199,6 +199,7 @@ phase! {
         StepEnd { info: StepInfo },
         Ping {},
         Identify {},
+        Fetch { step: u64, blocks: Vec<(u64, u32)> },
     }
 }
 

@@ -49,7 +49,7 @@ impl Stream {
     #[new]
     #[pyo3(signature = (producer, destinations, spill_dir, *, token=None, buffer=dmover_stream::DEFAULT_BUFFER,
                         block_size=dmover_stream::DEFAULT_BLOCK, max_wait=0.0, max_streams=dmover_stream::DEFAULT_MAX_STREAMS,
-                        close_timeout=None, ack_timeout=None))]
+                        close_timeout=None, ack_timeout=None, replicas=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -63,6 +63,7 @@ impl Stream {
         max_streams: usize,
         close_timeout: Option<f64>,
         ack_timeout: Option<f64>,
+        replicas: Option<usize>,
     ) -> PyResult<Stream> {
         let token = match token {
             Some(t) => t.into_bytes(),
@@ -77,7 +78,8 @@ impl Stream {
         cfg.block_size = block_size;
         cfg.max_wait = Duration::from_secs_f64(max_wait);
         cfg.max_streams = max_streams;
-        cfg.timeouts_from_env().map_err(py_err)?;
+        cfg.options_from_env().map_err(py_err)?;
+        cfg.replicas = replicas.unwrap_or(cfg.replicas);
         for (name, given, field) in
             [("close_timeout", close_timeout, &mut cfg.close_timeout), ("ack_timeout", ack_timeout, &mut cfg.ack_timeout)]
         {
@@ -162,6 +164,9 @@ fn report<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("resent_blocks", r.resent_blocks)?;
     d.set_item("failovers", r.failovers)?;
     d.set_item("undelivered_blocks", r.undelivered_blocks)?;
+    d.set_item("damaged_blocks", r.damaged.len())?;
+    d.set_item("split_steps", r.split_steps.clone())?;
+    d.set_item("complete_at", r.complete_at.clone())?;
     d.set_item("max_streams", r.max_streams)?;
     d.set_item("seconds", r.seconds)?;
     d.set_item("manifest", r.manifest.display().to_string())?;

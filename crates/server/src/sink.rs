@@ -26,7 +26,7 @@ use dmover_engine::storage::{self, Attrs, Store, WriteFile};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
 use dmover_proto::digest::Sum;
-use dmover_proto::frame::{StepInfo, MAX_BLOCK};
+use dmover_proto::frame::{DataHeader, StepInfo, MAX_BLOCK};
 use dmover_proto::phase::{FromSink, OnData, ToSink};
 use dmover_proto::ErrorKind;
 use serde::{Deserialize, Serialize};
@@ -396,6 +396,7 @@ pub fn run(
             }
             ToSink::Ping {} => {}
             ToSink::Identify {} => shared.send(FromSink::Identity { name: cfg.name.clone() })?,
+            ToSink::Fetch { step, blocks } => send_back(&shared, step, &blocks)?,
         }
     })();
     over.store(true, Ordering::Relaxed);
@@ -446,6 +447,32 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
         shared.steps.lock().expect("steps lock").entry(h.file).or_default().blocks.insert(h.offset, (h.len, h.sum));
         shared.send(FromSink::Acked { blocks: vec![(h.file, h.offset)] })?;
     }
+}
+
+/// Sends blocks of a step back to its producer (`Fetch`), as data frames on
+/// the control connection, read from the step's data file here: to gather
+/// a step that failover split, the producer moves them to the sink that
+/// holds the rest. The producer checks each against the checksum it
+/// recorded; the frame carries the checksum of what was read.
+fn send_back(shared: &Shared, step: u64, blocks: &[(u64, u32)]) -> Result<()> {
+    let named = || shared.disk_dir.join(data_name(step)).display().to_string();
+    let f = shared.store.open(&shared.dir.join(data_name(step))).map_err(|e| Error::io(named(), &e))?;
+    let bs = shared.block_size;
+    let mut buf = Vec::new();
+    for &(offset, len) in blocks {
+        if len > bs || offset % bs as u64 != 0 {
+            let msg = format!("step {step}: a block of {len} bytes at offset {offset} does not fit the block size of {bs} bytes");
+            return Err(Error::protocol(named(), msg));
+        }
+        buf.resize(len as usize, 0);
+        let (n, sum) = storage::read_block(f.as_ref(), &mut buf, offset).map_err(|e| Error::io(named(), &e))?;
+        if n != buf.len() {
+            return Err(Error::new(ErrorKind::NotFound, named(), format!("step {step}: the block at offset {offset} is not here")));
+        }
+        let h = DataHeader { file: step, offset, sum, len };
+        shared.writer.lock().expect("writer lock").send_block(&h, &buf)?;
+    }
+    Ok(())
 }
 
 /// Checks that every block the producer says is here is here, writes the

@@ -7,7 +7,7 @@ module dmover_stream
   use iso_c_binding
   implicit none
   private
-  public :: dms_open, dms_set_timeouts, dms_write, &
+  public :: dms_open, dms_set_timeouts, dms_set_replicas, dms_write, &
             dms_write_metadata, dms_end_step, dms_close, dms_report, dms_str, dms_error_message
 
   type, bind(C) :: dms_report
@@ -42,6 +42,12 @@ module dmover_stream
       import :: c_int, c_ptr, c_double
       type(c_ptr), value :: h
       real(c_double), value :: close_seconds, ack_seconds
+    end function
+
+    integer(c_int) function dms_set_replicas(h, replicas) bind(C, name="dms_set_replicas")
+      import :: c_int, c_ptr, c_int32_t
+      type(c_ptr), value :: h
+      integer(c_int32_t), value :: replicas
     end function
 
     integer(c_int) function dms_end_step(h) bind(C, name="dms_end_step")

@@ -124,7 +124,8 @@ extern "C" {
  * Opens a stream and connects to the first sink that accepts it. The
  * close and ack timeouts come from DMOVER_CLOSE_TIMEOUT and
  * DMOVER_ACK_TIMEOUT (seconds) if set, else 600 s and 90 s; dms_set_timeouts
- * changes them.
+ * changes them. The replicas come from DMOVER_REPLICAS if set, else 1;
+ * dms_set_replicas changes them.
  *   producer      this producer's name: 1-64 of [A-Za-z0-9._-], e.g. "gtc-17"
  *   destinations  sinks as "host:port,host:port,...", in order of preference
  *   spill_dir     an existing directory for overflow and the manifest
@@ -171,6 +172,17 @@ int dms_write_metadata(struct dms_stream *h, const char *key, const char *value)
  * h is a live handle.
  */
 int dms_set_timeouts(struct dms_stream *h, double close_seconds, double ack_seconds);
+
+/**
+ * Sets how many sinks each step goes to, whole: 1 (the default, or
+ * DMOVER_REPLICAS if set) to the number of destinations. A block's memory
+ * is freed only when that many sinks hold it; when one fails, the next
+ * destination takes its place and gets a copy of what it held.
+ *
+ * # Safety
+ * h is a live handle.
+ */
+int dms_set_replicas(struct dms_stream *h, uint32_t replicas);
 
 /**
  * Ends the current time step.

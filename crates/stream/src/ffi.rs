@@ -105,7 +105,8 @@ unsafe fn string(p: *const c_char, what: &str) -> Result<String, Error> {
 /// Opens a stream and connects to the first sink that accepts it. The
 /// close and ack timeouts come from DMOVER_CLOSE_TIMEOUT and
 /// DMOVER_ACK_TIMEOUT (seconds) if set, else 600 s and 90 s; dms_set_timeouts
-/// changes them.
+/// changes them. The replicas come from DMOVER_REPLICAS if set, else 1;
+/// dms_set_replicas changes them.
 ///   producer      this producer's name: 1-64 of [A-Za-z0-9._-], e.g. "gtc-17"
 ///   destinations  sinks as "host:port,host:port,...", in order of preference
 ///   spill_dir     an existing directory for overflow and the manifest
@@ -138,7 +139,7 @@ pub unsafe extern "C" fn dms_open(
             unsafe { (string(producer, "producer")?, string(destinations, "destinations")?, string(spill_dir, "spill_dir")?) };
         let dests: Vec<&str> = dests.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
         let mut cfg = Config::new(&producer, &dests, &token_from_env()?, spill);
-        cfg.timeouts_from_env()?;
+        cfg.options_from_env()?;
         if buffer_bytes > 0 {
             cfg.buffer = buffer_bytes;
         }
@@ -211,6 +212,19 @@ pub unsafe extern "C" fn dms_set_timeouts(h: *mut DmsStream, close_seconds: f64,
         // SAFETY: per the contract above.
         unsafe { handle(h)? }.set_timeouts(close, ack)
     })
+}
+
+/// Sets how many sinks each step goes to, whole: 1 (the default, or
+/// DMOVER_REPLICAS if set) to the number of destinations. A block's memory
+/// is freed only when that many sinks hold it; when one fails, the next
+/// destination takes its place and gets a copy of what it held.
+///
+/// # Safety
+/// h is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn dms_set_replicas(h: *mut DmsStream, replicas: u32) -> c_int {
+    // SAFETY: per the contract above.
+    guard(|| unsafe { handle(h)? }.set_replicas(replicas as usize))
 }
 
 /// Ends the current time step.

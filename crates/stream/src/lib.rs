@@ -17,10 +17,11 @@
 //! * [`policy`] — the queue manager's policy (the paper's states A, B and
 //!   C): how many connections, and when to fetch spilled blocks back.
 //! * [`manager`] — the queue manager thread: sends blocks to the first
-//!   destination that takes them (a `dmover sink`), keeps each block until
-//!   it is acknowledged, fails over to the next destination when a sink
-//!   dies, and records where every block is in a manifest it keeps on disk
-//!   as the stream goes.
+//!   destination that takes them (a `dmover sink`; the first k, for k
+//!   replicas), keeps each block until it is acknowledged (by k sinks),
+//!   fails over to the next destination when a sink dies, makes a step
+//!   that failover split whole at one sink, and records where every block
+//!   is in a manifest it keeps on disk as the stream goes.
 //! * [`manifest`] — that manifest, which [`drain`] reads, also when the
 //!   producer was killed before close.
 //! * [`ffi`] — the C ABI (`include/dmover_stream.h`), used from C, C++ and
@@ -44,6 +45,7 @@ use dmover_proto::ErrorKind;
 use manager::{Event, Manager};
 use ring::{Ring, Slot};
 use spill::Spill;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -90,6 +92,12 @@ pub struct Config {
     /// A sink that acknowledges nothing for this long while it has blocks
     /// or step ends to confirm is taken for dead (it hangs): failover.
     pub ack_timeout: Duration,
+    /// How many sinks each step goes to, whole (1 to the number of
+    /// destinations): the first `replicas` destinations that are up each
+    /// get every block, a block's slot is freed only when that many hold
+    /// it, and when one fails the next destination takes its place and
+    /// gets a copy of what it held.
+    pub replicas: usize,
 }
 
 impl Config {
@@ -107,6 +115,7 @@ impl Config {
             max_streams: DEFAULT_MAX_STREAMS,
             close_timeout: DEFAULT_CLOSE_TIMEOUT,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+            replicas: 1,
         }
     }
 
@@ -123,6 +132,12 @@ impl Config {
             let msg = format!("sink address {d:?} is not host:port");
             return Err(Error::new(ErrorKind::Usage, &self.producer, msg)
                 .advised("give every sink with its port, as `dmover sink --listen` shows it, e.g. \"ana1:7460\""));
+        }
+        if self.replicas == 0 || self.replicas > self.destinations.len() {
+            let msg = format!("{} replicas with {} destinations", self.replicas, self.destinations.len());
+            return Err(Error::new(ErrorKind::Usage, &self.producer, msg).advised(
+                "ask for 1 copy of each step up to one per destination, and give a spare destination to take over a dead one's copies",
+            ));
         }
         if !(4096..=dmover_proto::frame::MAX_BLOCK).contains(&self.block_size) {
             return usage(format!("block size {} is outside 4 KiB..64 MiB", self.block_size));
@@ -147,13 +162,18 @@ impl Config {
 
 impl Config {
     /// Sets the close and ack timeouts from `DMOVER_CLOSE_TIMEOUT` and
-    /// `DMOVER_ACK_TIMEOUT` (seconds), where set: what the C, Fortran and
-    /// Python bindings start from.
-    pub fn timeouts_from_env(&mut self) -> Result<()> {
+    /// `DMOVER_ACK_TIMEOUT` (seconds), and the replicas from
+    /// `DMOVER_REPLICAS`, where set: what the C, Fortran and Python
+    /// bindings start from.
+    pub fn options_from_env(&mut self) -> Result<()> {
         for (var, field) in [("DMOVER_CLOSE_TIMEOUT", &mut self.close_timeout), ("DMOVER_ACK_TIMEOUT", &mut self.ack_timeout)] {
             if let Ok(v) = std::env::var(var) {
                 *field = seconds(&v).map_err(|m| Error::new(ErrorKind::Usage, var, format!("{v:?}: {m}")))?;
             }
+        }
+        if let Ok(v) = std::env::var("DMOVER_REPLICAS") {
+            self.replicas =
+                v.trim().parse().map_err(|_| Error::new(ErrorKind::Usage, "DMOVER_REPLICAS", format!("{v:?} is not a number")))?;
         }
         Ok(())
     }
@@ -200,6 +220,19 @@ impl Report {
         }
         let spill = self.spill_file.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into());
         let manifest = self.manifest.display().to_string();
+        if let Some((step, offset)) = self.damaged.first() {
+            let msg = format!(
+                "{} blocks arrived damaged at the sink every time they were sent ({} times; the first: step {step}, offset {offset}), \
+                 so neither they nor their steps were acknowledged; they and the other {} undelivered blocks are in {spill} and \
+                 {manifest} says where each block is",
+                self.damaged.len(),
+                dmover_proto::session::receive::MAX_DAMAGED,
+                self.undelivered_blocks - self.damaged.len() as u64
+            );
+            let advice =
+                format!("the network path to the sink damages data; once it is repaired, send them with `dmover drain {manifest}`");
+            return Some(Error::new(ErrorKind::Verify, "", msg).advised(advice));
+        }
         let msg =
             format!("{} blocks were not delivered; they are in {spill} and {manifest} says where each block is", self.undelivered_blocks);
         Some(Error::new(ErrorKind::Unreachable, "", msg).advised(format!("once a sink is up, send them with `dmover drain {manifest}`")))
@@ -227,6 +260,11 @@ pub struct Report {
     pub spilled_bytes: u64,
     /// Blocks sent again: after a failover or a damaged arrival.
     pub resent_blocks: u64,
+    /// Blocks (step, offset) that arrived damaged at a sink every time they
+    /// were sent, [`MAX_DAMAGED`](dmover_proto::session::receive::MAX_DAMAGED)
+    /// times: never acknowledged, kept in the spill file, their steps not
+    /// ended (counted in `undelivered_blocks` too).
+    pub damaged: Vec<(u64, u64)>,
     /// Times a destination failed and the next one took over.
     pub failovers: u64,
     /// Blocks no sink acknowledged by the close timeout (they are in the spill file).
@@ -236,6 +274,13 @@ pub struct Report {
     /// Steps that cannot be sent, ever (`drain` only): the producer stopped
     /// before they were whole, so some of their bytes were only in its memory.
     pub lost_steps: Vec<u64>,
+    /// Steps whose blocks failover left on more than one sink and that could
+    /// not be gathered to one (a sink holding some was down): every block
+    /// is safe, but no sink has the whole step, so no hook ran for it.
+    /// `drain` gathers them once those sinks are up.
+    pub split_steps: Vec<u64>,
+    /// For each step, the sinks that saved it whole (its copies).
+    pub complete_at: BTreeMap<u64, Vec<String>>,
     /// Most data connections open at once.
     pub max_streams: usize,
     /// Policy looks spent in states A, B and C.
@@ -267,6 +312,8 @@ pub struct Stream {
     manager: Option<JoinHandle<Result<Report>>>,
     max_wait: Duration,
     block_size: usize,
+    /// How many destinations there are: the most replicas.
+    destinations: usize,
     step: u64,
     /// Bytes written in this step.
     step_bytes: u64,
@@ -287,7 +334,7 @@ impl Stream {
         let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
         let spill = Arc::new(Spill::new(&cfg.spill_dir, &cfg.producer));
         let (events, rx) = crossbeam_channel::unbounded();
-        let (max_wait, block_size) = (cfg.max_wait, cfg.block_size as usize);
+        let (max_wait, block_size, destinations) = (cfg.max_wait, cfg.block_size as usize, cfg.destinations.len());
         let mut m = Manager::new(cfg, cred, ring.clone(), spill.clone(), events.clone(), rx);
         m.connect_first()?;
         let manager = std::thread::Builder::new()
@@ -301,6 +348,7 @@ impl Stream {
             manager: Some(manager),
             max_wait,
             block_size,
+            destinations,
             step: 0,
             step_bytes: 0,
             blocks: 0,
@@ -315,6 +363,17 @@ impl Stream {
     /// the open stream; `None` leaves one as it is.
     pub fn set_timeouts(&mut self, close: Option<Duration>, ack: Option<Duration>) -> Result<()> {
         self.send(Event::Timeouts { close, ack })
+    }
+
+    /// Changes how many sinks each step goes to (see [`Config::replicas`]),
+    /// 1 to the number of destinations. Raising it also gives the steps
+    /// already sent their new copies.
+    pub fn set_replicas(&mut self, replicas: usize) -> Result<()> {
+        if replicas == 0 || replicas > self.destinations {
+            let msg = format!("{replicas} replicas with {} destinations", self.destinations);
+            return Err(Error::new(ErrorKind::Usage, "", msg).advised("ask for 1 copy of each step up to one per destination"));
+        }
+        self.send(Event::Replicas { replicas })
     }
 
     /// The step being written (0 first).
@@ -458,6 +517,7 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
     let dir = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut cfg = Config::new(&m.producer, &m.destinations.iter().map(String::as_str).collect::<Vec<_>>(), token, dir);
     cfg.block_size = m.block_size;
+    cfg.replicas = m.replicas;
     cfg.close_timeout = close_timeout;
     cfg.check()?;
     let cred = cfg.credential()?;

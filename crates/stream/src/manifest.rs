@@ -27,6 +27,9 @@ pub fn beside(spill: &Path) -> PathBuf {
 pub struct Manifest {
     pub producer: String,
     pub block_size: u32,
+    /// How many sinks each step goes to ([`Config::replicas`](crate::Config::replicas)).
+    #[serde(default = "one")]
+    pub replicas: usize,
     /// Sinks as `host:port`, in order of preference.
     pub destinations: Vec<String>,
     /// Each sink's name — what `at` and `manifest_at` say, here and in
@@ -67,8 +70,12 @@ pub struct Step {
     /// manifests write them, `{ "offset": .., "len": .. }`.
     #[serde(with = "records")]
     pub records: Vec<(u64, u64)>,
-    /// The sink that saved the step's manifest, if one did.
+    /// The sink that saved the step's manifest, if one did (one that
+    /// saved it complete, if one did).
     pub manifest_at: Option<String>,
+    /// Every sink that saved the step complete: where its copies are.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub complete_at: Vec<String>,
     pub blocks: Vec<Block>,
 }
 
@@ -80,6 +87,9 @@ pub struct Block {
     pub xxh3: Sum,
     #[serde(flatten)]
     pub place: Place,
+    /// The other sinks that acknowledged it (its copies beside `at`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copies: Vec<String>,
 }
 
 impl Step {
@@ -93,6 +103,11 @@ impl Step {
     pub fn sendable_from_spill(&self) -> bool {
         !self.lost() && self.blocks.iter().any(|b| matches!(b.place, Place::Spilled { .. }))
     }
+}
+
+/// Manifests written before `replicas` existed sent each block to one sink.
+fn one() -> usize {
+    1
 }
 
 /// Manifests written before `ended` existed were written at close, when
@@ -152,10 +167,11 @@ mod tests {
 
     #[test]
     fn blocks_read_back_with_their_place_and_hex_checksums() {
-        let block = |place| Block { offset: 0, len: 5, xxh3: [0xcd; 16], place };
+        let block = |place| Block { offset: 0, len: 5, xxh3: [0xcd; 16], place, copies: Vec::new() };
         let m = Manifest {
             producer: "gtc-1".into(),
             block_size: 4096,
+            replicas: 1,
             destinations: vec!["a:1".into(), "b:2".into()],
             sinks: [("ana-a".to_string(), "a:1".to_string()), ("b:2".to_string(), "b:2".to_string())].into(),
             spill: "/s/gtc-1.spill".into(),
@@ -166,6 +182,7 @@ mod tests {
                 metadata: [("t".to_string(), "1".to_string())].into(),
                 records: vec![(0, 15)],
                 manifest_at: None,
+                complete_at: Vec::new(),
                 blocks: vec![
                     block(Place::At { at: "ana-a".into() }),
                     block(Place::Spilled { spill: "/s/gtc-1.spill".into(), spill_offset: 64 }),

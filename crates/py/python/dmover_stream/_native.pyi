@@ -16,6 +16,9 @@ class Report(TypedDict):
     resent_blocks: int
     failovers: int
     undelivered_blocks: int
+    damaged_blocks: int
+    split_steps: list[int]
+    complete_at: dict[int, list[str]]
     max_streams: int
     seconds: float
     manifest: str
@@ -37,9 +40,12 @@ class Stream:
         max_streams: int = 8,
         close_timeout: Optional[float] = None,
         ack_timeout: Optional[float] = None,
+        replicas: Optional[int] = None,
     ) -> None:
         """Opens the stream. close_timeout and ack_timeout are seconds (default
-        DMOVER_CLOSE_TIMEOUT and DMOVER_ACK_TIMEOUT if set, else 600 and 90)."""
+        DMOVER_CLOSE_TIMEOUT and DMOVER_ACK_TIMEOUT if set, else 600 and 90);
+        replicas is how many sinks each step goes to, whole (default
+        DMOVER_REPLICAS if set, else 1)."""
     @property
     def step(self) -> int:
         """The step being written (0 first)."""
