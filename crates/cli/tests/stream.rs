@@ -871,16 +871,17 @@ struct Closed {
     took: Duration,
 }
 
-/// Runs `producer SINKS SPILL [CLOSE ACK]`; once its stream is open, `meanwhile`
-/// (the test kills or stops a sink), then lets it write and close. A
-/// producer still running after 60 s is killed.
-fn run_producer(env: &Env, producer: &mut Command, sinks: &[&str], timeouts: Option<(f64, f64)>, meanwhile: impl FnOnce()) -> Closed {
-    use std::io::{BufRead, Read, Write};
-    let spill = env.mkdir(&format!("spill-{}", unique()));
+/// Starts `producer` with the test's token file, its input and output
+/// piped, and waits for its first line to be `line`; kills it and fails
+/// with `failed` and its stderr otherwise.
+fn spawn_until(
+    env: &Env,
+    producer: &mut Command,
+    line: &str,
+    failed: &str,
+) -> (std::process::Child, std::io::BufReader<std::process::ChildStdout>) {
+    use std::io::{BufRead, Read};
     let mut child = producer
-        .arg(sinks.join(","))
-        .arg(&spill)
-        .args(timeouts.map(|(close, ack)| [close.to_string(), ack.to_string()]).into_iter().flatten())
         .env("DMOVER_TOKEN_FILE", &env.token)
         .env_remove("DMOVER_TOKEN")
         .stdin(std::process::Stdio::piped())
@@ -891,12 +892,23 @@ fn run_producer(env: &Env, producer: &mut Command, sinks: &[&str], timeouts: Opt
     let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut first = String::new();
     stdout.read_line(&mut first).unwrap();
-    if first.trim() != "open" {
+    if first.trim() != line {
         let _ = child.kill();
         let mut stderr = String::new();
         child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-        panic!("the producer did not open its stream: {first}\n{stderr}");
+        panic!("{failed}: {first}\n{stderr}");
     }
+    (child, stdout)
+}
+
+/// Runs `producer SINKS SPILL [CLOSE ACK]`; once its stream is open, `meanwhile`
+/// (the test kills or stops a sink), then lets it write and close. A
+/// producer still running after 60 s is killed.
+fn run_producer(env: &Env, producer: &mut Command, sinks: &[&str], timeouts: Option<(f64, f64)>, meanwhile: impl FnOnce()) -> Closed {
+    use std::io::{Read, Write};
+    let spill = env.mkdir(&format!("spill-{}", unique()));
+    producer.arg(sinks.join(",")).arg(&spill).args(timeouts.map(|(close, ack)| [close.to_string(), ack.to_string()]).into_iter().flatten());
+    let (mut child, mut stdout) = spawn_until(env, producer, "open", "the producer did not open its stream");
     meanwhile();
     let start = std::time::Instant::now();
     child.stdin.take().unwrap().write_all(b"go\n").unwrap();
@@ -1586,33 +1598,14 @@ print(f"failovers={r['failovers']}")
 /// `extra`) against three sinks and kills the first in the middle of a
 /// step; every step must end whole at two of them.
 fn replicas_from(env: &Env, what: &str, producer: &str, mut cmd: Command, extra: &[&str]) {
-    use std::io::{BufRead, Read, Write};
+    use std::io::{Read, Write};
     let (steps, n) = (8u64, 60_000u64);
     let outs: Vec<PathBuf> = (0..3).map(|i| env.mkdir(&format!("sink-{}-{i}", unique()))).collect();
     let mut sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
     let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
     let spill = env.mkdir(&format!("spill-{}", unique()));
-    let mut child = cmd
-        .arg(addrs.join(","))
-        .arg(&spill)
-        .args([steps.to_string(), n.to_string()])
-        .args(extra)
-        .env("DMOVER_TOKEN_FILE", &env.token)
-        .env_remove("DMOVER_TOKEN")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut first = String::new();
-    stdout.read_line(&mut first).unwrap();
-    if first.trim() != "half" {
-        let _ = child.kill();
-        let mut stderr = String::new();
-        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-        panic!("{what}: the producer did not get to the middle: {first}\n{stderr}");
-    }
+    cmd.arg(addrs.join(",")).arg(&spill).args([steps.to_string(), n.to_string()]).args(extra);
+    let (mut child, mut stdout) = spawn_until(env, &mut cmd, "half", &format!("{what}: the producer did not get to the middle"));
     std::thread::sleep(Duration::from_millis(300));
     sinks[0].kill9();
     child.stdin.take().unwrap().write_all(b"go\n").unwrap();
