@@ -17,11 +17,12 @@ struct Setup {
 }
 
 impl Setup {
-    fn new() -> Setup {
+    /// None when the server is not installed (the test is skipped).
+    fn new() -> Option<Setup> {
         let env = Env::new();
-        let s3 = S3Server::start(&env.path("s3"));
+        let s3 = S3Server::start(&env.path("s3"))?;
         env.mkdir("home");
-        Setup { env, s3 }
+        Some(Setup { env, s3 })
     }
 
     /// `dmover cp --json -q ARGS` reaching the server.
@@ -34,7 +35,7 @@ impl Setup {
 
 #[test]
 fn a_tree_goes_up_and_comes_back_identical() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     let bucket = t.s3.bucket("data");
     let src = t.env.mkdir("src");
     make_tree(&src, 21, 30);
@@ -61,7 +62,7 @@ fn a_tree_goes_up_and_comes_back_identical() {
 
 #[test]
 fn an_upload_killed_midway_leaves_nothing_visible_and_a_rerun_completes() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     let bucket = t.s3.bucket("data");
     let src = t.env.mkdir("src");
     let mut rng = Rng::new(11);
@@ -78,7 +79,7 @@ fn an_upload_killed_midway_leaves_nothing_visible_and_a_rerun_completes() {
 
 #[test]
 fn bucket_to_bucket() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     t.s3.bucket("one");
     let two = t.s3.bucket("two");
     let src = t.env.mkdir("src");
@@ -93,7 +94,7 @@ fn bucket_to_bucket() {
 
 #[test]
 fn objects_other_tools_wrote_come_down_too() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     let bucket = t.s3.bucket("data");
     // Written behind the server's back: objects with no dmover metadata.
     fs::create_dir_all(bucket.join("in/sub")).unwrap();
@@ -111,7 +112,7 @@ fn objects_other_tools_wrote_come_down_too() {
 
 #[test]
 fn a_glob_picks_objects() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     t.s3.bucket("data");
     let src = t.env.mkdir("src");
     make_tree(&src, 22, 12);
@@ -140,7 +141,7 @@ fn a_glob_picks_objects() {
 
 #[test]
 fn sync_skips_what_is_there_both_ways() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     t.s3.bucket("data");
     let src = t.env.mkdir("src");
     make_tree(&src, 23, 10);
@@ -167,7 +168,7 @@ fn sync_skips_what_is_there_both_ways() {
 
 #[test]
 fn damaged_objects_fail_verification_on_the_way_down() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     let bucket = t.s3.bucket("data");
     let src = t.env.mkdir("src");
     let mut rng = Rng::new(9);
@@ -200,7 +201,7 @@ fn damaged_objects_fail_verification_on_the_way_down() {
 
 #[test]
 fn credentials_from_a_profile_and_the_endpoint_from_the_command_line() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     t.s3.bucket("data");
     let home = t.env.path("home");
     fs::create_dir_all(home.join(".aws")).unwrap();
@@ -219,7 +220,7 @@ fn credentials_from_a_profile_and_the_endpoint_from_the_command_line() {
 
 #[test]
 fn wrong_credentials_say_so() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     t.s3.bucket("data");
     let src = t.env.mkdir("src");
     make_tree(&src, 25, 1);
@@ -231,7 +232,7 @@ fn wrong_credentials_say_so() {
 
 #[test]
 fn no_credentials_or_no_server_say_so() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     t.s3.bucket("data");
     let src = t.env.mkdir("src");
     make_tree(&src, 28, 1);
@@ -245,7 +246,7 @@ fn no_credentials_or_no_server_say_so() {
 
 #[test]
 fn a_missing_bucket_says_what_to_do() {
-    let t = Setup::new();
+    let Some(t) = Setup::new() else { return };
     let src = t.env.mkdir("src");
     make_tree(&src, 26, 1);
     let r = t.cp([src.to_str().unwrap(), "s3://nobucket/x"]).run();

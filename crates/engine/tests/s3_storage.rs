@@ -10,7 +10,7 @@ use std::sync::Arc;
 #[test]
 fn s3_storage_conforms() {
     let dir = tempfile::tempdir().unwrap();
-    let server = S3Server::start(dir.path());
+    let Some(server) = S3Server::start(dir.path()) else { return };
     // This test is alone in its process, so nothing else reads the
     // environment while it is set.
     for k in foreign_env() {
