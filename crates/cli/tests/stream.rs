@@ -1406,6 +1406,25 @@ fn assert_gathered(out: &Path, log: &Path, step: u64, want: &[u8]) {
     assert_eq!(runs, [dir.join(&name).display().to_string()], "the hook of step {step} must run once, where the step is whole");
 }
 
+/// Two sinks whose hook appends the manifest it runs on to `log`.
+struct Logged {
+    out_a: PathBuf,
+    out_b: PathBuf,
+    spill: PathBuf,
+    log: PathBuf,
+    primary: Server,
+    alternate: Server,
+}
+
+fn two_logged_sinks(env: &Env) -> Logged {
+    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
+    let log = env.path("hooks.log");
+    let hook = format!("printf '%s\\n' >> {}", log.display());
+    let primary = env.sink(&out_a, ["--hook", &hook]);
+    let alternate = env.sink(&out_b, ["--hook", &hook]);
+    Logged { out_a, out_b, spill, log, primary, alternate }
+}
+
 /// STREAMING.md "Failover": the primary dies in the middle of a step, so
 /// the step's first blocks are at the primary and the rest at the
 /// alternate. Once the primary is back, the producer fetches its blocks
@@ -1414,11 +1433,7 @@ fn assert_gathered(out: &Path, log: &Path, step: u64, want: &[u8]) {
 #[test]
 fn a_step_split_by_failover_is_gathered_to_one_sink_where_its_hook_runs_once() {
     let env = Env::new();
-    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
-    let log = env.path("hooks.log");
-    let hook = format!("printf '%s\\n' >> {}", log.display());
-    let mut primary = env.sink(&out_a, ["--hook", &hook]);
-    let alternate = env.sink(&out_b, ["--hook", &hook]);
+    let Logged { out_a, out_b, spill, log, mut primary, alternate } = two_logged_sinks(&env);
     let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
     let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
     std::thread::sleep(Duration::from_millis(500));
@@ -1442,11 +1457,7 @@ fn a_step_split_by_failover_is_gathered_to_one_sink_where_its_hook_runs_once() {
 #[test]
 fn drain_gathers_a_step_left_split_and_its_hook_runs_once() {
     let env = Env::new();
-    let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
-    let log = env.path("hooks.log");
-    let hook = format!("printf '%s\\n' >> {}", log.display());
-    let mut primary = env.sink(&out_a, ["--hook", &hook]);
-    let alternate = env.sink(&out_b, ["--hook", &hook]);
+    let Logged { out_a, out_b, spill, log, mut primary, alternate } = two_logged_sinks(&env);
     let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
     let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
     std::thread::sleep(Duration::from_millis(500));
