@@ -135,9 +135,9 @@ pub struct SshOptions {
     /// The dmover to run on a host reached over ssh.
     #[arg(long, value_name = "PATH", default_value = "dmover")]
     pub remote_dmover: String,
-    /// Carry every connection to a host reached over ssh inside ssh, not
-    /// straight to its port (dmover does so by itself when the port cannot
-    /// be reached).
+    /// Carry every data connection to a host reached over ssh inside an
+    /// ssh of its own, not straight to its port (dmover does so by itself
+    /// when the port cannot be reached).
     #[arg(long)]
     pub via_ssh: bool,
 }
@@ -237,7 +237,8 @@ impl Dialer for DataRoute {
 
 /// A remote end started over ssh; it exits when this is dropped.
 pub struct Endpoint {
-    child: Child,
+    /// ssh (None once handed to the thread that reaps it).
+    child: Option<Child>,
     /// The ssh pipe: it carries the control connections, and closing it
     /// ends the remote end.
     pipe: Mux,
@@ -295,7 +296,7 @@ impl Endpoint {
             Arc::new(DataRoute { host: host.clone(), addr, over_ssh, reachable: Mutex::new(None) })
         };
         let cred = Credential { via: Some(via), control: Some(Arc::new(pipe.clone())), ..Credential::token(&token) };
-        Ok(Endpoint { child, pipe, addr: addr.to_string(), cred })
+        Ok(Endpoint { child: Some(child), pipe, addr: addr.to_string(), cred })
     }
 }
 
@@ -324,13 +325,18 @@ fn failed(mut child: Child, host: &str, o: &SshOptions, said: &Mutex<Said>, why:
 }
 
 impl Drop for Endpoint {
-    /// Closes the ssh pipe (the remote end exits, letting running transfers
-    /// end for a moment), then makes sure ssh is gone.
+    /// Closes the ssh pipe: the remote end exits (letting running transfers
+    /// end for a moment), and ssh with it. A command that ends now does not
+    /// wait for that; one that goes on reaps ssh, killing it if it lingers.
     fn drop(&mut self) {
         self.pipe.close();
-        if wait_for(&mut self.child, Duration::from_secs(5)).is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        if let Some(mut child) = self.child.take() {
+            std::thread::spawn(move || {
+                if wait_for(&mut child, Duration::from_secs(5)).is_none() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            });
         }
     }
 }
