@@ -10,14 +10,14 @@ use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::progress::Progress;
-use dmover_engine::recv::{self, RecvConfig, DEST_MAY_BE_FILE};
+use dmover_engine::recv::{self, RecvConfig};
 use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, SendConfig};
 use dmover_engine::session;
 use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::Transport;
 use dmover_engine::{Error, Result};
-use dmover_proto::frame::{EngineParams, Stats, TransferOptions};
+use dmover_proto::frame::{EngineParams, Stats, TransferFlags, TransferOptions};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use std::os::unix::net::UnixStream;
@@ -174,18 +174,18 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         _ => Ok(storage::local()),
     };
     let (src_store, dest_store) = (store(&sources[0])?, store(&dest)?);
-    let mut flags = 0;
+    let mut flags = TransferFlags::empty();
     if a.sync {
-        flags |= TransferOptions::SYNC;
+        flags |= TransferFlags::SYNC;
     }
     if a.checksum {
-        flags |= TransferOptions::CHECKSUM;
+        flags |= TransferFlags::CHECKSUM;
     }
     if a.no_fsync {
-        flags |= TransferOptions::NO_FSYNC;
+        flags |= TransferFlags::NO_FSYNC;
     }
     if a.net.no_encrypt {
-        flags |= TransferOptions::NO_ENCRYPT;
+        flags |= TransferFlags::NO_ENCRYPT;
     }
     let mut plan = Plan {
         options: TransferOptions {
@@ -209,7 +209,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         dest_store,
     };
     if may_be_file_to_file(&plan) {
-        plan.options.flags |= DEST_MAY_BE_FILE;
+        plan.options.flags |= TransferFlags::DEST_MAY_BE_FILE;
     }
     Ok(plan)
 }

@@ -10,7 +10,7 @@ use dmover_engine::source::STATE_DIR;
 use dmover_engine::storage;
 use dmover_engine::transport::Transport;
 use dmover_proto::digest::block_sum;
-use dmover_proto::frame::{FileMeta, Stats, TransferOptions};
+use dmover_proto::frame::{FileMeta, Stats, TransferFlags, TransferOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
@@ -70,7 +70,7 @@ impl Transport for Flipping {
 }
 
 fn options() -> TransferOptions {
-    TransferOptions { transfer_id: [7; 16], block_size: BLOCK, flags: 0, tcp_buffer: 0 }
+    TransferOptions { transfer_id: [7; 16], block_size: BLOCK, flags: TransferFlags::empty(), tcp_buffer: 0 }
 }
 
 /// Runs one transfer of `src` (a directory's contents) into `dest`; the

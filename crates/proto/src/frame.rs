@@ -138,31 +138,36 @@ pub struct TransferOptions {
     /// Identifies the transfer across runs, so a re-run resumes it.
     pub transfer_id: [u8; 16],
     pub block_size: u32,
-    pub flags: u32,
+    pub flags: TransferFlags,
     /// Socket buffer size (SO_SNDBUF and SO_RCVBUF) for the data
     /// connections at both ends; 0 leaves the system's autotuning on.
     pub tcp_buffer: u32,
 }
 
-impl TransferOptions {
-    /// Skip files whose size and mtime (or content) match at the destination.
-    pub const SYNC: u32 = 1;
-    /// With SYNC: compare content digests rather than mtimes.
-    pub const CHECKSUM: u32 = 2;
-    /// The receiver verifies and discards data (memory-to-memory benchmark).
-    pub const DISCARD: u32 = 4;
-    /// The sender generates data instead of reading files (benchmark).
-    pub const GENERATE: u32 = 8;
-    /// The receiver confirms files without making them durable first
-    /// (scratch space): no file-system sync before a file is confirmed.
-    pub const NO_FSYNC: u32 = 32;
-    /// The data connections carry integrity only, not confidentiality
-    /// (`--no-encrypt`): a server opening them for a third-party copy
-    /// asks for that protection.
-    pub const NO_ENCRYPT: u32 = 64;
-
-    pub fn has(&self, flag: u32) -> bool {
-        self.flags & flag != 0
+bitflags::bitflags! {
+    /// What a transfer does besides copying files as they are. A bit
+    /// this release does not know is refused when decoded.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub struct TransferFlags: u32 {
+        /// Skip files whose size and mtime (or content) match at the destination.
+        const SYNC = 1;
+        /// With SYNC: compare content digests rather than mtimes.
+        const CHECKSUM = 2;
+        /// The receiver verifies and discards data (memory-to-memory benchmark).
+        const DISCARD = 4;
+        /// The sender generates data instead of reading files (benchmark).
+        const GENERATE = 8;
+        /// The sources are one file or one directory; if the destination
+        /// is not an existing directory, a lone file (a path with no `/`)
+        /// is written as the destination itself, as `cp a b` does.
+        const DEST_MAY_BE_FILE = 16;
+        /// The receiver confirms files without making them durable first
+        /// (scratch space): no file-system sync before a file is confirmed.
+        const NO_FSYNC = 32;
+        /// The data connections carry integrity only, not confidentiality
+        /// (`--no-encrypt`): a server opening them for a third-party copy
+        /// asks for that protection.
+        const NO_ENCRYPT = 64;
     }
 }
 
@@ -471,7 +476,7 @@ impl W<'_> {
     fn options(&mut self, o: &TransferOptions) {
         self.bytes(&o.transfer_id);
         self.u32(o.block_size);
-        self.u32(o.flags);
+        self.u32(o.flags.bits());
         self.u32(o.tcp_buffer);
     }
     fn params(&mut self, p: &EngineParams) {
@@ -542,8 +547,12 @@ impl<'a> R<'a> {
     fn kind(&mut self) -> Result<ErrorKind, DecodeError> {
         Ok(ErrorKind::from_u8(self.u8()?))
     }
+    fn flags(&mut self) -> Result<TransferFlags, DecodeError> {
+        let bits = self.u32()?;
+        TransferFlags::from_bits(bits).ok_or(DecodeError::Invalid("transfer flags", bits as u64))
+    }
     fn options(&mut self) -> Result<TransferOptions, DecodeError> {
-        Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.u32()?, tcp_buffer: self.u32()? })
+        Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.flags()?, tcp_buffer: self.u32()? })
     }
     fn params(&mut self) -> Result<EngineParams, DecodeError> {
         Ok(EngineParams {
@@ -1098,7 +1107,12 @@ mod tests {
             Msg::OpenData { session: [6; 16], index: 3 },
             Msg::Receive {
                 dest: "x".into(),
-                options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3, tcp_buffer: 65536 },
+                options: TransferOptions {
+                    transfer_id: [7; 16],
+                    block_size: 1 << 20,
+                    flags: TransferFlags::SYNC.union(TransferFlags::CHECKSUM),
+                    tcp_buffer: 65536,
+                },
             },
             Msg::Send {
                 sources: vec!["a".into(), "b/*.h5".into()],
@@ -1197,6 +1211,19 @@ mod tests {
         buf.push(0);
         buf.extend_from_slice(&[0xff; 4]);
         assert_eq!(decode(&buf), Err(DecodeError::Truncated(31)));
+    }
+
+    #[test]
+    fn unknown_transfer_flags_are_refused() {
+        let options = TransferOptions { transfer_id: [0; 16], block_size: 1, flags: TransferFlags::all(), tcp_buffer: 9 };
+        let mut buf = Vec::new();
+        Msg::Receive { dest: String::new(), options }.encode(&mut buf);
+        assert!(matches!(decode(&buf), Ok(Some(_))));
+        // The flags are the four bytes before the socket buffer size.
+        let at = buf.len() - 8;
+        assert_eq!(buf[at..at + 4], TransferFlags::all().bits().to_be_bytes());
+        buf[at + 3] |= 0x80;
+        assert_eq!(decode(&buf), Err(DecodeError::Invalid("transfer flags", u64::from(TransferFlags::all().bits() | 0x80))));
     }
 
     /// The fuzzer's seeds (`fuzz/corpus/frame_decode`) are well-formed

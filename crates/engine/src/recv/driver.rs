@@ -19,7 +19,7 @@ use crate::transport::{SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use dmover_proto::digest::Sum;
-use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::frame::{FileMeta, TransferFlags};
 use dmover_proto::phase::{ToReceiver, ToSender};
 use dmover_proto::session::receive::{self, Action, Event, Outcome, Receive, Subject};
 use dmover_proto::ErrorKind;
@@ -94,7 +94,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         let events = sh.events.clone();
         std::thread::spawn(move || read_control(control, &events));
     }
-    let session = Receive::new(receive::Config { block_size, discard: opts.has(TransferOptions::DISCARD), accept: cfg.accept });
+    let session = Receive::new(receive::Config { block_size, discard: opts.flags.contains(TransferFlags::DISCARD), accept: cfg.accept });
     let mut owner = Owner {
         sh: sh.clone(),
         session,
@@ -419,7 +419,7 @@ impl Owner {
                 Err(e) => return Some(Outcome::Refused { kind: e.kind, message: e.message }),
             },
         };
-        let look = sh.options.has(TransferOptions::SYNC) || resuming;
+        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
         if meta.is_dir() {
             return Some(make_dir(&sh, meta, &final_path, look));
         }
@@ -428,7 +428,7 @@ impl Owner {
             if let Ok(m) = sh.store.stat(&final_path) {
                 let same = m.is_file()
                     && m.size == meta.size
-                    && if let (Some(d), true) = (digest, sh.options.has(TransferOptions::CHECKSUM)) {
+                    && if let (Some(d), true) = (digest, sh.options.flags.contains(TransferFlags::CHECKSUM)) {
                         digest_of(sh.store.as_ref(), &final_path, sh.block_size).is_ok_and(|x| x == d)
                     } else {
                         m.mtime == (meta.mtime_s, meta.mtime_ns)

@@ -44,7 +44,7 @@ use crate::storage::Store;
 use crate::transport::Transport;
 use crate::wire::FrameWriter;
 use crossbeam_channel::Receiver;
-use dmover_proto::frame::TransferOptions;
+use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -84,7 +84,7 @@ pub struct RecvConfig {
     /// Where files go: an export (every path confined beneath it), or the
     /// local file system.
     pub store: Store,
-    /// The destination directory (or file, see [`DEST_MAY_BE_FILE`]) in `store`.
+    /// The destination directory (or file, see [`TransferFlags::DEST_MAY_BE_FILE`]) in `store`.
     pub dest: String,
     pub options: TransferOptions,
     /// Staging memory for blocks between network and disk.
@@ -102,11 +102,6 @@ pub struct RecvConfig {
 
 /// Blocks waiting for one writer, at most.
 pub const WRITE_QUEUE: usize = 4;
-
-/// Flag in [`TransferOptions::flags`]: the sources are one file or one
-/// directory; if `dest` is not an existing directory, a lone file (a path
-/// with no `/`) is written as `dest` itself, as `cp a b` does.
-pub const DEST_MAY_BE_FILE: u32 = 16;
 
 /// What the receiver committed.
 pub use dmover_proto::session::receive::Totals as RecvSummary;
@@ -247,9 +242,10 @@ pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
     crate::storage::check_path(cfg.store.as_ref(), &cfg.dest)?;
     let dest_dir = PathBuf::from(&cfg.dest);
     let label = cfg.store.display(&dest_dir);
-    let may_be_file = cfg.options.has(DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
+    let may_be_file =
+        cfg.options.flags.contains(TransferFlags::DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
     let mut layout = None;
-    if !cfg.options.has(TransferOptions::DISCARD) {
+    if !cfg.options.flags.contains(TransferFlags::DISCARD) {
         if may_be_file {
             // Whether DEST is the file or its directory is settled by the first file.
             let parent = dest_dir.parent().map(Path::to_path_buf).unwrap_or_default();

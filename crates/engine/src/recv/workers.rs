@@ -12,7 +12,7 @@ use crate::transport::Transport;
 use crate::wire::{FrameReader, Incoming};
 use crossbeam_channel::{Receiver, Sender};
 use dmover_proto::digest::Sum;
-use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
 use dmover_proto::phase::OnData;
 use dmover_proto::session::receive::{check_header, Event, Gate};
 use std::collections::HashMap;
@@ -224,7 +224,7 @@ pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<W
             sh.report(Event::Damaged { id: h.file, block });
             continue;
         }
-        if sh.options.has(TransferOptions::DISCARD) {
+        if sh.options.flags.contains(TransferFlags::DISCARD) {
             drop(data);
             sh.report(Event::Written { id: h.file, block, sum });
             continue;
@@ -259,7 +259,7 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
         let written = handle.write_all_at(&job.data, off).and_then(|()| {
             // Durable files are synced before they are confirmed: have the
             // kernel start on it now, while the rest of the data arrives.
-            if sh.options.has(TransferOptions::NO_FSYNC) {
+            if sh.options.flags.contains(TransferFlags::NO_FSYNC) {
                 Ok(())
             } else {
                 handle.write_back(off, job.data.len() as u64)
@@ -295,7 +295,7 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
 /// [`SYNC_MERGE`]; then a sync of their names follows.
 pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
     // Without syncs there is nothing to merge: confirm at once.
-    let merge = if sh.options.has(TransferOptions::NO_FSYNC) { Duration::ZERO } else { SYNC_MERGE };
+    let merge = if sh.options.flags.contains(TransferFlags::NO_FSYNC) { Duration::ZERO } else { SYNC_MERGE };
     let mut renamed: Vec<Arc<Slot>> = Vec::new();
     loop {
         let first = if renamed.is_empty() {
@@ -366,7 +366,7 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Vec<(Arc<Slot>, 
 
 /// Makes everything written so far durable, unless the transfer asked not to.
 fn sync(sh: &Shared) -> std::io::Result<()> {
-    if sh.options.has(TransferOptions::NO_FSYNC) {
+    if sh.options.flags.contains(TransferFlags::NO_FSYNC) {
         return Ok(());
     }
     // The state directory is beside the files (the destination directory,

@@ -18,7 +18,7 @@ use crate::transport::{Layers, Transport};
 use crate::tuning::{self, Meter};
 use crate::wire::FrameWriter;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use dmover_proto::frame::{FileError, HostShare, Stats, TransferOptions};
+use dmover_proto::frame::{FileError, HostShare, Stats, TransferFlags};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
@@ -98,7 +98,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         std::thread::spawn(move || tuning::run(&sh, &*make))
     });
     let (walk_tx, walk_rx) = crossbeam_channel::bounded::<Walked>(WALK_AHEAD);
-    let with_digest = cfg.options.has(TransferOptions::CHECKSUM) && !generate;
+    let with_digest = cfg.options.flags.contains(TransferFlags::CHECKSUM) && !generate;
     let walker = std::thread::spawn(move || workers::walk(files, store, with_digest, block_size, &walk_tx));
 
     let session = Send::new(send::Config { hosts: n, block_size, window: WINDOW, chunk_blocks: CHUNK_BLOCKS });
