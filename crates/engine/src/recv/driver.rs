@@ -12,7 +12,7 @@ use super::workers::{self, FileIo, Input, Paths, Shared, Slot, WriteJob};
 use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, WRITE_QUEUE};
 use crate::error::{Error, Result};
 use crate::journal::{self, Journal};
-use crate::pool::Pool;
+use crate::pool::{Pool, MIN_BLOCKS};
 use crate::source::PART_SUFFIX;
 use crate::storage::digest_of;
 use crate::transport::{SocketOptions, Transport};
@@ -56,7 +56,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         slots: RwLock::new(HashMap::new()),
         events,
         commits,
-        pool: Pool::new(cfg.staging, block_size as usize, 4),
+        pool: Pool::new(cfg.staging, block_size as usize, MIN_BLOCKS),
         queued: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
         received: AtomicU64::new(0),

@@ -10,7 +10,7 @@
 use super::workers::{self, Crew, HostQueue, Input, Job, Shared, Source, Walked};
 use super::{fill_block, Files, HostLink, SendConfig, SettleHook, Settled, CHUNK_BLOCKS, REASON_WAIT, WALK_AHEAD, WINDOW};
 use crate::error::{Error, Result};
-use crate::pool::Pool;
+use crate::pool::{Pool, MIN_BLOCKS};
 use crate::progress::Progress;
 use crate::recv::{ping_interval, Pinger};
 use crate::storage;
@@ -43,7 +43,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         Files::Walk { store, .. } => store.clone(),
         Files::Feed { .. } | Files::Generate { .. } => storage::local(),
     };
-    let min_blocks = streams + cfg.concurrency;
+    let min_blocks = (streams + cfg.concurrency).max(MIN_BLOCKS);
     let pool = if generate {
         Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_block)
     } else {
