@@ -26,7 +26,7 @@ use dmover_proto::ErrorKind;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 /// How often the thread handing over data connections looks at the stop flag.
@@ -43,16 +43,11 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?)));
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
     let (commits, verified) = crossbeam_channel::unbounded::<(Arc<Slot>, Sum)>();
-    let sync_dir = OnceLock::new();
-    if let Some(l) = &layout {
-        let _ = sync_dir.set(l.state_dir.clone());
-    }
     let sh = Arc::new(Shared {
         options: opts,
         block_size,
         store: cfg.store,
         dest_dir,
-        sync_dir,
         slots: RwLock::new(HashMap::new()),
         events,
         commits,
@@ -401,7 +396,6 @@ impl Owner {
             };
             match Layout::settle(&sh.store, &parent, dest_file, &sh.options.transfer_id) {
                 Ok(l) => {
-                    let _ = sh.sync_dir.set(l.state_dir.clone());
                     self.layout = Some(l);
                 }
                 Err(e) => {

@@ -20,11 +20,13 @@
 //!   and journal them; the committer takes verified files in batches: it
 //!   sets each one's mode and mtime, makes their data durable, renames them
 //!   into place, makes the names durable, and only then reports them
-//!   committed (and the owner confirms them, `Done`). One file-system sync
-//!   serves a whole batch's data and the names of the batch before it, so
-//!   many small files cost a few syncs, not two each (`--no-fsync` skips
-//!   the syncs). The writers have the kernel start writing each block back
-//!   as soon as it is written, so a sync finds little left to do.
+//!   committed (and the owner confirms them, `Done`). A batch's files and
+//!   the directories the batch before it was renamed into are synced all at
+//!   once, each on its own (not the whole file system, which would wait for
+//!   other programs' writes), so the file system commits them together
+//!   (`--no-fsync` skips the syncs). The writers have the kernel start
+//!   writing each block back as soon as it is written, so a sync finds
+//!   little left to do.
 //!
 //! Blocks never pass through the owner: it hears of each one only once it
 //! is written. Staging blocks come from one pool, so a slow disk stalls

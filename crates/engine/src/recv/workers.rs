@@ -15,8 +15,8 @@ use dmover_proto::digest::Sum;
 use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
 use dmover_proto::phase::OnData;
 use dmover_proto::session::receive::{check_header, Event, Gate};
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
@@ -29,9 +29,9 @@ const POLL: Duration = Duration::from_millis(50);
 /// most: enough that small files share their syncs, few enough that the
 /// first of them is confirmed without a long wait.
 const COMMIT_BATCH: usize = 256;
-/// How long renamed files wait for the next batch, so that one sync makes
-/// their names and the next batch's data durable, before they are synced
-/// on their own.
+/// How long renamed files wait for the next batch, so that one round of
+/// syncs makes their names and the next batch durable, before their names
+/// are synced on their own.
 const SYNC_MERGE: Duration = Duration::from_millis(2);
 
 /// What the owner thread hears.
@@ -54,9 +54,6 @@ pub(super) struct Shared {
     pub block_size: u64,
     pub store: Store,
     pub dest_dir: PathBuf,
-    /// The directory whose file system the committer syncs: the state
-    /// directory, once the layout is settled (the destination before).
-    pub sync_dir: OnceLock<PathBuf>,
     /// Files whose blocks may be written, by id: the owner adds and
     /// removes them, data connections look them up for each block.
     pub slots: RwLock<HashMap<u64, Arc<Slot>>>,
@@ -287,15 +284,18 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
 }
 
 /// Commits verified files in batches until the session stops (and what was
-/// verified before it stopped), as a pipeline with one file-system sync per
-/// batch: a batch's files get their mode and mtime, then the sync makes
-/// their data durable (and the names of the batch renamed before it, which
-/// are reported committed now), then they are renamed into place and wait
-/// for the next sync. A batch waits for the next one at most
-/// [`SYNC_MERGE`]; then a sync of their names follows.
+/// verified before it stopped), as a pipeline: a batch's files get their
+/// mode and mtime and are made durable (their own data and attributes, not
+/// the whole file system's, so other writers' dirty data does not hold
+/// them up), together with the directories the batch before it was renamed
+/// into, which are then reported committed; then the batch is renamed into
+/// place and waits for the next round. A batch waits for the next one at
+/// most [`SYNC_MERGE`]; then a round of its names alone follows.
 pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
+    let durable = !sh.options.flags.contains(TransferFlags::NO_FSYNC);
     // Without syncs there is nothing to merge: confirm at once.
-    let merge = if sh.options.flags.contains(TransferFlags::NO_FSYNC) { Duration::ZERO } else { SYNC_MERGE };
+    let merge = if durable { SYNC_MERGE } else { Duration::ZERO };
+    let mut names = DurableNames::default();
     let mut renamed: Vec<Arc<Slot>> = Vec::new();
     loop {
         let first = if renamed.is_empty() {
@@ -309,13 +309,17 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
             verified.recv_timeout(merge).ok()
         };
         let batch: Vec<(Arc<Slot>, Sum)> = first.into_iter().chain(verified.try_iter()).take(COMMIT_BATCH).collect();
-        let ready = prepare_commit(sh, batch);
-        if let Err(e) = sync(sh) {
-            log::warn!("{}: cannot make the received files durable: {e}", sh.store.display(&sh.dest_dir));
-            for s in renamed.drain(..).chain(ready.into_iter().map(|(s, _)| s)) {
-                sh.failed(s.id, &e);
+        let mut ready = prepare_commit(sh, batch);
+        if durable {
+            let dirs = names.to_sync(&sh.dest_dir, &renamed);
+            let (synced, dirs_synced) = make_durable(sh, ready, &dirs);
+            ready = synced;
+            if let Err(e) = dirs_synced {
+                log::warn!("{}: cannot make the received files' names durable: {e}", sh.store.display(&sh.dest_dir));
+                for s in renamed.drain(..) {
+                    sh.failed(s.id, &e);
+                }
             }
-            continue;
         }
         let mut committed = Vec::with_capacity(renamed.len());
         for s in renamed.drain(..) {
@@ -332,6 +336,81 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
             let _ = sh.events.send(Input::Batch(committed));
         }
         renamed = rename_into_place(sh, ready);
+    }
+}
+
+/// Files and directories made durable at once, at most: syncs wait on the
+/// disk, not the processor, and the file system commits those that wait
+/// together in one journal transaction.
+const SYNC_THREADS: usize = 16;
+
+/// Makes each file of a batch durable, and the names in `dirs`, on up to
+/// [`SYNC_THREADS`] threads. Returns the files that were made durable (the
+/// others are reported failed) and whether every directory was.
+fn make_durable(
+    sh: &Shared,
+    ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>,
+    dirs: &[PathBuf],
+) -> (Vec<(Arc<Slot>, Arc<dyn WriteFile>)>, std::io::Result<()>) {
+    let jobs = ready.len() + dirs.len();
+    let results: Vec<OnceLock<std::io::Result<()>>> = (0..jobs).map(|_| OnceLock::new()).collect();
+    let next = AtomicUsize::new(0);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(slot) = results.get(i) else { return };
+        let r = match ready.get(i) {
+            Some((_, f)) => f.sync(),
+            None => sh.store.sync_dir(&dirs[i - ready.len()]),
+        };
+        let _ = slot.set(r);
+    };
+    if jobs <= 1 {
+        work();
+    } else {
+        std::thread::scope(|scope| {
+            for _ in 1..jobs.min(SYNC_THREADS) {
+                scope.spawn(work);
+            }
+            work();
+        });
+    }
+    let mut results = results.into_iter().map(|r| r.into_inner().expect("every job ran"));
+    let mut synced = Vec::with_capacity(ready.len());
+    for ((s, f), r) in ready.into_iter().zip(results.by_ref()) {
+        match r {
+            Ok(()) => synced.push((s, f)),
+            Err(e) => sh.failed(s.id, &e),
+        }
+    }
+    (synced, results.collect())
+}
+
+/// The directories whose own names are known to be durable: their parent
+/// was synced after they were seen.
+#[derive(Default)]
+struct DurableNames {
+    known: HashSet<PathBuf>,
+}
+
+impl DurableNames {
+    /// The directories to sync so that the names of `renamed` are durable:
+    /// each file's directory, and every directory on the way up to the
+    /// destination (the destination's own name included) whose name is not
+    /// known to be durable yet.
+    fn to_sync(&mut self, dest_dir: &Path, renamed: &[Arc<Slot>]) -> Vec<PathBuf> {
+        let mut dirs = BTreeSet::new();
+        for s in renamed {
+            let Some(parent) = s.paths.dest.parent() else { continue };
+            dirs.insert(parent.to_path_buf());
+            let mut dir = parent;
+            while dir.starts_with(dest_dir) && !self.known.contains(dir) {
+                let Some(up) = dir.parent() else { break };
+                self.known.insert(dir.to_path_buf());
+                dirs.insert(up.to_path_buf());
+                dir = up;
+            }
+        }
+        dirs.into_iter().collect()
     }
 }
 
@@ -362,16 +441,6 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Vec<(Arc<Slot>, 
         }
     }
     ready
-}
-
-/// Makes everything written so far durable, unless the transfer asked not to.
-fn sync(sh: &Shared) -> std::io::Result<()> {
-    if sh.options.flags.contains(TransferFlags::NO_FSYNC) {
-        return Ok(());
-    }
-    // The state directory is beside the files (the destination directory,
-    // or the directory of a lone destination file).
-    sh.store.sync(sh.sync_dir.get().unwrap_or(&sh.dest_dir))
 }
 
 /// Renames each file of a batch into place; returns those renamed.

@@ -120,8 +120,15 @@ pub trait WriteFile: ReadFile {
     fn set_len(&self, len: u64) -> io::Result<()>;
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()>;
     /// Starts writing `len` bytes from `off` to stable storage without
-    /// waiting, so that a later [`Storage::sync`] finds little left to do.
+    /// waiting, so that a later [`sync`](WriteFile::sync) finds little left
+    /// to do.
     fn write_back(&self, _off: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+    /// Makes the file's data and attributes durable (its name is the
+    /// directory's: [`Storage::sync_dir`]). A storage whose commit is
+    /// durable by itself has nothing to do.
+    fn sync(&self) -> io::Result<()> {
         Ok(())
     }
     /// The file itself, for its own storage's [`Storage::commit`].
@@ -160,9 +167,12 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>>;
     /// Sets `attrs` on `file` (written at `from`) and renames it to `to`.
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
-    /// Makes everything written below `dir` so far durable: file data,
-    /// attributes and names (a file-system sync: one call serves many files).
-    fn sync(&self, dir: &Path) -> io::Result<()>;
+    /// Makes the names in directory `dir` durable: files renamed into it,
+    /// directories made in it. A storage with no directories has nothing
+    /// to do.
+    fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
+        Ok(())
+    }
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// Removes an empty directory.

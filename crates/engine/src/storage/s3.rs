@@ -744,11 +744,6 @@ impl Storage for S3 {
         f.commit(&key(to)?, attrs.copied())
     }
 
-    fn sync(&self, _dir: &Path) -> io::Result<()> {
-        // An object is durable once the server has taken it.
-        Ok(())
-    }
-
     fn remove(&self, path: &Path) -> io::Result<()> {
         self.inner.delete(&key(path)?)
     }
