@@ -311,7 +311,7 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
         let batch: Vec<(Arc<Slot>, Sum)> = first.into_iter().chain(verified.try_iter()).take(COMMIT_BATCH).collect();
         let mut ready = prepare_commit(sh, batch);
         if durable {
-            let dirs = names.to_sync(&sh.dest_dir, &renamed);
+            let dirs = names.dirs_to_sync(&sh.dest_dir, &renamed);
             let (synced, dirs_synced) = make_durable(sh, ready, &dirs);
             ready = synced;
             if let Err(e) = dirs_synced {
@@ -339,6 +339,10 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
     }
 }
 
+/// Files of a batch with their attributes set, open, ready to be made
+/// durable and renamed into place.
+type Ready = Vec<(Arc<Slot>, Arc<dyn WriteFile>)>;
+
 /// Files and directories made durable at once, at most: syncs wait on the
 /// disk, not the processor, and the file system commits those that wait
 /// together in one journal transaction.
@@ -347,11 +351,7 @@ const SYNC_THREADS: usize = 16;
 /// Makes each file of a batch durable, and the names in `dirs`, on up to
 /// [`SYNC_THREADS`] threads. Returns the files that were made durable (the
 /// others are reported failed) and whether every directory was.
-fn make_durable(
-    sh: &Shared,
-    ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>,
-    dirs: &[PathBuf],
-) -> (Vec<(Arc<Slot>, Arc<dyn WriteFile>)>, std::io::Result<()>) {
+fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io::Result<()>) {
     let jobs = ready.len() + dirs.len();
     let results: Vec<OnceLock<std::io::Result<()>>> = (0..jobs).map(|_| OnceLock::new()).collect();
     let next = AtomicUsize::new(0);
@@ -397,7 +397,7 @@ impl DurableNames {
     /// each file's directory, and every directory on the way up to the
     /// destination (the destination's own name included) whose name is not
     /// known to be durable yet.
-    fn to_sync(&mut self, dest_dir: &Path, renamed: &[Arc<Slot>]) -> Vec<PathBuf> {
+    fn dirs_to_sync(&mut self, dest_dir: &Path, renamed: &[Arc<Slot>]) -> Vec<PathBuf> {
         let mut dirs = BTreeSet::new();
         for s in renamed {
             let Some(parent) = s.paths.dest.parent() else { continue };
@@ -419,7 +419,7 @@ impl DurableNames {
 /// resumed with every block already on disk; afresh only if it is fresh,
 /// so a resumed file keeps its blocks). Returns the files ready for their
 /// data to be made durable.
-fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Vec<(Arc<Slot>, Arc<dyn WriteFile>)> {
+fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
     let mut ready = Vec::with_capacity(batch.len());
     for (s, sum) in batch {
         let Some(meta) = &s.paths.meta else { continue };
@@ -444,7 +444,7 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Vec<(Arc<Slot>, 
 }
 
 /// Renames each file of a batch into place; returns those renamed.
-fn rename_into_place(sh: &Shared, ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>) -> Vec<Arc<Slot>> {
+fn rename_into_place(sh: &Shared, ready: Ready) -> Vec<Arc<Slot>> {
     let mut renamed = Vec::with_capacity(ready.len());
     for (s, f) in ready {
         let committed = {
