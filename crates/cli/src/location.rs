@@ -51,8 +51,9 @@ pub struct S3Args {
 impl S3Args {
     /// The storage of `bucket`.
     pub fn open(&self, bucket: &str) -> Result<Store> {
-        let o = dmover_engine::storage::s3::Options { endpoint: self.s3_endpoint.clone() };
-        Ok(std::sync::Arc::new(dmover_engine::storage::s3::S3::open(bucket, &o)?))
+        use dmover_engine::storage::s3;
+        let o = s3::Options { endpoint: self.s3_endpoint.clone(), state_dir: s3::default_state_dir(bucket) };
+        Ok(std::sync::Arc::new(s3::S3::open(bucket, &o)?))
     }
 }
 

@@ -1,6 +1,6 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
-//! loopback): a tree up and back down identical, an upload killed midway,
-//! from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
+//! loopback): a tree up and back down identical, a 2 GiB upload killed
+//! midway and resumed, from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
 
@@ -8,6 +8,7 @@ mod util;
 
 use dmover_proto::ErrorKind;
 use std::fs;
+use std::path::Path;
 use util::*;
 
 /// A test's S3 server, with its home directory (no ~/.aws unless a test writes one).
@@ -60,21 +61,81 @@ fn a_tree_goes_up_and_comes_back_identical() {
     assert_same_tree(&src, &dst.join("src"));
 }
 
+const MIB: u64 = 1 << 20;
+/// The size of a part of dmover's multipart uploads.
+const PART: u64 = 16 * MIB;
+/// Parts dmover sends at once: those the server had when the client was
+/// killed may not all have been recorded by it.
+const PARTS_IN_FLIGHT: u64 = 8;
+
+/// A file of `size` bytes, sparse but different in every MiB (4 KiB of
+/// random bytes at the start of each), written in a moment.
+fn make_sparse(path: &Path, size: u64, seed: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut buf = [0u8; 4096];
+    for off in (0..size).step_by(MIB as usize) {
+        rng.fill(&mut buf);
+        let n = buf.len().min((size - off) as usize);
+        f.write_all_at(&buf[..n], off).unwrap();
+    }
+}
+
+/// Whether two files hold the same bytes (read in pieces: they may be large).
+fn same_content(a: &Path, b: &Path) -> bool {
+    use std::io::Read;
+    let (mut fa, mut fb) = (fs::File::open(a).unwrap(), fs::File::open(b).unwrap());
+    let (mut ba, mut bb) = (vec![0u8; 8 << 20], vec![0u8; 8 << 20]);
+    loop {
+        let n = fa.read(&mut ba).unwrap();
+        if n == 0 {
+            return fb.read(&mut bb[..1]).unwrap() == 0;
+        }
+        if fb.read_exact(&mut bb[..n]).is_err() || ba[..n] != bb[..n] {
+            return false;
+        }
+    }
+}
+
 #[test]
-fn an_upload_killed_midway_leaves_nothing_visible_and_a_rerun_completes() {
+fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     let Some(t) = Setup::new() else { return };
     let bucket = t.s3.bucket("data");
     let src = t.env.mkdir("src");
-    let mut rng = Rng::new(11);
-    make_file(&src.join("large.bin"), 40 << 20, &mut rng);
-    let p = t.cp([src.to_str().unwrap(), "s3://data/", "--bwlimit", "8M"]).spawn();
-    // Some parts are sent, the upload is not complete.
-    std::thread::sleep(std::time::Duration::from_secs(3));
+    // Not a whole number of parts: the last one is short.
+    let size = (2 << 30) + 12345;
+    let file = src.join("huge.bin");
+    make_sparse(&file, size, 31);
+    let args = [file.to_str().unwrap(), "s3://data/up/huge.bin"];
+    let mut p = t.cp(args).spawn();
+    // Killed once the server holds a quarter of the parts.
+    let temp = "up/.huge.bin.dmover-part";
+    let mut held = 0;
+    let caught = wait_until(std::time::Duration::from_secs(300), || {
+        held = t.s3.uploads("data").iter().filter(|(k, _)| k == temp).map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>() as u64;
+        held >= size / PART / 4 || !p.running()
+    });
+    assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");
     p.kill9();
-    assert!(list_files(&bucket).is_empty(), "visible after the copy was killed: {:?}", list_files(&bucket));
-    t.cp([src.to_str().unwrap(), "s3://data/"]).run().assert_ok();
-    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["src/large.bin"]);
-    assert_eq!(fs::read(bucket.join("src/large.bin")).unwrap(), fs::read(src.join("large.bin")).unwrap());
+    // Nothing is visible under the final key, the upload is incomplete.
+    assert!(!bucket.join("up/huge.bin").exists(), "visible after the copy was killed");
+    assert_eq!(t.s3.uploads("data").len(), 1, "{:?}", t.s3.uploads("data"));
+
+    let j = t.cp(args).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    assert!(
+        sent + (held - PARTS_IN_FLIGHT) * PART <= size,
+        "the re-run sent {sent} of {size} bytes, though the server held {held} parts of {PART} bytes"
+    );
+    assert!(same_content(&file, &bucket.join("up/huge.bin")), "the object differs from the file");
+    assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
+    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["up/huge.bin"]);
+    // And it comes down whole, its stored digest checked.
+    let dst = t.env.mkdir("dst");
+    t.cp(["s3://data/up/huge.bin", dst.to_str().unwrap()]).run().assert_ok();
+    assert!(same_content(&file, &dst.join("huge.bin")), "the download differs from the file");
 }
 
 #[test]

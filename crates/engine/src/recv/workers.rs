@@ -53,6 +53,8 @@ pub(super) struct Shared {
     pub options: TransferOptions,
     pub block_size: u64,
     pub store: Store,
+    /// Where journals go: `store`, or the local storage it names.
+    pub state: Store,
     pub dest_dir: PathBuf,
     /// The directory whose file system the committer syncs: the state
     /// directory, once the layout is settled (the destination before).
@@ -100,7 +102,8 @@ pub(super) struct Paths {
 pub(super) struct FileIo {
     file: Option<Arc<dyn WriteFile>>,
     journal: Option<Journal>,
-    /// Create the temporary file afresh (and a new journal) when first opened.
+    /// Create the temporary file afresh (and a new journal) when first
+    /// opened; once opened (or for a resumed file), it is never created again.
     fresh: bool,
     /// Removed: nothing more is written.
     closed: bool,
@@ -112,9 +115,10 @@ impl FileIo {
         FileIo { file: None, journal: None, fresh: true, closed: false }
     }
 
-    /// The partial file of an earlier run, with its journal if it could be opened.
-    pub fn resumed(journal: Option<Journal>) -> FileIo {
-        FileIo { file: None, journal, fresh: false, closed: false }
+    /// The partial file of an earlier run, taken up again, with its journal
+    /// if it could be opened.
+    pub fn resumed(file: Box<dyn WriteFile>, journal: Option<Journal>) -> FileIo {
+        FileIo { file: Some(file.into()), journal, fresh: false, closed: false }
     }
 }
 
@@ -130,22 +134,19 @@ pub(super) struct Slot {
 
 impl Slot {
     /// The file's temporary name, open: created afresh (with a new journal)
-    /// for a fresh file, the partial file of an earlier run when resuming.
+    /// when first opened for a fresh file; the partial file of an earlier
+    /// run when resuming (taken up again when the file was looked at).
     fn open(&self, sh: &Shared, io: &mut FileIo) -> std::io::Result<Arc<dyn WriteFile>> {
         if let Some(f) = &io.file {
             return Ok(f.clone());
         }
-        let f: Arc<dyn WriteFile> = if io.fresh {
-            log::debug!("{}: new partial file", self.paths.temp.display());
-            sh.store.create(&self.paths.temp)?.into()
-        } else {
-            let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file of an earlier run is gone");
-            sh.store.reopen(&self.paths.temp)?.ok_or_else(gone)?.into()
-        };
-        if io.fresh {
-            if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
-                io.journal = Some(Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32)?);
-            }
+        if !io.fresh {
+            return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file is no longer open"));
+        }
+        log::debug!("{}: new partial file", self.paths.temp.display());
+        let f: Arc<dyn WriteFile> = sh.store.create(&self.paths.temp)?.into();
+        if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
+            io.journal = Some(Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32)?);
         }
         io.fresh = false;
         io.file = Some(f.clone());
@@ -157,7 +158,7 @@ impl Slot {
         let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) else { return };
         let mut io = self.io.lock().expect("file lock");
         io.journal = None;
-        if let Ok(mut j) = Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32) {
+        if let Ok(mut j) = Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32) {
             for (b, s) in held {
                 let _ = j.record(*b, s);
             }
@@ -175,7 +176,7 @@ impl Slot {
             let _ = sh.store.remove(&self.paths.temp);
         }
         if let Some(j) = &self.paths.journal {
-            let _ = sh.store.remove(j);
+            let _ = sh.state.remove(j);
         }
     }
 }
@@ -324,7 +325,7 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
             }
             log::debug!("{}: committed", s.paths.dest.display());
             if let Some(j) = &s.paths.journal {
-                let _ = sh.store.remove(j);
+                let _ = sh.state.remove(j);
             }
             committed.push(Event::Committed { id: s.id });
         }
