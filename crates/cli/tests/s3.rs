@@ -1,6 +1,6 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
 //! loopback): a tree up and back down identical, a 2 GiB upload killed
-//! midway and resumed, from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
+//! midway and resumed (and a download), from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
 
@@ -83,22 +83,6 @@ fn make_sparse(path: &Path, size: u64, seed: u64) {
     }
 }
 
-/// Whether two files hold the same bytes (read in pieces: they may be large).
-fn same_content(a: &Path, b: &Path) -> bool {
-    use std::io::Read;
-    let (mut fa, mut fb) = (fs::File::open(a).unwrap(), fs::File::open(b).unwrap());
-    let (mut ba, mut bb) = (vec![0u8; 8 << 20], vec![0u8; 8 << 20]);
-    loop {
-        let n = fa.read(&mut ba).unwrap();
-        if n == 0 {
-            return fb.read(&mut bb[..1]).unwrap() == 0;
-        }
-        if fb.read_exact(&mut bb[..n]).is_err() || ba[..n] != bb[..n] {
-            return false;
-        }
-    }
-}
-
 #[test]
 fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     let Some(t) = Setup::new() else { return };
@@ -125,6 +109,7 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
 
     let j = t.cp(args).run().assert_ok();
     let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the first run was killed");
     assert!(
         sent + (held - PARTS_IN_FLIGHT) * PART <= size,
         "the re-run sent {sent} of {size} bytes, though the server held {held} parts of {PART} bytes"
@@ -132,10 +117,39 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     assert!(same_content(&file, &bucket.join("up/huge.bin")), "the object differs from the file");
     assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
     assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["up/huge.bin"]);
-    // And it comes down whole, its stored digest checked.
-    let dst = t.env.mkdir("dst");
-    t.cp(["s3://data/up/huge.bin", dst.to_str().unwrap()]).run().assert_ok();
-    assert!(same_content(&file, &dst.join("huge.bin")), "the download differs from the file");
+    // Nor is resume state left behind.
+    let state = t.env.path("home/.cache/dmover/s3/data");
+    assert_eq!(list_files(&state).into_keys().collect::<Vec<_>>(), Vec::<String>::new(), "left in {}", state.display());
+}
+
+#[test]
+fn a_download_killed_midway_resumes_into_its_partial_file() {
+    let Some(t) = Setup::new() else { return };
+    t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    let file = src.join("big.bin");
+    let size = 64 * MIB + 999;
+    make_sparse(&file, size, 41);
+    t.cp([file.to_str().unwrap(), "s3://data/big.bin"]).run().assert_ok();
+    let down = t.env.mkdir("down");
+    let args = ["s3://data/big.bin", down.to_str().unwrap(), "--bwlimit", "8M"];
+    let mut p = t.cp(args).spawn();
+    let partial = down.join(".big.bin.dmover-part");
+    let mut written = 0;
+    let caught = wait_until(std::time::Duration::from_secs(60), || {
+        written = fs::metadata(&partial).map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512);
+        written >= size * 2 / 5 || !p.running()
+    });
+    assert!(caught && p.running(), "the download ended or stalled before it could be interrupted ({written} bytes written)");
+    p.kill9();
+    assert!(!down.join("big.bin").exists(), "big.bin exists under its final name after an interruption");
+
+    let j = t.cp(args).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; {written} were written before the interruption");
+    assert!(sent + written / 2 < size, "the re-run sent {sent} of {size} bytes although {written} were already written: not resumed");
+    assert!(same_content(&file, &down.join("big.bin")), "the download differs from the file");
+    assert_eq!(list_files(&down).into_keys().collect::<Vec<_>>(), ["big.bin"]);
 }
 
 #[test]
