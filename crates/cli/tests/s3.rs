@@ -83,6 +83,21 @@ fn make_sparse(path: &Path, size: u64, seed: u64) {
     }
 }
 
+/// Runs `dmover cp ARGS` and kills it with SIGKILL once the server holds
+/// `parts` parts of the multipart upload of `temp` (the temporary key);
+/// returns how many it held.
+fn kill_when_parts_held(t: &Setup, args: &[&str], temp: &str, parts: u64) -> u64 {
+    let mut p = t.cp(args).spawn();
+    let mut held = 0;
+    let caught = wait_until(std::time::Duration::from_secs(300), || {
+        held = t.s3.uploads("data").iter().filter(|(k, _)| k == temp).map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>() as u64;
+        held >= parts || !p.running()
+    });
+    assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");
+    p.kill9();
+    held
+}
+
 #[test]
 fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     let Some(t) = Setup::new() else { return };
@@ -93,16 +108,8 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     let file = src.join("huge.bin");
     make_sparse(&file, size, 31);
     let args = [file.to_str().unwrap(), "s3://data/up/huge.bin"];
-    let mut p = t.cp(args).spawn();
     // Killed once the server holds a quarter of the parts.
-    let temp = "up/.huge.bin.dmover-part";
-    let mut held = 0;
-    let caught = wait_until(std::time::Duration::from_secs(300), || {
-        held = t.s3.uploads("data").iter().filter(|(k, _)| k == temp).map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>() as u64;
-        held >= size / PART / 4 || !p.running()
-    });
-    assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");
-    p.kill9();
+    let held = kill_when_parts_held(&t, &args, "up/.huge.bin.dmover-part", size / PART / 4);
     // Nothing is visible under the final key, the upload is incomplete.
     assert!(!bucket.join("up/huge.bin").exists(), "visible after the copy was killed");
     assert_eq!(t.s3.uploads("data").len(), 1, "{:?}", t.s3.uploads("data"));
@@ -120,6 +127,45 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     // Nor is resume state left behind.
     let state = t.env.path("home/.cache/dmover/s3/data");
     assert_eq!(list_files(&state).into_keys().collect::<Vec<_>>(), Vec::<String>::new(), "left in {}", state.display());
+}
+
+#[test]
+fn an_upload_whose_blocks_straddle_parts_resumes_identical() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    let file = src.join("odd.bin");
+    let size = 80 * MIB + 777;
+    make_sparse(&file, size, 43);
+    // 3 MiB blocks: some lie across two parts, one kept and one not.
+    let args = [file.to_str().unwrap(), "s3://data/odd.bin", "--block-size", "3M", "--bwlimit", "16M"];
+    let held = kill_when_parts_held(&t, &args, ".odd.bin.dmover-part", 3);
+    let j = t.cp(args).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the first run was killed");
+    assert!(sent + PART <= size, "the re-run sent {sent} of {size} bytes, though the server held {held} parts");
+    assert!(same_content(&file, &bucket.join("odd.bin")), "the object differs from the file");
+    assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
+}
+
+#[test]
+fn an_upload_whose_source_changed_is_started_afresh_and_the_old_one_aborted() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    let file = src.join("moving.bin");
+    let size = 64 * MIB;
+    make_sparse(&file, size, 47);
+    let args = [file.to_str().unwrap(), "s3://data/moving.bin", "--bwlimit", "16M"];
+    kill_when_parts_held(&t, &args, ".moving.bin.dmover-part", 2);
+    let old_upload = t.s3.uploads("data");
+    assert_eq!(old_upload.len(), 1, "{old_upload:?}");
+    // Rewritten with other bytes (and so a new mtime) before the re-run.
+    make_sparse(&file, size, 48);
+    let j = t.cp(args).run().assert_ok();
+    assert_eq!(u(&j["sent_bytes"]), size, "the re-run kept parts of the old version: {j:#}");
+    assert!(same_content(&file, &bucket.join("moving.bin")), "the object is not the new version");
+    assert_eq!(t.s3.uploads("data"), [], "the old upload was not aborted");
 }
 
 #[test]
