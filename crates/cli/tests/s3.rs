@@ -64,9 +64,9 @@ fn a_tree_goes_up_and_comes_back_identical() {
 const MIB: u64 = 1 << 20;
 /// The size of a part of dmover's multipart uploads.
 const PART: u64 = 16 * MIB;
-/// Parts dmover sends at once: those the server had when the client was
-/// killed may not all have been recorded by it.
-const PARTS_IN_FLIGHT: u64 = 8;
+/// Parts dmover sends at once, at most: those the server had when the
+/// client was killed may not all have been recorded by it.
+const MAX_PARTS_IN_FLIGHT: u64 = 8;
 
 /// A file of `size` bytes, sparse but different in every MiB (4 KiB of
 /// random bytes at the start of each), written in a moment.
@@ -118,7 +118,7 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     let sent = u(&j["sent_bytes"]);
     eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the first run was killed");
     assert!(
-        sent + (held - PARTS_IN_FLIGHT) * PART <= size,
+        sent + (held - MAX_PARTS_IN_FLIGHT) * PART <= size,
         "the re-run sent {sent} of {size} bytes, though the server held {held} parts of {PART} bytes"
     );
     assert!(same_content(&file, &bucket.join("up/huge.bin")), "the object differs from the file");

@@ -26,7 +26,9 @@ fn s3_storage_conforms() {
         let outside = tempfile::tempdir().unwrap();
         let state = tempfile::tempdir().unwrap();
         Subject {
-            store: Arc::new(S3::open(&bucket, &Options { endpoint: None, state_dir: state.path().to_path_buf() }).unwrap()),
+            store: Arc::new(
+                S3::open(&bucket, &Options { endpoint: None, state_dir: state.path().to_path_buf(), staging: 64 << 20 }).unwrap(),
+            ),
             base: Default::default(),
             disk: None,
             outside: outside.path().to_path_buf(),

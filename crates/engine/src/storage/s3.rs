@@ -55,8 +55,9 @@ use tokio::task::JoinHandle;
 const PART: u64 = 16 << 20;
 /// The most parts S3 takes in one upload.
 const MAX_PARTS: u64 = 10_000;
-/// Parts being sent at once, per storage (each holds a part in memory).
-const PARTS_IN_FLIGHT: usize = 8;
+/// Parts being sent at once, per storage, at most (each holds a part in
+/// memory); fewer when [`Options::staging`] is smaller.
+const MAX_PARTS_IN_FLIGHT: u64 = 8;
 /// Bytes one GET fetches at least: the pieces a block is read in, and the
 /// next blocks of a file read in order, come from one request.
 const READ_AHEAD: u64 = 4 << 20;
@@ -83,6 +84,9 @@ pub struct Options {
     /// A local directory for this bucket's resume state (see
     /// [`default_state_dir`] for where the command keeps it).
     pub state_dir: PathBuf,
+    /// Memory for the parts being sent at once: as many parts as fit, at
+    /// least one, at most [`MAX_PARTS_IN_FLIGHT`].
+    pub staging: u64,
 }
 
 /// Where the resume state of uploads into `bucket` is kept by default:
@@ -107,7 +111,7 @@ struct Inner {
     bucket: String,
     rt: Runtime,
     /// One permit for each part being sent, so that at most
-    /// [`PARTS_IN_FLIGHT`] are held in memory; a writer waits for one.
+    /// [`Options::staging`] of them are held in memory; a writer waits for one.
     parts: Arc<Semaphore>,
     /// The local directory of the records of uploads in progress.
     uploads: PathBuf,
@@ -162,7 +166,8 @@ impl S3 {
             Error::io(o.state_dir.display().to_string(), &e).advised("dmover keeps the state of S3 uploads there, to resume them")
         })?;
         let uploads = o.state_dir.join("uploads");
-        let inner = Inner { client, bucket: bucket.to_string(), rt, parts: Arc::new(Semaphore::new(PARTS_IN_FLIGHT)), uploads };
+        let parts = Arc::new(Semaphore::new((o.staging / PART).clamp(1, MAX_PARTS_IN_FLIGHT) as usize));
+        let inner = Inner { client, bucket: bucket.to_string(), rt, parts, uploads };
         let at = endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
         let creds = config.credentials_provider().ok_or_else(|| Error::internal("no credentials provider"))?;
         use aws_sdk_s3::config::ProvideCredentials;
