@@ -22,7 +22,8 @@
 //! upload for a later run once a part is sent. The engine keeps its
 //! journals in the same state directory (`journals/`, the
 //! [`Storage::state_store`]): an object store has no file that grows by
-//! small writes.
+//! small writes. Where that directory cannot be made or written, uploads
+//! work but are not resumed.
 //!
 //! Each object carries metadata: dmover's digest of its content (with the
 //! block size it was computed with), checked when the object is read back
@@ -102,8 +103,9 @@ pub fn default_state_dir(bucket: &str) -> PathBuf {
 /// A bucket of an S3-compatible object store.
 pub struct S3 {
     inner: Arc<Inner>,
-    /// Where the engine keeps its journals of files being written here.
-    state: Store,
+    /// Where the engine keeps its journals of files being written here
+    /// (None if that directory cannot be made: uploads are not resumed).
+    state: Option<Store>,
 }
 
 struct Inner {
@@ -162,9 +164,13 @@ impl S3 {
         }
         let client = Client::from_conf(s3.build());
         let journals = o.state_dir.join("journals");
-        let state = std::fs::create_dir_all(&journals).and_then(|()| super::export("s3-state", &journals)).map_err(|e| {
-            Error::io(o.state_dir.display().to_string(), &e).advised("dmover keeps the state of S3 uploads there, to resume them")
-        })?;
+        let state = match std::fs::create_dir_all(&journals).and_then(|()| super::export("s3-state", &journals)) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                log::warn!("{}: {e}; uploads to s3://{bucket} cut short will start afresh", journals.display());
+                None
+            }
+        };
         let uploads = o.state_dir.join("uploads");
         let parts = Arc::new(Semaphore::new((o.staging / PART).clamp(1, MAX_PARTS_IN_FLIGHT) as usize));
         let inner = Inner { client, bucket: bucket.to_string(), rt, parts, uploads };
@@ -556,17 +562,25 @@ impl Inner {
 
     /// Starts a multipart upload of `k`, aborting any other of that key
     /// (one an interrupted run started but did not record), and records it.
+    /// Neither the clean-up (which needs leave to list uploads) nor the
+    /// record is needed for the upload itself: their failure is a warning.
     fn begin(&self, k: &str) -> io::Result<String> {
         let c = &self.client;
-        let listed = self.rt.block_on(c.list_multipart_uploads().bucket(&self.bucket).prefix(k).send()).map_err(|e| io_error(k, e))?;
-        for u in listed.uploads().iter().filter(|u| u.key() == Some(k)) {
-            let abort = c.abort_multipart_upload().bucket(&self.bucket).key(k).upload_id(u.upload_id().unwrap_or_default());
-            let _ = self.rt.block_on(abort.send());
+        match self.rt.block_on(c.list_multipart_uploads().bucket(&self.bucket).prefix(k).send()) {
+            Ok(listed) => {
+                for u in listed.uploads().iter().filter(|u| u.key() == Some(k)) {
+                    let abort = c.abort_multipart_upload().bucket(&self.bucket).key(k).upload_id(u.upload_id().unwrap_or_default());
+                    let _ = self.rt.block_on(abort.send());
+                }
+            }
+            Err(e) => log::warn!("{}", io_error(&format!("{k}: listing earlier uploads to abort them"), e)),
         }
         let r = self.rt.block_on(c.create_multipart_upload().bucket(&self.bucket).key(k).send()).map_err(|e| io_error(k, e))?;
         let id = r.upload_id().unwrap_or_default().to_string();
-        std::fs::create_dir_all(&self.uploads)?;
-        std::fs::write(self.record_path(k), format!("{id}\n"))?;
+        let recorded = std::fs::create_dir_all(&self.uploads).and_then(|()| std::fs::write(self.record_path(k), format!("{id}\n")));
+        if let Err(e) = recorded {
+            log::warn!("{}: {e}; the upload of {k} cannot be resumed if cut short", self.uploads.display());
+        }
         Ok(id)
     }
 
@@ -635,8 +649,14 @@ impl S3Write {
                 let r = req.body(ByteStream::from(data)).send().await.map_err(|e| io_error(&key, e));
                 drop(permit);
                 let etag = r?.e_tag().unwrap_or_default().to_string();
-                let mut f = std::fs::OpenOptions::new().append(true).open(record)?;
-                std::io::Write::write_all(&mut f, format!("{index} {etag}\n").as_bytes())?;
+                // Only while the record is there: one removed meanwhile
+                // (the upload given up) is not made again. Unrecorded, the
+                // part is only not kept by a later run.
+                let line = format!("{index} {etag}\n");
+                let _ = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(record)
+                    .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
                 Ok(etag)
             })),
         );
@@ -902,7 +922,9 @@ impl Storage for S3 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file"));
         }
         // A file made afresh replaces the upload an earlier run left.
-        self.inner.abandon(&k)?;
+        if let Err(e) = self.inner.abandon(&k) {
+            log::warn!("{}: cannot abort the upload an earlier run left: {e}", self.display(path));
+        }
         Ok(Box::new(S3Write { inner: self.inner.clone(), key: k, up: Mutex::new(Upload::default()) }))
     }
 
@@ -921,7 +943,7 @@ impl Storage for S3 {
     }
 
     fn state_store(&self) -> Option<Store> {
-        Some(self.state.clone())
+        self.state.clone()
     }
 
     fn sync(&self, _dir: &Path) -> io::Result<()> {
