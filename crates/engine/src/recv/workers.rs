@@ -375,10 +375,10 @@ fn sync(sh: &Shared) -> std::io::Result<()> {
     sh.store.sync(sh.sync_dir.get().unwrap_or(&sh.dest_dir))
 }
 
-/// Renames each file of a batch into place; returns those renamed.
+/// Renames each file of a batch into place, as many at once as the
+/// storage takes; returns those renamed.
 fn rename_into_place(sh: &Shared, ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>) -> Vec<Arc<Slot>> {
-    let mut renamed = Vec::with_capacity(ready.len());
-    for (s, f) in ready {
+    let commit = |(s, f): (Arc<Slot>, Arc<dyn WriteFile>)| {
         let committed = {
             let mut io = s.io.lock().expect("file lock");
             io.file = None;
@@ -386,9 +386,23 @@ fn rename_into_place(sh: &Shared, ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>) -
             sh.store.commit(f.as_ref(), &s.paths.temp, &s.paths.dest, None)
         };
         match committed {
-            Ok(()) => renamed.push(s),
-            Err(e) => sh.failed(s.id, &e),
+            Ok(()) => Some(s),
+            Err(e) => {
+                sh.failed(s.id, &e);
+                None
+            }
         }
+    };
+    let threads = sh.store.commits_at_once().min(ready.len());
+    if threads <= 1 {
+        return ready.into_iter().filter_map(commit).collect();
     }
-    renamed
+    // Each thread takes the next file from the shared queue.
+    let queue = Mutex::new(ready.into_iter());
+    let next = || queue.lock().expect("commit queue lock").next();
+    std::thread::scope(|scope| {
+        let workers: Vec<_> =
+            (0..threads).map(|_| scope.spawn(|| std::iter::from_fn(next).filter_map(commit).collect::<Vec<_>>())).collect();
+        workers.into_iter().flat_map(|w| w.join().expect("a committing thread panicked")).collect()
+    })
 }

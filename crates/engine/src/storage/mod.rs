@@ -170,6 +170,13 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>>;
     /// Sets `attrs` on `file` (written at `from`) and renames it to `to`.
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
+    /// How many files [`commit`](Storage::commit) may take at once, from
+    /// as many threads: 1 where a commit is quick (a rename), more where
+    /// each is a request to a server (an object store's PUT), so that a
+    /// batch of small files costs a few round trips, not one each.
+    fn commits_at_once(&self) -> usize {
+        1
+    }
     /// Makes everything written below `dir` so far durable: file data,
     /// attributes and names (a file-system sync: one call serves many files).
     fn sync(&self, dir: &Path) -> io::Result<()>;

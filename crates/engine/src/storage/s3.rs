@@ -64,6 +64,8 @@ const MAX_PARTS_IN_FLIGHT: u64 = 8;
 const READ_AHEAD: u64 = 4 << 20;
 /// HEAD requests at once while listing.
 const HEADS_IN_FLIGHT: usize = 32;
+/// Files committed at once (each a PUT, or the completion of an upload).
+const COMMITS_IN_FLIGHT: usize = 32;
 /// Part size of a copy made by the server (at most 5 GiB).
 const COPY_PART: u64 = 1 << 30;
 
@@ -944,6 +946,10 @@ impl Storage for S3 {
 
     fn state_store(&self) -> Option<Store> {
         self.state.clone()
+    }
+
+    fn commits_at_once(&self) -> usize {
+        COMMITS_IN_FLIGHT
     }
 
     fn sync(&self, _dir: &Path) -> io::Result<()> {
