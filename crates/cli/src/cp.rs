@@ -170,7 +170,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
             .advised("copy through a local directory: first from the source, then to the destination"));
     }
     let store = |l: &Location| match l {
-        Location::S3 { bucket, .. } => a.s3.open(bucket),
+        Location::S3 { bucket, .. } => a.s3.open(bucket, a.staging),
         _ => Ok(storage::local()),
     };
     let (src_store, dest_store) = (store(&sources[0])?, store(&dest)?);

@@ -46,6 +46,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     let sh = Arc::new(Shared {
         options: opts,
         block_size,
+        state: super::state_store(&cfg.store),
         store: cfg.store,
         dest_dir,
         slots: RwLock::new(HashMap::new()),
@@ -305,8 +306,8 @@ impl Owner {
     fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
         self.sh.stop.store(true, Ordering::SeqCst);
         if let Some(l) = &self.layout {
-            let _ = self.sh.store.remove(&l.marker);
-            let _ = self.sh.store.remove_dir(&l.state_dir);
+            let _ = self.sh.state.remove(&l.marker);
+            let _ = self.sh.state.remove_dir(&l.state_dir);
         }
         self.ctl.lock().expect("control lock").send(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
         Ok(t)
@@ -430,7 +431,7 @@ impl Owner {
                 if same {
                     // A partial file an interrupted later run left for it is stale.
                     let _ = sh.store.remove(&temp_name(&final_path));
-                    let _ = sh.store.remove(&journal::path_for(&state_dir, &meta.path));
+                    let _ = sh.state.remove(&journal::path_for(&state_dir, &meta.path));
                     log::debug!("{}: already there", meta.path);
                     return Some(Outcome::Present);
                 }
@@ -442,11 +443,14 @@ impl Owner {
         let mut io = FileIo::fresh();
         if blocks > 1 {
             let jp = journal::path_for(&state_dir, &meta.path);
-            if is_own_partial(&sh, &paths.temp) {
-                if let Some(recs) = journal::load(sh.store.as_ref(), &jp, meta, sh.block_size as u32, blocks) {
-                    log::debug!("{}: resumed, {} of {blocks} blocks held", meta.path, recs.len());
-                    held = recs;
-                    io = FileIo::resumed(Journal::append(sh.store.as_ref(), &jp).ok());
+            if let Some(recs) = journal::load(sh.state.as_ref(), &jp, meta, sh.block_size as u32, blocks) {
+                // Only a partial file this end created is taken up again
+                // (never one planted there), and only the blocks it holds.
+                if let Ok(Some(file)) = sh.store.reopen(&paths.temp) {
+                    let bs = sh.block_size;
+                    held = recs.into_iter().filter(|(b, _)| file.holds(b * bs, bs.min(meta.size - b * bs))).collect();
+                    log::debug!("{}: resumed, {} of {blocks} blocks held", meta.path, held.len());
+                    io = FileIo::resumed(file, Journal::append(sh.state.as_ref(), &jp).ok());
                 }
             }
             paths.journal = Some(jp);
@@ -489,11 +493,4 @@ fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
 fn temp_name(final_path: &Path) -> PathBuf {
     let name = final_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     final_path.with_file_name(format!(".{name}{PART_SUFFIX}"))
-}
-
-/// Whether `temp` is a partial file this end could have written: a regular
-/// file with no other name. Anything else (a symlink or a hard link planted
-/// there) is not resumed but replaced, so nothing is written through it.
-fn is_own_partial(sh: &Shared, temp: &Path) -> bool {
-    sh.store.stat(temp).is_ok_and(|m| m.is_file() && m.nlink == 1)
 }

@@ -149,7 +149,8 @@ pub fn ping_interval(idle: Duration) -> Duration {
 }
 
 /// Where a transfer's files and resume state go. Settled by the first
-/// announcement when the destination may be a file.
+/// announcement when the destination may be a file. The state directory and
+/// its marker are in the destination's state store.
 struct Layout {
     /// The destination file itself, when a lone file is written as DEST.
     dest_file: Option<PathBuf>,
@@ -166,16 +167,24 @@ impl Layout {
     /// Creates the state directory and marker under `parent`, once no
     /// earlier run of this transfer in this process is still writing there.
     fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
+        let state = state_store(store);
         let state_dir = parent.join(STATE_DIR);
         let marker = state_dir.join(format!("transfer-{}", hex::encode(transfer_id)));
-        let run = Running::enter(store, &marker)?;
-        store.make_dirs(&state_dir)?;
-        let resuming = store.stat(&marker).is_ok();
+        let run = Running::enter(&state, &marker)?;
+        state.make_dirs(&state_dir)?;
+        let resuming = state.stat(&marker).is_ok();
         if !resuming {
-            store.create(&marker)?;
+            state.create(&marker)?;
         }
         Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
     }
+}
+
+/// Where the resume state of transfers into `store` goes (see
+/// [`Storage::state_store`](crate::storage::Storage::state_store)); the
+/// state directory has the same path in it either way.
+fn state_store(store: &Store) -> Store {
+    store.state_store().unwrap_or_else(|| store.clone())
 }
 
 /// The runs of transfers receiving in this process, by marker path; a run

@@ -53,6 +53,8 @@ pub(super) struct Shared {
     pub options: TransferOptions,
     pub block_size: u64,
     pub store: Store,
+    /// Where journals go: `store`, or the local storage it names.
+    pub state: Store,
     pub dest_dir: PathBuf,
     /// Files whose blocks may be written, by id: the owner adds and
     /// removes them, data connections look them up for each block.
@@ -97,7 +99,8 @@ pub(super) struct Paths {
 pub(super) struct FileIo {
     file: Option<Arc<dyn WriteFile>>,
     journal: Option<Journal>,
-    /// Create the temporary file afresh (and a new journal) when first opened.
+    /// Create the temporary file afresh (and a new journal) when first
+    /// opened; once opened (or for a resumed file), it is never created again.
     fresh: bool,
     /// Removed: nothing more is written.
     closed: bool,
@@ -109,9 +112,10 @@ impl FileIo {
         FileIo { file: None, journal: None, fresh: true, closed: false }
     }
 
-    /// The partial file of an earlier run, with its journal if it could be opened.
-    pub fn resumed(journal: Option<Journal>) -> FileIo {
-        FileIo { file: None, journal, fresh: false, closed: false }
+    /// The partial file of an earlier run, taken up again, with its journal
+    /// if it could be opened.
+    pub fn resumed(file: Box<dyn WriteFile>, journal: Option<Journal>) -> FileIo {
+        FileIo { file: Some(file.into()), journal, fresh: false, closed: false }
     }
 }
 
@@ -127,22 +131,19 @@ pub(super) struct Slot {
 
 impl Slot {
     /// The file's temporary name, open: created afresh (with a new journal)
-    /// for a fresh file, the partial file of an earlier run when resuming.
+    /// when first opened for a fresh file; the partial file of an earlier
+    /// run when resuming (taken up again when the file was looked at).
     fn open(&self, sh: &Shared, io: &mut FileIo) -> std::io::Result<Arc<dyn WriteFile>> {
         if let Some(f) = &io.file {
             return Ok(f.clone());
         }
-        let f: Arc<dyn WriteFile> = if io.fresh {
-            log::debug!("{}: new partial file", self.paths.temp.display());
-            sh.store.create(&self.paths.temp)?.into()
-        } else {
-            let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file of an earlier run is gone");
-            sh.store.reopen(&self.paths.temp)?.ok_or_else(gone)?.into()
-        };
-        if io.fresh {
-            if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
-                io.journal = Some(Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32)?);
-            }
+        if !io.fresh {
+            return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file is no longer open"));
+        }
+        log::debug!("{}: new partial file", self.paths.temp.display());
+        let f: Arc<dyn WriteFile> = sh.store.create(&self.paths.temp)?.into();
+        if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
+            io.journal = Some(Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32)?);
         }
         io.fresh = false;
         io.file = Some(f.clone());
@@ -154,7 +155,7 @@ impl Slot {
         let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) else { return };
         let mut io = self.io.lock().expect("file lock");
         io.journal = None;
-        if let Ok(mut j) = Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32) {
+        if let Ok(mut j) = Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32) {
             for (b, s) in held {
                 let _ = j.record(*b, s);
             }
@@ -172,7 +173,7 @@ impl Slot {
             let _ = sh.store.remove(&self.paths.temp);
         }
         if let Some(j) = &self.paths.journal {
-            let _ = sh.store.remove(j);
+            let _ = sh.state.remove(j);
         }
     }
 }
@@ -328,7 +329,7 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
             }
             log::debug!("{}: committed", s.paths.dest.display());
             if let Some(j) = &s.paths.journal {
-                let _ = sh.store.remove(j);
+                let _ = sh.state.remove(j);
             }
             committed.push(Event::Committed { id: s.id });
         }
@@ -352,29 +353,16 @@ const SYNC_THREADS: usize = 16;
 /// [`SYNC_THREADS`] threads. Returns the files that were made durable (the
 /// others are reported failed) and whether every directory was.
 fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io::Result<()>) {
-    let jobs = ready.len() + dirs.len();
-    let results: Vec<OnceLock<std::io::Result<()>>> = (0..jobs).map(|_| OnceLock::new()).collect();
-    let next = AtomicUsize::new(0);
-    let work = || loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        let Some(slot) = results.get(i) else { return };
-        let r = match ready.get(i) {
-            Some((_, f)) => f.sync(),
-            None => sh.store.sync_dir(&dirs[i - ready.len()]),
-        };
-        let _ = slot.set(r);
-    };
-    if jobs <= 1 {
-        work();
-    } else {
-        std::thread::scope(|scope| {
-            for _ in 1..jobs.min(SYNC_THREADS) {
-                scope.spawn(work);
-            }
-            work();
-        });
+    enum Job<'a> {
+        File(&'a Arc<dyn WriteFile>),
+        Dir(&'a Path),
     }
-    let mut results = results.into_iter().map(|r| r.into_inner().expect("every job ran"));
+    let jobs: Vec<Job> = ready.iter().map(|(_, f)| Job::File(f)).chain(dirs.iter().map(|d| Job::Dir(d))).collect();
+    let mut results = at_once(&jobs, SYNC_THREADS, |j| match j {
+        Job::File(f) => f.sync(),
+        Job::Dir(d) => sh.store.sync_dir(d),
+    })
+    .into_iter();
     let mut synced = Vec::with_capacity(ready.len());
     for ((s, f), r) in ready.into_iter().zip(results.by_ref()) {
         match r {
@@ -443,10 +431,10 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
     ready
 }
 
-/// Renames each file of a batch into place; returns those renamed.
+/// Renames each file of a batch into place, as many at once as the
+/// storage takes; returns those renamed.
 fn rename_into_place(sh: &Shared, ready: Ready) -> Vec<Arc<Slot>> {
-    let mut renamed = Vec::with_capacity(ready.len());
-    for (s, f) in ready {
+    let commit = |(s, f): &(Arc<Slot>, Arc<dyn WriteFile>)| {
         let committed = {
             let mut io = s.io.lock().expect("file lock");
             io.file = None;
@@ -454,9 +442,35 @@ fn rename_into_place(sh: &Shared, ready: Ready) -> Vec<Arc<Slot>> {
             sh.store.commit(f.as_ref(), &s.paths.temp, &s.paths.dest, None)
         };
         match committed {
-            Ok(()) => renamed.push(s),
-            Err(e) => sh.failed(s.id, &e),
+            Ok(()) => Some(s.clone()),
+            Err(e) => {
+                sh.failed(s.id, &e);
+                None
+            }
         }
+    };
+    at_once(&ready, sh.store.commits_at_once(), commit).into_iter().flatten().collect()
+}
+
+/// Runs `job` on each of `items` on up to `threads` threads (this one
+/// among them), each taking the next item; returns the results in order.
+fn at_once<T: Sync, R: Send + Sync>(items: &[T], threads: usize, job: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = threads.min(items.len());
+    if threads <= 1 {
+        return items.iter().map(job).collect();
     }
-    renamed
+    let results: Vec<OnceLock<R>> = items.iter().map(|_| OnceLock::new()).collect();
+    let next = AtomicUsize::new(0);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(item) = items.get(i) else { return };
+        let _ = results[i].set(job(item));
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(work);
+        }
+        work();
+    });
+    results.into_iter().map(|r| r.into_inner().expect("every item was taken")).collect()
 }
