@@ -601,7 +601,7 @@ fn a_push_naming_thousands_of_hosts_makes_the_server_open_no_connections() {
     let cases = [(2000, 4), (2, 64), (0, 4)];
     for (n, streams) in cases {
         let mut c = Raw::control(&srv.addr(), token.as_bytes());
-        let params = EngineParams { streams, concurrency: 8, staging: 64 << 20, retries: 0, bwlimit: 0 };
+        let params = EngineParams { streams, concurrency: 8, staging: 64 << 20, retries: 0, bwlimit: 0, ..EngineParams::default() };
         let hosts = vec![host.clone(); n];
         c.send(&Msg::Push { sources: vec!["e/src".into()], dest: "x/in".into(), hosts, options: opts, params });
         let answer = c.read();
@@ -644,7 +644,7 @@ fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_sta
     let srv = Server::start(spec);
     let addr = srv.addr();
     let token = env.token_str();
-    let greedy = EngineParams { streams: 1, concurrency: 64, staging: 1 << 30, retries: 0, bwlimit: 0 };
+    let greedy = EngineParams { streams: 1, concurrency: 64, staging: 1 << 30, retries: 0, bwlimit: 0, ..EngineParams::default() };
     let send = |block_size: u32| Msg::Send {
         sources: vec!["e/big/".into()],
         options: TransferOptions { transfer_id: [31; 16], block_size, flags: TransferFlags::empty(), tcp_buffer: 0 },

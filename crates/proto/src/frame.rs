@@ -180,6 +180,30 @@ pub struct EngineParams {
     pub retries: u32,
     /// Bytes per second the sender may send in all (0: no limit).
     pub bwlimit: u64,
+    /// The stream tuner the sender runs; `streams` is where it starts.
+    pub tuner: TunerMode,
+    /// Bytes per decision of the mi, mi+ and aimd tuners.
+    pub tune_chunk: u64,
+}
+
+/// Which stream tuner a server sending for a client runs (the client's
+/// `--streams` and `--tune`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TunerMode {
+    /// A fixed count of streams.
+    #[default]
+    Fixed = 0,
+    /// dmover's own tuner.
+    Auto = 1,
+    Mi = 2,
+    MiPlus = 3,
+    Aimd = 4,
+}
+
+impl TunerMode {
+    fn from_u8(v: u8) -> Option<TunerMode> {
+        [TunerMode::Fixed, TunerMode::Auto, TunerMode::Mi, TunerMode::MiPlus, TunerMode::Aimd].into_iter().find(|m| *m as u8 == v)
+    }
 }
 
 /// What a file announcement says about the file.
@@ -345,6 +369,7 @@ pub mod kind {
     pub const IDENTIFY: u8 = 46;
     pub const IDENTITY: u8 = 47;
     pub const FETCH: u8 = 48;
+    pub const DIAL: u8 = 49;
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -420,6 +445,10 @@ pub enum Msg {
     /// Tx→Rx on a data connection: nothing more comes on it (the sender
     /// dropped a stream); the receiver closes it.
     StreamEnd,
+    /// Tx→Rx on the control connection, where the receiver dials the data
+    /// connections (a download): open one more and attach it to this
+    /// session (the sender's tuner adds a stream).
+    Dial,
     /// C→S: list the files a source spec names (a path, directory or glob).
     List { path: String },
     /// S→C: some of the listing; `done` on the last batch.
@@ -485,6 +514,8 @@ impl W<'_> {
         self.u64(p.staging);
         self.u32(p.retries);
         self.u64(p.bwlimit);
+        self.u8(p.tuner as u8);
+        self.u64(p.tune_chunk);
     }
 }
 
@@ -561,6 +592,11 @@ impl<'a> R<'a> {
             staging: self.u64()?,
             retries: self.u32()?,
             bwlimit: self.u64()?,
+            tuner: {
+                let v = self.u8()?;
+                TunerMode::from_u8(v).ok_or(DecodeError::Invalid("tuner", v as u64))?
+            },
+            tune_chunk: self.u64()?,
         })
     }
 }
@@ -600,6 +636,7 @@ impl Msg {
             Ping => kind::PING,
             Echo { .. } => kind::ECHO,
             StreamEnd => kind::STREAM_END,
+            Dial => kind::DIAL,
             List { .. } => kind::LIST,
             Listing { .. } => kind::LISTING,
             Stream { .. } => kind::STREAM,
@@ -627,7 +664,7 @@ impl Msg {
             }
             Challenge { challenge } => w.bytes(challenge),
             Proof { proof } => w.bytes(proof),
-            Welcome | OpenControl | Ready | Ping | StreamEnd | Identify => {}
+            Welcome | OpenControl | Ready | Ping | StreamEnd | Dial | Identify => {}
             Echo { stamp, received, staged, server_received, transfers } => {
                 w.u64(*stamp);
                 w.u64(*received);
@@ -938,6 +975,7 @@ impl Msg {
             kind::PING => Ping,
             kind::ECHO => Echo { stamp: r.u64()?, received: r.u64()?, staged: r.u8()?, server_received: r.u64()?, transfers: r.u32()? },
             kind::STREAM_END => StreamEnd,
+            kind::DIAL => Dial,
             kind::LIST => List { path: r.str()? },
             kind::LISTING => {
                 let n = r.count(4 + 8 + 8 + 4 + 4)?;
@@ -1117,7 +1155,15 @@ mod tests {
             Msg::Send {
                 sources: vec!["a".into(), "b/*.h5".into()],
                 options: TransferOptions::default(),
-                params: EngineParams { streams: 4, concurrency: 8, staging: 1 << 26, retries: 5, bwlimit: 7 },
+                params: EngineParams {
+                    streams: 4,
+                    concurrency: 8,
+                    staging: 1 << 26,
+                    retries: 5,
+                    bwlimit: 7,
+                    tuner: TunerMode::MiPlus,
+                    tune_chunk: 3 << 20,
+                },
             },
             Msg::SessionOpened { session: [8; 16] },
             Msg::Ready,
@@ -1156,6 +1202,7 @@ mod tests {
             Msg::Ping,
             Msg::Echo { stamp: 1 << 40, received: 3, staged: 99, server_received: 7, transfers: 2 },
             Msg::StreamEnd,
+            Msg::Dial,
             Msg::List { path: "e/*.h5".into() },
             Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },
             Msg::Stream { producer: "gtc-0".into(), block_size: 1 << 20 },

@@ -9,10 +9,11 @@
 //! per-block work is the workers'.
 
 use super::workers::{self, FileIo, Input, Paths, Shared, Slot, WriteJob};
-use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, WRITE_QUEUE};
+use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, MAX_DIALED_STREAMS, WRITE_QUEUE};
 use crate::error::{Error, Result};
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
+use crate::send::Connector;
 use crate::source::PART_SUFFIX;
 use crate::storage::digest_of;
 use crate::transport::{SocketOptions, Transport};
@@ -35,7 +36,7 @@ const POLL: Duration = Duration::from_millis(50);
 /// Runs a prepared receiving end until the sender finishes or the session
 /// fails; see [`Prepared::run`].
 pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
-    let Prepared { cfg, dest_dir, may_be_file, layout } = p;
+    let Prepared { cfg, dial, dest_dir, may_be_file, layout } = p;
     let opts = cfg.options;
     let block_size = opts.block_size as u64;
     let peer = control.peer();
@@ -56,6 +57,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         queued: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
         received: AtomicU64::new(0),
+        streams: AtomicUsize::new(0),
         receiving: Receiving::new(cfg.intake),
     });
     let _pinger = Pinger::start(ctl.clone(), super::ping_interval(cfg.idle_timeout));
@@ -105,6 +107,8 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         dirs: HashSet::new(),
         preparing: HashMap::new(),
         queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
+        dial,
+        dialing: 0,
     };
     let result = owner.run(&inputs);
     if result.as_ref().is_err_and(|e| e.kind != ErrorKind::Unreachable) {
@@ -181,6 +185,10 @@ struct Owner {
     preparing: HashMap<u64, (Paths, FileIo)>,
     /// Blocks the writers' queues hold at most.
     queue_capacity: usize,
+    /// How to dial a data connection the sender asks for.
+    dial: Option<Connector>,
+    /// Dials under way.
+    dialing: usize,
 }
 
 impl Owner {
@@ -203,6 +211,14 @@ impl Owner {
                 Input::Batch(es) => es.into_iter().find_map(|e| self.hear(e)),
                 Input::Stream(c) => {
                     self.attach(c);
+                    None
+                }
+                Input::Dialed(c) => {
+                    self.dialing -= 1;
+                    match c {
+                        Ok(c) => self.attach(c),
+                        Err(e) => log::warn!("could not dial the data connection the sender asked for: {e}"),
+                    }
                     None
                 }
                 Input::Broken(e) => {
@@ -289,6 +305,7 @@ impl Owner {
                     transfers: intake.transfers.load(Ordering::Relaxed),
                 });
             }
+            Action::Dial => self.dial(),
             Action::Finish(t) => return Some(self.finish(t)),
             Action::Violation(why) => self.fail(Error::protocol(&self.peer, why)),
             Action::Fatal { kind, path, message } => self.fail(Error::new(kind, self.name(&path), message)),
@@ -327,7 +344,27 @@ impl Owner {
             Err(e) => return self.fail(Error::network(conn.peer(), &e)),
         }
         let (sh, wtx) = (self.sh.clone(), self.wtx.clone());
-        std::thread::spawn(move || workers::data_stream(&sh, conn, &wtx));
+        sh.streams.fetch_add(1, Ordering::SeqCst);
+        std::thread::spawn(move || {
+            workers::data_stream(&sh, conn, &wtx);
+            sh.streams.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+
+    /// Dials the data connection the sender asked for, in its own thread,
+    /// unless this end does not dial or holds its most already.
+    fn dial(&mut self) {
+        let Some(dial) = self.dial.clone() else {
+            return log::debug!("the sender asked for a data connection, which this end does not dial");
+        };
+        if self.sh.stop.load(Ordering::SeqCst) || self.dialing + self.sh.streams.load(Ordering::SeqCst) >= MAX_DIALED_STREAMS {
+            return;
+        }
+        self.dialing += 1;
+        let events = self.sh.events.clone();
+        std::thread::spawn(move || {
+            let _ = events.send(Input::Dialed(dial()));
+        });
     }
 
     /// A reply, sent when the owner runs out of things to do.

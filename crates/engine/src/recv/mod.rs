@@ -28,6 +28,10 @@
 //!   writing each block back as soon as it is written, so a sync finds
 //!   little left to do.
 //!
+//! In a download the receiving end (the client) dials the data
+//! connections: when the sender's tuner wants another stream it says
+//! `Dial`, and the owner dials one more (up to [`MAX_DIALED_STREAMS`]).
+//!
 //! Blocks never pass through the owner: it hears of each one only once it
 //! is written. Staging blocks come from one pool, so a slow disk stalls
 //! the network readers (and through TCP, the sender) instead of growing
@@ -41,6 +45,7 @@ mod driver;
 mod workers;
 
 use crate::error::{Error, Result};
+use crate::send::Connector;
 use crate::source::STATE_DIR;
 use crate::storage::Store;
 use crate::transport::Transport;
@@ -233,9 +238,15 @@ impl Drop for Running {
     }
 }
 
+/// Data connections a receiving end that dials them holds (and dials) at
+/// once, at most, however many its sender asks for: as many as a tuner opens.
+pub const MAX_DIALED_STREAMS: usize = 64;
+
 /// A receiving end whose destination has been checked, ready to [`run`](Prepared::run).
 pub struct Prepared {
     cfg: RecvConfig,
+    /// How to dial a data connection the sender asks for (None: it may not ask).
+    dial: Option<Connector>,
     dest_dir: PathBuf,
     /// The destination is not a directory (yet) and may receive a lone file.
     may_be_file: bool,
@@ -266,7 +277,7 @@ pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
             layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id).map_err(|e| Error::io(&label, &e))?);
         }
     }
-    Ok(Prepared { cfg, dest_dir, may_be_file, layout })
+    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout })
 }
 
 /// Receives one transfer. `control` is the control connection; data
@@ -277,6 +288,12 @@ pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>
 }
 
 impl Prepared {
+    /// Lets the sender ask for more data connections (`Dial`, when its
+    /// tuner adds a stream), which `dial` opens: a download's client.
+    pub fn dialing(self, dial: Connector) -> Prepared {
+        Prepared { dial: Some(dial), ..self }
+    }
+
     pub fn run(self, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
         driver::run(self, control, streams)
     }

@@ -42,6 +42,8 @@ pub(super) enum Input {
     Batch(Vec<Event>),
     /// A data connection attached.
     Stream(Box<dyn Transport>),
+    /// A data connection the sender asked for was dialed (or could not be).
+    Dialed(crate::Result<Box<dyn Transport>>),
     /// A data connection broke, or its peer broke a rule: the session ends.
     Broken(crate::Error),
     /// The control connection broke or ended: the session ends.
@@ -70,6 +72,9 @@ pub(super) struct Shared {
     pub stop: AtomicBool,
     /// Payload bytes taken off the data connections (for the sender's tuner).
     pub received: AtomicU64,
+    /// Data connections being read now: the owner counts each it attaches,
+    /// its reading thread uncounts it when it ends.
+    pub streams: AtomicUsize,
     /// Counts this session in its server's intake while it runs.
     pub receiving: Receiving,
 }

@@ -59,7 +59,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         ctl.push(Arc::new(Mutex::new(FrameWriter::new(split(l.control.as_ref())?))));
         controls.push(split(l.control.as_ref())?);
         peers.push(l.control.peer().to_string());
-        hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.connect.clone() } else { None }));
+        hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.more.clone() } else { None }));
     }
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
     let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
@@ -93,7 +93,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         names.push(l.name);
     }
     sh.set_readers(cfg.concurrency);
-    let tuner = cfg.tuner.filter(|_| sh.hosts.iter().any(|q| q.connect.is_some())).map(|make| {
+    let tuner = cfg.tuner.filter(|_| sh.hosts.iter().any(|q| q.more.is_some())).map(|make| {
         let sh = sh.clone();
         std::thread::spawn(move || tuning::run(&sh, &*make))
     });
