@@ -1,7 +1,10 @@
 """Data sets: trees of files with incompressible (random) content.
 
 Files have one size, or (sigma > 0) deterministic lognormal sizes around a
-mean, scaled so that the total is exactly files × mean.
+mean, scaled so that the total is exactly files × mean, or (max_size > 0)
+deterministic log-uniform sizes from file_size to max_size (the spread of
+an HSM session: as many files of each order of magnitude). Spread sizes are
+drawn from a generator seeded with the data set's name.
 
 A data set lives in SCRATCH/data/NAME/src and is generated once. A marker
 file next to it records the spec; the set is reused when the marker matches
@@ -50,15 +53,22 @@ class Dataset:
     file_size: int         # the size of every file, or the mean with sigma > 0
     dirs: int = 0          # 0: all files directly in src/
     sigma: float = 0.0     # > 0: lognormal sizes with this shape parameter
+    max_size: int = 0      # > 0: log-uniform sizes from file_size to this
 
     @property
     def name(self) -> str:
         layout = f"-{self.dirs}d" if self.dirs else ""
         spread = f"-ln{self.sigma:g}" if self.sigma else ""
+        if self.max_size:
+            spread = f"-to{human_size(self.max_size)}-logu"
         return f"{self.files}x{human_size(self.file_size)}{layout}{spread}"
 
     @functools.cached_property
     def sizes(self) -> list[int]:
+        if self.max_size:
+            rng = random.Random(self.name)
+            lo, hi = math.log(self.file_size), math.log(self.max_size)
+            return [round(math.exp(rng.uniform(lo, hi))) for _ in range(self.files)]
         if not self.sigma:
             return [self.file_size] * self.files
         rng = random.Random(self.name)
@@ -75,6 +85,10 @@ class Dataset:
 
     def describe(self) -> str:
         where = f" in {self.dirs} directories" if self.dirs else ""
+        if self.max_size:
+            return (f"{self.files:,} files{where}, log-uniform sizes from {self.file_size / 1e3:,.0f} KB "
+                    f"to {self.max_size / 1e6:,.0f} MB ({min(self.sizes):,} B to "
+                    f"{max(self.sizes):,} B, {self.total_bytes / 1e6:,.0f} MB in all), random content")
         if self.sigma:
             size = (f"lognormal sizes (σ = {self.sigma:g}) with a mean of "
                     f"{_unit(self.file_size)}, {min(self.sizes):,} B to "
@@ -102,6 +116,8 @@ class Dataset:
         spec = asdict(self)
         if not self.sigma:
             del spec["sigma"]     # as written before sizes could vary
+        if not self.max_size:
+            del spec["max_size"]
         return spec
 
     # -- generation ----------------------------------------------------------

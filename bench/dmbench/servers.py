@@ -55,22 +55,26 @@ class Server:
 
 class DmoverServer(Server):
     """`dmover serve` with one export, run by the binary `binary` (the
-    measured build's by default; the baseline's serves its own client)."""
+    measured build's by default; the baseline's serves its own client).
+    The export is made empty at the start and removed at the end, unless
+    `existing` (a data set it serves to be read)."""
 
     label = "dmover serve"
     grace = 40
     EXPORT = "bench"
 
-    def __init__(self, ctx: Context, export_dir: Path, binary: Path | None = None, **kw):
+    def __init__(self, ctx: Context, export_dir: Path, binary: Path | None = None,
+                 existing: bool = False, **kw):
         super().__init__(ctx, **kw)
-        self.export_dir, self.binary = export_dir, binary or ctx.dmover
+        self.export_dir, self.binary, self.existing = export_dir, binary or ctx.dmover, existing
 
     def url(self, path: str = "") -> str:
         return f"dmover://{self.host}:{self.port}/{self.EXPORT}" + (f"/{path}" if path else "")
 
     def prepare(self) -> None:
-        remove_tree(None, self.export_dir)
-        self.export_dir.mkdir(parents=True)
+        if not self.existing:
+            remove_tree(None, self.export_dir)
+            self.export_dir.mkdir(parents=True)
 
     def argv(self) -> list[str]:
         return [str(self.binary), "serve", "--listen", f"{self.host}:{self.port}",
@@ -82,7 +86,8 @@ class DmoverServer(Server):
             what = "did not exit within 40 s of SIGTERM" if rc is None else \
                 f"exited with code {rc} after SIGTERM (expected 0)"
             self.ctx.note(f"`dmover serve` {what}; last log lines:\n{log_tail(self.log_path)}")
-        remove_tree(None, self.export_dir)
+        if not self.existing:
+            remove_tree(None, self.export_dir)
 
 
 class GridftpServer(Server):

@@ -7,6 +7,7 @@ throughput over time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -66,6 +67,7 @@ class MeasuredTool(Tool):
     server: Server | None = None
     netns: str | None = None     # the client's network namespace
     link = None                  # wanem.WanLink: sample its receive counter
+    toward_client = False        # the data flows to the client: sample the send counter
 
     def execute(self, ctx: Context, argv: list[str]) -> tuple[Result, dict]:
         time_file = ctx.work / "logs" / "time.txt"
@@ -73,7 +75,8 @@ class MeasuredTool(Tool):
         spid = self.server.pid if self.server else None
         usage = ServerUsage(spid) if spid else None
         anchor, iface = (self.link.anchor_pid, self.link.iface) if self.link else (None, None)
-        with profile.attach_server(ctx, spid), Sampler(spid, anchor, iface) as sampler:
+        with profile.attach_server(ctx, spid), \
+                Sampler(spid, anchor, iface, sent=self.toward_client) as sampler:
             res = run(ctx.log, argv, timeout=ctx.timeout,
                       abort_if=self.link.down if self.link else None)
         if self.link:
@@ -379,6 +382,62 @@ class DmoverCopy(DmoverBuild, ServerCopyTool):
                 "reported_files_per_s": rep.get("files_per_s"),
                 "sent_bytes": rep.get("sent_bytes"), "retries": rep.get("retries"),
                 "resent_blocks": rep.get("resent_blocks")}
+
+
+class DmoverDownload(DmoverCopy):
+    """`dmover cp` from a dmover server that exports the data set into a
+    local directory: on loopback, or across a netns link from the server in
+    `server_netns` to the client in `client_netns`. The server sends (and
+    tunes its streams); its CPU is the server's."""
+
+    toward_client = True
+
+    def session(self, ctx: Context) -> DmoverServer:
+        self.server = DmoverServer(ctx, self.dataset.root(ctx.scratch), self.binary(ctx),
+                                   existing=True, host=self.host, netns=self.server_netns)
+        return self.server
+
+    def dest(self, ctx, run_no):
+        return CopyTool.dest(self, ctx, run_no)
+
+    def command(self, ctx, src, dest, run_no):
+        return [str(self.binary(ctx)), "cp", "--json", *self.options, "--token-file",
+                str(ctx.token()), self.server.url(f"{src.name}/"), f"{dest}/"]
+
+
+class DmoverThirdParty(DmoverCopy):
+    """`dmover cp` between two dmover servers: the source server, beside
+    the client (at `source_host` in `client_netns`), exports the data set
+    and pushes it (tuning its streams) to the destination server at `host`
+    (in `server_netns`), across the link if there is one. The CPU reported
+    as the server's is the source server's, which does the sending."""
+
+    def __init__(self, dataset: Dataset, options: tuple[str, ...] = (), *,
+                 source_host: str = "127.0.0.1", **kw):
+        super().__init__(dataset, options, **kw)
+        self.source_host = source_host
+
+    def session(self, ctx: Context):
+        stack = contextlib.ExitStack()
+        self.dest_server = stack.enter_context(
+            DmoverServer(ctx, ctx.work / f"export-{self.slug()}", self.binary(ctx),
+                         host=self.host, netns=self.server_netns))
+        try:
+            self.server = stack.enter_context(
+                DmoverServer(ctx, self.dataset.root(ctx.scratch), self.binary(ctx),
+                             existing=True, host=self.source_host, netns=self.netns))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    def dest(self, ctx, run_no):
+        return self.dest_server.export_dir / f"dst-{run_no}"
+
+    def command(self, ctx, src, dest, run_no):
+        return [str(self.binary(ctx)), "cp", "--json", *self.options, "--token-file",
+                str(ctx.token()), self.server.url(f"{src.name}/"),
+                self.dest_server.url(f"{dest.name}/")]
 
 
 def check_cp_report(rep: dict, ds: Dataset, res: Result) -> None:

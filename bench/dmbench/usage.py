@@ -98,12 +98,15 @@ class ServerUsage:
 
 class Sampler(threading.Thread):
     """Every 100 ms: the summed RSS of a server's tree and the received
-    bytes of interface `iface` in the network namespace of process
-    `netns_pid` (read through /proc/PID/net/dev, so no process is spawned)."""
+    bytes (or with `sent`, the sent bytes) of interface `iface` in the
+    network namespace of process `netns_pid` (read through
+    /proc/PID/net/dev, so no process is spawned)."""
 
-    def __init__(self, server_pid: int | None, netns_pid: int | None, iface: str | None):
+    def __init__(self, server_pid: int | None, netns_pid: int | None, iface: str | None,
+                 sent: bool = False):
         super().__init__(daemon=True)
         self.server_pid, self.iface = server_pid, iface
+        self.column = 8 if sent else 0     # /proc/net/dev: bytes received, ..., bytes sent
         self.dev = Path(f"/proc/{netns_pid}/net/dev") if netns_pid and iface else None
         self.peak_rss_kib = 0
         self.samples: list[tuple[float, int]] = []
@@ -115,7 +118,7 @@ class Sampler(threading.Thread):
             for line in self.dev.read_text().splitlines():
                 name, _, rest = line.partition(":")
                 if name.strip() == self.iface:
-                    return int(rest.split()[0])
+                    return int(rest.split()[self.column])
         except OSError:
             pass
         return None

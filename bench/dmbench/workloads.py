@@ -14,8 +14,8 @@ from pathlib import Path
 from .core import BASELINE, Context, Row, Target, Workload
 from .datasets import Dataset
 from .system import BenchError
-from .tools import (Cp, DmoverBench, DmoverCopy, Fio, GlobusUrlCopy, GridftpMemory, Iperf3,
-                    Rclone, Rsync)
+from .tools import (Cp, DmoverBench, DmoverCopy, DmoverDownload, DmoverThirdParty, Fio,
+                    GlobusUrlCopy, GridftpMemory, Iperf3, Rclone, Rsync)
 from .wanem import WanLink
 
 STREAMS = (1, 2, 4, 8, 16)
@@ -57,7 +57,8 @@ def large(ctx):
 
 
 def hsm(ctx):
-    return pick(ctx, Dataset(378, 2 << 20, sigma=1.0), Dataset(40, 1 << 20, sigma=1.0))
+    """The shape of the DMOVER paper's HSM sessions: 378 files from 73 KB to 19 MB."""
+    return pick(ctx, Dataset(378, 73_000, max_size=19_000_000), Dataset(40, 73_000, max_size=4_000_000))
 
 
 MEASURES = ("Wall seconds from spawn to exit; MB/s = 10^6 bytes / wall seconds; CPU = user + "
@@ -173,11 +174,29 @@ class LargeFiles(DiskCopy):
 
 
 class HsmFiles(DiskCopy):
+    """Spread sizes: besides the peers, dmover with a fixed `-p 4` (where
+    its tuner starts), to show what the tuner costs or brings here."""
+
     key = "hsm"
     title = "HSM session (spread sizes), disk to disk over loopback"
+    FIXED = ("-p", "4")
 
     def dataset(self, ctx):
         return hsm(ctx)
+
+    def describe(self, ctx):
+        return super().describe(ctx) + (f" `dmover {' '.join(self.FIXED)}` is dmover with a fixed "
+                                        "count of streams, where its tuner starts.")
+
+    def tools(self, ctx):
+        fixed = DmoverCopy(self.dataset(ctx), self.FIXED, name="dmover " + " ".join(self.FIXED))
+        return [*super().tools(ctx), fixed]
+
+    def rows(self, ctx):
+        tuned = Row("MB/s including a final sync", "dmover", "mb_per_s_with_sync",
+                    "dmover " + " ".join(self.FIXED),
+                    Target(">=", 0.95, "the tuner costs at most 5 %"))
+        return super().rows(ctx) + [tuned]
 
 
 class Wan(Workload):
@@ -203,12 +222,18 @@ class Wan(Workload):
                 f"{self.queue_pkts}-packet queue{loss}. Each tool copies "
                 f"{self.dataset(ctx).describe()} from {self.NS_A} to {self.NS_B}: dmover to a "
                 "`dmover serve`, globus-url-copy to a GridFTP server, rsync to an `rsync "
-                "--daemon`, all in " + self.NS_B + "; the page cache is dropped and the "
-                "destination removed before each run. The limit is iperf3 with 4 streams "
+                "--daemon`, all in " + self.NS_B + "; `dmover download` copies the set "
+                f"back from a `dmover serve` in {self.NS_B} that exports it into {self.NS_A}, "
+                f"and in `dmover third party` a `dmover serve` in {self.NS_A} that exports "
+                f"it pushes it to the one in {self.NS_B} (the client in {self.NS_A}); every "
+                "dmover row runs with its default settings (tuned streams); the page cache "
+                "is dropped and the destination removed before each run. The limit is "
+                f"iperf3 with 4 streams from {self.NS_A} to {self.NS_B} (the link is the "
+                "same both ways) "
                 f"for {self.iperf_seconds(ctx)} s. Goodput = payload bytes / wall seconds, as % "
                 "of the link rate; TCP payload reaches at most 1448/1500 = 96.5 % of it. The "
                 "throughput plot samples the receive counter of the TUN device in " +
-                self.NS_B + " every 100 ms. " + MEASURES)
+                self.NS_B + " every 100 ms (for `dmover download`, its send counter). " + MEASURES)
 
     def skip_reason(self, ctx):
         return None if Path("/dev/net/tun").exists() else "the kernel offers no TUN devices (/dev/net/tun)"
@@ -240,16 +265,26 @@ class Wan(Workload):
     def tools(self, ctx):
         ds, b_ip = self.dataset(ctx), f"10.250.{self.SUBNET}.2"
         ends = dict(server_netns=self.NS_B, client_netns=self.NS_A, link=self.link(ctx))
+        a_ip = f"10.250.{self.SUBNET}.1"
         return [Iperf3(4, self.iperf_seconds(ctx), host=b_ip, **ends),
                 *dmovers(ctx, lambda **b: DmoverCopy(ds, host=b_ip, **ends, **b)),
+                *dmovers(ctx, lambda **b: DmoverDownload(ds, host=b_ip, name="dmover download",
+                                                         **ends, **b)),
+                *dmovers(ctx, lambda **b: DmoverThirdParty(ds, host=b_ip, source_host=a_ip,
+                                                           name="dmover third party", **ends, **b)),
                 GlobusUrlCopy(ds, host=b_ip, **ends),
                 Rsync(ds, daemon_host=b_ip, **ends)]
 
     def rows(self, ctx):
-        rows = [Row(f"goodput (% of {self.rate_mbit} Mbit/s)", "dmover", "goodput_pct", peer)
+        measure = f"goodput (% of {self.rate_mbit} Mbit/s)"
+        rows = [Row(measure, "dmover", "goodput_pct", peer)
                 for peer in ("iperf3", "globus-url-copy", "rsync")]
-        rows[0] = Row(rows[0].measure, "dmover", "goodput_pct", "iperf3", self.target)
-        return rows + against_baseline(ctx, rows[0].measure, "goodput_pct")
+        rows[0] = Row(measure, "dmover", "goodput_pct", "iperf3", self.target)
+        directions = [Row(measure, tool, "goodput_pct", "iperf3")
+                      for tool in ("dmover download", "dmover third party")]
+        return (rows + directions + against_baseline(ctx, measure, "goodput_pct")
+                + [row for tool in ("dmover download", "dmover third party")
+                   for row in against_baseline(ctx, measure, "goodput_pct", tool)])
 
 
 

@@ -13,7 +13,7 @@ use dmover_engine::send::{self, Files, SendConfig};
 use dmover_engine::session::{self, Credential};
 use dmover_engine::storage;
 use dmover_engine::{Error, Result};
-use dmover_proto::frame::TransferOptions;
+use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::ErrorKind;
 use std::io::Write;
 use std::sync::Arc;
@@ -53,7 +53,7 @@ pub fn run(a: BenchArgs) -> Result<i32> {
         return Err(Error::new(ErrorKind::Usage, &a.url, "bench needs a dmover:// URL"));
     };
     let cred = Credential::token(&a.token.token()?);
-    let mut flags = 0;
+    let mut flags = TransferFlags::empty();
     let mut scratch = None;
     let files = if a.disk {
         let dir = std::env::temp_dir().join(format!("dmover-bench-{}", std::process::id()));
@@ -63,7 +63,7 @@ pub fn run(a: BenchArgs) -> Result<i32> {
         scratch = Some(dir);
         Files::Walk { store: storage::local(), specs: vec![file.display().to_string()] }
     } else {
-        flags |= TransferOptions::GENERATE | TransferOptions::DISCARD;
+        flags |= TransferFlags::GENERATE | TransferFlags::DISCARD;
         Files::Generate { name: "dmover-bench.dat".into(), size }
     };
     let socket = a.net.socket()?;

@@ -10,14 +10,14 @@ use crate::streams::StreamArgs;
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::progress::Progress;
-use dmover_engine::recv::{self, RecvConfig, DEST_MAY_BE_FILE};
+use dmover_engine::recv::{self, RecvConfig};
 use dmover_engine::retry::with_retries;
-use dmover_engine::send::{self, Files, HostLink, SendConfig};
+use dmover_engine::send::{self, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::session;
 use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::Transport;
 use dmover_engine::{Error, Result};
-use dmover_proto::frame::{EngineParams, Stats, TransferOptions};
+use dmover_proto::frame::{EngineParams, Stats, TransferFlags, TransferOptions};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use std::os::unix::net::UnixStream;
@@ -170,22 +170,22 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
             .advised("copy through a local directory: first from the source, then to the destination"));
     }
     let store = |l: &Location| match l {
-        Location::S3 { bucket, .. } => a.s3.open(bucket),
+        Location::S3 { bucket, .. } => a.s3.open(bucket, a.staging),
         _ => Ok(storage::local()),
     };
     let (src_store, dest_store) = (store(&sources[0])?, store(&dest)?);
-    let mut flags = 0;
+    let mut flags = TransferFlags::empty();
     if a.sync {
-        flags |= TransferOptions::SYNC;
+        flags |= TransferFlags::SYNC;
     }
     if a.checksum {
-        flags |= TransferOptions::CHECKSUM;
+        flags |= TransferFlags::CHECKSUM;
     }
     if a.no_fsync {
-        flags |= TransferOptions::NO_FSYNC;
+        flags |= TransferFlags::NO_FSYNC;
     }
     if a.net.no_encrypt {
-        flags |= TransferOptions::NO_ENCRYPT;
+        flags |= TransferFlags::NO_ENCRYPT;
     }
     let mut plan = Plan {
         options: TransferOptions {
@@ -194,13 +194,13 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
             flags,
             tcp_buffer: a.net.socket()?.buffer,
         },
-        params: EngineParams {
-            streams: a.net.fixed(),
+        params: a.net.params(EngineParams {
             concurrency: a.concurrency,
             staging: a.staging,
             retries: a.retries,
             bwlimit: a.bwlimit,
-        },
+            ..EngineParams::default()
+        }),
         dest_path: dest.path().trim_end_matches('/').to_string(),
         sources,
         dest,
@@ -209,7 +209,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         dest_store,
     };
     if may_be_file_to_file(&plan) {
-        plan.options.flags |= DEST_MAY_BE_FILE;
+        plan.options.flags |= TransferFlags::DEST_MAY_BE_FILE;
     }
     Ok(plan)
 }
@@ -277,20 +277,25 @@ fn pair() -> Result<(UnixStream, UnixStream)> {
 
 /// Both ends in this process, joined by socket pairs: local paths and S3 buckets.
 fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
-    a.net.untunable("local copies")?;
     let (ctl_a, ctl_b) = pair()?;
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
-    let mut data = Vec::new();
-    for _ in 0..a.net.fixed() {
+    // A stream: one end sends, the other goes to the receiver. The tuner
+    // opens more the same way.
+    let connect: send::Connector = Arc::new(move || {
         let (x, y) = pair()?;
-        data.push(Box::new(x) as Box<dyn Transport>);
+        // The receiver takes connections until the transfer ends.
         let _ = tx.send(Box::new(y));
-    }
-    drop(tx);
+        Ok(Box::new(x) as Box<dyn Transport>)
+    });
+    let data = (0..a.net.initial()).map(|_| connect()).collect::<Result<Vec<_>>>()?;
     let prepared = recv::prepare(recv_config(p))?;
     let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
-    let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data, connect: None };
-    let sent = send::send(Files::Walk { store: p.src_store.clone(), specs: specs(p) }, vec![link], send_config(p, progress, None));
+    let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data, more: Some(MoreStreams::Connect(connect)) };
+    let sent = send::send(
+        Files::Walk { store: p.src_store.clone(), specs: specs(p) },
+        vec![link],
+        send_config(p, progress, a.net.tuner_factory()),
+    );
     let received = receiver.join().unwrap_or_else(|_| Err(Error::internal("receiver panicked")));
     match (sent, received) {
         (Ok(stats), Ok(_)) => Ok(stats),
@@ -321,7 +326,6 @@ fn upload(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
 fn download(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
     let (hosts, _) = remote_parts(&p.sources[0]);
     let cred = p.hosts.cred(&hosts[0])?;
-    a.net.untunable("downloads")?;
     let socket = a.net.socket()?;
     with_retries(a.retries, |_| {
         let cfg = RecvConfig { accept: Some(crate::names::expected(&specs(p))), ..recv_config(p) };
@@ -334,7 +338,6 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
     let (dest_hosts, _) = remote_parts(&p.dest);
     let src = (src_hosts[0].clone(), p.hosts.cred(&src_hosts[0])?);
     let dests = p.hosts.creds(dest_hosts)?;
-    a.net.untunable("third-party copies")?;
     if let Some((host, _)) = dests.iter().find(|(_, c)| !c.direct()) {
         let msg = format!("{host} can be reached only through ssh, so the source host cannot deliver to it directly");
         return Err(Error::new(ErrorKind::Usage, p.dest.path(), msg)

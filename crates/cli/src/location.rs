@@ -49,10 +49,11 @@ pub struct S3Args {
 }
 
 impl S3Args {
-    /// The storage of `bucket`.
-    pub fn open(&self, bucket: &str) -> Result<Store> {
-        let o = dmover_engine::storage::s3::Options { endpoint: self.s3_endpoint.clone() };
-        Ok(std::sync::Arc::new(dmover_engine::storage::s3::S3::open(bucket, &o)?))
+    /// The storage of `bucket`, sending parts of uploads in `staging` bytes of memory.
+    pub fn open(&self, bucket: &str, staging: u64) -> Result<Store> {
+        use dmover_engine::storage::s3;
+        let o = s3::Options { endpoint: self.s3_endpoint.clone(), state_dir: s3::default_state_dir(bucket), staging };
+        Ok(std::sync::Arc::new(s3::S3::open(bucket, &o)?))
     }
 }
 

@@ -7,14 +7,13 @@ use crate::sizes::parse_size;
 use clap::Args;
 use dmover_engine::send::TunerFactory;
 use dmover_engine::transport::SocketOptions;
+use dmover_engine::tuning;
 use dmover_engine::{Error, Result};
+use dmover_proto::frame::{EngineParams, TunerMode};
 use dmover_proto::record::Protection;
 use dmover_proto::ErrorKind;
 use dmover_tune::{paper, Mode};
 use std::sync::Arc;
-
-/// Streams used when `auto` cannot be tuned (downloads, local and third-party copies).
-pub const DEFAULT_STREAMS: u32 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Streams {
@@ -39,7 +38,8 @@ fn parse_mode(s: &str) -> std::result::Result<Mode, String> {
 #[derive(Args, Clone)]
 pub struct StreamArgs {
     /// Data connections per host: a number (1-64), or 'auto' to let the
-    /// tuner choose and change them while sending (uploads; elsewhere auto is 4).
+    /// tuner choose and change them while sending, in every direction (in a
+    /// download the server tunes, and this side dials what it asks for).
     #[arg(short = 'p', long, default_value = "auto", value_parser = parse_streams)]
     pub streams: Streams,
     /// The tuner behind auto: 'auto' (dmover's own), or the paper modes
@@ -65,13 +65,13 @@ pub struct StreamArgs {
 }
 
 impl StreamArgs {
-    /// Makes the tuners of an upload (None: a fixed count).
+    /// Makes the tuners where this side sends (None: a fixed count).
     pub fn tuner_factory(&self) -> Option<TunerFactory> {
         let mode = self.tuner()?;
         Some(Arc::new(move || mode.build()))
     }
 
-    /// The tuner to run where the sender can open connections, or None for a fixed count.
+    /// The tuner to run at the sending end, or None for a fixed count.
     pub fn tuner(&self) -> Option<Mode> {
         let mode = match (self.streams, self.tune) {
             (Streams::Fixed(_), None) => return None,
@@ -90,30 +90,18 @@ impl StreamArgs {
 
     /// Streams to open first.
     pub fn initial(&self) -> usize {
-        match self.tuner() {
-            Some(m) => m.build().initial(),
-            None => self.fixed() as usize,
+        match (self.tuner(), self.streams) {
+            (Some(m), _) => m.build().initial(),
+            (None, Streams::Fixed(n)) => n as usize,
+            (None, Streams::Auto) => unreachable!("auto always has a tuner"),
         }
     }
 
-    /// The count where no tuner can run.
-    pub fn fixed(&self) -> u32 {
-        match self.streams {
-            Streams::Fixed(n) => n,
-            Streams::Auto => DEFAULT_STREAMS,
-        }
-    }
-
-    /// Refuses a tuner where this side cannot open connections.
-    pub fn untunable(&self, what: &str) -> Result<()> {
-        if self.tune.is_some() {
-            return Err(Error::new(
-                ErrorKind::Usage,
-                "",
-                format!("--tune works where this command sends to a server; for {what} give --streams N"),
-            ));
-        }
-        Ok(())
+    /// What a server that sends for this client (a download, or the source
+    /// of a third-party copy) is to run: where to start and which tuner.
+    pub fn params(&self, p: EngineParams) -> EngineParams {
+        let tuner = self.tuner().map_or(TunerMode::Fixed, |m| tuning::wire_mode(&m));
+        EngineParams { streams: self.initial() as u32, tuner, tune_chunk: self.tune_chunk, ..p }
     }
 
     pub fn socket(&self) -> Result<SocketOptions> {

@@ -1,20 +1,22 @@
 //! A file is confirmed only once it is durable: the receiving server makes
-//! a batch's data durable before it renames the files into place, and the
-//! names durable after, before it confirms them (one sync serves a batch's
-//! data and the names of the batch before it). Seen from outside through
-//! strace, as the order of the server's `syncfs` and rename calls.
+//! each file of a batch durable (its own `fsync`, not a sync of the whole
+//! file system) before it renames it into place, and the directories it
+//! was renamed into (and every new directory on the way up) after, before
+//! it confirms it. Seen from outside through strace, as the order of the
+//! server's fsync and rename calls.
 
 mod util;
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use util::*;
 
 const FILES: usize = 300;
 
-/// Uploads `FILES` small files to a server running under strace, with
-/// `extra` cp flags; returns the server's syncfs (`S`) and rename (`R`)
-/// calls in order.
-fn upload_traced(extra: &[&str]) -> String {
+/// Uploads `FILES` small files in ten directories to a new directory
+/// `dst` of a server's export running under strace, with `extra` cp flags;
+/// returns the export and the server's fsync and rename calls.
+fn upload_traced(extra: &[&str]) -> (PathBuf, Vec<Call>) {
     let env = Env::new();
     let export = env.mkdir("export");
     let src = env.mkdir("src");
@@ -24,7 +26,7 @@ fn upload_traced(extra: &[&str]) -> String {
     }
     let trace = env.path("server.strace");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
-    spec.prefix = ["strace", "-f", "-qq", "-e", "trace=syncfs,rename,renameat,renameat2", "-o"].iter().map(Into::into).collect();
+    spec.prefix = ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,rename,renameat,renameat2", "-o"].iter().map(Into::into).collect();
     spec.prefix.push(trace.clone().into());
     let srv = Server::start(spec);
     let mut args = vec![format!("{}/", src.display()), srv.url("e/dst")];
@@ -32,39 +34,110 @@ fn upload_traced(extra: &[&str]) -> String {
     env.cp(args).run().assert_ok();
     assert_same_tree(&src, &export.join("dst"));
     drop(srv);
-    calls(&trace)
+    (export.canonicalize().unwrap(), calls(&trace))
 }
 
-/// The syncfs and successful rename calls in a trace, as `S` and `R`.
-fn calls(trace: &Path) -> String {
+/// A successful system call of the server, with the lines of the trace
+/// where it started and where it returned.
+#[derive(Debug)]
+struct Call {
+    start: usize,
+    end: usize,
+    what: What,
+}
+
+#[derive(Debug, PartialEq)]
+enum What {
+    /// `fsync` of this path (a file or a directory).
+    Sync(PathBuf),
+    /// A rename of `from` to `to`.
+    Rename { from: PathBuf, to: PathBuf },
+}
+
+/// The fsync and rename calls that returned 0 in a trace of `strace -f -y`,
+/// whose calls may be split by other threads' into a start (`<unfinished
+/// ...>`) and an end (`<... resumed>`).
+fn calls(trace: &Path) -> Vec<Call> {
     let text = std::fs::read_to_string(trace).unwrap_or_else(|e| panic!("{}: {e} (is strace installed?)", trace.display()));
-    text.lines()
-        .filter(|l| l.trim_end().ends_with("= 0"))
-        .filter_map(|l| {
-            if l.contains("syncfs(") {
-                Some('S')
-            } else if l.contains("rename") && l.contains(".dmover-part") {
-                Some('R')
-            } else {
-                None
+    let mut started: HashMap<&str, (usize, &str)> = HashMap::new();
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let Some((pid, rest)) = line.split_once(' ') else { continue };
+        let rest = rest.trim_start();
+        let (start, args) = if rest.starts_with("<...") {
+            match started.remove(pid) {
+                Some(s) => s,
+                None => continue,
             }
-        })
-        .collect()
+        } else if rest.ends_with("<unfinished ...>") {
+            started.insert(pid, (n, rest));
+            continue;
+        } else {
+            (n, rest)
+        };
+        if !line.trim_end().ends_with("= 0") {
+            continue;
+        }
+        let what = if args.starts_with("fsync(") {
+            What::Sync(fd_paths(args).remove(0))
+        } else if args.starts_with("rename") {
+            let dirs = fd_paths(args);
+            let names = quoted(args);
+            let (from, to) = match (dirs.len(), names.len()) {
+                (2, 2) => (dirs[0].join(&names[0]), dirs[1].join(&names[1])),
+                (0, 2) => (PathBuf::from(&names[0]), PathBuf::from(&names[1])),
+                _ => panic!("line {n}: a rename not understood: {args}"),
+            };
+            What::Rename { from, to }
+        } else {
+            continue;
+        };
+        out.push(Call { start, end: n, what });
+    }
+    out
+}
+
+/// The paths strace -y shows for descriptors: `9</a/b>`.
+fn fd_paths(args: &str) -> Vec<PathBuf> {
+    args.split('<').skip(1).filter_map(|p| p.split_once('>')).map(|(p, _)| PathBuf::from(p)).filter(|p| p.is_absolute()).collect()
+}
+
+/// The quoted strings of a call's arguments.
+fn quoted(args: &str) -> Vec<String> {
+    args.split('"').skip(1).step_by(2).map(str::to_string).collect()
 }
 
 #[test]
 fn files_are_synced_before_and_after_their_rename_and_no_fsync_skips_it() {
-    let seq = upload_traced(&[]);
-    let renames = seq.matches('R').count();
-    assert_eq!(renames, FILES, "every file is renamed into place once: {seq}");
-    // Every batch of renames has a sync before it (of its data) and after it
-    // (of the names): S R…R S R…R S … S.
-    assert!(seq.starts_with('S'), "a rename without a sync of the data before it: {seq}");
-    assert!(seq.ends_with('S'), "renames without a sync of the names after them: {seq}");
-    let batches = seq.split('S').filter(|b| !b.is_empty()).count();
-    assert!(batches < FILES, "no two files shared a sync: {seq}");
-    eprintln!("{FILES} files committed in {batches} batches");
+    let (export, calls) = upload_traced(&[]);
+    let synced = |path: &Path| {
+        let what = What::Sync(path.to_path_buf());
+        calls.iter().filter(move |c| c.what == what)
+    };
+    let renames: Vec<(&Call, &Path, &Path)> = calls
+        .iter()
+        .filter_map(|c| match &c.what {
+            What::Rename { from, to } if from.to_string_lossy().ends_with(".dmover-part") => Some((c, from.as_path(), to.as_path())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(renames.len(), FILES, "every file is renamed into place once: {calls:#?}");
+    for (r, from, to) in &renames {
+        assert!(synced(from).any(|s| s.end < r.start), "{} renamed before its data was made durable", to.display());
+        let dir = to.parent().unwrap();
+        assert!(synced(dir).any(|s| s.start > r.end), "{}: its directory was not synced after the rename", to.display());
+    }
+    // The new directories' own names: each directory up to the export's
+    // root is synced after the first file was renamed beneath it.
+    let dst = export.join("dst");
+    for dir in [dst.join("d3"), dst.clone(), export.clone()] {
+        let first = renames.iter().filter(|(_, _, to)| to.starts_with(&dir)).map(|(r, _, _)| r.end).min().unwrap();
+        assert!(synced(&dir).any(|s| s.start > first), "{} was never synced after files were renamed beneath it", dir.display());
+    }
+    let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_))).count();
+    eprintln!("{FILES} files committed with {syncs} syncs");
 
-    let seq = upload_traced(&["--no-fsync"]);
-    assert_eq!(seq, "R".repeat(FILES), "--no-fsync: renames and no sync");
+    let (_, calls) = upload_traced(&["--no-fsync"]);
+    assert!(calls.iter().all(|c| matches!(c.what, What::Rename { .. })), "--no-fsync: a sync: {calls:#?}");
+    assert_eq!(calls.len(), FILES, "--no-fsync: every file renamed once: {calls:#?}");
 }

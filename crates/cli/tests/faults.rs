@@ -520,7 +520,7 @@ fn transfer_id(args: &[&str], block_size: u64, cwd: &Path) -> [u8; 16] {
 /// while it does, and it must complete once the first run ends.
 #[test]
 fn rerun_waits_while_an_earlier_run_of_the_same_transfer_is_still_writing() {
-    use dmover_proto::frame::TransferOptions;
+    use dmover_proto::frame::{TransferFlags, TransferOptions};
     use dmover_proto::Msg;
     let env = Env::new();
     let export = env.mkdir("export");
@@ -530,7 +530,7 @@ fn rerun_waits_while_an_earlier_run_of_the_same_transfer_is_still_writing() {
     let (from, to) = (src.display().to_string(), srv.url("e/in"));
     let id = transfer_id(&[&from, &to], MIB, &fs::canonicalize(env.root()).unwrap());
     let mut first = Raw::control(&srv.addr(), env.token_str().as_bytes());
-    let options = TransferOptions { transfer_id: id, block_size: MIB as u32, flags: 0, tcp_buffer: 0 };
+    let options = TransferOptions { transfer_id: id, block_size: MIB as u32, flags: TransferFlags::empty(), tcp_buffer: 0 };
     first.send(&Msg::Receive { dest: "e/in".into(), options });
     assert!(matches!(first.read(), Some(Msg::SessionOpened { .. })));
 
@@ -552,7 +552,7 @@ fn rerun_waits_while_an_earlier_run_of_the_same_transfer_is_still_writing() {
 /// everything back.
 #[test]
 fn reply_on_a_reset_control_connection_ends_the_session() {
-    use dmover_proto::frame::{FileMeta, TransferOptions};
+    use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
     use dmover_proto::Msg;
     use std::os::unix::io::AsRawFd;
     let env = Env::new();
@@ -564,7 +564,7 @@ fn reply_on_a_reset_control_connection_ends_the_session() {
     let (fds_before, threads_before) = (open_fds(pid), proc_status(pid, "Threads:"));
     for i in 0..40u8 {
         let mut c = Raw::control(&srv.addr(), token.as_bytes());
-        let options = TransferOptions { transfer_id: [i; 16], block_size: MIB as u32, flags: 0, tcp_buffer: 0 };
+        let options = TransferOptions { transfer_id: [i; 16], block_size: MIB as u32, flags: TransferFlags::empty(), tcp_buffer: 0 };
         c.send(&Msg::Receive { dest: format!("e/r{i}"), options });
         assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
         let meta = FileMeta { path: "f.dat".into(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
@@ -602,7 +602,7 @@ fn reply_on_a_reset_control_connection_ends_the_session() {
 #[test]
 fn resumed_file_with_every_block_already_on_disk_is_committed_whole() {
     use dmover_proto::digest::{block_sum, file_digest};
-    use dmover_proto::frame::{DataHeader, FileMeta, TransferOptions};
+    use dmover_proto::frame::{DataHeader, FileMeta, TransferFlags, TransferOptions};
     use dmover_proto::Msg;
     const BLOCK: usize = 64 << 10;
     let env = Env::new();
@@ -613,7 +613,7 @@ fn resumed_file_with_every_block_already_on_disk_is_committed_whole() {
     Rng::new(71).fill(&mut data);
     let sums: Vec<_> = data.chunks(BLOCK).map(block_sum).collect();
     let meta = FileMeta { path: "f.dat".into(), size: data.len() as u64, mtime_s: 1_600_000_000, mtime_ns: 5, mode: 0o644 };
-    let options = TransferOptions { transfer_id: [9; 16], block_size: BLOCK as u32, flags: 0, tcp_buffer: 0 };
+    let options = TransferOptions { transfer_id: [9; 16], block_size: BLOCK as u32, flags: TransferFlags::empty(), tcp_buffer: 0 };
     let open = || {
         let mut c = Raw::control(&srv.addr(), token.as_bytes());
         c.send(&Msg::Receive { dest: "e/in".into(), options });

@@ -9,7 +9,7 @@
 mod util;
 
 use dmover_proto::auth::{KeyId, TOKEN_KEY_ID};
-use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferOptions};
+use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferFlags, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::io::Write;
@@ -230,7 +230,7 @@ fn paths_leaving_the_export_are_refused_at_the_wire_level() {
     let srv = env.serve(&[("e", &export)]);
     let addr = srv.addr();
     let token = env.token_str();
-    let opts = TransferOptions { transfer_id: [3; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let opts = TransferOptions { transfer_id: [3; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
 
     let mut c = Raw::control(&addr, token.as_bytes());
     for dest in ["e/../outside", "/etc", "e//x", "e/./x", "e/a\0b", "e/a\\..\\b", "e/out", "e/in/link/x", "nosuch/x", "..", ""] {
@@ -382,7 +382,7 @@ fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost
     let cases = [(u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (u64::MAX, 1), (1 << 60, 1 << 20), (u64::MAX, 16 << 20)];
     for (i, (size, block_size)) in cases.into_iter().enumerate() {
         let mut c = Raw::control(&addr, token.as_bytes());
-        let opts = TransferOptions { transfer_id: [20 + i as u8; 16], block_size, flags: 0, tcp_buffer: 0 };
+        let opts = TransferOptions { transfer_id: [20 + i as u8; 16], block_size, flags: TransferFlags::empty(), tcp_buffer: 0 };
         c.send(&Msg::Receive { dest: "e/in".into(), options: opts });
         assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })), "case {i}: no session:\n{}", srv.log());
         let meta = FileMeta { path: "huge.dat".into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
@@ -596,12 +596,12 @@ fn a_push_naming_thousands_of_hosts_makes_the_server_open_no_connections() {
     let target_addr = target.local_addr().unwrap().to_string();
     target.set_nonblocking(true).unwrap();
     let reached = AtomicUsize::new(0);
-    let opts = TransferOptions { transfer_id: [30; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let opts = TransferOptions { transfer_id: [30; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
     let host = TicketedHost { addr: target_addr, key_id: [1; 16], wrapped_secret: [0; 32] };
     let cases = [(2000, 4), (2, 64), (0, 4)];
     for (n, streams) in cases {
         let mut c = Raw::control(&srv.addr(), token.as_bytes());
-        let params = EngineParams { streams, concurrency: 8, staging: 64 << 20, retries: 0, bwlimit: 0 };
+        let params = EngineParams { streams, concurrency: 8, staging: 64 << 20, retries: 0, bwlimit: 0, ..EngineParams::default() };
         let hosts = vec![host.clone(); n];
         c.send(&Msg::Push { sources: vec!["e/src".into()], dest: "x/in".into(), hosts, options: opts, params });
         let answer = c.read();
@@ -644,10 +644,10 @@ fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_sta
     let srv = Server::start(spec);
     let addr = srv.addr();
     let token = env.token_str();
-    let greedy = EngineParams { streams: 1, concurrency: 64, staging: 1 << 30, retries: 0, bwlimit: 0 };
+    let greedy = EngineParams { streams: 1, concurrency: 64, staging: 1 << 30, retries: 0, bwlimit: 0, ..EngineParams::default() };
     let send = |block_size: u32| Msg::Send {
         sources: vec!["e/big/".into()],
-        options: TransferOptions { transfer_id: [31; 16], block_size, flags: 0, tcp_buffer: 0 },
+        options: TransferOptions { transfer_id: [31; 16], block_size, flags: TransferFlags::empty(), tcp_buffer: 0 },
         params: greedy,
     };
 
@@ -657,7 +657,7 @@ fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_sta
         Some(Msg::Error { kind: ErrorKind::Usage, message }) => assert!(message.contains("--block-size"), "{message}"),
         m => panic!("a download in blocks of 64 MiB was not refused: {m:?}"),
     }
-    let o = TransferOptions { transfer_id: [32; 16], block_size: 64 << 20, flags: 0, tcp_buffer: 0 };
+    let o = TransferOptions { transfer_id: [32; 16], block_size: 64 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
     c.refused(&Msg::Receive { dest: "e/in".into(), options: o }, ErrorKind::Usage);
 
     // 1 GiB of staging asked for, and the data never read: the server reads
@@ -922,7 +922,7 @@ fn relay_on_the_path_can_neither_read_change_nor_take_over_a_connection() {
 
     // Taking over: a real client's handshake, then the relay's own frames.
     let (mut c, _, _) = Raw::handshake(&srv.addr(), env.token_str().as_bytes());
-    let options = TransferOptions { transfer_id: [3; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let options = TransferOptions { transfer_id: [3; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
     let mut injected = Raw::bytes(&Msg::OpenControl);
     injected.extend(Raw::bytes(&Msg::Receive { dest: "e/hijacked".into(), options }));
     c.s.write_all(&injected).unwrap();
@@ -943,7 +943,7 @@ fn tickets_are_single_use_and_join_only_the_session_they_opened() {
     let srv = env.serve(&[("e", &export)]);
     let addr = srv.addr();
     let token = env.token_str();
-    let options = TransferOptions { transfer_id: [5; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let options = TransferOptions { transfer_id: [5; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
     let receive = Msg::Receive { dest: "e/in".into(), options };
 
     // A ticket for e/in, as a client asks for one for a third-party copy.
@@ -1002,7 +1002,12 @@ fn a_ticket_session_ends_when_its_ticket_expires_unrenewed() {
         let (mut c, _, _) = Raw::handshake_with(&addr, key_id, &secret);
         assert_eq!(c.read(), Some(Msg::Welcome));
         c.send(&Msg::OpenControl);
-        let options = TransferOptions { transfer_id: dmover_engine::handshake::random(), block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+        let options = TransferOptions {
+            transfer_id: dmover_engine::handshake::random(),
+            block_size: 1 << 20,
+            flags: TransferFlags::empty(),
+            tcp_buffer: 0,
+        };
         let Some(Msg::SessionOpened { session }) = c.read_after(&Msg::Receive { dest: dest.into(), options }) else { panic!("no session") };
         (key_id, secret, session, c)
     };

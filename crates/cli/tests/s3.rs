@@ -1,6 +1,6 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
-//! loopback): a tree up and back down identical, an upload killed midway,
-//! from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
+//! loopback): a tree up and back down identical, a 2 GiB upload killed
+//! midway and resumed (and a download), from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
 
@@ -8,6 +8,7 @@ mod util;
 
 use dmover_proto::ErrorKind;
 use std::fs;
+use std::path::Path;
 use util::*;
 
 /// A test's S3 server, with its home directory (no ~/.aws unless a test writes one).
@@ -60,21 +61,145 @@ fn a_tree_goes_up_and_comes_back_identical() {
     assert_same_tree(&src, &dst.join("src"));
 }
 
+const MIB: u64 = 1 << 20;
+/// The size of a part of dmover's multipart uploads.
+const PART: u64 = 16 * MIB;
+/// Parts dmover sends at once, at most: those the server had when the
+/// client was killed may not all have been recorded by it.
+const MAX_PARTS_IN_FLIGHT: u64 = 8;
+
+/// A file of `size` bytes, sparse but different in every MiB (4 KiB of
+/// random bytes at the start of each), written in a moment.
+fn make_sparse(path: &Path, size: u64, seed: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut buf = [0u8; 4096];
+    for off in (0..size).step_by(MIB as usize) {
+        rng.fill(&mut buf);
+        let n = buf.len().min((size - off) as usize);
+        f.write_all_at(&buf[..n], off).unwrap();
+    }
+}
+
+/// Runs `dmover cp ARGS` and kills it with SIGKILL once the server holds
+/// `parts` parts of the multipart upload of `temp` (the temporary key);
+/// returns how many it held.
+fn kill_when_parts_held(t: &Setup, args: &[&str], temp: &str, parts: u64) -> u64 {
+    let mut p = t.cp(args).spawn();
+    let mut held = 0;
+    let caught = wait_until(std::time::Duration::from_secs(300), || {
+        held = t.s3.uploads("data").iter().filter(|(k, _)| k == temp).map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>() as u64;
+        held >= parts || !p.running()
+    });
+    assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");
+    p.kill9();
+    held
+}
+
 #[test]
-fn an_upload_killed_midway_leaves_nothing_visible_and_a_rerun_completes() {
+fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     let Some(t) = Setup::new() else { return };
     let bucket = t.s3.bucket("data");
     let src = t.env.mkdir("src");
-    let mut rng = Rng::new(11);
-    make_file(&src.join("large.bin"), 40 << 20, &mut rng);
-    let p = t.cp([src.to_str().unwrap(), "s3://data/", "--bwlimit", "8M"]).spawn();
-    // Some parts are sent, the upload is not complete.
-    std::thread::sleep(std::time::Duration::from_secs(3));
+    // Not a whole number of parts: the last one is short.
+    let size = (2 << 30) + 12345;
+    let file = src.join("huge.bin");
+    make_sparse(&file, size, 31);
+    let args = [file.to_str().unwrap(), "s3://data/up/huge.bin"];
+    // Killed once the server holds a quarter of the parts.
+    let held = kill_when_parts_held(&t, &args, "up/.huge.bin.dmover-part", size / PART / 4);
+    // Nothing is visible under the final key, the upload is incomplete.
+    assert!(!bucket.join("up/huge.bin").exists(), "visible after the copy was killed");
+    assert_eq!(t.s3.uploads("data").len(), 1, "{:?}", t.s3.uploads("data"));
+
+    // Over a gigabyte through a debug build, beside the other tests.
+    let j = t.cp(args).timeout(std::time::Duration::from_secs(900)).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the first run was killed");
+    assert!(
+        sent + (held - MAX_PARTS_IN_FLIGHT) * PART <= size,
+        "the re-run sent {sent} of {size} bytes, though the server held {held} parts of {PART} bytes"
+    );
+    assert!(same_content(&file, &bucket.join("up/huge.bin")), "the object differs from the file");
+    assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
+    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["up/huge.bin"]);
+    // Nor is resume state left behind.
+    let state = t.env.path("home/.cache/dmover/s3/data");
+    assert_eq!(list_files(&state).into_keys().collect::<Vec<_>>(), Vec::<String>::new(), "left in {}", state.display());
+}
+
+#[test]
+fn an_upload_whose_blocks_straddle_parts_resumes_identical() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    let file = src.join("odd.bin");
+    let size = 80 * MIB + 777;
+    make_sparse(&file, size, 43);
+    // 3 MiB blocks: some lie across two parts, one kept and one not.
+    let args = [file.to_str().unwrap(), "s3://data/odd.bin", "--block-size", "3M", "--bwlimit", "16M"];
+    // Four parts held by the server: at least two recorded by the client
+    // (it may lag a part or two behind when the machine is busy), holding
+    // ten whole blocks.
+    let held = kill_when_parts_held(&t, &args, ".odd.bin.dmover-part", 4);
+    let j = t.cp(args).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the first run was killed");
+    assert!(sent + PART <= size, "the re-run sent {sent} of {size} bytes, though the server held {held} parts");
+    assert!(same_content(&file, &bucket.join("odd.bin")), "the object differs from the file");
+    assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
+}
+
+#[test]
+fn an_upload_whose_source_changed_is_started_afresh_and_the_old_one_aborted() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    let file = src.join("moving.bin");
+    let size = 64 * MIB;
+    make_sparse(&file, size, 47);
+    let args = [file.to_str().unwrap(), "s3://data/moving.bin", "--bwlimit", "16M"];
+    kill_when_parts_held(&t, &args, ".moving.bin.dmover-part", 2);
+    let old_upload = t.s3.uploads("data");
+    assert_eq!(old_upload.len(), 1, "{old_upload:?}");
+    // Rewritten with other bytes (and so a new mtime) before the re-run.
+    make_sparse(&file, size, 48);
+    let j = t.cp(args).run().assert_ok();
+    assert_eq!(u(&j["sent_bytes"]), size, "the re-run kept parts of the old version: {j:#}");
+    assert!(same_content(&file, &bucket.join("moving.bin")), "the object is not the new version");
+    assert_eq!(t.s3.uploads("data"), [], "the old upload was not aborted");
+}
+
+#[test]
+fn a_download_killed_midway_resumes_into_its_partial_file() {
+    let Some(t) = Setup::new() else { return };
+    t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    let file = src.join("big.bin");
+    let size = 64 * MIB + 999;
+    make_sparse(&file, size, 41);
+    t.cp([file.to_str().unwrap(), "s3://data/big.bin"]).run().assert_ok();
+    let down = t.env.mkdir("down");
+    let args = ["s3://data/big.bin", down.to_str().unwrap(), "--bwlimit", "8M"];
+    let mut p = t.cp(args).spawn();
+    let partial = down.join(".big.bin.dmover-part");
+    let mut written = 0;
+    let caught = wait_until(std::time::Duration::from_secs(60), || {
+        written = fs::metadata(&partial).map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512);
+        written >= size * 2 / 5 || !p.running()
+    });
+    assert!(caught && p.running(), "the download ended or stalled before it could be interrupted ({written} bytes written)");
     p.kill9();
-    assert!(list_files(&bucket).is_empty(), "visible after the copy was killed: {:?}", list_files(&bucket));
-    t.cp([src.to_str().unwrap(), "s3://data/"]).run().assert_ok();
-    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["src/large.bin"]);
-    assert_eq!(fs::read(bucket.join("src/large.bin")).unwrap(), fs::read(src.join("large.bin")).unwrap());
+    assert!(!down.join("big.bin").exists(), "big.bin exists under its final name after an interruption");
+
+    let j = t.cp(args).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; {written} were written before the interruption");
+    assert!(sent + written / 2 < size, "the re-run sent {sent} of {size} bytes although {written} were already written: not resumed");
+    assert!(same_content(&file, &down.join("big.bin")), "the download differs from the file");
+    assert_eq!(list_files(&down).into_keys().collect::<Vec<_>>(), ["big.bin"]);
 }
 
 #[test]

@@ -48,7 +48,7 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
     // A tuner may add a stream just as its transfer ends; the server must not
     // keep that connection (and so the client) waiting for the session.
     use dmover_engine::session::{Conn, Credential};
-    use dmover_proto::frame::TransferOptions;
+    use dmover_proto::frame::{TransferFlags, TransferOptions};
     use dmover_proto::phase::{Open, Reply, Request};
     use std::time::Instant;
 
@@ -57,7 +57,7 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
     let srv = env.serve(&[("e", &export)]);
     let cred = Credential::token(env.token_str().as_bytes());
     let mut control = Conn::control(&srv.addr(), &cred).unwrap();
-    let options = TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let options = TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
     let session = match control.request(Request::Receive { dest: "e/in".into(), options }).unwrap() {
         Reply::SessionOpened { session } => session,
         m => panic!("expected a session, got {m:?}"),
@@ -398,7 +398,7 @@ fn setuid_setgid_and_sticky_bits_are_dropped_on_upload_and_download() {
 /// forge a log line. Now control characters are escaped (`\u{1b}`, `\n`).
 #[test]
 fn names_with_escapes_and_newlines_are_escaped_by_ls_and_in_logs() {
-    use dmover_proto::frame::{FileMeta, TransferOptions};
+    use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
     use dmover_proto::Msg;
     let env = Env::new();
     let export = env.mkdir("export");
@@ -413,7 +413,7 @@ fn names_with_escapes_and_newlines_are_escaped_by_ls_and_in_logs() {
 
     // A name refused at the server is logged escaped.
     let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
-    let options = TransferOptions { transfer_id: [40; 16], block_size: 1 << 20, flags: 0, tcp_buffer: 0 };
+    let options = TransferOptions { transfer_id: [40; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
     c.send(&Msg::Receive { dest: "e/in".into(), options });
     assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
     let meta = FileMeta { path: "../\x1b[2J\n[2026-01-01T00:00:00Z INFO ] forged".into(), size: 1, mtime_s: 0, mtime_ns: 0, mode: 0o644 };

@@ -1,7 +1,10 @@
-//! Tuned uploads through an emulated WAN link (tools/wanem between two
-//! network namespaces, through dmover-testkit): real TCP over 100 Mbit/s and 50 ms, socket
-//! buffers of 64 KiB, so one stream cannot fill the link and the tuners
-//! must open more while sending.
+//! Tuned transfers in every direction through an emulated WAN link
+//! (tools/wanem between two network namespaces, through dmover-testkit):
+//! real TCP over 100 Mbit/s and 50 ms, socket buffers of 64 KiB, so one
+//! stream cannot fill the link and the tuners must open more while sending
+//! — the client itself on an upload, the server (the client dialing the
+//! streams it asks for) on a download, the source server on a third-party
+//! copy.
 //!
 //! One stream carries about a socket buffer per round trip, 64 KiB / 50 ms
 //! ≈ 10 Mbit/s (a little more, as the kernel rounds the buffers up); the
@@ -17,6 +20,7 @@ use util::*;
 
 const NS_A: &str = "dmtestA";
 const NS_B: &str = "dmtestB";
+const IP_A: &str = "10.250.13.1";
 const IP_B: &str = "10.250.13.2";
 /// The emulated link's rate, each way.
 const LINK_MBIT: f64 = 100.0;
@@ -32,24 +36,37 @@ const AUTO_START: u64 = 4;
 static LINK: Mutex<()> = Mutex::new(());
 
 /// The emulated link (100 Mbit/s, 25 ms each way) while the guard is held;
-/// torn down when dropped. None (after a visible skip line) where no link
-/// can be made.
-fn link_up() -> Option<(MutexGuard<'static, ()>, Link)> {
+/// torn down when dropped, before the guard lets the next test make it
+/// again. None (after a visible skip line) where no link can be made.
+fn link_up() -> Option<(Link, MutexGuard<'static, ()>)> {
     if !dmover_testkit::wan_link_possible() {
         return None;
     }
     let only = LINK.lock().unwrap_or_else(|e| e.into_inner());
     let link = Link::up(LinkSpec { ns_a: NS_A, ns_b: NS_B, subnet: 13, delay_ms: 25.0, rate_mbit: LINK_MBIT, timeout_s: 300 });
     assert_eq!(link.ip_b(), IP_B);
-    Some((only, link))
+    Some((link, only))
 }
 
 /// A server in namespace B exporting `x`, across the link.
 fn server_across(env: &Env, export: &std::path::Path) -> Server {
-    let mut spec = ServerSpec::new(&env.token, &[("x", export)], &env.path("server.log"));
-    spec.listen = format!("{IP_B}:0");
-    spec.prefix = ["ip", "netns", "exec", NS_B].iter().map(Into::into).collect();
+    server_in(env, export, NS_B, IP_B)
+}
+
+/// A server in namespace `ns` at `ip` exporting `x`.
+fn server_in(env: &Env, export: &std::path::Path, ns: &str, ip: &str) -> Server {
+    let mut spec = ServerSpec::new(&env.token, &[("x", export)], &env.path(&format!("server-{ns}.log")));
+    spec.listen = format!("{ip}:0");
+    spec.prefix = ["ip", "netns", "exec", ns].iter().map(Into::into).collect();
     Server::start(spec)
+}
+
+/// Six files of 12 MiB in `dir`.
+fn six_files(dir: &std::path::Path) {
+    let mut rng = Rng::new(13);
+    for i in 0..6 {
+        make_file(&dir.join(format!("f{i}.dat")), 12 << 20, &mut rng);
+    }
 }
 
 /// Runs `cmd` (a dmover command) from namespace A, over the link with 64 KiB
@@ -89,17 +106,20 @@ fn steady_goodput(j: &serde_json::Value) -> f64 {
     bits / time
 }
 
-/// Asserts that the default tuner moved past its four starting streams and
-/// that the transfer then held at least LINK_SHARE of the link.
+/// Asserts that the transfer ran once (no retry), that the default tuner
+/// moved past its four starting streams, and that the transfer then held
+/// at least LINK_SHARE of the link.
 #[track_caller]
 fn assert_tuned(what: &str, j: &serde_json::Value) {
+    assert_eq!(j["retries"], 0, "{what}: the transfer was retried: {j:#}");
     let n = streams(j);
     let most = n.iter().copied().max().unwrap();
     assert!(most > AUTO_START, "{what}: the tuner never opened more than its {AUTO_START} starting streams: {n:?}");
     let steady = steady_goodput(j);
     assert!(
         steady >= LINK_SHARE * LINK_MBIT,
-        "{what}: {steady:.1} Mbit/s over the second half, below {LINK_SHARE} of the {LINK_MBIT} Mbit/s link; streams {n:?}"
+        "{what}: {steady:.1} Mbit/s over the second half, below {LINK_SHARE} of the {LINK_MBIT} Mbit/s link; streams {n:?}, timeline {}",
+        j["timeline"]
     );
     eprintln!("tuning: {what}: streams {n:?}, steady {steady:.1} Mbit/s, whole {:.1} MB/s", j["mb_per_s"].as_f64().unwrap());
 }
@@ -144,13 +164,91 @@ fn cp_upload_is_tuned_past_its_starting_streams() {
     let export = env.mkdir("export");
     let server = server_across(&env, &export);
     let src = env.path("src");
-    let mut rng = Rng::new(13);
-    for i in 0..6 {
-        make_file(&src.join(format!("f{i}.dat")), 12 << 20, &mut rng);
-    }
+    six_files(&src);
     let mut c = env.cp([src.display().to_string(), format!("dmover://{IP_B}:{}/x/", server.port)]);
     let up = across(&mut c);
     assert_eq!(u(&up["files"]), 6, "{up:#}");
     assert_same_tree(&src, &export.join("src"));
     assert_tuned("cp", &up);
+}
+
+/// A `dmover cp` download across the link with the default `--streams
+/// auto`: the server tunes its streams (the client dials each one it asks
+/// for), the report's timeline shows it opening more than it starts with,
+/// the download fills most of the link, and the files arrive intact.
+#[test]
+fn cp_download_is_tuned_past_its_starting_streams() {
+    let Some(_link) = link_up() else { return };
+    let env = Env::new();
+    let export = env.mkdir("export");
+    six_files(&export.join("src"));
+    let server = server_across(&env, &export);
+    let dest = env.mkdir("dest");
+    let mut c = env.cp([format!("dmover://{IP_B}:{}/x/src", server.port), format!("{}/", dest.display())]);
+    let down = across(&mut c);
+    assert_eq!(u(&down["files"]), 6, "{down:#}");
+    assert_same_tree(&export.join("src"), &dest.join("src"));
+    assert_tuned("download", &down);
+}
+
+/// A fixed `-p 2` download is not tuned: no timeline, and no more streams.
+#[test]
+fn a_fixed_download_is_not_tuned() {
+    let Some(_link) = link_up() else { return };
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut rng = Rng::new(5);
+    make_file(&export.join("src/one.dat"), 4 << 20, &mut rng);
+    let server = server_across(&env, &export);
+    let dest = env.mkdir("dest");
+    let mut c = env.cp([format!("dmover://{IP_B}:{}/x/src", server.port), format!("{}/", dest.display()), "-p".into(), "2".into()]);
+    let down = across(&mut c);
+    assert!(streams(&down).is_empty(), "a fixed count is not tuned: {down:#}");
+    assert_same_tree(&export.join("src"), &dest.join("src"));
+}
+
+/// A third-party copy from a server in namespace A to one in namespace B,
+/// across the link, asked for by a client in A: the source server runs the
+/// client's tuner, its timeline comes back in the report, and the copy
+/// fills most of the link.
+#[test]
+fn third_party_copy_is_tuned_past_its_starting_streams() {
+    let Some(_link) = link_up() else { return };
+    let env = Env::new();
+    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
+    six_files(&ea.join("src"));
+    let a = server_in(&env, &ea, NS_A, IP_A);
+    let b = server_across(&env, &eb);
+    let mut c = env.cp([format!("dmover://{IP_A}:{}/x/src", a.port), format!("dmover://{IP_B}:{}/x/", b.port)]);
+    let copied = across(&mut c);
+    assert_eq!(u(&copied["files"]), 6, "{copied:#}");
+    assert_same_tree(&ea.join("src"), &eb.join("src"));
+    assert_tuned("third party", &copied);
+}
+
+/// MI on a download, as on an upload: the server starts from one stream
+/// and doubles while the socket buffers are the bottleneck.
+#[test]
+fn mi_doubles_the_streams_of_a_download() {
+    let Some(_link) = link_up() else { return };
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut rng = Rng::new(7);
+    make_file(&export.join("src/big.dat"), 40 << 20, &mut rng);
+    let server = server_across(&env, &export);
+    let dest = env.mkdir("dest");
+    let mut c = env.cp([
+        format!("dmover://{IP_B}:{}/x/src", server.port),
+        format!("{}/", dest.display()),
+        "--tune".into(),
+        "mi".into(),
+        "--tune-chunk".into(),
+        "3M".into(),
+    ]);
+    let down = across(&mut c);
+    let mut n = streams(&down);
+    n.dedup();
+    let grown: Vec<u64> = n.iter().copied().skip_while(|&s| s == 1).collect();
+    assert!(grown.starts_with(&[2, 4]), "MI should double from 1: {n:?}");
+    assert_same_tree(&export.join("src"), &dest.join("src"));
 }

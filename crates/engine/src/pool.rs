@@ -7,12 +7,20 @@
 //! back-pressure on the producer rather than into memory, and producers
 //! resume in bursts rather than one block at a time. Memory in use never
 //! exceeds `blocks × block_size`, whatever the data size or file count.
+//!
+//! The streaming library's circular buffer is a pool too, taken from
+//! differently: the simulation's writer fills an empty block
+//! ([`Pool::take_before`], [`Block::fill`]) and waits only until a
+//! deadline, never for a low water mark, since it must not wait for more
+//! than one block; blocks come back as sinks acknowledge them, in any
+//! order.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
 
-/// Fewest blocks a pool holds, whatever the budget: enough for every stream
-/// and reader to have one in hand.
+/// Fewest blocks a transfer's pool holds, whatever the budget: enough for
+/// every stream and reader to have one in hand.
 pub const MIN_BLOCKS: usize = 4;
 
 pub struct Pool {
@@ -34,17 +42,20 @@ struct PoolState {
     draining: bool,
     /// Set by `close`: takers get nothing from now on.
     closed: bool,
+    /// Takers waiting in `take_before`.
+    waiting: usize,
 }
 
 impl Pool {
-    /// A pool of `budget / block_size` blocks (at least `min_blocks`).
+    /// A pool of `budget / block_size` blocks (at least `min_blocks`, and
+    /// at least one).
     pub fn new(budget: u64, block_size: usize, min_blocks: usize) -> Arc<Pool> {
-        let blocks = ((budget / block_size as u64) as usize).max(min_blocks).max(MIN_BLOCKS);
+        let blocks = ((budget / block_size as u64) as usize).max(min_blocks).max(1);
         Arc::new(Pool {
             block_size,
             blocks,
             low_water: (blocks / 4).max(1),
-            state: Mutex::new(PoolState { free: Vec::new(), unallocated: blocks, draining: false, closed: false }),
+            state: Mutex::new(PoolState { free: Vec::new(), unallocated: blocks, draining: false, closed: false, waiting: 0 }),
             freed: Condvar::new(),
             fill: None,
         })
@@ -92,6 +103,58 @@ impl Pool {
         }
     }
 
+    /// An empty block to [`fill`](Block::fill), waiting until `deadline` at
+    /// most (not for the low water mark); `None` if none is free by then,
+    /// or the pool is closed.
+    pub fn take_before(self: &Arc<Pool>, deadline: Instant) -> Option<Block> {
+        let mut s = self.state.lock().expect("pool lock");
+        loop {
+            if s.closed {
+                return None;
+            }
+            if let Some(b) = self.take_empty(&mut s) {
+                return Some(b);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            s.waiting += 1;
+            s = self.freed.wait_timeout(s, deadline - now).expect("pool lock").0;
+            s.waiting -= 1;
+        }
+    }
+
+    /// An empty block, only if more than `keep` others stay free.
+    pub fn take_sparing(self: &Arc<Pool>, keep: usize) -> Option<Block> {
+        let mut s = self.state.lock().expect("pool lock");
+        if s.closed || s.free.len() + s.unallocated <= keep {
+            return None;
+        }
+        self.take_empty(&mut s)
+    }
+
+    /// Blocks free now.
+    pub fn free(&self) -> usize {
+        let s = self.state.lock().expect("pool lock");
+        s.free.len() + s.unallocated
+    }
+
+    fn take_empty(self: &Arc<Pool>, s: &mut PoolState) -> Option<Block> {
+        let data = match s.free.pop() {
+            Some(mut v) => {
+                v.clear();
+                v
+            }
+            None if s.unallocated > 0 => {
+                s.unallocated -= 1;
+                Vec::with_capacity(self.block_size)
+            }
+            None => return None,
+        };
+        Some(Block { data, pool: self.clone() })
+    }
+
     /// Wakes every taker and refuses blocks from now on (the transfer is over).
     pub fn close(&self) {
         self.state.lock().expect("pool lock").closed = true;
@@ -101,6 +164,9 @@ impl Pool {
     fn give_back(&self, v: Vec<u8>) {
         let mut s = self.state.lock().expect("pool lock");
         s.free.push(v);
+        if s.waiting > 0 {
+            self.freed.notify_all();
+        }
         if s.draining && s.free.len() >= self.low_water {
             s.draining = false;
             self.freed.notify_all();
@@ -112,6 +178,27 @@ impl Pool {
 pub struct Block {
     data: Vec<u8>,
     pool: Arc<Pool>,
+}
+
+impl Block {
+    /// Room left before the block is full.
+    pub fn room(&self) -> usize {
+        self.pool.block_size - self.data.len()
+    }
+
+    /// Appends as much of `src` as fits; returns how much.
+    pub fn fill(&mut self, src: &[u8]) -> usize {
+        let n = src.len().min(self.room());
+        self.data.extend_from_slice(&src[..n]);
+        n
+    }
+
+    /// Makes the block `len` bytes long (at most the block size), zeros
+    /// added, e.g. to read a block back into it.
+    pub fn resize(&mut self, len: usize) {
+        assert!(len <= self.pool.block_size, "a block holds at most {} bytes", self.pool.block_size);
+        self.data.resize(len, 0);
+    }
 }
 
 impl Deref for Block {
@@ -164,5 +251,33 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         held.truncate(6);
         assert_eq!(t.join().unwrap(), 10);
+    }
+
+    #[test]
+    fn a_full_pool_makes_a_writer_wait_until_its_deadline_then_gives_up() {
+        let p = Pool::new(4096, 1024, 0);
+        let held: Vec<Block> = (0..4).map(|_| p.take_before(Instant::now()).unwrap()).collect();
+        let t0 = Instant::now();
+        assert!(p.take_before(t0 + Duration::from_millis(30)).is_none());
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        let p2 = p.clone();
+        let waiter = std::thread::spawn(move || p2.take_before(Instant::now() + Duration::from_secs(10)).map(|b| b.room()));
+        std::thread::sleep(Duration::from_millis(20));
+        drop(held);
+        assert_eq!(waiter.join().unwrap(), Some(1024));
+    }
+
+    #[test]
+    fn blocks_fill_to_the_block_size_and_come_back_empty() {
+        let p = Pool::new(2048, 1024, 0);
+        let mut b = p.take_before(Instant::now()).unwrap();
+        assert_eq!(b.fill(&[7; 1000]), 1000);
+        assert_eq!(b.fill(&[8; 100]), 24);
+        assert_eq!(b.len(), 1024);
+        assert_eq!(p.free(), 1);
+        assert!(p.take_sparing(1).is_none());
+        drop(b);
+        assert_eq!(p.free(), 2);
+        assert_eq!(p.take_before(Instant::now()).unwrap().len(), 0);
     }
 }

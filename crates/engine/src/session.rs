@@ -8,11 +8,11 @@ use crate::error::{Error, Result};
 use crate::handshake;
 use crate::progress::{Progress, Snapshot};
 use crate::recv::{self, RecvConfig};
-use crate::send::{Connector, HostLink};
+use crate::send::{Connector, HostLink, MoreStreams};
 use crate::transport::{connect_tcp, Mux, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
-use dmover_proto::frame::{EngineParams, FileMeta, HostShare, Stats, TicketedHost, TransferOptions};
+use dmover_proto::frame::{EngineParams, FileMeta, HostShare, Stats, TicketedHost, TransferOptions, TunerMode};
 use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::{ErrorKind, Msg, Phase};
 use std::sync::Arc;
@@ -241,15 +241,21 @@ pub fn receive_link(
     let m = c.request(Request::Receive { dest: dest.to_string(), options })?;
     let session = expect_session(host, m)?;
     let data = attach_streams(started, session)?;
+    let more = MoreStreams::Connect(joiner(host, cred, socket, session));
+    Ok(HostLink { name: host.to_string(), control: c.into_transport(), data, more: Some(more) })
+}
+
+/// Opens one more data connection to `host` and attaches it to `session`
+/// (a stream a tuner adds, at whichever end dials).
+fn joiner(host: &str, cred: &Credential, socket: &SocketOptions, session: [u8; 16]) -> Connector {
     let (name, cred, socket) = (host.to_string(), cred.clone(), socket.clone());
-    let connect: Connector = Arc::new(move || {
+    Arc::new(move || {
         let mut c = Conn::open_with(&name, &cred, &socket)?;
         c.send(Open::OpenData { session, index: 0 })?;
         let m = c.read_msg()?;
         expect_session(&name, m)?;
         Ok(c.into_transport())
-    });
-    Ok(HostLink { name: host.to_string(), control: c.into_transport(), data, connect: Some(connect) })
+    })
 }
 
 /// Opens receiving sessions on every host at once.
@@ -351,9 +357,10 @@ fn remote_report(mut read: impl FnMut() -> Result<RemoteReport>, host: &str, pro
 }
 
 /// One attempt at a download: asks `host` to send `sources` (specs below
-/// its exports) over `streams` data connections, and receives them with a
-/// receiving end prepared from `cfg`. Returns the server's report, each
-/// host share named by `host`.
+/// its exports) over `params.streams` data connections, and receives them
+/// with a receiving end prepared from `cfg`. With a tuner in `params` the
+/// server tunes its streams, and this end dials each one it asks for.
+/// Returns the server's report, each host share named by `host`.
 pub fn download(
     host: &str,
     cred: &Credential,
@@ -372,6 +379,10 @@ pub fn download(
     // the server waits for the connections itself, and starts sending a
     // round trip sooner. An answer that refuses one ends this attempt.
     let asked = ask_to_attach(started, session)?;
+    let prepared = match params.tuner {
+        TunerMode::Fixed => prepared,
+        _ => prepared.dialing(joiner(host, cred, socket, session)),
+    };
     c.send(Attached::Ready {})?;
     let data = confirm_streams(asked)?;
     let control = c.into_transport();

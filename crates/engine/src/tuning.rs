@@ -1,4 +1,10 @@
-//! Runs a stream tuner against a live transfer.
+//! Runs a stream tuner against a live transfer, in whichever direction it
+//! goes: the tuner runs at the sending end, which is where blocks wait for
+//! streams. An upload's client, a local copy and a third-party copy's
+//! source server open their streams themselves; a server sending to a
+//! client (a download) asks the client to dial each new one (`Dial`), and
+//! runs the tuner the client chose ([`requested`]). Either way the timeline
+//! goes back to the client in the report.
 //!
 //! Every [`TICK`] the tuning thread has an `Echo` sent on each host's control
 //! connection; the receiver answers at once with the bytes it has taken off
@@ -11,9 +17,9 @@
 //! the source holds it back. Every decision, and a point every second, goes
 //! into the timeline of the report.
 
-use dmover_proto::frame::TunePoint;
+use dmover_proto::frame::{EngineParams, TunePoint, TunerMode};
 use dmover_tune::readers::{self, Readers};
-use dmover_tune::{Observation, RttWindow, ServerLoad, Tuner};
+use dmover_tune::{auto, paper, Mode, Observation, RttWindow, ServerLoad, Tuner};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -23,6 +29,36 @@ pub const TICK: Duration = Duration::from_millis(50);
 const POINT_EVERY: Duration = Duration::from_secs(1);
 /// Ticks over which the share of starved moments is taken.
 const STARVED_TICKS: usize = 20;
+
+/// Bounds of the chunk a client asks the mi, mi+ and aimd tuners to decide on.
+const CHUNK_BOUNDS: (u64, u64) = (64 << 10, 1 << 40);
+
+/// How a client names its tuner to a server that sends for it.
+pub fn wire_mode(m: &Mode) -> TunerMode {
+    match m {
+        Mode::Auto(_) => TunerMode::Auto,
+        Mode::Paper(paper::Mode::Mi, _) => TunerMode::Mi,
+        Mode::Paper(paper::Mode::MiPlus, _) => TunerMode::MiPlus,
+        Mode::Paper(paper::Mode::Aimd, _) => TunerMode::Aimd,
+    }
+}
+
+/// The tuner a client asked a server to run for it (None: a fixed count),
+/// starting at the client's streams, opening at most `most` streams to a
+/// host, deciding on a chunk held to [`CHUNK_BOUNDS`].
+pub fn requested(p: &EngineParams, most: usize) -> Option<Mode> {
+    let n0 = p.streams as usize;
+    let chunk = p.tune_chunk.clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1);
+    let (a, b) = (auto::Params::default(), paper::Params::default());
+    let paper = |m| Mode::Paper(m, paper::Params { n0, chunk, max_streams: b.max_streams.min(most), ..b });
+    Some(match p.tuner {
+        TunerMode::Fixed => return None,
+        TunerMode::Auto => Mode::Auto(auto::Params { n0, max_streams: a.max_streams.min(most), ..a }),
+        TunerMode::Mi => paper(paper::Mode::Mi),
+        TunerMode::MiPlus => paper(paper::Mode::MiPlus),
+        TunerMode::Aimd => paper(paper::Mode::Aimd),
+    })
+}
 
 /// One host's control-channel measurements, fed by `Echo` answers.
 #[derive(Default)]

@@ -24,12 +24,15 @@ fn s3_storage_conforms() {
         let bucket = format!("check{}", n.fetch_add(1, Ordering::Relaxed));
         server.bucket(&bucket);
         let outside = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
         Subject {
-            store: Arc::new(S3::open(&bucket, &Options::default()).unwrap()),
+            store: Arc::new(
+                S3::open(&bucket, &Options { endpoint: None, state_dir: state.path().to_path_buf(), staging: 64 << 20 }).unwrap(),
+            ),
             base: Default::default(),
             disk: None,
             outside: outside.path().to_path_buf(),
-            keep: vec![Box::new(outside)],
+            keep: vec![Box::new(outside), Box::new(state)],
             objects: true,
         }
     });

@@ -5,12 +5,12 @@
 use dmover_engine::journal::{self, Journal};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
-use dmover_engine::send::{self, Connector, Files, HostLink, SendConfig};
+use dmover_engine::send::{self, Connector, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::source::STATE_DIR;
 use dmover_engine::storage;
 use dmover_engine::transport::Transport;
 use dmover_proto::digest::block_sum;
-use dmover_proto::frame::{FileMeta, Stats, TransferOptions};
+use dmover_proto::frame::{FileMeta, Stats, TransferFlags, TransferOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
@@ -70,7 +70,7 @@ impl Transport for Flipping {
 }
 
 fn options() -> TransferOptions {
-    TransferOptions { transfer_id: [7; 16], block_size: BLOCK, flags: 0, tcp_buffer: 0 }
+    TransferOptions { transfer_id: [7; 16], block_size: BLOCK, flags: TransferFlags::empty(), tcp_buffer: 0 }
 }
 
 /// Runs one transfer of `src` (a directory's contents) into `dest`; the
@@ -79,7 +79,7 @@ fn transfer(src: &Path, dest: &Path, data: Box<dyn Transport>, rx_data: UnixStre
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     tx.send(Box::new(rx_data)).unwrap();
     drop(tx);
-    run_transfer(src, dest, data, rx, None, send_config())
+    run_transfer(src, dest, data, rx, (None, None), send_config())
 }
 
 fn send_config() -> SendConfig {
@@ -94,19 +94,24 @@ fn send_config() -> SendConfig {
     }
 }
 
-/// Runs a transfer whose receiver takes data connections from `rx`.
+/// Runs a transfer whose receiver takes data connections from `rx`, and
+/// dials more with `dial` when the sender asks.
 fn run_transfer(
     src: &Path,
     dest: &Path,
     data: Box<dyn Transport>,
     rx: crossbeam_channel::Receiver<Box<dyn Transport>>,
-    connect: Option<Connector>,
+    (more, dial): (Option<MoreStreams>, Option<Connector>),
     cfg: SendConfig,
 ) -> Stats {
     let (ctl_a, ctl_b) = UnixStream::pair().unwrap();
-    let rcfg = recv_config(dest);
-    let receiver = std::thread::spawn(move || recv::receive(Box::new(ctl_b), rx, rcfg));
-    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], connect };
+    let prepared = recv::prepare(recv_config(dest)).unwrap();
+    let prepared = match dial {
+        Some(d) => prepared.dialing(d),
+        None => prepared,
+    };
+    let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
+    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], more };
     let files = Files::Walk { store: storage::local(), specs: vec![format!("{}/", src.display())] };
     let stats = send::send(files, vec![link], cfg).expect("send");
     receiver.join().unwrap().expect("receive");
@@ -263,13 +268,56 @@ fn streams_opened_and_dropped_mid_transfer_lose_nothing() {
         tuner: Some(Arc::new(move || Box::new(Scripted(script.clone())) as Box<dyn dmover_tune::Tuner>)),
         ..send_config()
     };
-    let stats = run_transfer(&src, &dest, Box::new(a), rx, Some(connect), cfg);
+    let stats = run_transfer(&src, &dest, Box::new(a), rx, (Some(MoreStreams::Connect(connect)), None), cfg);
     for (i, c) in contents.iter().enumerate() {
         assert_eq!(&std::fs::read(dest.join(format!("f{i}.bin"))).unwrap(), c, "f{i}.bin");
     }
     assert!(stats.digests_match && stats.errors.is_empty());
     let counts: Vec<u32> = stats.timeline.iter().map(|p| p.streams).collect();
     assert!(counts.starts_with(&[3, 1, 5, 2, 4, 1, 3]), "{counts:?}");
+}
+
+/// Where the receiver dials the data connections (a download), the tuner's
+/// new streams are asked of it with `Dial`: it dials one for each, they
+/// join the transfer, and dropped ones end cleanly.
+#[test]
+fn streams_the_receiver_dials_when_asked_lose_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let (src, dest) = (t.path().join("src"), t.path().join("dest"));
+    std::fs::create_dir(&src).unwrap();
+    let contents: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(40 * BLOCK as usize + i * 555, i as u64 + 9)).collect();
+    for (i, c) in contents.iter().enumerate() {
+        std::fs::write(src.join(format!("f{i}.bin")), c).unwrap();
+    }
+    let (first_tx, first_rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
+    let (a, b) = UnixStream::pair().unwrap();
+    first_tx.send(Box::new(b)).unwrap();
+    drop(first_tx);
+    // The receiver dials: its end stays with it, the other attaches at the sender.
+    let (attach_tx, attach_rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
+    let dials = Arc::new(AtomicU64::new(0));
+    let d = dials.clone();
+    let dial: Connector = Arc::new(move || {
+        d.fetch_add(1, Ordering::SeqCst);
+        let (x, y) = UnixStream::pair().map_err(|e| dmover_engine::Error::io("pair", &e))?;
+        attach_tx.send(Box::new(x)).map_err(|_| dmover_engine::Error::internal("sender gone"))?;
+        Ok(Box::new(y) as Box<dyn Transport>)
+    });
+    let script = vec![3, 1, 5, 2, 4, 1, 3];
+    let cfg = SendConfig {
+        bwlimit: 8 << 20,
+        tuner: Some(Arc::new(move || Box::new(Scripted(script.clone())) as Box<dyn dmover_tune::Tuner>)),
+        ..send_config()
+    };
+    let stats = run_transfer(&src, &dest, Box::new(a), first_rx, (Some(MoreStreams::Ask(attach_rx)), Some(dial)), cfg);
+    for (i, c) in contents.iter().enumerate() {
+        assert_eq!(&std::fs::read(dest.join(format!("f{i}.bin"))).unwrap(), c, "f{i}.bin");
+    }
+    assert!(stats.digests_match && stats.errors.is_empty());
+    let counts: Vec<u32> = stats.timeline.iter().map(|p| p.streams).collect();
+    assert!(counts.starts_with(&[3, 1, 5, 2, 4, 1, 3]), "{counts:?}");
+    // 1→3, 1→5, 2→4, 1→3: one dial per stream added, none more.
+    assert_eq!(dials.load(Ordering::SeqCst), 2 + 4 + 2 + 2);
 }
 
 #[test]
@@ -297,7 +345,7 @@ fn a_fed_transfer_reports_each_file_as_it_settles() {
         o.lock().unwrap().push((meta.path.clone(), host, failed));
     });
     let (feed, entries) = crossbeam_channel::unbounded();
-    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![Box::new(d_a)], connect: None };
+    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![Box::new(d_a)], more: None };
     let sender = std::thread::spawn(move || send::send(Files::Feed { entries, settled }, vec![link], send_config()));
     // Files are fed while the transfer runs; each is heard of as it settles.
     for n in names {

@@ -37,7 +37,7 @@ pub mod state;
 pub use jobfile::JobFile;
 
 use dmover_engine::session::Credential;
-use dmover_proto::frame::TransferOptions;
+use dmover_proto::frame::{TransferFlags, TransferOptions};
 use std::path::PathBuf;
 
 /// A job resolved and checked: what the manager and agents act on.
@@ -84,12 +84,12 @@ pub struct Plan {
 impl Plan {
     /// The engine's transfer options for one agent session.
     pub fn options(&self, transfer_id: [u8; 16]) -> TransferOptions {
-        let mut flags = 0;
+        let mut flags = TransferFlags::empty();
         if self.sync {
-            flags |= TransferOptions::SYNC;
+            flags |= TransferFlags::SYNC;
         }
         if self.checksum {
-            flags |= TransferOptions::CHECKSUM;
+            flags |= TransferFlags::CHECKSUM;
         }
         TransferOptions { transfer_id, block_size: self.block_size as u32, flags, tcp_buffer: 0 }
     }

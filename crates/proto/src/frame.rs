@@ -138,31 +138,36 @@ pub struct TransferOptions {
     /// Identifies the transfer across runs, so a re-run resumes it.
     pub transfer_id: [u8; 16],
     pub block_size: u32,
-    pub flags: u32,
+    pub flags: TransferFlags,
     /// Socket buffer size (SO_SNDBUF and SO_RCVBUF) for the data
     /// connections at both ends; 0 leaves the system's autotuning on.
     pub tcp_buffer: u32,
 }
 
-impl TransferOptions {
-    /// Skip files whose size and mtime (or content) match at the destination.
-    pub const SYNC: u32 = 1;
-    /// With SYNC: compare content digests rather than mtimes.
-    pub const CHECKSUM: u32 = 2;
-    /// The receiver verifies and discards data (memory-to-memory benchmark).
-    pub const DISCARD: u32 = 4;
-    /// The sender generates data instead of reading files (benchmark).
-    pub const GENERATE: u32 = 8;
-    /// The receiver confirms files without making them durable first
-    /// (scratch space): no file-system sync before a file is confirmed.
-    pub const NO_FSYNC: u32 = 32;
-    /// The data connections carry integrity only, not confidentiality
-    /// (`--no-encrypt`): a server opening them for a third-party copy
-    /// asks for that protection.
-    pub const NO_ENCRYPT: u32 = 64;
-
-    pub fn has(&self, flag: u32) -> bool {
-        self.flags & flag != 0
+bitflags::bitflags! {
+    /// What a transfer does besides copying files as they are. A bit
+    /// this release does not know is refused when decoded.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub struct TransferFlags: u32 {
+        /// Skip files whose size and mtime (or content) match at the destination.
+        const SYNC = 1;
+        /// With SYNC: compare content digests rather than mtimes.
+        const CHECKSUM = 2;
+        /// The receiver verifies and discards data (memory-to-memory benchmark).
+        const DISCARD = 4;
+        /// The sender generates data instead of reading files (benchmark).
+        const GENERATE = 8;
+        /// The sources are one file or one directory; if the destination
+        /// is not an existing directory, a lone file (a path with no `/`)
+        /// is written as the destination itself, as `cp a b` does.
+        const DEST_MAY_BE_FILE = 16;
+        /// The receiver confirms files without making them durable first
+        /// (scratch space): no file-system sync before a file is confirmed.
+        const NO_FSYNC = 32;
+        /// The data connections carry integrity only, not confidentiality
+        /// (`--no-encrypt`): a server opening them for a third-party copy
+        /// asks for that protection.
+        const NO_ENCRYPT = 64;
     }
 }
 
@@ -175,6 +180,30 @@ pub struct EngineParams {
     pub retries: u32,
     /// Bytes per second the sender may send in all (0: no limit).
     pub bwlimit: u64,
+    /// The stream tuner the sender runs; `streams` is where it starts.
+    pub tuner: TunerMode,
+    /// Bytes per decision of the mi, mi+ and aimd tuners.
+    pub tune_chunk: u64,
+}
+
+/// Which stream tuner a server sending for a client runs (the client's
+/// `--streams` and `--tune`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TunerMode {
+    /// A fixed count of streams.
+    #[default]
+    Fixed = 0,
+    /// dmover's own tuner.
+    Auto = 1,
+    Mi = 2,
+    MiPlus = 3,
+    Aimd = 4,
+}
+
+impl TunerMode {
+    fn from_u8(v: u8) -> Option<TunerMode> {
+        [TunerMode::Fixed, TunerMode::Auto, TunerMode::Mi, TunerMode::MiPlus, TunerMode::Aimd].into_iter().find(|m| *m as u8 == v)
+    }
 }
 
 /// What a file announcement says about the file.
@@ -340,6 +369,7 @@ pub mod kind {
     pub const IDENTIFY: u8 = 46;
     pub const IDENTITY: u8 = 47;
     pub const FETCH: u8 = 48;
+    pub const DIAL: u8 = 49;
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -415,6 +445,10 @@ pub enum Msg {
     /// Tx→Rx on a data connection: nothing more comes on it (the sender
     /// dropped a stream); the receiver closes it.
     StreamEnd,
+    /// Tx→Rx on the control connection, where the receiver dials the data
+    /// connections (a download): open one more and attach it to this
+    /// session (the sender's tuner adds a stream).
+    Dial,
     /// C→S: list the files a source spec names (a path, directory or glob).
     List { path: String },
     /// S→C: some of the listing; `done` on the last batch.
@@ -471,7 +505,7 @@ impl W<'_> {
     fn options(&mut self, o: &TransferOptions) {
         self.bytes(&o.transfer_id);
         self.u32(o.block_size);
-        self.u32(o.flags);
+        self.u32(o.flags.bits());
         self.u32(o.tcp_buffer);
     }
     fn params(&mut self, p: &EngineParams) {
@@ -480,6 +514,8 @@ impl W<'_> {
         self.u64(p.staging);
         self.u32(p.retries);
         self.u64(p.bwlimit);
+        self.u8(p.tuner as u8);
+        self.u64(p.tune_chunk);
     }
 }
 
@@ -542,8 +578,12 @@ impl<'a> R<'a> {
     fn kind(&mut self) -> Result<ErrorKind, DecodeError> {
         Ok(ErrorKind::from_u8(self.u8()?))
     }
+    fn flags(&mut self) -> Result<TransferFlags, DecodeError> {
+        let bits = self.u32()?;
+        TransferFlags::from_bits(bits).ok_or(DecodeError::Invalid("transfer flags", bits as u64))
+    }
     fn options(&mut self) -> Result<TransferOptions, DecodeError> {
-        Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.u32()?, tcp_buffer: self.u32()? })
+        Ok(TransferOptions { transfer_id: self.arr()?, block_size: self.u32()?, flags: self.flags()?, tcp_buffer: self.u32()? })
     }
     fn params(&mut self) -> Result<EngineParams, DecodeError> {
         Ok(EngineParams {
@@ -552,6 +592,11 @@ impl<'a> R<'a> {
             staging: self.u64()?,
             retries: self.u32()?,
             bwlimit: self.u64()?,
+            tuner: {
+                let v = self.u8()?;
+                TunerMode::from_u8(v).ok_or(DecodeError::Invalid("tuner", v as u64))?
+            },
+            tune_chunk: self.u64()?,
         })
     }
 }
@@ -591,6 +636,7 @@ impl Msg {
             Ping => kind::PING,
             Echo { .. } => kind::ECHO,
             StreamEnd => kind::STREAM_END,
+            Dial => kind::DIAL,
             List { .. } => kind::LIST,
             Listing { .. } => kind::LISTING,
             Stream { .. } => kind::STREAM,
@@ -618,7 +664,7 @@ impl Msg {
             }
             Challenge { challenge } => w.bytes(challenge),
             Proof { proof } => w.bytes(proof),
-            Welcome | OpenControl | Ready | Ping | StreamEnd | Identify => {}
+            Welcome | OpenControl | Ready | Ping | StreamEnd | Dial | Identify => {}
             Echo { stamp, received, staged, server_received, transfers } => {
                 w.u64(*stamp);
                 w.u64(*received);
@@ -929,6 +975,7 @@ impl Msg {
             kind::PING => Ping,
             kind::ECHO => Echo { stamp: r.u64()?, received: r.u64()?, staged: r.u8()?, server_received: r.u64()?, transfers: r.u32()? },
             kind::STREAM_END => StreamEnd,
+            kind::DIAL => Dial,
             kind::LIST => List { path: r.str()? },
             kind::LISTING => {
                 let n = r.count(4 + 8 + 8 + 4 + 4)?;
@@ -1098,12 +1145,25 @@ mod tests {
             Msg::OpenData { session: [6; 16], index: 3 },
             Msg::Receive {
                 dest: "x".into(),
-                options: TransferOptions { transfer_id: [7; 16], block_size: 1 << 20, flags: 3, tcp_buffer: 65536 },
+                options: TransferOptions {
+                    transfer_id: [7; 16],
+                    block_size: 1 << 20,
+                    flags: TransferFlags::SYNC.union(TransferFlags::CHECKSUM),
+                    tcp_buffer: 65536,
+                },
             },
             Msg::Send {
                 sources: vec!["a".into(), "b/*.h5".into()],
                 options: TransferOptions::default(),
-                params: EngineParams { streams: 4, concurrency: 8, staging: 1 << 26, retries: 5, bwlimit: 7 },
+                params: EngineParams {
+                    streams: 4,
+                    concurrency: 8,
+                    staging: 1 << 26,
+                    retries: 5,
+                    bwlimit: 7,
+                    tuner: TunerMode::MiPlus,
+                    tune_chunk: 3 << 20,
+                },
             },
             Msg::SessionOpened { session: [8; 16] },
             Msg::Ready,
@@ -1142,6 +1202,7 @@ mod tests {
             Msg::Ping,
             Msg::Echo { stamp: 1 << 40, received: 3, staged: 99, server_received: 7, transfers: 2 },
             Msg::StreamEnd,
+            Msg::Dial,
             Msg::List { path: "e/*.h5".into() },
             Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },
             Msg::Stream { producer: "gtc-0".into(), block_size: 1 << 20 },
@@ -1197,6 +1258,19 @@ mod tests {
         buf.push(0);
         buf.extend_from_slice(&[0xff; 4]);
         assert_eq!(decode(&buf), Err(DecodeError::Truncated(31)));
+    }
+
+    #[test]
+    fn unknown_transfer_flags_are_refused() {
+        let options = TransferOptions { transfer_id: [0; 16], block_size: 1, flags: TransferFlags::all(), tcp_buffer: 9 };
+        let mut buf = Vec::new();
+        Msg::Receive { dest: String::new(), options }.encode(&mut buf);
+        assert!(matches!(decode(&buf), Ok(Some(_))));
+        // The flags are the four bytes before the socket buffer size.
+        let at = buf.len() - 8;
+        assert_eq!(buf[at..at + 4], TransferFlags::all().bits().to_be_bytes());
+        buf[at + 3] |= 0x80;
+        assert_eq!(decode(&buf), Err(DecodeError::Invalid("transfer flags", u64::from(TransferFlags::all().bits() | 0x80))));
     }
 
     /// The fuzzer's seeds (`fuzz/corpus/frame_decode`) are well-formed

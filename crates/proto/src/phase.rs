@@ -155,6 +155,7 @@ phase! {
         Abort { id: u64, kind: ErrorKind, message: String },
         Finish { files: u64, bytes: u64, set_digest: u128 },
         Echo { stamp: u64, received: u64, staged: u8, server_received: u64, transfers: u32 },
+        Dial {},
         Ping {},
         Error { kind: ErrorKind, message: String },
     }

@@ -17,13 +17,13 @@ use dmover_engine::error::{Error, Result};
 use dmover_engine::handshake::{self, random};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
-use dmover_engine::send::{self, Files, HostLink, SendConfig};
+use dmover_engine::send::{self, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::session::{self, Credential};
 use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{self, KeyId, TOKEN_KEY_ID};
-use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions};
+use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions, TunerMode};
 use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::ErrorKind;
 use std::collections::{HashMap, VecDeque};
@@ -410,12 +410,13 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
             None => None,
         };
         if let Some(tx) = tx {
-            // Hand the connection over first, then confirm: once the client
-            // has every confirmation, the session has every connection. (The
-            // session sends nothing on it before the client's next request.)
+            // Confirm first, then hand the connection over: a sending
+            // session may write on it at once (a stream a download's tuner
+            // asked for), and nothing may come before the confirmation.
             let _ = t.set_read_timeout(None);
+            w.send(Reply::SessionOpened { session })?;
             let _ = tx.send(t);
-            return w.send(Reply::SessionOpened { session });
+            return Ok(());
         }
         if Instant::now() > deadline {
             return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "no such session"));
@@ -694,7 +695,8 @@ fn control(
                 let Attached::Ready {} = r.read_msg()?;
                 drop(r);
                 // The client says it is ready once it has asked for its data
-                // connections to attach; they may still be on their way.
+                // connections to attach (each is handed over just after its
+                // confirmation): the last ones may still be on their way.
                 let want = params.streams as usize;
                 let deadline = Instant::now() + ATTACH_TIMEOUT;
                 let data: Vec<Box<dyn Transport>> = std::iter::from_fn(|| rx.recv_deadline(deadline).ok()).take(want).collect();
@@ -713,8 +715,12 @@ fn control(
                 for d in &data {
                     d.set_options(&socket).map_err(|e| Error::network(t.peer(), &e))?;
                 }
-                let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data, connect: None };
-                let stats = send::send(Files::Walk { store: root, specs }, vec![link], send_config(srv, options, params, Arc::default()));
+                // A tuned download's new streams are dialed by the client as
+                // this end asks, and attach to the session like the first ones.
+                let more = (params.tuner != TunerMode::Fixed).then(|| MoreStreams::Ask(rx));
+                let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data, more };
+                let stats =
+                    send::send(Files::Walk { store: root, specs }, vec![link], send_config(srv, options, params, 1, Arc::default()));
                 return finish_report(&mut w, t.as_ref(), stats);
             }
             Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
@@ -764,7 +770,10 @@ fn finish_report(w: &mut FrameWriter, t: &dyn Transport, stats: Result<Stats>) -
     }
 }
 
-fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, progress: Arc<Progress>) -> SendConfig {
+/// How to send for a client: its parameters, and the tuner it chose
+/// (opening at most [`MAX_STREAMS`] in all over `hosts` hosts).
+fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, hosts: usize, progress: Arc<Progress>) -> SendConfig {
+    let most = (MAX_STREAMS as usize / hosts.max(1)).max(1);
     SendConfig {
         options,
         concurrency: (p.concurrency as usize).clamp(1, 64),
@@ -772,7 +781,7 @@ fn send_config(srv: &Server, options: TransferOptions, p: EngineParams, progress
         idle_timeout: srv.cfg.idle_timeout,
         progress,
         bwlimit: p.bwlimit,
-        tuner: None,
+        tuner: dmover_engine::tuning::requested(&p, most).map(|m| Arc::new(move || m.build()) as send::TunerFactory),
     }
 }
 
@@ -820,7 +829,11 @@ fn push(
     let attempt = |progress: &Arc<Progress>| -> Result<Stats> {
         let socket = SocketOptions::of(&options);
         let links: Vec<HostLink> = session::receive_links(&creds, dest, options, streams, &socket)?;
-        send::send(Files::Walk { store: root.clone(), specs: specs.clone() }, links, send_config(srv, options, params, progress.clone()))
+        send::send(
+            Files::Walk { store: root.clone(), specs: specs.clone() },
+            links,
+            send_config(srv, options, params, creds.len(), progress.clone()),
+        )
     };
     // Progress goes to the client from this thread while the transfer runs.
     // One attempt: the tickets open one session each, so a retry is the

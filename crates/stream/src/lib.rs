@@ -9,9 +9,14 @@
 //! [`Stream::close`]s, which sends whatever is left and returns a
 //! [`Report`]. Behind it:
 //!
-//! * [`ring`] — the circular buffer: block-sized slots under a fixed
-//!   memory budget. A write waits for a free slot only up to
+//! * the circular buffer — block-sized slots under a fixed memory budget,
+//!   the engine's staging [`Pool`] taken from by a writer that fills one
+//!   block at a time. A write waits for a free slot only up to
 //!   [`Config::max_wait`]; past that, the block goes to the spill file.
+//!   Slots come back as sinks acknowledge their blocks, in any order, so
+//!   one slow block does not hold back the others, and a block stays in
+//!   memory until it is safe somewhere (which is what lets a dead sink's
+//!   unacknowledged blocks go to the next one).
 //! * [`spill`] — the spill file on local disk; spilled blocks are sent
 //!   when bandwidth is free, or at close. No byte is dropped.
 //! * [`policy`] — the queue manager's policy (the paper's states A, B and
@@ -35,15 +40,14 @@ pub mod ffi;
 pub mod manager;
 pub mod manifest;
 pub mod policy;
-pub mod ring;
 pub mod spill;
 
 use dmover_engine::error::{Error, Result};
+use dmover_engine::pool::{Block, Pool};
 use dmover_engine::session::Credential;
 use dmover_proto::digest::block_sum;
 use dmover_proto::ErrorKind;
 use manager::{Event, Manager};
-use ring::{Ring, Slot};
 use spill::Spill;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -295,17 +299,21 @@ pub struct Report {
     pub destinations: Vec<DestinationReport>,
 }
 
+/// Fewest slots the circular buffer has, whatever its size: one being
+/// filled and one being sent.
+pub const MIN_SLOTS: usize = 2;
+
 /// The block being filled: a ring slot, or (the ring being full) the
 /// spill block.
 enum Filling {
-    Ring(Slot),
+    Ring(Block),
     Spill,
 }
 
 /// An open stream. Writing is single-threaded (`&mut self`); the sending
 /// happens on the queue manager's thread.
 pub struct Stream {
-    ring: Arc<Ring>,
+    ring: Arc<Pool>,
     spill: Arc<Spill>,
     /// To the queue manager; it stops when the writer sends `Close`.
     events: crossbeam_channel::Sender<Event>,
@@ -331,7 +339,7 @@ impl Stream {
     pub fn open(cfg: Config) -> Result<Stream> {
         cfg.check()?;
         let cred = cfg.credential()?;
-        let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
+        let ring = Pool::new(cfg.buffer, cfg.block_size as usize, MIN_SLOTS);
         let spill = Arc::new(Spill::new(&cfg.spill_dir, &cfg.producer));
         let (events, rx) = crossbeam_channel::unbounded();
         let (max_wait, block_size, destinations) = (cfg.max_wait, cfg.block_size as usize, cfg.destinations.len());
@@ -391,7 +399,7 @@ impl Stream {
         while !rest.is_empty() {
             let filling = match self.filling.take() {
                 Some(f) => f,
-                None => match self.ring.take(deadline) {
+                None => match self.ring.take_before(deadline) {
                     Some(s) => Filling::Ring(s),
                     None => {
                         self.spill_block.clear();
@@ -527,7 +535,7 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !m.steps.iter().any(|s| s.sendable_from_spill()) => Spill::at(&m.spill),
         Err(e) => return Err(Error::io(m.spill.display().to_string(), &e)),
     };
-    let ring = Ring::new(cfg.buffer, cfg.block_size as usize);
+    let ring = Pool::new(cfg.buffer, cfg.block_size as usize, MIN_SLOTS);
     let (events, rx) = crossbeam_channel::unbounded();
     let deadline = Instant::now() + close_timeout;
     let mut mgr = Manager::new(cfg, cred, ring, Arc::new(spill), events, rx).resume(&m, manifest)?;

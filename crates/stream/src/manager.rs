@@ -35,11 +35,11 @@
 //! leaves a manifest that `drain` sends from.
 
 use crate::policy::{Decision, Observation, Policy, State};
-use crate::ring::{Ring, Slot};
 use crate::spill::Spill;
 use crate::{manifest, Config, DestinationReport, Report};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_engine::error::{Error, Result};
+use dmover_engine::pool::{self, Pool};
 use dmover_engine::session::{expect_session, Conn, Credential, SETUP_TIMEOUT};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
@@ -77,7 +77,7 @@ pub struct Block {
     pub step: u64,
     pub offset: u64,
     pub sum: Sum,
-    pub data: Slot,
+    pub data: pool::Block,
     /// Where it is in the spill file, if it was read back from there.
     pub spilled_at: Option<u64>,
     /// Fetched back to gather its step at this destination: it goes there
@@ -88,7 +88,7 @@ pub struct Block {
 /// Everything the manager hears about.
 pub enum Event {
     /// The writer filled a slot.
-    Block { step: u64, offset: u64, data: Slot },
+    Block { step: u64, offset: u64, data: pool::Block },
     /// The writer found the ring full and wrote a block to the spill file.
     Spilled { step: u64, offset: u64, len: u32, sum: Sum, at: u64 },
     /// The writer ended a step.
@@ -108,7 +108,7 @@ pub enum Event {
     Saved { link: u64, step: u64, complete: bool },
     /// A block of a step, fetched back from the sink that held it, to be
     /// sent to destination `to`.
-    Fetched { step: u64, offset: u64, data: Slot, to: usize },
+    Fetched { step: u64, offset: u64, data: pool::Block, to: usize },
     /// Fetching a step's blocks back from `holder` ended.
     Gathered { step: u64, holder: usize, error: Option<Error> },
     /// Link `link`'s sink told its name.
@@ -207,7 +207,7 @@ impl Link {
 pub struct Manager {
     cfg: Config,
     cred: Credential,
-    ring: Arc<Ring>,
+    ring: Arc<Pool>,
     spill: Arc<Spill>,
     events: Sender<Event>,
     rx: Receiver<Event>,
@@ -244,7 +244,7 @@ pub struct Manager {
 }
 
 impl Manager {
-    pub fn new(cfg: Config, cred: Credential, ring: Arc<Ring>, spill: Arc<Spill>, events: Sender<Event>, rx: Receiver<Event>) -> Manager {
+    pub fn new(cfg: Config, cred: Credential, ring: Arc<Pool>, spill: Arc<Spill>, events: Sender<Event>, rx: Receiver<Event>) -> Manager {
         let dests = cfg.destinations.iter().map(|a| Destination::new(a, a)).collect();
         let manifest_path = manifest::beside(spill.path());
         Manager {
@@ -567,7 +567,7 @@ impl Manager {
         let o = Observation {
             now: self.start.elapsed(),
             backlog,
-            slots: self.ring.slots(),
+            slots: self.ring.blocks(),
             free: self.ring.free(),
             spilled: std::mem::take(&mut self.spilled_since),
             spill_pending: self.spilled.len(),
@@ -694,7 +694,7 @@ impl Manager {
 
     /// Reads up to `n` spilled blocks back into free slots and queues them.
     fn fetch_spilled(&mut self, n: usize) -> Result<()> {
-        let keep = if self.closing.is_some() { 0 } else { self.ring.slots() / 2 };
+        let keep = if self.closing.is_some() { 0 } else { self.ring.blocks() / 2 };
         for _ in 0..n {
             let Some(&(step, offset)) = self.spilled.front() else { break };
             let Some(mut slot) = self.ring.take_sparing(keep) else { break };
@@ -1188,7 +1188,7 @@ struct Fetch {
     /// The destination the blocks go to.
     to: usize,
     blocks: Vec<(u64, u32)>,
-    ring: Arc<Ring>,
+    ring: Arc<Pool>,
     events: Sender<Event>,
     setup: Duration,
 }
@@ -1233,10 +1233,10 @@ impl Fetch {
 
     /// A free slot, leaving half the ring to the writer; waits for one up
     /// to the setup time.
-    fn slot(&self) -> Result<Slot> {
+    fn slot(&self) -> Result<pool::Block> {
         let deadline = Instant::now() + self.setup;
         loop {
-            if let Some(s) = self.ring.take_sparing(self.ring.slots() / 2) {
+            if let Some(s) = self.ring.take_sparing(self.ring.blocks() / 2) {
                 return Ok(s);
             }
             if Instant::now() >= deadline {

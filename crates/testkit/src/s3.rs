@@ -105,6 +105,30 @@ impl S3Server {
         ]
     }
 
+    /// The multipart uploads in progress in `bucket`: (key, upload id),
+    /// as the server lists them (curl signs the request).
+    pub fn uploads(&self, bucket: &str) -> Vec<(String, String)> {
+        let xml = self.get(&format!("/{bucket}?uploads="));
+        xml.split("<Upload>").skip(1).map(|u| (tag(u, "Key"), tag(u, "UploadId"))).collect()
+    }
+
+    /// How many parts the server holds of upload `id` of `key`.
+    pub fn parts(&self, bucket: &str, key: &str, id: &str) -> usize {
+        self.get(&format!("/{bucket}/{key}?uploadId={id}")).matches("<PartNumber>").count()
+    }
+
+    /// The body of a signed GET of `path` (with its query); panics on failure.
+    fn get(&self, path: &str) -> String {
+        let out = Command::new("curl")
+            .args(["-sSf", "--aws-sigv4", "aws:amz:us-east-1:s3", "-H", &format!("x-amz-content-sha256: {EMPTY_SHA256}"), "--user"])
+            .arg(format!("{}:{}", self.access_key, self.secret_key))
+            .arg(format!("{}{path}", self.endpoint()))
+            .output()
+            .expect("run curl");
+        assert!(out.status.success(), "GET {path}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     pub fn log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -118,4 +142,14 @@ impl Drop for S3Server {
             eprintln!("--- versitygw log ---\n{}", self.log());
         }
     }
+}
+
+/// The SHA-256 of nothing: the body of a GET, which S3 wants to be told.
+const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+/// The text of the first `<name>` element in `xml` (empty if none).
+fn tag(xml: &str, name: &str) -> String {
+    let open = format!("<{name}>");
+    let Some(start) = xml.find(&open).map(|i| i + open.len()) else { return String::new() };
+    xml[start..].split(&format!("</{name}>")).next().unwrap_or_default().to_string()
 }

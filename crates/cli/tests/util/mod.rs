@@ -700,7 +700,8 @@ impl Cmd {
         for k in foreign_env() {
             self.env_remove(k);
         }
-        self.env("HOME", home);
+        // Resume state goes under HOME too.
+        self.env("HOME", home).env_remove("XDG_CACHE_HOME");
         for (k, v) in s3.client_env() {
             self.env(k, v);
         }

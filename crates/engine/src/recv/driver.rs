@@ -9,24 +9,25 @@
 //! per-block work is the workers'.
 
 use super::workers::{self, FileIo, Input, Paths, Shared, Slot, WriteJob};
-use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, WRITE_QUEUE};
+use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, MAX_DIALED_STREAMS, WRITE_QUEUE};
 use crate::error::{Error, Result};
 use crate::journal::{self, Journal};
-use crate::pool::Pool;
+use crate::pool::{Pool, MIN_BLOCKS};
+use crate::send::Connector;
 use crate::source::PART_SUFFIX;
 use crate::storage::digest_of;
 use crate::transport::{SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use dmover_proto::digest::Sum;
-use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::frame::{FileMeta, TransferFlags};
 use dmover_proto::phase::{ToReceiver, ToSender};
 use dmover_proto::session::receive::{self, Action, Event, Outcome, Receive, Subject};
 use dmover_proto::ErrorKind;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 /// How often the thread handing over data connections looks at the stop flag.
@@ -35,7 +36,7 @@ const POLL: Duration = Duration::from_millis(50);
 /// Runs a prepared receiving end until the sender finishes or the session
 /// fails; see [`Prepared::run`].
 pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
-    let Prepared { cfg, dest_dir, may_be_file, layout } = p;
+    let Prepared { cfg, dial, dest_dir, may_be_file, layout } = p;
     let opts = cfg.options;
     let block_size = opts.block_size as u64;
     let peer = control.peer();
@@ -43,23 +44,20 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?)));
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
     let (commits, verified) = crossbeam_channel::unbounded::<(Arc<Slot>, Sum)>();
-    let sync_dir = OnceLock::new();
-    if let Some(l) = &layout {
-        let _ = sync_dir.set(l.state_dir.clone());
-    }
     let sh = Arc::new(Shared {
         options: opts,
         block_size,
+        state: super::state_store(&cfg.store),
         store: cfg.store,
         dest_dir,
-        sync_dir,
         slots: RwLock::new(HashMap::new()),
         events,
         commits,
-        pool: Pool::new(cfg.staging, block_size as usize, 4),
+        pool: Pool::new(cfg.staging, block_size as usize, MIN_BLOCKS),
         queued: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
         received: AtomicU64::new(0),
+        streams: AtomicUsize::new(0),
         receiving: Receiving::new(cfg.intake),
     });
     let _pinger = Pinger::start(ctl.clone(), super::ping_interval(cfg.idle_timeout));
@@ -94,7 +92,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         let events = sh.events.clone();
         std::thread::spawn(move || read_control(control, &events));
     }
-    let session = Receive::new(receive::Config { block_size, discard: opts.has(TransferOptions::DISCARD), accept: cfg.accept });
+    let session = Receive::new(receive::Config { block_size, discard: opts.flags.contains(TransferFlags::DISCARD), accept: cfg.accept });
     let mut owner = Owner {
         sh: sh.clone(),
         session,
@@ -109,6 +107,8 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         dirs: HashSet::new(),
         preparing: HashMap::new(),
         queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
+        dial,
+        dialing: 0,
     };
     let result = owner.run(&inputs);
     if result.as_ref().is_err_and(|e| e.kind != ErrorKind::Unreachable) {
@@ -185,6 +185,10 @@ struct Owner {
     preparing: HashMap<u64, (Paths, FileIo)>,
     /// Blocks the writers' queues hold at most.
     queue_capacity: usize,
+    /// How to dial a data connection the sender asks for.
+    dial: Option<Connector>,
+    /// Dials under way.
+    dialing: usize,
 }
 
 impl Owner {
@@ -207,6 +211,14 @@ impl Owner {
                 Input::Batch(es) => es.into_iter().find_map(|e| self.hear(e)),
                 Input::Stream(c) => {
                     self.attach(c);
+                    None
+                }
+                Input::Dialed(c) => {
+                    self.dialing -= 1;
+                    match c {
+                        Ok(c) => self.attach(c),
+                        Err(e) => log::warn!("could not dial the data connection the sender asked for: {e}"),
+                    }
                     None
                 }
                 Input::Broken(e) => {
@@ -293,6 +305,7 @@ impl Owner {
                     transfers: intake.transfers.load(Ordering::Relaxed),
                 });
             }
+            Action::Dial => self.dial(),
             Action::Finish(t) => return Some(self.finish(t)),
             Action::Violation(why) => self.fail(Error::protocol(&self.peer, why)),
             Action::Fatal { kind, path, message } => self.fail(Error::new(kind, self.name(&path), message)),
@@ -310,8 +323,8 @@ impl Owner {
     fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
         self.sh.stop.store(true, Ordering::SeqCst);
         if let Some(l) = &self.layout {
-            let _ = self.sh.store.remove(&l.marker);
-            let _ = self.sh.store.remove_dir(&l.state_dir);
+            let _ = self.sh.state.remove(&l.marker);
+            let _ = self.sh.state.remove_dir(&l.state_dir);
         }
         self.ctl.lock().expect("control lock").send(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
         Ok(t)
@@ -331,7 +344,27 @@ impl Owner {
             Err(e) => return self.fail(Error::network(conn.peer(), &e)),
         }
         let (sh, wtx) = (self.sh.clone(), self.wtx.clone());
-        std::thread::spawn(move || workers::data_stream(&sh, conn, &wtx));
+        sh.streams.fetch_add(1, Ordering::SeqCst);
+        std::thread::spawn(move || {
+            workers::data_stream(&sh, conn, &wtx);
+            sh.streams.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+
+    /// Dials the data connection the sender asked for, in its own thread,
+    /// unless this end does not dial or holds its most already.
+    fn dial(&mut self) {
+        let Some(dial) = self.dial.clone() else {
+            return log::debug!("the sender asked for a data connection, which this end does not dial");
+        };
+        if self.sh.stop.load(Ordering::SeqCst) || self.dialing + self.sh.streams.load(Ordering::SeqCst) >= MAX_DIALED_STREAMS {
+            return;
+        }
+        self.dialing += 1;
+        let events = self.sh.events.clone();
+        std::thread::spawn(move || {
+            let _ = events.send(Input::Dialed(dial()));
+        });
     }
 
     /// A reply, sent when the owner runs out of things to do.
@@ -401,7 +434,6 @@ impl Owner {
             };
             match Layout::settle(&sh.store, &parent, dest_file, &sh.options.transfer_id) {
                 Ok(l) => {
-                    let _ = sh.sync_dir.set(l.state_dir.clone());
                     self.layout = Some(l);
                 }
                 Err(e) => {
@@ -419,7 +451,7 @@ impl Owner {
                 Err(e) => return Some(Outcome::Refused { kind: e.kind, message: e.message }),
             },
         };
-        let look = sh.options.has(TransferOptions::SYNC) || resuming;
+        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
         if meta.is_dir() {
             return Some(make_dir(&sh, meta, &final_path, look));
         }
@@ -428,7 +460,7 @@ impl Owner {
             if let Ok(m) = sh.store.stat(&final_path) {
                 let same = m.is_file()
                     && m.size == meta.size
-                    && if let (Some(d), true) = (digest, sh.options.has(TransferOptions::CHECKSUM)) {
+                    && if let (Some(d), true) = (digest, sh.options.flags.contains(TransferFlags::CHECKSUM)) {
                         digest_of(sh.store.as_ref(), &final_path, sh.block_size).is_ok_and(|x| x == d)
                     } else {
                         m.mtime == (meta.mtime_s, meta.mtime_ns)
@@ -436,7 +468,7 @@ impl Owner {
                 if same {
                     // A partial file an interrupted later run left for it is stale.
                     let _ = sh.store.remove(&temp_name(&final_path));
-                    let _ = sh.store.remove(&journal::path_for(&state_dir, &meta.path));
+                    let _ = sh.state.remove(&journal::path_for(&state_dir, &meta.path));
                     log::debug!("{}: already there", meta.path);
                     return Some(Outcome::Present);
                 }
@@ -448,11 +480,14 @@ impl Owner {
         let mut io = FileIo::fresh();
         if blocks > 1 {
             let jp = journal::path_for(&state_dir, &meta.path);
-            if is_own_partial(&sh, &paths.temp) {
-                if let Some(recs) = journal::load(sh.store.as_ref(), &jp, meta, sh.block_size as u32, blocks) {
-                    log::debug!("{}: resumed, {} of {blocks} blocks held", meta.path, recs.len());
-                    held = recs;
-                    io = FileIo::resumed(Journal::append(sh.store.as_ref(), &jp).ok());
+            if let Some(recs) = journal::load(sh.state.as_ref(), &jp, meta, sh.block_size as u32, blocks) {
+                // Only a partial file this end created is taken up again
+                // (never one planted there), and only the blocks it holds.
+                if let Ok(Some(file)) = sh.store.reopen(&paths.temp) {
+                    let bs = sh.block_size;
+                    held = recs.into_iter().filter(|(b, _)| file.holds(b * bs, bs.min(meta.size - b * bs))).collect();
+                    log::debug!("{}: resumed, {} of {blocks} blocks held", meta.path, held.len());
+                    io = FileIo::resumed(file, Journal::append(sh.state.as_ref(), &jp).ok());
                 }
             }
             paths.journal = Some(jp);
@@ -495,11 +530,4 @@ fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
 fn temp_name(final_path: &Path) -> PathBuf {
     let name = final_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     final_path.with_file_name(format!(".{name}{PART_SUFFIX}"))
-}
-
-/// Whether `temp` is a partial file this end could have written: a regular
-/// file with no other name. Anything else (a symlink or a hard link planted
-/// there) is not resumed but replaced, so nothing is written through it.
-fn is_own_partial(sh: &Shared, temp: &Path) -> bool {
-    sh.store.stat(temp).is_ok_and(|m| m.is_file() && m.nlink == 1)
 }

@@ -20,11 +20,17 @@
 //!   and journal them; the committer takes verified files in batches: it
 //!   sets each one's mode and mtime, makes their data durable, renames them
 //!   into place, makes the names durable, and only then reports them
-//!   committed (and the owner confirms them, `Done`). One file-system sync
-//!   serves a whole batch's data and the names of the batch before it, so
-//!   many small files cost a few syncs, not two each (`--no-fsync` skips
-//!   the syncs). The writers have the kernel start writing each block back
-//!   as soon as it is written, so a sync finds little left to do.
+//!   committed (and the owner confirms them, `Done`). A batch's files and
+//!   the directories the batch before it was renamed into are synced all at
+//!   once, each on its own (not the whole file system, which would wait for
+//!   other programs' writes), so the file system commits them together
+//!   (`--no-fsync` skips the syncs). The writers have the kernel start
+//!   writing each block back as soon as it is written, so a sync finds
+//!   little left to do.
+//!
+//! In a download the receiving end (the client) dials the data
+//! connections: when the sender's tuner wants another stream it says
+//! `Dial`, and the owner dials one more (up to [`MAX_DIALED_STREAMS`]).
 //!
 //! Blocks never pass through the owner: it hears of each one only once it
 //! is written. Staging blocks come from one pool, so a slow disk stalls
@@ -39,12 +45,13 @@ mod driver;
 mod workers;
 
 use crate::error::{Error, Result};
+use crate::send::Connector;
 use crate::source::STATE_DIR;
 use crate::storage::Store;
 use crate::transport::Transport;
 use crate::wire::FrameWriter;
 use crossbeam_channel::Receiver;
-use dmover_proto::frame::TransferOptions;
+use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -84,7 +91,7 @@ pub struct RecvConfig {
     /// Where files go: an export (every path confined beneath it), or the
     /// local file system.
     pub store: Store,
-    /// The destination directory (or file, see [`DEST_MAY_BE_FILE`]) in `store`.
+    /// The destination directory (or file, see [`TransferFlags::DEST_MAY_BE_FILE`]) in `store`.
     pub dest: String,
     pub options: TransferOptions,
     /// Staging memory for blocks between network and disk.
@@ -102,11 +109,6 @@ pub struct RecvConfig {
 
 /// Blocks waiting for one writer, at most.
 pub const WRITE_QUEUE: usize = 4;
-
-/// Flag in [`TransferOptions::flags`]: the sources are one file or one
-/// directory; if `dest` is not an existing directory, a lone file (a path
-/// with no `/`) is written as `dest` itself, as `cp a b` does.
-pub const DEST_MAY_BE_FILE: u32 = 16;
 
 /// What the receiver committed.
 pub use dmover_proto::session::receive::Totals as RecvSummary;
@@ -152,7 +154,8 @@ pub fn ping_interval(idle: Duration) -> Duration {
 }
 
 /// Where a transfer's files and resume state go. Settled by the first
-/// announcement when the destination may be a file.
+/// announcement when the destination may be a file. The state directory and
+/// its marker are in the destination's state store.
 struct Layout {
     /// The destination file itself, when a lone file is written as DEST.
     dest_file: Option<PathBuf>,
@@ -169,16 +172,24 @@ impl Layout {
     /// Creates the state directory and marker under `parent`, once no
     /// earlier run of this transfer in this process is still writing there.
     fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
+        let state = state_store(store);
         let state_dir = parent.join(STATE_DIR);
         let marker = state_dir.join(format!("transfer-{}", hex::encode(transfer_id)));
-        let run = Running::enter(store, &marker)?;
-        store.make_dirs(&state_dir)?;
-        let resuming = store.stat(&marker).is_ok();
+        let run = Running::enter(&state, &marker)?;
+        state.make_dirs(&state_dir)?;
+        let resuming = state.stat(&marker).is_ok();
         if !resuming {
-            store.create(&marker)?;
+            state.create(&marker)?;
         }
         Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
     }
+}
+
+/// Where the resume state of transfers into `store` goes (see
+/// [`Storage::state_store`](crate::storage::Storage::state_store)); the
+/// state directory has the same path in it either way.
+fn state_store(store: &Store) -> Store {
+    store.state_store().unwrap_or_else(|| store.clone())
 }
 
 /// The runs of transfers receiving in this process, by marker path; a run
@@ -227,9 +238,15 @@ impl Drop for Running {
     }
 }
 
+/// Data connections a receiving end that dials them holds (and dials) at
+/// once, at most, however many its sender asks for: as many as a tuner opens.
+pub const MAX_DIALED_STREAMS: usize = 64;
+
 /// A receiving end whose destination has been checked, ready to [`run`](Prepared::run).
 pub struct Prepared {
     cfg: RecvConfig,
+    /// How to dial a data connection the sender asks for (None: it may not ask).
+    dial: Option<Connector>,
     dest_dir: PathBuf,
     /// The destination is not a directory (yet) and may receive a lone file.
     may_be_file: bool,
@@ -247,9 +264,10 @@ pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
     crate::storage::check_path(cfg.store.as_ref(), &cfg.dest)?;
     let dest_dir = PathBuf::from(&cfg.dest);
     let label = cfg.store.display(&dest_dir);
-    let may_be_file = cfg.options.has(DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
+    let may_be_file =
+        cfg.options.flags.contains(TransferFlags::DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
     let mut layout = None;
-    if !cfg.options.has(TransferOptions::DISCARD) {
+    if !cfg.options.flags.contains(TransferFlags::DISCARD) {
         if may_be_file {
             // Whether DEST is the file or its directory is settled by the first file.
             let parent = dest_dir.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -259,7 +277,7 @@ pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
             layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id).map_err(|e| Error::io(&label, &e))?);
         }
     }
-    Ok(Prepared { cfg, dest_dir, may_be_file, layout })
+    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout })
 }
 
 /// Receives one transfer. `control` is the control connection; data
@@ -270,6 +288,12 @@ pub fn receive(control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>
 }
 
 impl Prepared {
+    /// Lets the sender ask for more data connections (`Dial`, when its
+    /// tuner adds a stream), which `dial` opens: a download's client.
+    pub fn dialing(self, dial: Connector) -> Prepared {
+        Prepared { dial: Some(dial), ..self }
+    }
+
     pub fn run(self, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
         driver::run(self, control, streams)
     }

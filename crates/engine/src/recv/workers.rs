@@ -12,11 +12,11 @@ use crate::transport::Transport;
 use crate::wire::{FrameReader, Incoming};
 use crossbeam_channel::{Receiver, Sender};
 use dmover_proto::digest::Sum;
-use dmover_proto::frame::{FileMeta, TransferOptions};
+use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
 use dmover_proto::phase::OnData;
 use dmover_proto::session::receive::{check_header, Event, Gate};
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
@@ -29,9 +29,9 @@ const POLL: Duration = Duration::from_millis(50);
 /// most: enough that small files share their syncs, few enough that the
 /// first of them is confirmed without a long wait.
 const COMMIT_BATCH: usize = 256;
-/// How long renamed files wait for the next batch, so that one sync makes
-/// their names and the next batch's data durable, before they are synced
-/// on their own.
+/// How long renamed files wait for the next batch, so that one round of
+/// syncs makes their names and the next batch durable, before their names
+/// are synced on their own.
 const SYNC_MERGE: Duration = Duration::from_millis(2);
 
 /// What the owner thread hears.
@@ -42,6 +42,8 @@ pub(super) enum Input {
     Batch(Vec<Event>),
     /// A data connection attached.
     Stream(Box<dyn Transport>),
+    /// A data connection the sender asked for was dialed (or could not be).
+    Dialed(crate::Result<Box<dyn Transport>>),
     /// A data connection broke, or its peer broke a rule: the session ends.
     Broken(crate::Error),
     /// The control connection broke or ended: the session ends.
@@ -53,10 +55,9 @@ pub(super) struct Shared {
     pub options: TransferOptions,
     pub block_size: u64,
     pub store: Store,
+    /// Where journals go: `store`, or the local storage it names.
+    pub state: Store,
     pub dest_dir: PathBuf,
-    /// The directory whose file system the committer syncs: the state
-    /// directory, once the layout is settled (the destination before).
-    pub sync_dir: OnceLock<PathBuf>,
     /// Files whose blocks may be written, by id: the owner adds and
     /// removes them, data connections look them up for each block.
     pub slots: RwLock<HashMap<u64, Arc<Slot>>>,
@@ -71,6 +72,9 @@ pub(super) struct Shared {
     pub stop: AtomicBool,
     /// Payload bytes taken off the data connections (for the sender's tuner).
     pub received: AtomicU64,
+    /// Data connections being read now: the owner counts each it attaches,
+    /// its reading thread uncounts it when it ends.
+    pub streams: AtomicUsize,
     /// Counts this session in its server's intake while it runs.
     pub receiving: Receiving,
 }
@@ -100,7 +104,8 @@ pub(super) struct Paths {
 pub(super) struct FileIo {
     file: Option<Arc<dyn WriteFile>>,
     journal: Option<Journal>,
-    /// Create the temporary file afresh (and a new journal) when first opened.
+    /// Create the temporary file afresh (and a new journal) when first
+    /// opened; once opened (or for a resumed file), it is never created again.
     fresh: bool,
     /// Removed: nothing more is written.
     closed: bool,
@@ -112,9 +117,10 @@ impl FileIo {
         FileIo { file: None, journal: None, fresh: true, closed: false }
     }
 
-    /// The partial file of an earlier run, with its journal if it could be opened.
-    pub fn resumed(journal: Option<Journal>) -> FileIo {
-        FileIo { file: None, journal, fresh: false, closed: false }
+    /// The partial file of an earlier run, taken up again, with its journal
+    /// if it could be opened.
+    pub fn resumed(file: Box<dyn WriteFile>, journal: Option<Journal>) -> FileIo {
+        FileIo { file: Some(file.into()), journal, fresh: false, closed: false }
     }
 }
 
@@ -130,22 +136,19 @@ pub(super) struct Slot {
 
 impl Slot {
     /// The file's temporary name, open: created afresh (with a new journal)
-    /// for a fresh file, the partial file of an earlier run when resuming.
+    /// when first opened for a fresh file; the partial file of an earlier
+    /// run when resuming (taken up again when the file was looked at).
     fn open(&self, sh: &Shared, io: &mut FileIo) -> std::io::Result<Arc<dyn WriteFile>> {
         if let Some(f) = &io.file {
             return Ok(f.clone());
         }
-        let f: Arc<dyn WriteFile> = if io.fresh {
-            log::debug!("{}: new partial file", self.paths.temp.display());
-            sh.store.create(&self.paths.temp)?.into()
-        } else {
-            let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file of an earlier run is gone");
-            sh.store.reopen(&self.paths.temp)?.ok_or_else(gone)?.into()
-        };
-        if io.fresh {
-            if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
-                io.journal = Some(Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32)?);
-            }
+        if !io.fresh {
+            return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file is no longer open"));
+        }
+        log::debug!("{}: new partial file", self.paths.temp.display());
+        let f: Arc<dyn WriteFile> = sh.store.create(&self.paths.temp)?.into();
+        if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
+            io.journal = Some(Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32)?);
         }
         io.fresh = false;
         io.file = Some(f.clone());
@@ -157,7 +160,7 @@ impl Slot {
         let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) else { return };
         let mut io = self.io.lock().expect("file lock");
         io.journal = None;
-        if let Ok(mut j) = Journal::create(sh.store.as_ref(), jp, meta, sh.block_size as u32) {
+        if let Ok(mut j) = Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32) {
             for (b, s) in held {
                 let _ = j.record(*b, s);
             }
@@ -175,7 +178,7 @@ impl Slot {
             let _ = sh.store.remove(&self.paths.temp);
         }
         if let Some(j) = &self.paths.journal {
-            let _ = sh.store.remove(j);
+            let _ = sh.state.remove(j);
         }
     }
 }
@@ -224,7 +227,7 @@ pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<W
             sh.report(Event::Damaged { id: h.file, block });
             continue;
         }
-        if sh.options.has(TransferOptions::DISCARD) {
+        if sh.options.flags.contains(TransferFlags::DISCARD) {
             drop(data);
             sh.report(Event::Written { id: h.file, block, sum });
             continue;
@@ -259,7 +262,7 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
         let written = handle.write_all_at(&job.data, off).and_then(|()| {
             // Durable files are synced before they are confirmed: have the
             // kernel start on it now, while the rest of the data arrives.
-            if sh.options.has(TransferOptions::NO_FSYNC) {
+            if sh.options.flags.contains(TransferFlags::NO_FSYNC) {
                 Ok(())
             } else {
                 handle.write_back(off, job.data.len() as u64)
@@ -287,15 +290,18 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
 }
 
 /// Commits verified files in batches until the session stops (and what was
-/// verified before it stopped), as a pipeline with one file-system sync per
-/// batch: a batch's files get their mode and mtime, then the sync makes
-/// their data durable (and the names of the batch renamed before it, which
-/// are reported committed now), then they are renamed into place and wait
-/// for the next sync. A batch waits for the next one at most
-/// [`SYNC_MERGE`]; then a sync of their names follows.
+/// verified before it stopped), as a pipeline: a batch's files get their
+/// mode and mtime and are made durable (their own data and attributes, not
+/// the whole file system's, so other writers' dirty data does not hold
+/// them up), together with the directories the batch before it was renamed
+/// into, which are then reported committed; then the batch is renamed into
+/// place and waits for the next round. A batch waits for the next one at
+/// most [`SYNC_MERGE`]; then a round of its names alone follows.
 pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
+    let durable = !sh.options.flags.contains(TransferFlags::NO_FSYNC);
     // Without syncs there is nothing to merge: confirm at once.
-    let merge = if sh.options.has(TransferOptions::NO_FSYNC) { Duration::ZERO } else { SYNC_MERGE };
+    let merge = if durable { SYNC_MERGE } else { Duration::ZERO };
+    let mut names = DurableNames::default();
     let mut renamed: Vec<Arc<Slot>> = Vec::new();
     loop {
         let first = if renamed.is_empty() {
@@ -309,13 +315,17 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
             verified.recv_timeout(merge).ok()
         };
         let batch: Vec<(Arc<Slot>, Sum)> = first.into_iter().chain(verified.try_iter()).take(COMMIT_BATCH).collect();
-        let ready = prepare_commit(sh, batch);
-        if let Err(e) = sync(sh) {
-            log::warn!("{}: cannot make the received files durable: {e}", sh.store.display(&sh.dest_dir));
-            for s in renamed.drain(..).chain(ready.into_iter().map(|(s, _)| s)) {
-                sh.failed(s.id, &e);
+        let mut ready = prepare_commit(sh, batch);
+        if durable {
+            let dirs = names.dirs_to_sync(&sh.dest_dir, &renamed);
+            let (synced, dirs_synced) = make_durable(sh, ready, &dirs);
+            ready = synced;
+            if let Err(e) = dirs_synced {
+                log::warn!("{}: cannot make the received files' names durable: {e}", sh.store.display(&sh.dest_dir));
+                for s in renamed.drain(..) {
+                    sh.failed(s.id, &e);
+                }
             }
-            continue;
         }
         let mut committed = Vec::with_capacity(renamed.len());
         for s in renamed.drain(..) {
@@ -324,7 +334,7 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
             }
             log::debug!("{}: committed", s.paths.dest.display());
             if let Some(j) = &s.paths.journal {
-                let _ = sh.store.remove(j);
+                let _ = sh.state.remove(j);
             }
             committed.push(Event::Committed { id: s.id });
         }
@@ -335,12 +345,74 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
     }
 }
 
+/// Files of a batch with their attributes set, open, ready to be made
+/// durable and renamed into place.
+type Ready = Vec<(Arc<Slot>, Arc<dyn WriteFile>)>;
+
+/// Files and directories made durable at once, at most: syncs wait on the
+/// disk, not the processor, and the file system commits those that wait
+/// together in one journal transaction.
+const SYNC_THREADS: usize = 16;
+
+/// Makes each file of a batch durable, and the names in `dirs`, on up to
+/// [`SYNC_THREADS`] threads. Returns the files that were made durable (the
+/// others are reported failed) and whether every directory was.
+fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io::Result<()>) {
+    enum Job<'a> {
+        File(&'a Arc<dyn WriteFile>),
+        Dir(&'a Path),
+    }
+    let jobs: Vec<Job> = ready.iter().map(|(_, f)| Job::File(f)).chain(dirs.iter().map(|d| Job::Dir(d))).collect();
+    let mut results = at_once(&jobs, SYNC_THREADS, |j| match j {
+        Job::File(f) => f.sync(),
+        Job::Dir(d) => sh.store.sync_dir(d),
+    })
+    .into_iter();
+    let mut synced = Vec::with_capacity(ready.len());
+    for ((s, f), r) in ready.into_iter().zip(results.by_ref()) {
+        match r {
+            Ok(()) => synced.push((s, f)),
+            Err(e) => sh.failed(s.id, &e),
+        }
+    }
+    (synced, results.collect())
+}
+
+/// The directories whose own names are known to be durable: their parent
+/// was synced after they were seen.
+#[derive(Default)]
+struct DurableNames {
+    known: HashSet<PathBuf>,
+}
+
+impl DurableNames {
+    /// The directories to sync so that the names of `renamed` are durable:
+    /// each file's directory, and every directory on the way up to the
+    /// destination (the destination's own name included) whose name is not
+    /// known to be durable yet.
+    fn dirs_to_sync(&mut self, dest_dir: &Path, renamed: &[Arc<Slot>]) -> Vec<PathBuf> {
+        let mut dirs = BTreeSet::new();
+        for s in renamed {
+            let Some(parent) = s.paths.dest.parent() else { continue };
+            dirs.insert(parent.to_path_buf());
+            let mut dir = parent;
+            while dir.starts_with(dest_dir) && !self.known.contains(dir) {
+                let Some(up) = dir.parent() else { break };
+                self.known.insert(dir.to_path_buf());
+                dirs.insert(up.to_path_buf());
+                dir = up;
+            }
+        }
+        dirs.into_iter().collect()
+    }
+}
+
 /// Sets mode and mtime on each file of a batch (opening, first, a file
 /// none of whose blocks were written in this run: an empty file, or one
 /// resumed with every block already on disk; afresh only if it is fresh,
 /// so a resumed file keeps its blocks). Returns the files ready for their
 /// data to be made durable.
-fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Vec<(Arc<Slot>, Arc<dyn WriteFile>)> {
+fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
     let mut ready = Vec::with_capacity(batch.len());
     for (s, sum) in batch {
         let Some(meta) = &s.paths.meta else { continue };
@@ -364,20 +436,10 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Vec<(Arc<Slot>, 
     ready
 }
 
-/// Makes everything written so far durable, unless the transfer asked not to.
-fn sync(sh: &Shared) -> std::io::Result<()> {
-    if sh.options.has(TransferOptions::NO_FSYNC) {
-        return Ok(());
-    }
-    // The state directory is beside the files (the destination directory,
-    // or the directory of a lone destination file).
-    sh.store.sync(sh.sync_dir.get().unwrap_or(&sh.dest_dir))
-}
-
-/// Renames each file of a batch into place; returns those renamed.
-fn rename_into_place(sh: &Shared, ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>) -> Vec<Arc<Slot>> {
-    let mut renamed = Vec::with_capacity(ready.len());
-    for (s, f) in ready {
+/// Renames each file of a batch into place, as many at once as the
+/// storage takes; returns those renamed.
+fn rename_into_place(sh: &Shared, ready: Ready) -> Vec<Arc<Slot>> {
+    let commit = |(s, f): &(Arc<Slot>, Arc<dyn WriteFile>)| {
         let committed = {
             let mut io = s.io.lock().expect("file lock");
             io.file = None;
@@ -385,9 +447,35 @@ fn rename_into_place(sh: &Shared, ready: Vec<(Arc<Slot>, Arc<dyn WriteFile>)>) -
             sh.store.commit(f.as_ref(), &s.paths.temp, &s.paths.dest, None)
         };
         match committed {
-            Ok(()) => renamed.push(s),
-            Err(e) => sh.failed(s.id, &e),
+            Ok(()) => Some(s.clone()),
+            Err(e) => {
+                sh.failed(s.id, &e);
+                None
+            }
         }
+    };
+    at_once(&ready, sh.store.commits_at_once(), commit).into_iter().flatten().collect()
+}
+
+/// Runs `job` on each of `items` on up to `threads` threads (this one
+/// among them), each taking the next item; returns the results in order.
+fn at_once<T: Sync, R: Send + Sync>(items: &[T], threads: usize, job: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = threads.min(items.len());
+    if threads <= 1 {
+        return items.iter().map(job).collect();
     }
-    renamed
+    let results: Vec<OnceLock<R>> = items.iter().map(|_| OnceLock::new()).collect();
+    let next = AtomicUsize::new(0);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(item) = items.get(i) else { return };
+        let _ = results[i].set(job(item));
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(work);
+        }
+        work();
+    });
+    results.into_iter().map(|r| r.into_inner().expect("every item was taken")).collect()
 }

@@ -10,7 +10,7 @@
 use super::workers::{self, Crew, HostQueue, Input, Job, Shared, Source, Walked};
 use super::{fill_block, Files, HostLink, SendConfig, SettleHook, Settled, CHUNK_BLOCKS, REASON_WAIT, WALK_AHEAD, WINDOW};
 use crate::error::{Error, Result};
-use crate::pool::Pool;
+use crate::pool::{Pool, MIN_BLOCKS};
 use crate::progress::Progress;
 use crate::recv::{ping_interval, Pinger};
 use crate::storage;
@@ -18,7 +18,7 @@ use crate::transport::{Layers, Transport};
 use crate::tuning::{self, Meter};
 use crate::wire::FrameWriter;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use dmover_proto::frame::{FileError, HostShare, Stats, TransferOptions};
+use dmover_proto::frame::{FileError, HostShare, Stats, TransferFlags};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
@@ -43,7 +43,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         Files::Walk { store, .. } => store.clone(),
         Files::Feed { .. } | Files::Generate { .. } => storage::local(),
     };
-    let min_blocks = streams + cfg.concurrency;
+    let min_blocks = (streams + cfg.concurrency).max(MIN_BLOCKS);
     let pool = if generate {
         Pool::with_fill(cfg.staging, block_size as usize, min_blocks, fill_block)
     } else {
@@ -59,7 +59,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         ctl.push(Arc::new(Mutex::new(FrameWriter::new(split(l.control.as_ref())?))));
         controls.push(split(l.control.as_ref())?);
         peers.push(l.control.peer().to_string());
-        hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.connect.clone() } else { None }));
+        hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.more.clone() } else { None }));
     }
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
     let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
@@ -93,12 +93,12 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         names.push(l.name);
     }
     sh.set_readers(cfg.concurrency);
-    let tuner = cfg.tuner.filter(|_| sh.hosts.iter().any(|q| q.connect.is_some())).map(|make| {
+    let tuner = cfg.tuner.filter(|_| sh.hosts.iter().any(|q| q.more.is_some())).map(|make| {
         let sh = sh.clone();
         std::thread::spawn(move || tuning::run(&sh, &*make))
     });
     let (walk_tx, walk_rx) = crossbeam_channel::bounded::<Walked>(WALK_AHEAD);
-    let with_digest = cfg.options.has(TransferOptions::CHECKSUM) && !generate;
+    let with_digest = cfg.options.flags.contains(TransferFlags::CHECKSUM) && !generate;
     let walker = std::thread::spawn(move || workers::walk(files, store, with_digest, block_size, &walk_tx));
 
     let session = Send::new(send::Config { hosts: n, block_size, window: WINDOW, chunk_blocks: CHUNK_BLOCKS });

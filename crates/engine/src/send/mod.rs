@@ -30,7 +30,8 @@
 //! announcement. A source that changes while it is read is abandoned and
 //! reported, never committed.
 //!
-//! With a tuner ([`crate::tuning`]) and a way to open connections, the set
+//! With a tuner ([`crate::tuning`]) and a way to get connections
+//! ([`MoreStreams`]: open them, or ask the receiver to dial them), the set
 //! of data streams changes during the transfer: a new stream joins the
 //! host's queue, a dropped one finishes its block and says `StreamEnd`.
 
@@ -72,14 +73,28 @@ pub type TunerFactory = Arc<dyn Fn() -> Box<dyn dmover_tune::Tuner> + Send + Syn
 /// Opens one more data connection, authenticated and attached to the same session.
 pub type Connector = Arc<dyn Fn() -> Result<Box<dyn Transport>> + Send + Sync>;
 
+/// How a sender gets another data connection to a host while sending.
+#[derive(Clone)]
+pub enum MoreStreams {
+    /// It opens one itself (an upload, a push, a local copy).
+    Connect(Connector),
+    /// It asks the receiver with `Dial`, and the connection the receiver
+    /// dials arrives here (a server sending for a client: a download).
+    Ask(Receiver<Box<dyn Transport>>),
+}
+
+/// How long a stream asked of the receiver may take to attach: a few
+/// round trips (connect, authenticate, attach), on a slow link.
+pub const DIAL_WAIT: Duration = Duration::from_secs(10);
+
 /// One destination: its control connection and data connections, already
 /// authenticated and attached to a receiving session.
 pub struct HostLink {
     pub name: String,
     pub control: Box<dyn Transport>,
     pub data: Vec<Box<dyn Transport>>,
-    /// How to open more data connections while sending (None: the set is fixed).
-    pub connect: Option<Connector>,
+    /// How to get more data connections while sending (None: the set is fixed).
+    pub more: Option<MoreStreams>,
 }
 
 /// How a file was settled.

@@ -5,8 +5,8 @@
 //! beyond reading the blocks a [`Read`] names. The tuner reaches them
 //! through [`Tunable`].
 
-use super::{Connector, Files, AHEAD_PER_STREAM, POLL};
-use crate::error::{classify, Error};
+use super::{Files, MoreStreams, AHEAD_PER_STREAM, DIAL_WAIT, POLL};
+use crate::error::{classify, Error, Result};
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
 use crate::source::{self, Entry};
@@ -77,8 +77,8 @@ struct Outgoing {
 pub(super) struct HostQueue {
     tx: Sender<Outgoing>,
     rx: Receiver<Outgoing>,
-    /// How to open more streams (None: the set is fixed).
-    pub connect: Option<Connector>,
+    /// How to get more streams (None: the set is fixed).
+    pub more: Option<MoreStreams>,
     /// Streams connected and running.
     open: AtomicU64,
     /// Readers wait on `room_freed` while the queue holds
@@ -89,9 +89,9 @@ pub(super) struct HostQueue {
 }
 
 impl HostQueue {
-    pub fn new(connect: Option<Connector>) -> HostQueue {
+    pub fn new(more: Option<MoreStreams>) -> HostQueue {
         let (tx, rx) = crossbeam_channel::unbounded();
-        HostQueue { tx, rx, connect, open: AtomicU64::new(0), room: Mutex::default(), room_freed: Condvar::new() }
+        HostQueue { tx, rx, more, open: AtomicU64::new(0), room: Mutex::default(), room_freed: Condvar::new() }
     }
 
     /// Waits while the queue is full (or until `stopped`).
@@ -221,7 +221,7 @@ impl Shared {
         let t = std::thread::spawn(move || {
             let conn = match conn {
                 Some(c) => c,
-                None => match sh.hosts[host].connect.as_ref().map(|c| c()) {
+                None => match sh.another_stream(host) {
                     Some(Ok(c)) => c,
                     failed => {
                         if let Some(Err(e)) = failed {
@@ -260,6 +260,21 @@ impl Shared {
         st.threads.push(t);
     }
 
+    /// A new data connection to `host`: opened here, or asked of the
+    /// receiver and taken as it attaches (None: the set is fixed).
+    fn another_stream(&self, host: usize) -> Option<Result<Box<dyn Transport>>> {
+        Some(match self.hosts[host].more.as_ref()? {
+            MoreStreams::Connect(c) => c(),
+            MoreStreams::Ask(attached) => {
+                self.report(Event::Dial { host });
+                attached.recv_timeout(DIAL_WAIT).map_err(|_| {
+                    let why = format!("the receiver dialed no data connection within {} s", DIAL_WAIT.as_secs());
+                    Error::new(ErrorKind::Unreachable, "", why)
+                })
+            }
+        })
+    }
+
     /// Starts the data streams given at the start, on their connections.
     pub fn start_streams(self: &Arc<Self>, host: usize, conns: Vec<Box<dyn Transport>>) {
         let mut st = self.crew.state.lock().expect("crew lock");
@@ -287,7 +302,7 @@ impl Tunable for Arc<Shared> {
     }
 
     fn can_add_streams(&self, host: usize) -> bool {
-        self.hosts[host].connect.is_some()
+        self.hosts[host].more.is_some()
     }
 
     fn open_streams(&self, host: usize) -> usize {
@@ -296,7 +311,7 @@ impl Tunable for Arc<Shared> {
 
     /// Opens or drops streams to `host` until `n` are wanted.
     fn set_streams(&self, host: usize, n: usize) {
-        if self.hosts[host].connect.is_none() {
+        if self.hosts[host].more.is_none() {
             return;
         }
         let mut st = self.crew.state.lock().expect("crew lock");

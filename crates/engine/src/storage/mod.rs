@@ -17,7 +17,9 @@
 //! bucket: a file exists once committed, and directories are key prefixes.
 //!
 //! What a storage does not do: decide what to send or ask for, verify
-//! digests, or keep resume state of its own; those belong to the engine.
+//! digests, or journal partial files; those belong to the engine (which
+//! keeps its journals in the storage, or in the local one a storage names
+//! with [`Storage::state_store`]).
 //! The tests in `dmover-testkit`'s conformance suite say what every
 //! implementation must do.
 
@@ -120,9 +122,24 @@ pub trait WriteFile: ReadFile {
     fn set_len(&self, len: u64) -> io::Result<()>;
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()>;
     /// Starts writing `len` bytes from `off` to stable storage without
-    /// waiting, so that a later [`Storage::sync`] finds little left to do.
+    /// waiting, so that a later [`sync`](WriteFile::sync) finds little left
+    /// to do.
     fn write_back(&self, _off: u64, _len: u64) -> io::Result<()> {
         Ok(())
+    }
+    /// Makes the file's data and attributes durable (its name is the
+    /// directory's: [`Storage::sync_dir`]). A storage whose commit is
+    /// durable by itself has nothing to do.
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
+    /// Whether the bytes `off..off + len`, written before this file was
+    /// taken up again with [`Storage::reopen`], are still held. A storage
+    /// that keeps a file's data only in whole parts sent (an object store's
+    /// multipart upload) holds those parts and nothing else; others hold
+    /// everything written.
+    fn holds(&self, _off: u64, _len: u64) -> bool {
+        true
     }
     /// The file itself, for its own storage's [`Storage::commit`].
     fn as_any(&self) -> &dyn std::any::Any;
@@ -160,13 +177,30 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>>;
     /// Sets `attrs` on `file` (written at `from`) and renames it to `to`.
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
-    /// Makes everything written below `dir` so far durable: file data,
-    /// attributes and names (a file-system sync: one call serves many files).
-    fn sync(&self, dir: &Path) -> io::Result<()>;
+    /// How many files [`commit`](Storage::commit) may take at once, from
+    /// as many threads: 1 where a commit is quick (a rename), more where
+    /// each is a request to a server (an object store's PUT), so that a
+    /// batch of small files costs a few round trips, not one each.
+    fn commits_at_once(&self) -> usize {
+        1
+    }
+    /// Makes the names in directory `dir` durable: files renamed into it,
+    /// directories made in it. A storage with no directories has nothing
+    /// to do.
+    fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
+        Ok(())
+    }
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// Removes an empty directory.
     fn remove_dir(&self, path: &Path) -> io::Result<()>;
+    /// Where the engine keeps the resume state of transfers into this
+    /// storage (the journals of partial files): None for the storage
+    /// itself; a storage that cannot keep a file growing by small writes
+    /// (an object store) names a local one.
+    fn state_store(&self) -> Option<Store> {
+        None
+    }
     /// Reads a whole file of at most `limit` bytes.
     fn read_all(&self, path: &Path, limit: u64) -> io::Result<Vec<u8>> {
         let f = self.open(path)?;

@@ -234,6 +234,10 @@ impl WriteFile for PosixFile {
         }
     }
 
+    fn sync(&self) -> io::Result<()> {
+        self.0.sync_all()
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
@@ -356,10 +360,10 @@ impl Storage for Posix {
         Ok(rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name)?)
     }
 
-    fn sync(&self, dir: &Path) -> io::Result<()> {
-        // syncfs needs a descriptor opened for reading, not an O_PATH one.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        // fsync needs a descriptor opened for reading, not an O_PATH one.
         let fd = self.open_dir(dir)?;
-        Ok(rustix::fs::syncfs(&fd)?)
+        Ok(rustix::fs::fsync(&fd)?)
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {

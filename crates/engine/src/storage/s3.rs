@@ -2,15 +2,28 @@
 //! named like paths (`dir/sub/file`).
 //!
 //! Objects are written whole and never changed in place, so a file exists
-//! only once committed: a file being written is kept in memory until a
-//! whole part of it is there, then sent as a part of a multipart upload;
-//! commit completes it. A file smaller than a part is sent by one PUT at
-//! commit, under its final key; a larger one is completed under the name
-//! it was created with and copied to its final key with its metadata (the
-//! digest is known only at the end, and S3 sets metadata when an object is
-//! made). Nothing is visible under the final key before commit, a file
-//! dropped uncommitted leaves nothing behind (its upload is aborted), and
-//! nothing can be reopened: resuming starts afresh.
+//! only once committed: a file being written is kept in memory part by
+//! part, and each part wholly written is sent as a part of a multipart
+//! upload; commit sends the last part and completes it. A file smaller
+//! than a part is sent by one PUT at commit, under its final key; a larger
+//! one is completed under the name it was created with and copied to its
+//! final key with its metadata (the digest is known only at the end, and
+//! S3 sets metadata only when an object is made). Nothing is visible under
+//! the final key before commit.
+//!
+//! Uploads are resumable. Each is recorded in a local state directory
+//! (`uploads/`): its id, then each part's ETag once the server has taken
+//! it. [`Storage::reopen`] takes the upload up again with the parts the
+//! server lists whose size and ETag match the record, and
+//! [`WriteFile::holds`] says which bytes those are. An upload is aborted
+//! when its file is given up for good: removed ([`Storage::remove`],
+//! which the engine does to a file that failed or whose source went or
+//! changed), or created afresh; a file dropped uncommitted keeps its
+//! upload for a later run once a part is sent. The engine keeps its
+//! journals in the same state directory (`journals/`, the
+//! [`Storage::state_store`]): an object store has no file that grows by
+//! small writes. Where that directory cannot be made or written, uploads
+//! work but are not resumed.
 //!
 //! Each object carries metadata: dmover's digest of its content (with the
 //! block size it was computed with), checked when the object is read back
@@ -21,7 +34,7 @@
 //! The AWS SDK does the requests, on an async runtime of this storage's
 //! own; the engine's threads wait on it.
 
-use super::{Attrs, Digest, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
+use super::{Attrs, Digest, DirEntry, Kind, ReadFile, Stat, Storage, Store, WriteFile};
 use crate::error::{Damaged, Error, Refused, Result};
 use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
@@ -33,7 +46,7 @@ use dmover_proto::ErrorKind;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
@@ -43,13 +56,16 @@ use tokio::task::JoinHandle;
 const PART: u64 = 16 << 20;
 /// The most parts S3 takes in one upload.
 const MAX_PARTS: u64 = 10_000;
-/// Parts being sent at once, per storage (each holds a part in memory).
-const PARTS_IN_FLIGHT: usize = 8;
+/// Parts being sent at once, per storage, at most (each holds a part in
+/// memory); fewer when [`Options::staging`] is smaller.
+const MAX_PARTS_IN_FLIGHT: u64 = 8;
 /// Bytes one GET fetches at least: the pieces a block is read in, and the
 /// next blocks of a file read in order, come from one request.
 const READ_AHEAD: u64 = 4 << 20;
 /// HEAD requests at once while listing.
 const HEADS_IN_FLIGHT: usize = 32;
+/// Files committed at once (each a PUT, or the completion of an upload).
+const COMMITS_IN_FLIGHT: usize = 32;
 /// Part size of a copy made by the server (at most 5 GiB).
 const COPY_PART: u64 = 1 << 30;
 
@@ -63,23 +79,46 @@ const META_MTIME: &str = "dmover-mtime";
 const META_MODE: &str = "dmover-mode";
 
 /// Where and how to reach the store.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Options {
     /// The endpoint URL (else `AWS_ENDPOINT_URL` or the profile's
     /// `endpoint_url`, else AWS itself).
     pub endpoint: Option<String>,
+    /// A local directory for this bucket's resume state (see
+    /// [`default_state_dir`] for where the command keeps it).
+    pub state_dir: PathBuf,
+    /// Memory for the parts being sent at once: as many parts as fit, at
+    /// least one, at most [`MAX_PARTS_IN_FLIGHT`].
+    pub staging: u64,
+}
+
+/// Where the resume state of uploads into `bucket` is kept by default:
+/// `$XDG_CACHE_HOME/dmover/s3/BUCKET`, else `~/.cache/dmover/s3/BUCKET`.
+pub fn default_state_dir(bucket: &str) -> PathBuf {
+    let cache = match std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"),
+    };
+    cache.join("dmover/s3").join(bucket)
 }
 
 /// A bucket of an S3-compatible object store.
 pub struct S3 {
     inner: Arc<Inner>,
+    /// Where the engine keeps its journals of files being written here
+    /// (None if that directory cannot be made: uploads are not resumed).
+    state: Option<Store>,
 }
 
 struct Inner {
     client: Client,
     bucket: String,
     rt: Runtime,
+    /// One permit for each part being sent, so that at most
+    /// [`Options::staging`] of them are held in memory; a writer waits for one.
     parts: Arc<Semaphore>,
+    /// The local directory of the records of uploads in progress.
+    uploads: PathBuf,
 }
 
 impl std::fmt::Debug for S3 {
@@ -126,7 +165,17 @@ impl S3 {
             s3 = s3.force_path_style(true);
         }
         let client = Client::from_conf(s3.build());
-        let inner = Inner { client, bucket: bucket.to_string(), rt, parts: Arc::new(Semaphore::new(PARTS_IN_FLIGHT)) };
+        let journals = o.state_dir.join("journals");
+        let state = match std::fs::create_dir_all(&journals).and_then(|()| super::export("s3-state", &journals)) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                log::warn!("{}: {e}; uploads to s3://{bucket} cut short will start afresh", journals.display());
+                None
+            }
+        };
+        let uploads = o.state_dir.join("uploads");
+        let parts = Arc::new(Semaphore::new((o.staging / PART).clamp(1, MAX_PARTS_IN_FLIGHT) as usize));
+        let inner = Inner { client, bucket: bucket.to_string(), rt, parts, uploads };
         let at = endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
         let creds = config.credentials_provider().ok_or_else(|| Error::internal("no credentials provider"))?;
         use aws_sdk_s3::config::ProvideCredentials;
@@ -138,7 +187,7 @@ impl S3 {
             }
         };
         let e = match inner.rt.block_on(inner.client.head_bucket().bucket(bucket).send()) {
-            Ok(_) => return Ok(S3 { inner: Arc::new(inner) }),
+            Ok(_) => return Ok(S3 { inner: Arc::new(inner), state }),
             Err(e) => e,
         };
         Err(match status(&e) {
@@ -410,7 +459,8 @@ impl ReadFile for S3Read {
     }
 }
 
-/// A file being written: what is not yet sent, and the parts sent.
+/// A file being written: the parts being filled, and the parts of its
+/// multipart upload the server has or is being sent.
 struct S3Write {
     inner: Arc<Inner>,
     /// The key it was created under.
@@ -420,82 +470,199 @@ struct S3Write {
 
 #[derive(Default)]
 struct Upload {
-    /// Bytes from `base` on, not yet sent; `written` says which are there.
-    buf: Vec<u8>,
-    /// Ranges written in `buf` (start to end, absolute offsets, merged).
-    written: BTreeMap<u64, u64>,
-    /// Offset of `buf`'s first byte: the parts before it are sent.
-    base: u64,
-    /// The file's size: the end of the furthest write.
+    /// Parts not yet sent, by index (part number − 1).
+    filling: BTreeMap<u64, Filling>,
+    /// Parts sent, by index: kept from an earlier run or sent by this one.
+    sent: BTreeMap<u64, Sent>,
+    /// The file's size: the end of the furthest write (or kept part).
     size: u64,
     /// The multipart upload, once the first part is sent.
     id: Option<String>,
-    /// The parts being sent, in order.
-    parts: Vec<JoinHandle<io::Result<CompletedPart>>>,
     attrs: Option<Attrs>,
-    /// Committed or given up: nothing to abort when dropped.
+    /// Committed or given up: nothing more is written.
     done: bool,
 }
 
-impl Upload {
+/// A part being filled: its bytes so far, and which of them are written.
+#[derive(Default)]
+struct Filling {
+    data: Vec<u8>,
+    written: Ranges,
+}
+
+/// A part of the upload.
+enum Sent {
+    /// The server holds it, with this ETag.
+    Held(String),
+    /// Being sent; the task answers its ETag.
+    Sending(JoinHandle<io::Result<String>>),
+}
+
+/// Byte ranges written (start to end, merged).
+#[derive(Default)]
+struct Ranges(BTreeMap<u64, u64>);
+
+impl Ranges {
     /// Whether every byte of `start..end` is written.
     fn covered(&self, start: u64, end: u64) -> bool {
-        start >= end || self.written.range(..=start).next_back().is_some_and(|(_, e)| *e >= end)
+        start >= end || self.0.range(..=start).next_back().is_some_and(|(_, e)| *e >= end)
     }
 
     fn mark(&mut self, start: u64, end: u64) {
         let (mut s, mut e) = (start, end);
-        let overlapping: Vec<u64> = self.written.range(..=end).filter(|(_, e2)| **e2 >= start).map(|(s2, _)| *s2).collect();
+        let overlapping: Vec<u64> = self.0.range(..=end).filter(|(_, e2)| **e2 >= start).map(|(s2, _)| *s2).collect();
         for s2 in overlapping {
-            let e2 = self.written.remove(&s2).expect("listed");
+            let e2 = self.0.remove(&s2).expect("listed");
             s = s.min(s2);
             e = e.max(e2);
         }
-        self.written.insert(s, e);
+        self.0.insert(s, e);
+    }
+}
+
+/// What the local record of an upload says: its id, and the ETag of each
+/// part the server took, by index.
+#[derive(Debug, PartialEq)]
+struct Record {
+    id: String,
+    parts: HashMap<u64, String>,
+}
+
+impl Record {
+    /// Reads a record: the id on the first line, then `index etag` lines
+    /// (a torn last line is ignored).
+    fn parse(text: &str) -> Option<Record> {
+        let mut lines = text.split_inclusive('\n').filter_map(|l| l.strip_suffix('\n'));
+        let id = lines.next().filter(|id| !id.is_empty())?.to_string();
+        let parts = lines.filter_map(|l| l.split_once(' ')).filter_map(|(i, etag)| Some((i.parse().ok()?, etag.to_string()))).collect();
+        Some(Record { id, parts })
+    }
+}
+
+impl Inner {
+    /// Where the record of the upload of key `k` is kept.
+    fn record_path(&self, k: &str) -> PathBuf {
+        let h = u128::from_be_bytes(dmover_proto::digest::block_sum(k.as_bytes()));
+        self.uploads.join(format!("{h:032x}"))
+    }
+
+    fn record(&self, k: &str) -> Option<Record> {
+        Record::parse(&std::fs::read_to_string(self.record_path(k)).ok()?)
+    }
+
+    /// Aborts the upload of `k` that the record names, if any, and drops the record.
+    fn abandon(&self, k: &str) -> io::Result<()> {
+        let Some(r) = self.record(k) else { return Ok(()) };
+        let abort = self.client.abort_multipart_upload().bucket(&self.bucket).key(k).upload_id(&r.id);
+        match self.rt.block_on(abort.send()) {
+            Ok(_) => {}
+            Err(e) if status(&e) == Some(404) => {}
+            Err(e) => return Err(io_error(k, e)),
+        }
+        remove_record(&self.record_path(k))
+    }
+
+    /// Starts a multipart upload of `k`, aborting any other of that key
+    /// (one an interrupted run started but did not record), and records it.
+    /// Neither the clean-up (which needs leave to list uploads) nor the
+    /// record is needed for the upload itself: their failure is a warning.
+    fn begin(&self, k: &str) -> io::Result<String> {
+        let c = &self.client;
+        match self.rt.block_on(c.list_multipart_uploads().bucket(&self.bucket).prefix(k).send()) {
+            Ok(listed) => {
+                for u in listed.uploads().iter().filter(|u| u.key() == Some(k)) {
+                    let abort = c.abort_multipart_upload().bucket(&self.bucket).key(k).upload_id(u.upload_id().unwrap_or_default());
+                    let _ = self.rt.block_on(abort.send());
+                }
+            }
+            Err(e) => log::warn!("{}", io_error(&format!("{k}: listing earlier uploads to abort them"), e)),
+        }
+        let r = self.rt.block_on(c.create_multipart_upload().bucket(&self.bucket).key(k).send()).map_err(|e| io_error(k, e))?;
+        let id = r.upload_id().unwrap_or_default().to_string();
+        let recorded = std::fs::create_dir_all(&self.uploads).and_then(|()| std::fs::write(self.record_path(k), format!("{id}\n")));
+        if let Err(e) = recorded {
+            log::warn!("{}: {e}; the upload of {k} cannot be resumed if cut short", self.uploads.display());
+        }
+        Ok(id)
+    }
+
+    /// Takes up the recorded upload of `k` again: the parts the server
+    /// holds whose size is a whole part and whose ETag is the one recorded
+    /// when they were sent. None if there is no record, or the server no
+    /// longer has the upload.
+    fn resume(&self, k: &str) -> io::Result<Option<Upload>> {
+        let Some(r) = self.record(k) else { return Ok(None) };
+        let mut up = Upload { id: Some(r.id.clone()), ..Upload::default() };
+        let mut marker = None;
+        loop {
+            let req = self.client.list_parts().bucket(&self.bucket).key(k).upload_id(&r.id).set_part_number_marker(marker);
+            let listed = match self.rt.block_on(req.send()) {
+                Ok(l) => l,
+                Err(e) if status(&e) == Some(404) => {
+                    remove_record(&self.record_path(k))?;
+                    return Ok(None);
+                }
+                Err(e) => return Err(io_error(k, e)),
+            };
+            for p in listed.parts() {
+                let (Some(n), Some(etag)) = (p.part_number(), p.e_tag()) else { continue };
+                let index = n as u64 - 1;
+                if p.size() == Some(PART as i64) && r.parts.get(&index).is_some_and(|e| e == etag) {
+                    up.sent.insert(index, Sent::Held(etag.to_string()));
+                    up.size = up.size.max((index + 1) * PART);
+                }
+            }
+            marker = listed.next_part_number_marker().map(str::to_string);
+            if !listed.is_truncated().unwrap_or(false) || marker.is_none() {
+                return Ok(Some(up));
+            }
+        }
+    }
+}
+
+fn remove_record(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
     }
 }
 
 impl S3Write {
-    /// Sends the part that starts at `up.base` (taking it out of the buffer).
-    fn send_part(&self, up: &mut Upload, len: u64) -> io::Result<()> {
+    /// Sends part `index` (whole, or the last one), recording its ETag once
+    /// the server has it.
+    fn send_part(&self, up: &mut Upload, index: u64, data: Vec<u8>) -> io::Result<()> {
         let i = &self.inner;
-        let number = up.base / PART + 1;
-        if number > MAX_PARTS {
+        if index >= MAX_PARTS {
             return Err(io::Error::new(
                 io::ErrorKind::FileTooLarge,
                 format!("objects larger than {} GiB are not supported", (MAX_PARTS * PART) >> 30),
             ));
         }
-        if up.id.is_none() {
-            let r =
-                i.rt.block_on(i.client.create_multipart_upload().bucket(&i.bucket).key(&self.key).send())
-                    .map_err(|e| io_error(&self.key, e))?;
-            up.id = Some(r.upload_id().unwrap_or_default().to_string());
-        }
-        let rest = up.buf.split_off(len as usize);
-        let data = std::mem::replace(&mut up.buf, rest);
-        up.base += len;
+        let id = match &up.id {
+            Some(id) => id.clone(),
+            None => up.id.insert(i.begin(&self.key)?).clone(),
+        };
         let permit = i.rt.block_on(i.parts.clone().acquire_owned()).map_err(|_| io::Error::other("the S3 client stopped"))?;
-        let req =
-            i.client.upload_part().bucket(&i.bucket).key(&self.key).upload_id(up.id.clone().unwrap_or_default()).part_number(number as i32);
-        let key = self.key.clone();
-        up.parts.push(i.rt.spawn(async move {
-            let r = req.body(ByteStream::from(data)).send().await.map_err(|e| io_error(&key, e));
-            drop(permit);
-            Ok(CompletedPart::builder().part_number(number as i32).e_tag(r?.e_tag().unwrap_or_default()).build())
-        }));
+        let req = i.client.upload_part().bucket(&i.bucket).key(&self.key).upload_id(id).part_number(index as i32 + 1);
+        let (key, record) = (self.key.clone(), i.record_path(&self.key));
+        up.sent.insert(
+            index,
+            Sent::Sending(i.rt.spawn(async move {
+                let r = req.body(ByteStream::from(data)).send().await.map_err(|e| io_error(&key, e));
+                drop(permit);
+                let etag = r?.e_tag().unwrap_or_default().to_string();
+                // Only while the record is there: one removed meanwhile
+                // (the upload given up) is not made again. Unrecorded, the
+                // part is only not kept by a later run.
+                let line = format!("{index} {etag}\n");
+                let _ = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(record)
+                    .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
+                Ok(etag)
+            })),
+        );
         Ok(())
-    }
-
-    fn abort(&self, up: &mut Upload) {
-        up.done = true;
-        if let Some(id) = up.id.take() {
-            let i = &self.inner;
-            for p in up.parts.drain(..) {
-                p.abort();
-            }
-            let _ = i.rt.block_on(i.client.abort_multipart_upload().bucket(&i.bucket).key(&self.key).upload_id(id).send());
-        }
     }
 
     /// Puts the file under `to` with `attrs`' metadata.
@@ -504,63 +671,71 @@ impl S3Write {
         if up.done {
             return Err(io::Error::other(format!("{}: already committed", self.key)));
         }
-        if !up.covered(up.base, up.size) {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{}: the file has parts never written", self.key)));
-        }
+        let never_written = || io::Error::new(io::ErrorKind::InvalidData, format!("{}: the file has parts never written", self.key));
         let attrs = attrs.or(up.attrs).unwrap_or(Attrs { mode: 0o600, mtime: None, digest: None });
         let meta = Inner::metadata(&attrs);
         let i = self.inner.clone();
-        let r = if up.id.is_none() {
-            let data = std::mem::take(&mut up.buf);
-            let put = i.client.put_object().bucket(&i.bucket).key(to).body(ByteStream::from(data)).set_metadata(Some(meta));
-            i.rt.block_on(put.send()).map(|_| ()).map_err(|e| io_error(to, e))
-        } else {
-            // The rest is the last part (none when the parts sent hold it all).
-            let len = up.buf.len() as u64;
-            let last = if len > 0 { self.send_part(&mut up, len) } else { Ok(()) };
-            last.and_then(|()| {
-                let id = up.id.clone().unwrap_or_default();
-                let parts = std::mem::take(&mut up.parts);
-                let size = up.size;
-                i.rt.block_on(async {
-                    let mut done = Vec::with_capacity(parts.len());
-                    for p in parts {
-                        done.push(p.await.map_err(|e| io::Error::other(format!("{}: sending a part failed: {e}", self.key)))??);
-                    }
-                    let all = CompletedMultipartUpload::builder().set_parts(Some(done)).build();
-                    let c = i.client.complete_multipart_upload().bucket(&i.bucket).key(&self.key).upload_id(id).multipart_upload(all);
-                    c.send().await.map_err(|e| io_error(&self.key, e))?;
-                    // Onto its own key, the copy only sets the metadata.
-                    let copied = i.copy(&self.key, to, size, meta).await;
-                    if to == self.key && copied.is_ok() {
-                        return Ok(());
-                    }
-                    // The object under its first key goes, and so does one
-                    // left without its metadata when the copy failed.
-                    let deleted = i.client.delete_object().bucket(&i.bucket).key(&self.key).send().await;
-                    copied.and(deleted.map(drop).map_err(|e| io_error(&self.key, e)))
-                })
-            })
-        };
-        match r {
-            Ok(()) => {
-                up.done = true;
-                up.id = None;
-                Ok(())
+        let size = up.size;
+        if up.id.is_none() {
+            let f = up.filling.remove(&0).unwrap_or_default();
+            if !f.written.covered(0, size) {
+                return Err(never_written());
             }
-            Err(e) => {
-                self.abort(&mut up);
-                Err(e)
+            let put = i.client.put_object().bucket(&i.bucket).key(to).body(ByteStream::from(f.data)).set_metadata(Some(meta));
+            i.rt.block_on(put.send()).map_err(|e| io_error(to, e))?;
+            up.done = true;
+            return Ok(());
+        }
+        // The last part (short, so not sent yet), and parts rewritten only
+        // in part (blocks that straddle a kept part: it holds those bytes).
+        let parts = size.div_ceil(PART);
+        for index in 0..parts {
+            let len = PART.min(size - index * PART);
+            match up.filling.remove(&index) {
+                Some(f) if f.written.covered(0, len) => self.send_part(&mut up, index, f.data)?,
+                _ if up.sent.contains_key(&index) => {}
+                _ => return Err(never_written()),
             }
         }
+        let id = up.id.clone().unwrap_or_default();
+        let sent = std::mem::take(&mut up.sent);
+        i.rt.block_on(async {
+            let mut done = Vec::with_capacity(sent.len());
+            for (index, part) in sent.into_iter().filter(|(index, _)| *index < parts) {
+                let etag = match part {
+                    Sent::Held(etag) => etag,
+                    Sent::Sending(t) => t.await.map_err(|e| io::Error::other(format!("{}: sending a part failed: {e}", self.key)))??,
+                };
+                done.push(CompletedPart::builder().part_number(index as i32 + 1).e_tag(etag).build());
+            }
+            let all = CompletedMultipartUpload::builder().set_parts(Some(done)).build();
+            let c = i.client.complete_multipart_upload().bucket(&i.bucket).key(&self.key).upload_id(id).multipart_upload(all);
+            c.send().await.map_err(|e| io_error(&self.key, e))?;
+            Ok::<_, io::Error>(())
+        })?;
+        up.done = true;
+        remove_record(&i.record_path(&self.key))?;
+        i.rt.block_on(async {
+            // Onto its own key, the copy only sets the metadata.
+            let copied = i.copy(&self.key, to, size, meta).await;
+            if to == self.key && copied.is_ok() {
+                return Ok(());
+            }
+            // The object under its first key goes, and so does one left
+            // without its metadata when the copy failed.
+            let deleted = i.client.delete_object().bucket(&i.bucket).key(&self.key).send().await;
+            copied.and(deleted.map(drop).map_err(|e| io_error(&self.key, e)))
+        })
     }
 }
 
 impl Drop for S3Write {
+    /// An upload with parts sent is kept for a later run to take up again
+    /// ([`Storage::remove`] aborts it); one with none is aborted.
     fn drop(&mut self) {
-        let mut up = self.up.lock().unwrap_or_else(|e| e.into_inner());
-        if !up.done {
-            self.abort(&mut up);
+        let up = self.up.lock().unwrap_or_else(|e| e.into_inner());
+        if !up.done && up.id.is_some() && up.sent.is_empty() {
+            let _ = self.inner.abandon(&self.key);
         }
     }
 }
@@ -571,14 +746,21 @@ impl ReadFile for S3Write {
         if off >= up.size || buf.is_empty() {
             return Ok(0);
         }
-        if off < up.base {
-            return Err(unsupported("read back the parts of an object it has sent before the object is complete"));
-        }
-        let start = (off - up.base) as usize;
         let n = buf.len().min((up.size - off) as usize);
-        let have = up.buf.len().saturating_sub(start).min(n);
-        buf[..have].copy_from_slice(&up.buf[start..start + have]);
-        buf[have..n].fill(0);
+        let mut at = 0;
+        while at < n {
+            let o = off + at as u64;
+            let (index, rel) = (o / PART, (o % PART) as usize);
+            let len = (n - at).min(PART as usize - rel);
+            if up.sent.contains_key(&index) {
+                return Err(unsupported("read back the parts of an object it has sent before the object is complete"));
+            }
+            let data = up.filling.get(&index).map_or(&[][..], |f| &f.data[..]);
+            let have = data.len().saturating_sub(rel).min(len);
+            buf[at..at + have].copy_from_slice(&data[rel..rel + have]);
+            buf[at + have..at + len].fill(0);
+            at += len;
+        }
         Ok(n)
     }
 
@@ -597,25 +779,32 @@ impl ReadFile for S3Write {
 }
 
 impl WriteFile for S3Write {
+    /// Writes into the parts being filled; a part wholly written is sent.
+    /// A part sent already is filled again, and sent again once whole.
     fn write_all_at(&self, data: &[u8], off: u64) -> io::Result<()> {
         let mut up = self.up.lock().expect("upload lock");
         if up.done {
             return Err(io::Error::other(format!("{}: already committed", self.key)));
         }
-        if off < up.base {
-            return Err(unsupported("rewrite a part it has sent"));
-        }
         let end = off + data.len() as u64;
-        let (start, stop) = ((off - up.base) as usize, (end - up.base) as usize);
-        if up.buf.len() < stop {
-            up.buf.resize(stop, 0);
+        let mut at = off;
+        while at < end {
+            let index = at / PART;
+            let stop = ((index + 1) * PART).min(end);
+            let (rel, len) = ((at - index * PART) as usize, (stop - at) as usize);
+            let f = up.filling.entry(index).or_default();
+            if f.data.len() < rel + len {
+                f.data.resize(rel + len, 0);
+            }
+            f.data[rel..rel + len].copy_from_slice(&data[(at - off) as usize..][..len]);
+            f.written.mark(rel as u64, (rel + len) as u64);
+            if f.written.covered(0, PART) {
+                let f = up.filling.remove(&index).expect("filled above");
+                self.send_part(&mut up, index, f.data)?;
+            }
+            at = stop;
         }
-        up.buf[start..stop].copy_from_slice(data);
-        up.mark(off, end);
         up.size = up.size.max(end);
-        while up.buf.len() as u64 >= PART && up.covered(up.base, up.base + PART) {
-            self.send_part(&mut up, PART)?;
-        }
         Ok(())
     }
 
@@ -626,6 +815,11 @@ impl WriteFile for S3Write {
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()> {
         self.up.lock().expect("upload lock").attrs = Some(*attrs);
         Ok(())
+    }
+
+    fn holds(&self, off: u64, len: u64) -> bool {
+        let up = self.up.lock().expect("upload lock");
+        len == 0 || (off / PART..=(off + len - 1) / PART).all(|index| matches!(up.sent.get(&index), Some(Sent::Held(_))))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -729,11 +923,17 @@ impl Storage for S3 {
         if k.is_empty() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file"));
         }
+        // A file made afresh replaces the upload an earlier run left.
+        if let Err(e) = self.inner.abandon(&k) {
+            log::warn!("{}: cannot abort the upload an earlier run left: {e}", self.display(path));
+        }
         Ok(Box::new(S3Write { inner: self.inner.clone(), key: k, up: Mutex::new(Upload::default()) }))
     }
 
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>> {
-        key(path).map(|_| None)
+        let k = key(path)?;
+        let up = self.inner.resume(&k)?;
+        Ok(up.map(|up| Box::new(S3Write { inner: self.inner.clone(), key: k, up: Mutex::new(up) }) as Box<dyn WriteFile>))
     }
 
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
@@ -744,13 +944,20 @@ impl Storage for S3 {
         f.commit(&key(to)?, attrs.copied())
     }
 
-    fn sync(&self, _dir: &Path) -> io::Result<()> {
-        // An object is durable once the server has taken it.
-        Ok(())
+    fn state_store(&self) -> Option<Store> {
+        self.state.clone()
     }
 
+    fn commits_at_once(&self) -> usize {
+        COMMITS_IN_FLIGHT
+    }
+
+    /// Removes the object, and aborts the upload of a file being written
+    /// under that name.
     fn remove(&self, path: &Path) -> io::Result<()> {
-        self.inner.delete(&key(path)?)
+        let k = key(path)?;
+        self.inner.abandon(&k)?;
+        self.inner.delete(&k)
     }
 
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
@@ -768,18 +975,25 @@ mod tests {
 
     #[test]
     fn written_ranges_merge_and_cover() {
-        let mut up = Upload::default();
+        let mut up = Ranges::default();
         up.mark(10, 20);
         up.mark(30, 40);
         assert!(up.covered(10, 20) && !up.covered(10, 21) && !up.covered(0, 5));
         up.mark(20, 30); // adjacent on both sides: one range
-        assert_eq!(up.written.iter().collect::<Vec<_>>(), [(&10, &40)]);
+        assert_eq!(up.0.iter().collect::<Vec<_>>(), [(&10, &40)]);
         up.mark(5, 12); // overlapping the start
         up.mark(35, 50); // overlapping the end
-        assert_eq!(up.written.iter().collect::<Vec<_>>(), [(&5, &50)]);
+        assert_eq!(up.0.iter().collect::<Vec<_>>(), [(&5, &50)]);
         assert!(up.covered(5, 50) && up.covered(7, 7));
         up.mark(60, 70);
         assert!(!up.covered(40, 65), "a hole between ranges");
+    }
+
+    #[test]
+    fn a_record_survives_a_torn_last_line() {
+        let r = Record::parse("upid\n0 \"e0\"\n3 \"e3\"\n4 \"e").unwrap();
+        assert_eq!(r, Record { id: "upid".into(), parts: HashMap::from([(0, "\"e0\"".into()), (3, "\"e3\"".into())]) });
+        assert!(Record::parse("").is_none() && Record::parse("torn").is_none());
     }
 
     #[test]

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dmover_proto::frame::TransferOptions;
+use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::record::Protection;
 use rustix::net::sockopt;
 
@@ -87,7 +87,7 @@ impl SocketOptions {
     /// The options of the data connections a server opens for a
     /// third-party copy, as its client gave them.
     pub fn of(o: &TransferOptions) -> SocketOptions {
-        let protection = if o.has(TransferOptions::NO_ENCRYPT) { Protection::Authenticated } else { Protection::Encrypted };
+        let protection = if o.flags.contains(TransferFlags::NO_ENCRYPT) { Protection::Authenticated } else { Protection::Encrypted };
         SocketOptions { protection, buffer: o.tcp_buffer, ..SocketOptions::default() }
     }
 }

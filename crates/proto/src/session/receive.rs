@@ -163,6 +163,9 @@ pub enum Action {
     Refuse { id: u64, kind: ErrorKind, subject: Subject, message: String },
     /// Answer the sender's echo with this end's counters.
     Echo { stamp: u64 },
+    /// The sender asks for one more data connection: dial it, if this end
+    /// dials them and holds fewer than it allows.
+    Dial,
     /// The sender is finished: confirm with these totals. The session is over.
     Finish(Totals),
     /// The sender broke a rule of the protocol. The session is over.
@@ -300,6 +303,7 @@ impl Receive {
             // has finished; its files in flight stay unconfirmed.
             ToReceiver::Finish { .. } => self.end(Action::Finish(self.totals)),
             ToReceiver::Echo { stamp, .. } => self.out.push_back(Action::Echo { stamp }),
+            ToReceiver::Dial {} => self.out.push_back(Action::Dial),
             ToReceiver::Ping {} => {}
             ToReceiver::Error { kind, message } => self.end(Action::PeerFailed { kind, message }),
         }

@@ -77,6 +77,8 @@ pub enum Event {
     Control { host: usize, msg: ToSender },
     /// Time to measure `host`'s control connection with an echo stamped `stamp`.
     Probe { host: usize, stamp: u64 },
+    /// The tuner wants one more data connection to `host`, which `host` dials.
+    Dial { host: usize },
 }
 
 /// A chunk of a file to read.
@@ -282,6 +284,11 @@ impl Send {
                 if !self.finishing && host < self.cfg.hosts {
                     let msg = ToReceiver::Echo { stamp, received: 0, staged: 0, server_received: 0, transfers: 0 };
                     self.out.push_back(Action::Send { host, msg });
+                }
+            }
+            Event::Dial { host } => {
+                if !self.finishing && host < self.cfg.hosts {
+                    self.out.push_back(Action::Send { host, msg: ToReceiver::Dial {} });
                 }
             }
         }

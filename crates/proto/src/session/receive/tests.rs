@@ -285,6 +285,8 @@ impl Driver {
                 let out =
                     self.feed(Event::Control(ToReceiver::Echo { stamp: 5, received: 0, staged: 0, server_received: 0, transfers: 0 }));
                 assert!(out == vec![Action::Echo { stamp: 5 }] || self.rx.is_over());
+                let out = self.feed(Event::Control(ToReceiver::Dial {}));
+                assert!(out == vec![Action::Dial] || self.rx.is_over());
             }
             Step::Finish => {
                 self.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));

@@ -86,7 +86,7 @@ impl Host {
                 receive::Action::Finish(t) => {
                     self.to_tx.push_back(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })
                 }
-                receive::Action::Rejournal { .. } => {}
+                receive::Action::Rejournal { .. } | receive::Action::Dial => {}
                 a => panic!("the receiver ended: {a:?}"),
             }
         }
@@ -307,6 +307,7 @@ impl Sim {
             Step::Probe { h } => {
                 let host = h as usize % n;
                 self.feed(Event::Probe { host, stamp: 1 });
+                self.feed(Event::Dial { host });
             }
             Step::Duplicate { h } => {
                 let host = &mut self.hosts[h as usize % n];
