@@ -16,7 +16,9 @@
 //!
 //! One thread per pipe reads it and hands each frame's bytes to its
 //! channel; writers take the pipe's lock for one frame at a time. When the
-//! pipe ends, every channel reads its end.
+//! pipe ends, every channel reads its end. The opener sends an empty frame
+//! of channel 0 every [`KEEPALIVE`]; the acceptor takes a pipe silent for
+//! [`SILENCE`] for ended.
 
 use super::Transport;
 use std::collections::{HashMap, VecDeque};
@@ -32,6 +34,13 @@ pub const MAX_CHANNELS: usize = 64;
 pub const CHANNEL_BUFFER: usize = 4 << 20;
 /// A frame's header: channel number, payload length.
 const HEADER: usize = 8;
+/// How often the opener says it is there (channel 0, length 0) on a pipe
+/// with nothing else to carry.
+pub const KEEPALIVE: Duration = Duration::from_secs(1);
+/// How long the acceptor waits without a frame before it takes the pipe
+/// for dead (the link died, and ssh may not notice while data it holds
+/// for the client cannot go out).
+pub const SILENCE: Duration = Duration::from_secs(15);
 
 /// One end of a pipe that carries channels (its clones are the same end).
 #[derive(Clone)]
@@ -48,6 +57,13 @@ struct Shared {
     table: Mutex<Table>,
     /// The far end, for messages.
     peer: String,
+    /// This end accepts channels (else it opens them).
+    acceptor: bool,
+    /// The acceptor's way of handing out channels; dropped when the pipe
+    /// ends or falls silent, which ends the receiver.
+    accept: Mutex<Option<crossbeam_channel::Sender<Box<dyn Transport>>>>,
+    /// When the last frame arrived.
+    heard: Mutex<Instant>,
 }
 
 #[derive(Default)]
@@ -109,9 +125,27 @@ impl Mux {
         peer: String,
         accept: Option<crossbeam_channel::Sender<Box<dyn Transport>>>,
     ) -> Mux {
-        let shared = Arc::new(Shared { out: Mutex::new(Some(Box::new(writer))), table: Mutex::default(), peer });
+        let acceptor = accept.is_some();
+        let shared = Arc::new(Shared {
+            out: Mutex::new(Some(Box::new(writer))),
+            table: Mutex::default(),
+            peer,
+            acceptor,
+            accept: Mutex::new(accept),
+            heard: Mutex::new(Instant::now()),
+        });
         let sh = shared.clone();
-        std::thread::spawn(move || sh.read_pipe(reader, accept));
+        std::thread::spawn(move || sh.read_pipe(reader));
+        let sh = shared.clone();
+        if acceptor {
+            std::thread::spawn(move || sh.watch_silence());
+        } else {
+            std::thread::spawn(move || {
+                while sh.frame(0, &[]).is_ok() {
+                    std::thread::sleep(KEEPALIVE);
+                }
+            });
+        }
         Mux { shared }
     }
 
@@ -184,10 +218,16 @@ impl Shared {
     }
 
     /// Reads frames until the pipe ends, handing each to its channel.
-    fn read_pipe(self: &Arc<Self>, mut r: impl Read, accept: Option<crossbeam_channel::Sender<Box<dyn Transport>>>) {
-        if let Err(e) = self.demux(&mut r, accept.as_ref()) {
+    fn read_pipe(self: &Arc<Self>, mut r: impl Read) {
+        if let Err(e) = self.demux(&mut r) {
             log::warn!("the pipe to {}: {e}", self.peer);
         }
+        self.end_all();
+    }
+
+    /// Ends every channel and the acceptor's receiver: the pipe is gone.
+    fn end_all(&self) {
+        self.accept.lock().expect("accept lock").take();
         let mut t = self.table.lock().expect("channel table lock");
         t.ended = true;
         for chan in std::mem::take(&mut t.open).into_values() {
@@ -195,13 +235,29 @@ impl Shared {
         }
     }
 
-    fn demux(self: &Arc<Self>, r: &mut impl Read, accept: Option<&crossbeam_channel::Sender<Box<dyn Transport>>>) -> io::Result<()> {
+    /// Ends everything once no frame has come for [`SILENCE`].
+    fn watch_silence(&self) {
+        loop {
+            let quiet = self.heard.lock().expect("heard lock").elapsed();
+            if self.table.lock().expect("channel table lock").ended {
+                return;
+            }
+            if quiet >= SILENCE {
+                log::warn!("nothing from {} for {} s: the pipe is taken for dead", self.peer, quiet.as_secs());
+                return self.end_all();
+            }
+            std::thread::sleep(KEEPALIVE);
+        }
+    }
+
+    fn demux(self: &Arc<Self>, r: &mut impl Read) -> io::Result<()> {
         let mut header = [0u8; HEADER];
         loop {
             match r.read_exact(&mut header) {
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
                 r => r?,
             }
+            *self.heard.lock().expect("heard lock") = Instant::now();
             let id = u32::from_be_bytes(header[..4].try_into().expect("4 bytes"));
             let len = u32::from_be_bytes(header[4..].try_into().expect("4 bytes")) as usize;
             if len > MAX_FRAME {
@@ -211,9 +267,9 @@ impl Shared {
             r.read_exact(&mut payload)?;
             let chan = {
                 let mut t = self.table.lock().expect("channel table lock");
-                match (t.open.get(&id), accept) {
-                    (Some(c), _) => Some(c.clone()),
-                    (None, Some(accept)) if id > t.last => {
+                match t.open.get(&id) {
+                    Some(c) => Some(c.clone()),
+                    None if self.acceptor && id > t.last => {
                         t.last = id;
                         let chan = Arc::new(Chan::new(id));
                         if t.open.len() >= MAX_CHANNELS {
@@ -224,11 +280,13 @@ impl Shared {
                             continue;
                         }
                         t.open.insert(id, chan.clone());
-                        let _ = accept.send(Box::new(Channel::new(self, chan.clone())));
+                        if let Some(accept) = self.accept.lock().expect("accept lock").as_ref() {
+                            let _ = accept.send(Box::new(Channel::new(self, chan.clone())));
+                        }
                         Some(chan)
                     }
-                    // A channel that has ended on this side.
-                    (None, _) => None,
+                    // A keepalive, or a channel that has ended on this side.
+                    None => None,
                 }
             };
             let Some(chan) = chan else { continue };
