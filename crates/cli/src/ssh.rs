@@ -329,8 +329,12 @@ impl Drop for Endpoint {
     /// end for a moment), and ssh with it. A command that ends now does not
     /// wait for that; one that goes on reaps ssh, killing it if it lingers.
     fn drop(&mut self) {
-        self.pipe.close();
+        let closed = self.pipe.close();
         if let Some(mut child) = self.child.take() {
+            if !closed {
+                // A write stuck on the pipe (the link died): ssh must go.
+                let _ = child.kill();
+            }
             std::thread::spawn(move || {
                 if wait_for(&mut child, Duration::from_secs(5)).is_none() {
                     let _ = child.kill();

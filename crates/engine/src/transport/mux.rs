@@ -163,8 +163,16 @@ impl Mux {
     }
 
     /// Closes the pipe's writing end: the peer reads the end of the pipe.
-    pub fn close(&self) {
-        self.shared.out.lock().expect("pipe lock").take();
+    /// False if a write stuck on the pipe holds it: then only ending the
+    /// program at the other end of the pipe ends it.
+    pub fn close(&self) -> bool {
+        match self.shared.out.try_lock() {
+            Ok(mut out) => {
+                out.take();
+                true
+            }
+            Err(_) => false,
+        }
     }
 }
 
