@@ -338,7 +338,7 @@ fn third_party(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> 
     let (dest_hosts, _) = remote_parts(&p.dest);
     let src = (src_hosts[0].clone(), p.hosts.cred(&src_hosts[0])?);
     let dests = p.hosts.creds(dest_hosts)?;
-    if let Some((host, _)) = dests.iter().find(|(_, c)| c.via.is_some()) {
+    if let Some((host, _)) = dests.iter().find(|(_, c)| !c.direct()) {
         let msg = format!("{host} can be reached only through ssh, so the source host cannot deliver to it directly");
         return Err(Error::new(ErrorKind::Usage, p.dest.path(), msg)
             .advised("copy through a local directory: first from the source, then to the destination"));

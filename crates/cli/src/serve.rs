@@ -111,7 +111,7 @@ pub fn run_server(listener: std::net::TcpListener, cfg: dmover_server::Config) -
         }
     });
     outln!("dmover: listening on {addr}");
-    dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
+    dmover_server::run(listener, cfg, signal, None).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");
     Ok(0)
 }

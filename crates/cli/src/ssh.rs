@@ -7,22 +7,23 @@
 //! on a fresh port of the address the ssh connection reached, says which on
 //! its standard output, and serves the user's own files, with the user's
 //! own permissions: `home` is the home directory, `root` is `/`. From then
-//! on the client talks to it as to any `dmover serve` (every connection
-//! authenticated with the one-time token and encrypted). When that port
-//! cannot be reached (a firewall lets only ssh through), or with
-//! `--via-ssh`, every connection is carried by an ssh of its own instead,
-//! running `dmover remote --relay` to join the remote end's port from the
-//! inside. When the client ends — or is killed, or the link dies — ssh
-//! closes the remote end's standard input and the remote end exits: no
-//! process and no port is left behind.
+//! on the ssh pipe carries the client's control connections (channels of a
+//! [`Mux`]) and data connections go straight to the port; each connection
+//! is authenticated with the one-time token and encrypted, as with any
+//! `dmover serve`. When the port cannot be reached (a firewall lets only
+//! ssh through), or with `--via-ssh`, every data connection is carried by
+//! an ssh of its own instead, running `dmover remote --relay` to join the
+//! remote end's port from the inside. When the client ends — or is killed,
+//! or the link dies — the pipe closes and the remote end exits: no process
+//! and no port is left behind.
 
 use clap::Args;
 use dmover_engine::session::{Credential, Dialer};
-use dmover_engine::transport::{Piped, Transport};
+use dmover_engine::transport::{Mux, Piped, Transport};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -134,9 +135,9 @@ pub struct SshOptions {
     /// The dmover to run on a host reached over ssh.
     #[arg(long, value_name = "PATH", default_value = "dmover")]
     pub remote_dmover: String,
-    /// Carry every connection to a host reached over ssh inside ssh, not
-    /// straight to its port (dmover does so by itself when the port cannot
-    /// be reached).
+    /// Carry every data connection to a host reached over ssh inside an
+    /// ssh of its own, not straight to its port (dmover does so by itself
+    /// when the port cannot be reached).
     #[arg(long)]
     pub via_ssh: bool,
 }
@@ -176,14 +177,71 @@ impl Dialer for OverSsh {
     }
 }
 
-/// How long a direct connection to the remote end may take before dmover
-/// carries the connections over ssh instead.
+/// How long a first data connection may take to reach the remote end's
+/// port before dmover carries data connections over ssh instead.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The data connections to a remote end: straight to its port, unless the
+/// first of them cannot reach it (a firewall lets only ssh through); from
+/// then on, each inside an ssh of its own.
+struct DataRoute {
+    /// `user@host`, for the message that says so.
+    host: String,
+    addr: std::net::SocketAddr,
+    over_ssh: OverSsh,
+    /// Whether the port answers: None until a connection has tried.
+    reachable: Mutex<Option<bool>>,
+}
+
+impl DataRoute {
+    /// Tries the port directly (within [`PROBE_TIMEOUT`] while it is not
+    /// known to answer); remembers a failure and says so, once.
+    fn connect(&self) -> std::io::Result<std::net::TcpStream> {
+        let known = *self.reachable.lock().expect("route lock");
+        let limit = if known == Some(true) { dmover_engine::transport::CONNECT_TIMEOUT } else { PROBE_TIMEOUT };
+        let tried = std::net::TcpStream::connect_timeout(&self.addr, limit);
+        let mut reachable = self.reachable.lock().expect("route lock");
+        match &tried {
+            Ok(_) => *reachable = Some(true),
+            Err(e) if known.is_none() && reachable.is_none() => {
+                *reachable = Some(false);
+                errln!("dmover: {}: port {} cannot be reached directly ({e}); data connections go over ssh", self.host, self.addr.port());
+            }
+            Err(_) => {}
+        }
+        tried
+    }
+}
+
+impl Dialer for DataRoute {
+    fn dial(&self, host: &str) -> std::io::Result<Box<dyn Transport>> {
+        let known = *self.reachable.lock().expect("route lock");
+        if known != Some(false) {
+            match self.connect() {
+                Ok(s) => {
+                    s.set_nodelay(true)?;
+                    return Ok(Box::new(s));
+                }
+                Err(e) if known == Some(true) => return Err(e),
+                Err(_) => {}
+            }
+        }
+        self.over_ssh.dial(host)
+    }
+
+    fn direct(&self) -> bool {
+        let known = *self.reachable.lock().expect("route lock");
+        known.unwrap_or_else(|| self.connect().is_ok())
+    }
+}
 
 /// A remote end started over ssh; it exits when this is dropped.
 pub struct Endpoint {
-    child: Child,
-    stdin: Option<ChildStdin>,
+    /// ssh (None once handed to the thread that reaps it).
+    child: Option<Child>,
+    /// The ssh pipe: it carries the control connections, and closing it
+    /// ends the remote end.
+    pipe: Mux,
     /// `ip:port` the remote end listens on.
     pub addr: String,
     pub cred: Credential,
@@ -211,63 +269,78 @@ impl Endpoint {
         let (tx, rx) = std::sync::mpsc::channel();
         let stdout = child.stdout.take().expect("piped stdout");
         std::thread::spawn(move || {
+            let mut r = BufReader::new(stdout);
             let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
+            let _ = r.read_line(&mut line);
+            let _ = tx.send((line, r));
         });
-        let line = rx.recv_timeout(READY_TIMEOUT).unwrap_or_default();
-        let mut endpoint = Endpoint { child, stdin: Some(stdin), addr: String::new(), cred: Credential::token(&token) };
-        endpoint.addr = match ready_addr(&line) {
+        let (line, stdout) = match rx.recv_timeout(READY_TIMEOUT) {
+            Ok((line, r)) => (line, Some(r)),
+            Err(_) => (String::new(), None),
+        };
+        let addr = match ready_addr(&line) {
             Ok(addr) => addr,
-            Err(why) => return Err(endpoint.failed(&host, o, &said, why)),
+            Err(why) => {
+                drop(stdin);
+                return Err(failed(child, &host, o, &said, why));
+            }
         };
+        let stdout = stdout.expect("a ready line was read");
         said.lock().expect("stderr lock").forward = true;
-        let direct = match o.via_ssh {
-            true => Err("--via-ssh".to_string()),
-            false => endpoint.addr.parse().map_err(|e| format!("{e}")).and_then(|a| {
-                std::net::TcpStream::connect_timeout(&a, PROBE_TIMEOUT)
-                    .map(drop)
-                    .map_err(|e| format!("port {} cannot be reached directly: {e}", a.port()))
-            }),
+        let pipe = Mux::opener(stdout, stdin, host.clone());
+        let over_ssh = OverSsh { target: t.clone(), options: o.clone(), addr: addr.to_string() };
+        let via: Arc<dyn Dialer> = if o.via_ssh {
+            errln!("dmover: {host}: --via-ssh: data connections go over ssh");
+            Arc::new(over_ssh)
+        } else {
+            Arc::new(DataRoute { host: host.clone(), addr, over_ssh, reachable: Mutex::new(None) })
         };
-        if let Err(why) = direct {
-            errln!("dmover: {host}: {why}; every connection goes over ssh");
-            let addr = endpoint.addr.clone();
-            endpoint.cred.via = Some(Arc::new(OverSsh { target: t.clone(), options: o.clone(), addr }));
-        }
-        Ok(endpoint)
-    }
-
-    /// Why the remote end did not start: ssh's own message, or what to do
-    /// about a dmover that is missing or of another version.
-    fn failed(&mut self, host: &str, o: &SshOptions, said: &Mutex<Said>, why: String) -> Error {
-        drop(self.stdin.take());
-        let status = wait_for(&mut self.child, Duration::from_secs(5));
-        // Give the stderr reader a moment to take the last words.
-        std::thread::sleep(Duration::from_millis(100));
-        let text = said.lock().expect("stderr lock").text.trim().to_string();
-        let missing = status == Some(127) || text.contains("command not found") || text.contains("No such file");
-        if missing {
-            let msg = format!("dmover is not on {host} (tried '{}'){}", o.remote_dmover, quoted(&text));
-            return Error::new(ErrorKind::Usage, host, msg).advised("install dmover there, or give its path with --remote-dmover PATH");
-        }
-        if status == Some(255) || (status.is_some() && why.is_empty()) {
-            let msg = format!("ssh failed (exit {}){}", status.unwrap_or(-1), quoted(&text));
-            return Error::new(ErrorKind::Unreachable, host, msg)
-                .advised("check that `ssh HOST` works from this shell, or give the command with --ssh");
-        }
-        Error::new(ErrorKind::Unreachable, host, format!("the remote dmover did not start: {why}{}", quoted(&text)))
+        let cred = Credential { via: Some(via), control: Some(Arc::new(pipe.clone())), ..Credential::token(&token) };
+        Ok(Endpoint { child: Some(child), pipe, addr: addr.to_string(), cred })
     }
 }
 
+/// Why the remote end did not start (its input is closed): ssh's own
+/// message, or what to do about a dmover that is missing or of another version.
+fn failed(mut child: Child, host: &str, o: &SshOptions, said: &Mutex<Said>, why: String) -> Error {
+    let status = wait_for(&mut child, Duration::from_secs(5));
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    // Give the stderr reader a moment to take the last words.
+    std::thread::sleep(Duration::from_millis(100));
+    let text = said.lock().expect("stderr lock").text.trim().to_string();
+    let missing = status == Some(127) || text.contains("command not found") || text.contains("No such file");
+    if missing {
+        let msg = format!("dmover is not on {host} (tried '{}'){}", o.remote_dmover, quoted(&text));
+        return Error::new(ErrorKind::Usage, host, msg).advised("install dmover there, or give its path with --remote-dmover PATH");
+    }
+    if status == Some(255) || (status.is_some() && why.is_empty()) {
+        let msg = format!("ssh failed (exit {}){}", status.unwrap_or(-1), quoted(&text));
+        return Error::new(ErrorKind::Unreachable, host, msg)
+            .advised("check that `ssh HOST` works from this shell, or give the command with --ssh");
+    }
+    Error::new(ErrorKind::Unreachable, host, format!("the remote dmover did not start: {why}{}", quoted(&text)))
+}
+
 impl Drop for Endpoint {
-    /// Closes the remote end's input (it exits, letting running transfers
-    /// end for a moment), then makes sure ssh is gone.
+    /// Closes the ssh pipe: the remote end exits (letting running transfers
+    /// end for a moment), and ssh with it. A command that ends now does not
+    /// wait for that; one that goes on reaps ssh, killing it if it lingers.
     fn drop(&mut self) {
-        drop(self.stdin.take());
-        if wait_for(&mut self.child, Duration::from_secs(5)).is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        let closed = self.pipe.close();
+        if let Some(mut child) = self.child.take() {
+            if !closed {
+                // A write stuck on the pipe (the link died): ssh must go.
+                let _ = child.kill();
+            }
+            std::thread::spawn(move || {
+                if wait_for(&mut child, Duration::from_secs(5)).is_none() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            });
         }
     }
 }
@@ -281,7 +354,7 @@ fn quoted(text: &str) -> String {
 }
 
 /// The address in the remote end's ready line, or why there is none.
-fn ready_addr(line: &str) -> std::result::Result<String, String> {
+fn ready_addr(line: &str) -> std::result::Result<std::net::SocketAddr, String> {
     let words: Vec<&str> = line.split_whitespace().collect();
     match words.as_slice() {
         [READY, version, ip, port] => {
@@ -293,7 +366,7 @@ fn ready_addr(line: &str) -> std::result::Result<String, String> {
             }
             let ip: std::net::IpAddr = ip.parse().map_err(|_| format!("bad address '{ip}' in its answer"))?;
             let port: u16 = port.parse().map_err(|_| format!("bad port '{port}' in its answer"))?;
-            Ok(std::net::SocketAddr::new(ip, port).to_string())
+            Ok(std::net::SocketAddr::new(ip, port))
         }
         [] => Err(String::new()),
         _ => Err(format!("unexpected answer '{}'", line.trim())),
@@ -379,13 +452,25 @@ pub fn remote(a: RemoteArgs) -> Result<i32> {
     };
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     outln!("{READY} {} {ip} {port}", dmover_proto::frame::MAGIC[7]);
-    // The client's end of ssh going away closes our input: time to go.
+    // From here on the pipe carries the client's control connections.
+    let (_, output) = unbuffered_stdio()?;
+    let carried = Mux::acceptor(std::io::stdin(), output, "the client (ssh pipe)".into());
+    let (tx, rx) = crossbeam_channel::unbounded();
     std::thread::spawn(move || {
-        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        carried.iter().for_each(|c| drop(tx.send(c)));
+        // The client's end of ssh went away and closed the pipe: time to go.
         shutdown.trigger();
     });
-    dmover_server::run(listener, cfg, signal).map_err(|e| Error::io("server", &e))?;
+    dmover_server::run(listener, cfg, signal, Some(rx)).map_err(|e| Error::io("server", &e))?;
     Ok(0)
+}
+
+/// Standard input and output as plain files: Rust's stdout holds bytes
+/// back until a newline, which a byte stream may never send.
+fn unbuffered_stdio() -> Result<(std::fs::File, std::fs::File)> {
+    use std::os::fd::AsFd;
+    let unbuffered = |fd: std::os::fd::BorrowedFd| fd.try_clone_to_owned().map(std::fs::File::from).map_err(|e| Error::io("stdio", &e));
+    Ok((unbuffered(std::io::stdin().as_fd())?, unbuffered(std::io::stdout().as_fd())?))
 }
 
 /// The remote end's options.
@@ -403,11 +488,7 @@ fn relay(addr: &str) -> Result<i32> {
     let s = std::net::TcpStream::connect(addr).map_err(|e| Error::network(addr, &e))?;
     let _ = s.set_nodelay(true);
     let mut to = s.try_clone().map_err(|e| Error::network(addr, &e))?;
-    // The standard streams as plain files: Rust's stdout holds bytes back
-    // until a newline, which a byte stream may never send.
-    use std::os::fd::AsFd;
-    let unbuffered = |fd: std::os::fd::BorrowedFd| fd.try_clone_to_owned().map(std::fs::File::from).map_err(|e| Error::io("stdio", &e));
-    let (mut input, mut output) = (unbuffered(std::io::stdin().as_fd())?, unbuffered(std::io::stdout().as_fd())?);
+    let (mut input, mut output) = unbuffered_stdio()?;
     std::thread::spawn(move || {
         pump(&mut input, &mut to);
         let _ = to.shutdown(std::net::Shutdown::Write);
@@ -471,8 +552,8 @@ mod tests {
     #[test]
     fn the_ready_line_names_an_address_of_this_protocol_version() {
         let v = dmover_proto::frame::MAGIC[7];
-        assert_eq!(ready_addr(&format!("dmover-remote {v} 10.0.0.5 4711\n")).unwrap(), "10.0.0.5:4711");
-        assert_eq!(ready_addr(&format!("dmover-remote {v} ::1 4711")).unwrap(), "[::1]:4711");
+        assert_eq!(ready_addr(&format!("dmover-remote {v} 10.0.0.5 4711\n")).unwrap().to_string(), "10.0.0.5:4711");
+        assert_eq!(ready_addr(&format!("dmover-remote {v} ::1 4711")).unwrap().to_string(), "[::1]:4711");
         assert!(ready_addr("dmover-remote 1 10.0.0.5 4711").unwrap_err().contains("protocol version 1"));
         assert!(ready_addr("Welcome to host!").unwrap_err().contains("unexpected answer"));
     }

@@ -178,7 +178,7 @@ fn via_ssh_every_connection_goes_inside_ssh_and_the_copy_arrives() {
     let far = r.env.mkdir("far");
     let up = r.cp([src.display().to_string(), format!("{}/", r.at(&far)), "--via-ssh".into(), "-p".into(), "3".into()]).run();
     up.assert_ok();
-    assert!(up.stderr.contains("every connection goes over ssh"), "{}", up.stderr);
+    assert!(up.stderr.contains("data connections go over ssh"), "{}", up.stderr);
     assert_same_tree(&src, &far.join("src"));
     let back = r.env.mkdir("back");
     r.cp([r.at(&far.join("src")), back.display().to_string(), "--via-ssh".into()]).run().assert_ok();
@@ -187,10 +187,12 @@ fn via_ssh_every_connection_goes_inside_ssh_and_the_copy_arrives() {
 }
 
 /// A host behind an emulated WAN link whose firewall lets only ssh in (an
-/// nftables rule in its namespace drops every other TCP port): the remote
-/// end's port cannot be reached, so dmover says so and carries every
-/// connection inside ssh by itself; the copy arrives, and afterwards no
-/// dmover process and no listening socket of dmover remain on the host.
+/// nftables rule in its namespace drops every other TCP port): a listing
+/// needs no more than the control connection, which the ssh pipe carries,
+/// so it works without a word of falling back; a copy finds the remote
+/// end's port unreachable, says so and carries its data connections inside
+/// ssh by itself; the copy arrives, and afterwards no dmover process and
+/// no listening socket of dmover remain on the host.
 #[test]
 fn behind_a_firewall_that_lets_only_ssh_through_dmover_falls_back_to_ssh() {
     if !dmover_testkit::wan_link_possible() {
@@ -209,8 +211,16 @@ fn behind_a_firewall_that_lets_only_ssh_through_dmover_falls_back_to_ssh() {
     c.arg(src.display().to_string()).arg(format!("{}:{}/", link.ip_b(), far.display()));
     let r = c.run();
     r.assert_ok();
-    assert!(r.stderr.contains("cannot be reached directly") && r.stderr.contains("every connection goes over ssh"), "{}", r.stderr);
+    assert!(r.stderr.contains("cannot be reached directly") && r.stderr.contains("data connections go over ssh"), "{}", r.stderr);
     assert_same_tree(&src, &far.join("src"));
+
+    let mut ls = dmover(["ls", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
+    ls.prefix(["ip", "netns", "exec", NS_A]);
+    ls.arg(format!("{}:{}/src", link.ip_b(), far.display()));
+    let l = ls.run();
+    assert_eq!(l.code, 0, "{}", l.stderr);
+    assert_eq!(l.stdout.lines().filter(|x| x.starts_with('-')).count(), list_files(&src).len(), "{}", l.stdout);
+    assert!(!l.stderr.contains("go over ssh"), "a listing, which needs only the control connection, fell back: {}", l.stderr);
     let left = || dmover_listening(NS_B);
     assert!(wait_until(Duration::from_secs(10), || left().is_empty()), "dmover still listens on the host: {:?}", left());
     drop(sshd);

@@ -9,7 +9,7 @@ use crate::handshake;
 use crate::progress::{Progress, Snapshot};
 use crate::recv::{self, RecvConfig};
 use crate::send::{Connector, HostLink, MoreStreams};
-use crate::transport::{connect_tcp, SocketOptions, Transport};
+use crate::transport::{connect_tcp, Mux, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
 use dmover_proto::frame::{EngineParams, FileMeta, HostShare, Stats, TicketedHost, TransferOptions, TunerMode};
@@ -21,11 +21,24 @@ use std::time::Duration;
 /// How long a server may take to answer during setup.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How a client reaches a server's port when it cannot connect to it
-/// directly (a host reached over ssh whose port a firewall hides).
+/// How a client reaches a server other than by a TCP connection to its
+/// address: a host reached over ssh carries control connections in its
+/// ssh pipe, and data connections inside ssh when a firewall hides its port.
 pub trait Dialer: Send + Sync {
     /// A new byte stream to the server at `host`.
     fn dial(&self, host: &str) -> std::io::Result<Box<dyn Transport>>;
+    /// Whether the connections reach the server's port over the network, so
+    /// that other hosts may too (third-party copies); may try it first.
+    fn direct(&self) -> bool {
+        false
+    }
+}
+
+/// A control connection to a host reached over ssh: a channel of its pipe.
+impl Dialer for Mux {
+    fn dial(&self, _host: &str) -> std::io::Result<Box<dyn Transport>> {
+        Ok(Box::new(self.open()?))
+    }
 }
 
 /// How to reach a server and prove who we are: the secret (the server's
@@ -34,13 +47,21 @@ pub trait Dialer: Send + Sync {
 pub struct Credential {
     pub key_id: KeyId,
     pub secret: Vec<u8>,
-    /// None: a TCP connection to the host's address.
+    /// How data connections go (None: a TCP connection to the host's address).
     pub via: Option<Arc<dyn Dialer>>,
+    /// How control connections go (None: as data connections do).
+    pub control: Option<Arc<dyn Dialer>>,
 }
 
 impl Credential {
     pub fn token(token: &[u8]) -> Credential {
-        Credential { key_id: TOKEN_KEY_ID, secret: token.to_vec(), via: None }
+        Credential { key_id: TOKEN_KEY_ID, secret: token.to_vec(), via: None, control: None }
+    }
+
+    /// Whether data connections reach the server over the network, so that
+    /// another host can send to it (see [`Dialer::direct`]).
+    pub fn direct(&self) -> bool {
+        self.via.as_ref().is_none_or(|d| d.direct())
     }
 }
 
@@ -94,7 +115,11 @@ impl Conn {
     }
 
     fn connect(host: &str, cred: &Credential, socket: &SocketOptions, setup: Duration) -> Result<Conn> {
-        let t: Box<dyn Transport> = match &cred.via {
+        Conn::connect_via(host, cred, cred.via.as_ref(), socket, setup)
+    }
+
+    fn connect_via(host: &str, cred: &Credential, via: Option<&Arc<dyn Dialer>>, socket: &SocketOptions, setup: Duration) -> Result<Conn> {
+        let t: Box<dyn Transport> = match via {
             Some(d) => d.dial(host).map_err(|e| Error::network(host, &e))?,
             None => Box::new(connect_tcp(host).map_err(|e| Error::network(host, &e))?),
         };
@@ -142,7 +167,8 @@ impl Conn {
 
     /// Opens a control connection.
     pub fn control(host: &str, cred: &Credential) -> Result<Conn> {
-        let mut c = Conn::open(host, cred)?;
+        let via = cred.control.as_ref().or(cred.via.as_ref());
+        let mut c = Conn::connect_via(host, cred, via, &SocketOptions::default(), SETUP_TIMEOUT)?;
         c.send(Open::OpenControl {})?;
         Ok(c)
     }
@@ -176,10 +202,20 @@ pub fn start_streams(host: &str, cred: &Credential, n: usize, socket: &SocketOpt
 /// Attaches started connections to `session`: all requests go out before
 /// any answer is awaited, so this costs one round trip.
 pub fn attach_streams(started: std::thread::JoinHandle<Result<Vec<Conn>>>, session: [u8; 16]) -> Result<Vec<Box<dyn Transport>>> {
+    confirm_streams(ask_to_attach(started, session)?)
+}
+
+/// Asks for started connections to be attached to `session`.
+fn ask_to_attach(started: std::thread::JoinHandle<Result<Vec<Conn>>>, session: [u8; 16]) -> Result<Vec<Conn>> {
     let mut conns = started.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))?;
     for (i, c) in conns.iter_mut().enumerate() {
         c.send(Open::OpenData { session, index: i as u32 })?;
     }
+    Ok(conns)
+}
+
+/// Reads the server's answer to each connection's request to attach.
+fn confirm_streams(conns: Vec<Conn>) -> Result<Vec<Box<dyn Transport>>> {
     conns
         .into_iter()
         .map(|mut c| {
@@ -339,12 +375,16 @@ pub fn download(
     let started = start_streams(host, cred, params.streams as usize, socket);
     let mut c = Conn::control(host, cred)?;
     let session = expect_session(host, c.request(Request::Send { sources, options, params })?)?;
-    let data = attach_streams(started, session)?;
+    // Ready goes out with the requests to attach, not after their answers:
+    // the server waits for the connections itself, and starts sending a
+    // round trip sooner. An answer that refuses one ends this attempt.
+    let asked = ask_to_attach(started, session)?;
     let prepared = match params.tuner {
         TunerMode::Fixed => prepared,
         _ => prepared.dialing(joiner(host, cred, socket, session)),
     };
     c.send(Attached::Ready {})?;
+    let data = confirm_streams(asked)?;
     let control = c.into_transport();
     let after = control.split().map_err(|e| Error::network(host, &e))?;
     let (tx, rx) = crossbeam_channel::unbounded();

@@ -12,7 +12,7 @@ use crate::digest::Sum;
 use crate::record::Protection;
 
 /// First bytes of a `Hello`: protocol name and version.
-pub const MAGIC: [u8; 8] = *b"DMOVER\0\x02";
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x03";
 pub const HEADER_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = 32;
 /// Largest control message body. Big enough for a plan of 64k ranges.

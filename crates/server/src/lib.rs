@@ -124,9 +124,16 @@ struct Server {
     intake: Arc<recv::Intake>,
 }
 
-/// Serves connections from `listener` until `shutdown` fires, then waits up
-/// to the grace period for running connections.
-pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std::io::Result<()> {
+/// Serves connections from `listener`, and those `carried` hands over
+/// (the control connections a client's ssh pipe carries to `dmover
+/// remote`), until `shutdown` fires; then waits up to the grace period for
+/// running connections.
+pub fn run(
+    listener: TcpListener,
+    cfg: Config,
+    shutdown: ShutdownSignal,
+    carried: Option<crossbeam_channel::Receiver<Box<dyn Transport>>>,
+) -> std::io::Result<()> {
     let srv = Arc::new(Server {
         tickets: Tickets::new(cfg.ticket_lifetime),
         cfg,
@@ -135,6 +142,17 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
         handshakes: Mutex::new(VecDeque::new()),
         intake: Arc::default(),
     });
+    if let Some(carried) = carried {
+        // The pipe bounds its channels; they are not counted among the
+        // network's connections that are authenticating.
+        let srv = srv.clone();
+        std::thread::spawn(move || {
+            for t in carried {
+                let handshake = HandshakeGuard { srv: srv.clone(), id: 0 };
+                std::thread::spawn(move || serve_logged(&handshake, t));
+            }
+        });
+    }
     let mut next_id = 0u64;
     let mut fds = [
         libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -171,11 +189,7 @@ pub fn run(listener: TcpListener, cfg: Config, shutdown: ShutdownSignal) -> std:
         }
         let _ = stream.set_nodelay(true);
         let handshake = HandshakeGuard { srv: srv.clone(), id: next_id };
-        std::thread::spawn(move || match serve(&handshake, Box::new(stream)) {
-            Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
-            Err(e) => log::warn!("{e}"),
-            Ok(()) => {}
-        });
+        std::thread::spawn(move || serve_logged(&handshake, Box::new(stream)));
     }
     log::info!("shutting down: waiting up to {:?} for {} connection(s)", srv.cfg.grace, srv.active.load(Ordering::SeqCst));
     let deadline = Instant::now() + srv.cfg.grace;
@@ -220,6 +234,7 @@ impl Server {
 /// authenticated or failed to (or its thread panicked).
 struct HandshakeGuard {
     srv: Arc<Server>,
+    /// Its number among those authenticating (0: not counted there).
     id: u64,
 }
 
@@ -297,6 +312,16 @@ impl Watchdog {
     fn disarm(mut self) -> bool {
         drop(self.disarm.take());
         self.thread.join().unwrap_or(true)
+    }
+}
+
+/// Serves one connection, and logs how it ended.
+fn serve_logged(handshake: &HandshakeGuard, t: Box<dyn Transport>) {
+    let peer = t.peer();
+    match serve(handshake, t) {
+        Err(e) if matches!(e.kind, ErrorKind::Auth | ErrorKind::Refused) => log::warn!("refused {peer}: {}", e.message),
+        Err(e) => log::warn!("{e}"),
+        Ok(()) => {}
     }
 }
 
@@ -669,13 +694,22 @@ fn control(
                 w.send(Reply::SessionOpened { session: guard.id })?;
                 let Attached::Ready {} = r.read_msg()?;
                 drop(r);
-                // Each connection is handed over just after the client has
-                // its confirmation: the last ones may still be on their way.
+                // The client says it is ready once it has asked for its data
+                // connections to attach (each is handed over just after its
+                // confirmation): the last ones may still be on their way.
+                let want = params.streams as usize;
                 let deadline = Instant::now() + ATTACH_TIMEOUT;
-                let data: Vec<Box<dyn Transport>> =
-                    std::iter::from_fn(|| rx.recv_deadline(deadline).ok()).take(params.streams as usize).collect();
-                if data.is_empty() || data.len() != params.streams as usize {
-                    return Err(Error::protocol(t.peer(), "the client attached a different number of streams than it asked for"));
+                let data: Vec<Box<dyn Transport>> = std::iter::from_fn(|| rx.recv_deadline(deadline).ok()).take(want).collect();
+                if want == 0 || data.len() != want {
+                    let e = Error::protocol(
+                        t.peer(),
+                        format!(
+                            "{} data connection(s) attached within {} s; the client asked for {want}",
+                            data.len(),
+                            ATTACH_TIMEOUT.as_secs()
+                        ),
+                    );
+                    return finish_report(&mut w, t.as_ref(), Err(e));
                 }
                 let socket = SocketOptions::of(&options);
                 for d in &data {
@@ -783,7 +817,12 @@ fn push(
 ) -> Result<Stats> {
     let creds: Vec<(String, Credential)> = hosts
         .iter()
-        .map(|h| (h.addr.clone(), Credential { key_id: h.key_id, secret: skey.wrap(&h.key_id, &h.wrapped_secret).to_vec(), via: None }))
+        .map(|h| {
+            (
+                h.addr.clone(),
+                Credential { key_id: h.key_id, secret: skey.wrap(&h.key_id, &h.wrapped_secret).to_vec(), via: None, control: None },
+            )
+        })
         .collect();
     let progress = Arc::new(Progress::default());
     let streams = (params.streams as usize).clamp(1, 64);

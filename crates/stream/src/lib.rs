@@ -160,7 +160,7 @@ impl Config {
     fn credential(&self) -> Result<Credential> {
         let (key_id, secret) = dmover_proto::auth::producer_credential(&self.token, &self.producer)
             .map_err(|m| Error::new(ErrorKind::Usage, &self.producer, m).advised("give each producer the credential made for its name"))?;
-        Ok(Credential { key_id, secret, via: None })
+        Ok(Credential { key_id, secret, via: None, control: None })
     }
 }
 

@@ -15,6 +15,7 @@
 //!   one byte stream: TcpStream (the network)
 //!                    or UnixStream (a socket pair: two engines in one process)
 //!                    or Piped (a program that carries it, such as ssh)
+//!                    or Channel (one of several over a pipe: mux)
 //! ```
 //!
 //! At the bottom is exactly one byte stream: TCP between hosts, or one end
@@ -38,8 +39,10 @@ use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::record::Protection;
 use rustix::net::sockopt;
 
+pub mod mux;
 mod piped;
 mod sealed;
+pub use mux::{Channel, Mux};
 pub use piped::Piped;
 pub use sealed::Sealed;
 
