@@ -146,15 +146,23 @@ fn many_clients_at_once_all_verify_with_bounded_memory_and_no_descriptor_leak() 
     //   layer's read buffer (a record and 4 KiB) and write batch (four
     //   records, on connections it sends on), its frame reader's buffer
     //   (256 KiB, of which a read through the sealing layer fills one
-    //   record's worth) and its thread's stack pages: 384 KiB.
+    //   record's worth) and its thread's stack pages: 384 KiB;
+    // * per thread (the tuners add readers and data connections, in both
+    //   directions; a committer syncs a batch from a few threads): the
+    //   pages of its stack it touches and its share of the allocator's
+    //   arenas, 64 KiB, counted as the most threads the server ran at once,
+    //   less those it ran before (so the connections' threads twice).
     const SESSION_KIB: u64 = (STAGING + MIB) / 1024;
     const CONNECTION_KIB: u64 = 384;
+    const THREAD_KIB: u64 = 64;
     let connections = peak_sockets.saturating_sub(sockets_before);
-    let bound = rss_before + clients as u64 * SESSION_KIB + connections * CONNECTION_KIB;
+    let threads = peak_threads.saturating_sub(threads_before);
+    let bound = rss_before + clients as u64 * SESSION_KIB + connections * CONNECTION_KIB + threads * THREAD_KIB;
     assert!(
         peak_rss <= bound,
         "server peak RSS {peak_rss} KiB exceeds {bound} KiB: {rss_before} KiB before, {clients} sessions of {SESSION_KIB} KiB \
-         (staging and state), {connections} connections of {CONNECTION_KIB} KiB; each session moved {set_bytes} bytes"
+         (staging and state), {connections} connections of {CONNECTION_KIB} KiB, {threads} threads of {THREAD_KIB} KiB; \
+         each session moved {set_bytes} bytes"
     );
     // Everything a client used is given back.
     let settled = wait_until(Duration::from_secs(15), || open_fds(pid) <= fds_before && proc_status(pid, "Threads:") <= threads_before);

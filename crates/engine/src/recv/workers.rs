@@ -349,10 +349,11 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
 /// durable and renamed into place.
 type Ready = Vec<(Arc<Slot>, Arc<dyn WriteFile>)>;
 
-/// Files and directories made durable at once, at most: syncs wait on the
-/// disk, not the processor, and the file system commits those that wait
-/// together in one journal transaction.
-const SYNC_THREADS: usize = 16;
+/// Files and directories one committer makes durable at once, at most:
+/// syncs wait on the disk, not the processor, and the file system commits
+/// those that wait together in one journal transaction; a server runs a
+/// committer per session, so each thread counts.
+const SYNC_THREADS: usize = 4;
 
 /// Makes each file of a batch durable, and the names in `dirs`, on up to
 /// [`SYNC_THREADS`] threads. Returns the files that were made durable (the
