@@ -15,7 +15,7 @@ use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::session;
 use dmover_engine::storage::{self, Store};
-use dmover_engine::transport::Transport;
+use dmover_engine::transport::{Connector, Transport};
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TransferFlags, TransferOptions};
 use dmover_proto::path::printable;
@@ -281,7 +281,7 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     // A stream: one end sends, the other goes to the receiver. The tuner
     // opens more the same way.
-    let connect: send::Connector = Arc::new(move || {
+    let connect: Connector = Arc::new(move || {
         let (x, y) = pair()?;
         // The receiver takes connections until the transfer ends.
         let _ = tx.send(Box::new(y));

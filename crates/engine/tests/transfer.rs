@@ -5,10 +5,10 @@
 use dmover_engine::journal::{self, Journal};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
-use dmover_engine::send::{self, Connector, Files, HostLink, MoreStreams, SendConfig};
+use dmover_engine::send::{self, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::source::STATE_DIR;
 use dmover_engine::storage;
-use dmover_engine::transport::Transport;
+use dmover_engine::transport::{Connector, Transport};
 use dmover_proto::digest::block_sum;
 use dmover_proto::frame::{FileMeta, Stats, TransferFlags, TransferOptions};
 use std::io::{self, Read, Write};

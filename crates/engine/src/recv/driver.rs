@@ -13,10 +13,9 @@ use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, MAX_DIALED_STREAMS
 use crate::error::{Error, Result};
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
-use crate::send::Connector;
 use crate::source::PART_SUFFIX;
 use crate::storage::digest_of;
-use crate::transport::{SocketOptions, Transport};
+use crate::transport::{Connector, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use dmover_proto::digest::Sum;

@@ -45,10 +45,9 @@ mod driver;
 mod workers;
 
 use crate::error::{Error, Result};
-use crate::send::Connector;
 use crate::source::STATE_DIR;
 use crate::storage::Store;
-use crate::transport::Transport;
+use crate::transport::{Connector, Transport};
 use crate::wire::FrameWriter;
 use crossbeam_channel::Receiver;
 use dmover_proto::frame::{TransferFlags, TransferOptions};

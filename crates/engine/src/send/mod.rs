@@ -42,7 +42,7 @@ use crate::error::Result;
 use crate::progress::Progress;
 use crate::source::Entry;
 use crate::storage::Store;
-use crate::transport::Transport;
+use crate::transport::{Connector, Transport};
 use crossbeam_channel::Receiver;
 use dmover_proto::frame::{FileError, FileMeta, Stats, TransferOptions};
 use std::sync::Arc;
@@ -69,9 +69,6 @@ const POLL: Duration = Duration::from_millis(50);
 
 /// Makes one stream tuner (one per destination host).
 pub type TunerFactory = Arc<dyn Fn() -> Box<dyn dmover_tune::Tuner> + Send + Sync>;
-
-/// Opens one more data connection, authenticated and attached to the same session.
-pub type Connector = Arc<dyn Fn() -> Result<Box<dyn Transport>> + Send + Sync>;
 
 /// How a sender gets another data connection to a host while sending.
 #[derive(Clone)]

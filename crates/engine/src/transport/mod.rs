@@ -46,6 +46,9 @@ pub use mux::{Channel, Mux};
 pub use piped::Piped;
 pub use sealed::Sealed;
 
+/// Opens one more data connection, authenticated and attached to the same session.
+pub type Connector = Arc<dyn Fn() -> crate::error::Result<Box<dyn Transport>> + Send + Sync>;
+
 /// A byte stream between two dmover endpoints.
 pub trait Transport: Read + Write + Send + Sync + 'static {
     /// A second handle to the same stream, for reading while another thread writes.
