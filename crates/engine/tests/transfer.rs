@@ -243,15 +243,29 @@ impl dmover_tune::Tuner for Scripted {
     }
 }
 
+/// Six files `f0.bin`… of about 40 blocks each (`step` bytes apart in
+/// size), random from `seed`, in a new directory `src`; returns their contents.
+fn six_files(src: &Path, step: usize, seed: u64) -> Vec<Vec<u8>> {
+    std::fs::create_dir(src).unwrap();
+    let contents: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(40 * BLOCK as usize + i * step, i as u64 + seed)).collect();
+    for (i, c) in contents.iter().enumerate() {
+        std::fs::write(src.join(format!("f{i}.bin")), c).unwrap();
+    }
+    contents
+}
+
+/// Checks that `dest` holds the files [`six_files`] made.
+fn assert_six_files(dest: &Path, contents: &[Vec<u8>]) {
+    for (i, c) in contents.iter().enumerate() {
+        assert_eq!(&std::fs::read(dest.join(format!("f{i}.bin"))).unwrap(), c, "f{i}.bin");
+    }
+}
+
 #[test]
 fn streams_opened_and_dropped_mid_transfer_lose_nothing() {
     let t = tempfile::tempdir().unwrap();
     let (src, dest) = (t.path().join("src"), t.path().join("dest"));
-    std::fs::create_dir(&src).unwrap();
-    let contents: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(40 * BLOCK as usize + i * 777, i as u64 + 3)).collect();
-    for (i, c) in contents.iter().enumerate() {
-        std::fs::write(src.join(format!("f{i}.bin")), c).unwrap();
-    }
+    let contents = six_files(&src, 777, 3);
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     let (a, b) = UnixStream::pair().unwrap();
     tx.send(Box::new(b)).unwrap();
@@ -269,9 +283,7 @@ fn streams_opened_and_dropped_mid_transfer_lose_nothing() {
         ..send_config()
     };
     let stats = run_transfer(&src, &dest, Box::new(a), rx, (Some(MoreStreams::Connect(connect)), None), cfg);
-    for (i, c) in contents.iter().enumerate() {
-        assert_eq!(&std::fs::read(dest.join(format!("f{i}.bin"))).unwrap(), c, "f{i}.bin");
-    }
+    assert_six_files(&dest, &contents);
     assert!(stats.digests_match && stats.errors.is_empty());
     let counts: Vec<u32> = stats.timeline.iter().map(|p| p.streams).collect();
     assert!(counts.starts_with(&[3, 1, 5, 2, 4, 1, 3]), "{counts:?}");
@@ -284,11 +296,7 @@ fn streams_opened_and_dropped_mid_transfer_lose_nothing() {
 fn streams_the_receiver_dials_when_asked_lose_nothing() {
     let t = tempfile::tempdir().unwrap();
     let (src, dest) = (t.path().join("src"), t.path().join("dest"));
-    std::fs::create_dir(&src).unwrap();
-    let contents: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(40 * BLOCK as usize + i * 555, i as u64 + 9)).collect();
-    for (i, c) in contents.iter().enumerate() {
-        std::fs::write(src.join(format!("f{i}.bin")), c).unwrap();
-    }
+    let contents = six_files(&src, 555, 9);
     let (first_tx, first_rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     let (a, b) = UnixStream::pair().unwrap();
     first_tx.send(Box::new(b)).unwrap();
@@ -310,9 +318,7 @@ fn streams_the_receiver_dials_when_asked_lose_nothing() {
         ..send_config()
     };
     let stats = run_transfer(&src, &dest, Box::new(a), first_rx, (Some(MoreStreams::Ask(attach_rx)), Some(dial)), cfg);
-    for (i, c) in contents.iter().enumerate() {
-        assert_eq!(&std::fs::read(dest.join(format!("f{i}.bin"))).unwrap(), c, "f{i}.bin");
-    }
+    assert_six_files(&dest, &contents);
     assert!(stats.digests_match && stats.errors.is_empty());
     let counts: Vec<u32> = stats.timeline.iter().map(|p| p.streams).collect();
     assert!(counts.starts_with(&[3, 1, 5, 2, 4, 1, 3]), "{counts:?}");
