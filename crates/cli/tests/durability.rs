@@ -28,6 +28,9 @@ fn upload_traced(extra: &[&str]) -> (PathBuf, Vec<Call>) {
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
     spec.prefix = ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,rename,renameat,renameat2", "-o"].iter().map(Into::into).collect();
     spec.prefix.push(trace.clone().into());
+    // The server is strace's child: have it killed when strace is, as the
+    // test's kill reaches strace only.
+    spec.prefix.extend(["setpriv", "--pdeathsig", "KILL"].iter().map(Into::into));
     let srv = Server::start(spec);
     let mut args = vec![format!("{}/", src.display()), srv.url("e/dst")];
     args.extend(extra.iter().map(|s| s.to_string()));
