@@ -41,7 +41,8 @@
 //! at once; a writer never waits for those to complete (they may need its
 //! own later blocks): when the parts being filled alone take the bound, a
 //! part fills in an unnamed file of the state directory instead, and is
-//! read back to be sent. Each part's buffer is made at its final capacity
+//! read back to be sent (where no such file can be made, the part stays
+//! in memory, beyond the bound, with a warning). Each part's buffer is made at its final capacity
 //! and handed to the SDK as it is, never copied.
 //!
 //! The AWS SDK does the requests, on an async runtime of this storage's
