@@ -1,6 +1,7 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
 //! loopback): a tree up and back down identical, a 2 GiB upload killed
-//! midway and resumed (and a download), from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
+//! midway and resumed (and a download), an upload's memory within its
+//! staging, from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
 
@@ -126,6 +127,48 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
     assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["up/huge.bin"]);
     // Nor is resume state left behind.
+    let state = t.env.path("home/.cache/dmover/s3/data");
+    assert_eq!(list_files(&state).into_keys().collect::<Vec<_>>(), Vec::<String>::new(), "left in {}", state.display());
+}
+
+/// An upload's memory is bounded by `--staging`, whatever the file's size.
+///
+/// The copy runs both ends in one process, so three things hold data, each
+/// within `--staging`: the reading side's staging blocks, the receiving
+/// side's, and the S3 storage's parts being filled and sent (plus one part
+/// while a part is read back from disk). The fixed overhead is measured,
+/// not guessed: the peak of the same command uploading a file smaller than
+/// a part (the binary, the SDK and its runtime, the threads' stacks and
+/// the allocator's arenas, with a few blocks and that small part in use).
+/// Blocks of a large file arrive out of order from several readers and
+/// streams, so many parts fill at once: held in memory unbounded, they took
+/// several times the staging.
+#[test]
+fn an_uploads_memory_stays_within_its_staging() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    const STAGING: u64 = 32 * MIB;
+    let staging = format!("{}M", STAGING / MIB);
+    let small = src.join("small.bin");
+    make_sparse(&small, 4 * MIB, 51);
+    let (run, base_kib) = t.cp([small.to_str().unwrap(), "s3://data/small.bin", "--staging", &staging]).spawn().wait_peak_rss();
+    run.assert_ok();
+    let size = 320 * MIB + 4321;
+    let file = src.join("big.bin");
+    make_sparse(&file, size, 53);
+    let args = [file.to_str().unwrap(), "s3://data/big.bin", "--staging", &staging];
+    let (run, peak_kib) = t.cp(args).timeout(std::time::Duration::from_secs(600)).spawn().wait_peak_rss();
+    run.assert_ok();
+    assert!(same_content(&file, &bucket.join("big.bin")), "the object differs from the file");
+    let bound_kib = base_kib + (3 * STAGING + PART) / 1024;
+    eprintln!("peak RSS: {peak_kib} KiB uploading {size} bytes, {base_kib} KiB uploading 4 MiB; bound {bound_kib} KiB");
+    assert!(
+        peak_kib <= bound_kib,
+        "uploading {size} bytes with --staging {staging} peaked at {peak_kib} KiB, over {bound_kib} KiB \
+         ({base_kib} KiB for a small upload, three times the staging and one part)"
+    );
+    // The parts that went to disk are gone with the upload.
     let state = t.env.path("home/.cache/dmover/s3/data");
     assert_eq!(list_files(&state).into_keys().collect::<Vec<_>>(), Vec::<String>::new(), "left in {}", state.display());
 }

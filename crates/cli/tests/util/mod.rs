@@ -853,6 +853,35 @@ impl Proc {
         };
         Run { code: code_of(st), stdout: read_all(&mut self.out), stderr: read_all(&mut self.err), elapsed: self.started.elapsed() }
     }
+
+    /// Waits for the end as [`Proc::wait`] does, and answers also the
+    /// process's peak resident memory in KiB (its `ru_maxrss` when reaped:
+    /// the most it ever held, however briefly).
+    pub fn wait_peak_rss(mut self) -> (Run, u64) {
+        use std::os::unix::process::ExitStatusExt;
+        let pid = self.pid() as libc::pid_t;
+        let deadline = self.started + self.timeout;
+        let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+        loop {
+            // SAFETY: status and usage are valid for wait4 to fill.
+            let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+            assert!(r >= 0, "wait4: {}", std::io::Error::last_os_error());
+            if r == pid {
+                break;
+            }
+            assert!(Instant::now() <= deadline, "dmover {} did not finish within {:?}", self.desc, self.timeout);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Reaped here: the Child must not be waited for or killed again.
+        drop(self.child.take());
+        let run = Run {
+            code: code_of(ExitStatus::from_raw(status)),
+            stdout: read_all(&mut self.out),
+            stderr: read_all(&mut self.err),
+            elapsed: self.started.elapsed(),
+        };
+        (run, usage.ru_maxrss as u64)
+    }
 }
 
 impl Drop for Proc {

@@ -31,6 +31,20 @@
 //! keys: one exists while an object is below it, so an empty directory is
 //! not kept and making one does nothing.
 //!
+//! Memory: the parts held in memory, being filled and being sent, of all
+//! the files being written here take at most [`Options::staging`] (at
+//! least one part, at most [`MAX_PARTS_IN_FLIGHT`]), and one part more
+//! while a part is read back from a file (below). A writer whose part
+//! needs more waits while parts being sent will free some (back-pressure
+//! on the engine's writer, and through it on the network). Blocks from
+//! several streams arrive out of order, so several parts of a file fill
+//! at once; a writer never waits for those to complete (they may need its
+//! own later blocks): when the parts being filled alone take the bound, a
+//! part fills in an unnamed file of the state directory instead, and is
+//! read back to be sent (where no such file can be made, the part stays
+//! in memory, beyond the bound, with a warning). Each part's buffer is made at its final capacity
+//! and handed to the SDK as it is, never copied.
+//!
 //! The AWS SDK does the requests, on an async runtime of this storage's
 //! own; the engine's threads wait on it.
 
@@ -42,12 +56,15 @@ use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_sdk_s3::Client;
+use bytes::Bytes;
 use dmover_proto::ErrorKind;
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::io;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -56,8 +73,8 @@ use tokio::task::JoinHandle;
 const PART: u64 = 16 << 20;
 /// The most parts S3 takes in one upload.
 const MAX_PARTS: u64 = 10_000;
-/// Parts being sent at once, per storage, at most (each holds a part in
-/// memory); fewer when [`Options::staging`] is smaller.
+/// Parts held in memory at once, per storage, at most (being filled or
+/// sent); fewer when [`Options::staging`] is smaller.
 const MAX_PARTS_IN_FLIGHT: u64 = 8;
 /// Bytes one GET fetches at least: the pieces a block is read in, and the
 /// next blocks of a file read in order, come from one request.
@@ -87,8 +104,8 @@ pub struct Options {
     /// A local directory for this bucket's resume state (see
     /// [`default_state_dir`] for where the command keeps it).
     pub state_dir: PathBuf,
-    /// Memory for the parts being sent at once: as many parts as fit, at
-    /// least one, at most [`MAX_PARTS_IN_FLIGHT`].
+    /// Memory for the parts of uploads, being filled and being sent (see
+    /// [`Budget`]): at least one part, at most [`MAX_PARTS_IN_FLIGHT`].
     pub staging: u64,
 }
 
@@ -114,9 +131,8 @@ struct Inner {
     client: Client,
     bucket: String,
     rt: Runtime,
-    /// One permit for each part being sent, so that at most
-    /// [`Options::staging`] of them are held in memory; a writer waits for one.
-    parts: Arc<Semaphore>,
+    /// The memory the parts of uploads hold, within [`Options::staging`].
+    budget: Arc<Budget>,
     /// The local directory of the records of uploads in progress.
     uploads: PathBuf,
 }
@@ -174,8 +190,8 @@ impl S3 {
             }
         };
         let uploads = o.state_dir.join("uploads");
-        let parts = Arc::new(Semaphore::new((o.staging / PART).clamp(1, MAX_PARTS_IN_FLIGHT) as usize));
-        let inner = Inner { client, bucket: bucket.to_string(), rt, parts, uploads };
+        let budget = Arc::new(Budget::new(o.staging.clamp(PART, MAX_PARTS_IN_FLIGHT * PART)));
+        let inner = Inner { client, bucket: bucket.to_string(), rt, budget, uploads };
         let at = endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
         let creds = config.credentials_provider().ok_or_else(|| Error::internal("no credentials provider"))?;
         use aws_sdk_s3::config::ProvideCredentials;
@@ -484,10 +500,273 @@ struct Upload {
 }
 
 /// A part being filled: its bytes so far, and which of them are written.
-#[derive(Default)]
 struct Filling {
-    data: Vec<u8>,
+    data: PartData,
+    /// The end of the furthest write into it.
+    len: usize,
     written: Ranges,
+    /// The memory `data` holds.
+    lease: Lease,
+}
+
+/// Where a part being filled keeps its bytes.
+enum PartData {
+    /// In memory, in a buffer of a whole part's capacity.
+    Memory(PartBuf),
+    /// In an unnamed file of the state directory: the part needed memory
+    /// beyond the bound when none could be freed by waiting.
+    Spilled(std::fs::File),
+}
+
+impl Filling {
+    /// An empty part, its memory to be taken from `budget` as it fills.
+    fn new(budget: &Arc<Budget>) -> io::Result<Filling> {
+        Ok(Filling { data: PartData::Memory(PartBuf::new(PART as usize)?), len: 0, written: Ranges::default(), lease: budget.lease() })
+    }
+
+    /// Writes `src` at `rel`. Memory for the part is taken from the budget
+    /// as the part grows, waiting while parts being sent will free some;
+    /// when none will, the part moves to a file (else stays in memory,
+    /// beyond the bound, if no file can be made).
+    fn write(&mut self, i: &Inner, k: &str, index: u64, rel: usize, src: &[u8]) -> io::Result<()> {
+        let end = rel + src.len();
+        if let PartData::Memory(v) = &mut self.data {
+            if v.len() < end && !self.lease.grow((end - v.len()) as u64) {
+                match spill_file(i, k, index).and_then(|f| f.write_all_at(v.as_ref(), 0).map(|()| f)) {
+                    Ok(f) => {
+                        self.data = PartData::Spilled(f);
+                        self.lease.release();
+                    }
+                    Err(e) => {
+                        log::warn!("{}: {e}; a part of {k} is kept in memory beyond the bound", i.uploads.display());
+                        self.lease.force((end - v.len()) as u64);
+                    }
+                }
+            }
+        }
+        match &mut self.data {
+            PartData::Memory(v) => v.write(rel, src),
+            PartData::Spilled(f) => f.write_all_at(src, rel as u64)?,
+        }
+        self.len = self.len.max(end);
+        self.written.mark(rel as u64, end as u64);
+        Ok(())
+    }
+
+    /// Reads what was written of `rel..rel + buf.len()` (zeros where
+    /// nothing was); answers how many bytes the part has there.
+    fn read_at(&self, rel: usize, buf: &mut [u8]) -> io::Result<usize> {
+        let have = self.len.saturating_sub(rel).min(buf.len());
+        match &self.data {
+            PartData::Memory(v) => buf[..have].copy_from_slice(&v.as_ref()[rel..rel + have]),
+            PartData::Spilled(f) => f.read_exact_at(&mut buf[..have], rel as u64)?,
+        }
+        Ok(have)
+    }
+
+    /// The part's bytes, to be sent, with the memory they hold counted as
+    /// being sent. A spilled part is read back into memory once the budget
+    /// has room for it (or once nothing else is being sent).
+    fn into_body(self, budget: &Arc<Budget>) -> io::Result<(Bytes, Lease)> {
+        let Filling { data, len, mut lease, .. } = self;
+        let v = match data {
+            PartData::Memory(v) => {
+                lease.sending();
+                v
+            }
+            PartData::Spilled(f) => {
+                lease = budget.take_to_send(len as u64);
+                let mut v = PartBuf::new(len)?;
+                f.read_exact_at(v.grow(len), 0)?;
+                v
+            }
+        };
+        // The buffer itself, not a copy: the SDK shares it with any retry.
+        Ok((if len == 0 { Bytes::new() } else { Bytes::from_owner(v) }, lease))
+    }
+}
+
+/// A part's buffer: anonymous memory mapped for it alone, of the part's
+/// final capacity, so that it never moves as it fills and goes back to
+/// the system when dropped (a heap allocator may keep buffers this large
+/// once freed, and the process's memory with them). Its pages take memory
+/// only once written; its length is the end of the furthest write.
+struct PartBuf {
+    ptr: std::ptr::NonNull<u8>,
+    cap: usize,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by the PartBuf alone, like a Vec's memory.
+unsafe impl Send for PartBuf {}
+// SAFETY: shared, it is only read.
+unsafe impl Sync for PartBuf {}
+
+impl PartBuf {
+    /// An empty buffer of capacity `cap`.
+    fn new(cap: usize) -> io::Result<PartBuf> {
+        let (prot, flags) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS);
+        // SAFETY: a new private anonymous mapping, owned by the PartBuf.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), cap.max(1), prot, flags, -1, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = std::ptr::NonNull::new(p.cast()).ok_or_else(|| io::Error::other("mmap answered a null pointer"))?;
+        Ok(PartBuf { ptr, cap: cap.max(1), len: 0 })
+    }
+
+    /// The end of the furthest write.
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Extends it to at least `len` bytes (zeros where never written), and
+    /// answers its first `len` bytes.
+    fn grow(&mut self, len: usize) -> &mut [u8] {
+        assert!(len <= self.cap, "a part's buffer holds {} bytes, not {len}", self.cap);
+        self.len = self.len.max(len);
+        // SAFETY: within the mapping, which a fresh mapping fills with zeros.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len) }
+    }
+
+    /// Writes `src` at `at`.
+    fn write(&mut self, at: usize, src: &[u8]) {
+        self.grow(at + src.len())[at..].copy_from_slice(src);
+    }
+}
+
+impl AsRef<[u8]> for PartBuf {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the first len bytes of the mapping.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for PartBuf {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in new, no longer used.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
+    }
+}
+
+/// An unnamed file in the state directory for part `index` of key `k`.
+fn spill_file(i: &Inner, k: &str, index: u64) -> io::Result<std::fs::File> {
+    std::fs::create_dir_all(&i.uploads)?;
+    let mut path = i.record_path(k).into_os_string();
+    path.push(format!(".{index}.spill"));
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
+    std::fs::remove_file(&path)?;
+    Ok(f)
+}
+
+/// The memory the parts of a storage's uploads hold in memory (being
+/// filled or being sent), kept within a bound.
+///
+/// A writer that needs more waits while parts are being sent: each send
+/// ends (taken, failed or timed out) and frees its part. It never waits
+/// for parts still being filled, which may need that writer's own later
+/// blocks (a file's blocks are written by one thread, in the order they
+/// arrive): such a part goes to a file instead. A part is sent from
+/// memory; one read back from a file waits for room as a writer does,
+/// and takes its memory beyond the bound only when nothing else is being
+/// sent, so the parts held never exceed the bound by more than one part.
+struct Budget {
+    bound: u64,
+    held: Mutex<Held>,
+    /// Signalled when memory is given back.
+    freed: Condvar,
+}
+
+/// What a [`Budget`] has handed out.
+#[derive(Default)]
+struct Held {
+    bytes: u64,
+    /// Parts being sent.
+    sending: usize,
+}
+
+impl Budget {
+    /// A budget of `bound` bytes, none handed out.
+    fn new(bound: u64) -> Budget {
+        Budget { bound, held: Mutex::new(Held::default()), freed: Condvar::new() }
+    }
+
+    /// A lease of no memory yet.
+    fn lease(self: &Arc<Self>) -> Lease {
+        Lease { budget: self.clone(), bytes: 0, sending: false }
+    }
+
+    /// Waits until `n` more bytes fit or no part is being sent; the held
+    /// counts, and whether `n` fits.
+    fn wait_for(&self, n: u64) -> (std::sync::MutexGuard<'_, Held>, bool) {
+        let mut h = self.held.lock().expect("budget lock");
+        while h.bytes + n > self.bound && h.sending > 0 {
+            h = self.freed.wait(h).expect("budget lock");
+        }
+        let fits = h.bytes + n <= self.bound;
+        (h, fits)
+    }
+
+    /// Takes `len` bytes to send a part read back from a file: once they
+    /// fit, or nothing else is being sent.
+    fn take_to_send(self: &Arc<Self>, len: u64) -> Lease {
+        let (mut h, _) = self.wait_for(len);
+        h.bytes += len;
+        h.sending += 1;
+        Lease { budget: self.clone(), bytes: len, sending: true }
+    }
+}
+
+/// Memory taken from a [`Budget`], given back when dropped.
+struct Lease {
+    budget: Arc<Budget>,
+    bytes: u64,
+    /// Whether it holds a part being sent.
+    sending: bool,
+}
+
+impl Lease {
+    /// Takes `n` more bytes if they fit, waiting while parts being sent
+    /// may make room; false if they do not fit and nothing is being sent.
+    fn grow(&mut self, n: u64) -> bool {
+        let (mut h, fits) = self.budget.wait_for(n);
+        if fits {
+            h.bytes += n;
+            self.bytes += n;
+        }
+        fits
+    }
+
+    /// Takes `n` more bytes, beyond the bound if need be.
+    fn force(&mut self, n: u64) {
+        self.budget.held.lock().expect("budget lock").bytes += n;
+        self.bytes += n;
+    }
+
+    /// Gives back all it holds.
+    fn release(&mut self) {
+        let mut h = self.budget.held.lock().expect("budget lock");
+        h.bytes -= self.bytes;
+        self.bytes = 0;
+        if std::mem::take(&mut self.sending) {
+            h.sending -= 1;
+        }
+        self.budget.freed.notify_all();
+    }
+
+    /// Counts its part as being sent.
+    fn sending(&mut self) {
+        if !self.sending {
+            self.budget.held.lock().expect("budget lock").sending += 1;
+            self.sending = true;
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// A part of the upload.
@@ -629,8 +908,8 @@ fn remove_record(path: &Path) -> io::Result<()> {
 
 impl S3Write {
     /// Sends part `index` (whole, or the last one), recording its ETag once
-    /// the server has it.
-    fn send_part(&self, up: &mut Upload, index: u64, data: Vec<u8>) -> io::Result<()> {
+    /// the server has it. Its memory is given back once the request ends.
+    fn send_part(&self, up: &mut Upload, index: u64, part: Filling) -> io::Result<()> {
         let i = &self.inner;
         if index >= MAX_PARTS {
             return Err(io::Error::new(
@@ -642,14 +921,14 @@ impl S3Write {
             Some(id) => id.clone(),
             None => up.id.insert(i.begin(&self.key)?).clone(),
         };
-        let permit = i.rt.block_on(i.parts.clone().acquire_owned()).map_err(|_| io::Error::other("the S3 client stopped"))?;
+        let (data, lease) = part.into_body(&i.budget)?;
         let req = i.client.upload_part().bucket(&i.bucket).key(&self.key).upload_id(id).part_number(index as i32 + 1);
         let (key, record) = (self.key.clone(), i.record_path(&self.key));
         up.sent.insert(
             index,
             Sent::Sending(i.rt.spawn(async move {
                 let r = req.body(ByteStream::from(data)).send().await.map_err(|e| io_error(&key, e));
-                drop(permit);
+                drop(lease);
                 let etag = r?.e_tag().unwrap_or_default().to_string();
                 // Only while the record is there: one removed meanwhile
                 // (the upload given up) is not made again. Unrecorded, the
@@ -677,12 +956,14 @@ impl S3Write {
         let i = self.inner.clone();
         let size = up.size;
         if up.id.is_none() {
-            let f = up.filling.remove(&0).unwrap_or_default();
-            if !f.written.covered(0, size) {
-                return Err(never_written());
-            }
-            let put = i.client.put_object().bucket(&i.bucket).key(to).body(ByteStream::from(f.data)).set_metadata(Some(meta));
+            let (data, lease) = match up.filling.remove(&0) {
+                Some(f) if f.written.covered(0, size) => f.into_body(&i.budget)?,
+                None if size == 0 => (Bytes::new(), i.budget.lease()),
+                _ => return Err(never_written()),
+            };
+            let put = i.client.put_object().bucket(&i.bucket).key(to).body(ByteStream::from(data)).set_metadata(Some(meta));
             i.rt.block_on(put.send()).map_err(|e| io_error(to, e))?;
+            drop(lease);
             up.done = true;
             return Ok(());
         }
@@ -692,7 +973,7 @@ impl S3Write {
         for index in 0..parts {
             let len = PART.min(size - index * PART);
             match up.filling.remove(&index) {
-                Some(f) if f.written.covered(0, len) => self.send_part(&mut up, index, f.data)?,
+                Some(f) if f.written.covered(0, len) => self.send_part(&mut up, index, f)?,
                 _ if up.sent.contains_key(&index) => {}
                 _ => return Err(never_written()),
             }
@@ -755,9 +1036,10 @@ impl ReadFile for S3Write {
             if up.sent.contains_key(&index) {
                 return Err(unsupported("read back the parts of an object it has sent before the object is complete"));
             }
-            let data = up.filling.get(&index).map_or(&[][..], |f| &f.data[..]);
-            let have = data.len().saturating_sub(rel).min(len);
-            buf[at..at + have].copy_from_slice(&data[rel..rel + have]);
+            let have = match up.filling.get(&index) {
+                Some(f) => f.read_at(rel, &mut buf[at..at + len])?,
+                None => 0,
+            };
             buf[at + have..at + len].fill(0);
             at += len;
         }
@@ -781,6 +1063,8 @@ impl ReadFile for S3Write {
 impl WriteFile for S3Write {
     /// Writes into the parts being filled; a part wholly written is sent.
     /// A part sent already is filled again, and sent again once whole.
+    /// Waits while the parts held reach the bound and parts being sent
+    /// will make room (see [`Budget`]).
     fn write_all_at(&self, data: &[u8], off: u64) -> io::Result<()> {
         let mut up = self.up.lock().expect("upload lock");
         if up.done {
@@ -792,15 +1076,14 @@ impl WriteFile for S3Write {
             let index = at / PART;
             let stop = ((index + 1) * PART).min(end);
             let (rel, len) = ((at - index * PART) as usize, (stop - at) as usize);
-            let f = up.filling.entry(index).or_default();
-            if f.data.len() < rel + len {
-                f.data.resize(rel + len, 0);
-            }
-            f.data[rel..rel + len].copy_from_slice(&data[(at - off) as usize..][..len]);
-            f.written.mark(rel as u64, (rel + len) as u64);
+            let f = match up.filling.entry(index) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => e.insert(Filling::new(&self.inner.budget)?),
+            };
+            f.write(&self.inner, &self.key, index, rel, &data[(at - off) as usize..][..len])?;
             if f.written.covered(0, PART) {
                 let f = up.filling.remove(&index).expect("filled above");
-                self.send_part(&mut up, index, f.data)?;
+                self.send_part(&mut up, index, f)?;
             }
             at = stop;
         }
