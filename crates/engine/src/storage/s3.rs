@@ -592,27 +592,14 @@ impl Filling {
 /// once freed, and the process's memory with them). Its pages take memory
 /// only once written; its length is the end of the furthest write.
 struct PartBuf {
-    ptr: std::ptr::NonNull<u8>,
-    cap: usize,
+    map: memmap2::MmapMut,
     len: usize,
 }
-
-// SAFETY: the mapping is owned by the PartBuf alone, like a Vec's memory.
-unsafe impl Send for PartBuf {}
-// SAFETY: shared, it is only read.
-unsafe impl Sync for PartBuf {}
 
 impl PartBuf {
     /// An empty buffer of capacity `cap`.
     fn new(cap: usize) -> io::Result<PartBuf> {
-        let (prot, flags) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS);
-        // SAFETY: a new private anonymous mapping, owned by the PartBuf.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), cap.max(1), prot, flags, -1, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr = std::ptr::NonNull::new(p.cast()).ok_or_else(|| io::Error::other("mmap answered a null pointer"))?;
-        Ok(PartBuf { ptr, cap: cap.max(1), len: 0 })
+        Ok(PartBuf { map: memmap2::MmapMut::map_anon(cap.max(1))?, len: 0 })
     }
 
     /// The end of the furthest write.
@@ -623,10 +610,9 @@ impl PartBuf {
     /// Extends it to at least `len` bytes (zeros where never written), and
     /// answers its first `len` bytes.
     fn grow(&mut self, len: usize) -> &mut [u8] {
-        assert!(len <= self.cap, "a part's buffer holds {} bytes, not {len}", self.cap);
+        assert!(len <= self.map.len(), "a part's buffer holds {} bytes, not {len}", self.map.len());
         self.len = self.len.max(len);
-        // SAFETY: within the mapping, which a fresh mapping fills with zeros.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len) }
+        &mut self.map[..len]
     }
 
     /// Writes `src` at `at`.
@@ -637,15 +623,7 @@ impl PartBuf {
 
 impl AsRef<[u8]> for PartBuf {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: the first len bytes of the mapping.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for PartBuf {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in new, no longer used.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
+        &self.map[..self.len]
     }
 }
 
