@@ -94,7 +94,7 @@ pub fn run(a: BenchArgs) -> Result<i32> {
             (Some(m), Some(p)) => format!("{} streams at the end ({} tuner)", p.streams, m.build().name()),
             _ => format!("{} streams", a.net.initial()),
         };
-        outln!("{mode}, {streams}: {:.1} MB/s ({:.2} Gbit/s), {:.2} s", r.mb_per_s, r.mb_per_s * 8.0 / 1000.0, r.seconds);
+        outln!("{mode}, {streams}: {:.1} MB/s ({:.2} Gbit/s), {:.2} s", r.rate.mb_per_s, r.rate.mb_per_s * 8.0 / 1000.0, r.seconds);
     }
     Ok(r.exit_code())
 }

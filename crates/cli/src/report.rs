@@ -1,22 +1,15 @@
 //! What the user sees: the live progress line while a transfer runs, and the
 //! report at the end (a human summary, or JSON with `--json`).
 
-use dmover_engine::progress::{human, Check, Progress};
-use dmover_proto::frame::Stats;
+use dmover_engine::progress::{human, Check, Progress, Rate};
+use dmover_proto::frame::{FileError, Share, Stats};
 use dmover_proto::ErrorKind;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-
-#[derive(Serialize)]
-pub struct HostReport {
-    pub host: String,
-    pub files: u64,
-    pub bytes: u64,
-}
 
 /// A point of a tuned transfer's timeline.
 #[derive(Serialize)]
@@ -30,13 +23,6 @@ pub struct TunePointReport {
 }
 
 #[derive(Serialize)]
-pub struct ErrorReport {
-    pub path: String,
-    pub kind: ErrorKind,
-    pub message: String,
-}
-
-#[derive(Serialize)]
 pub struct Report {
     pub ok: bool,
     pub files: u64,
@@ -45,12 +31,13 @@ pub struct Report {
     pub skipped_bytes: u64,
     pub sent_bytes: u64,
     pub seconds: f64,
-    pub mb_per_s: f64,
-    pub files_per_s: f64,
+    #[serde(flatten)]
+    pub rate: Rate,
     pub retries: u64,
     pub resent_blocks: u64,
-    pub hosts: Vec<HostReport>,
-    pub errors: Vec<ErrorReport>,
+    #[serde(serialize_with = "shares_by_host")]
+    pub hosts: Vec<Share>,
+    pub errors: Vec<FileError>,
     pub check: Check,
     /// Streams, goodput and round-trip time over time, when a tuner ran.
     pub timeline: Vec<TunePointReport>,
@@ -68,19 +55,18 @@ impl Report {
             skipped_bytes: s.skipped_bytes,
             sent_bytes: s.sent_bytes,
             seconds,
-            mb_per_s: if seconds > 0.0 { s.bytes as f64 / 1e6 / seconds } else { 0.0 },
-            files_per_s: if seconds > 0.0 { s.files as f64 / seconds } else { 0.0 },
+            rate: Rate::new(s.files, s.bytes, seconds),
             retries: s.retries,
             resent_blocks: s.resent_blocks,
-            hosts: s.hosts.iter().map(|h| HostReport { host: h.host.clone(), files: h.files, bytes: h.bytes }).collect(),
-            errors: s.errors.iter().map(|e| ErrorReport { path: e.path.clone(), kind: e.kind, message: e.message.clone() }).collect(),
+            hosts: s.hosts.clone(),
+            errors: s.errors.clone(),
             check,
             timeline: s
                 .timeline
                 .iter()
                 .map(|p| TunePointReport {
                     t: p.t_ms as f64 / 1e3,
-                    host: s.hosts.get(p.host as usize).map(|h| h.host.clone()).unwrap_or_default(),
+                    host: s.hosts.get(p.host as usize).map(|h| h.name.clone()).unwrap_or_default(),
                     streams: p.streams,
                     concurrency: p.concurrency,
                     goodput_mbit: p.goodput as f64 * 8.0 / 1e6,
@@ -111,8 +97,8 @@ impl Report {
             self.files,
             human(self.bytes),
             self.seconds,
-            self.mb_per_s,
-            self.files_per_s
+            self.rate.mb_per_s,
+            self.rate.files_per_s
         );
         if self.skipped_files > 0 {
             s += &format!("; {} files ({}) already there", self.skipped_files, human(self.skipped_bytes));
@@ -122,12 +108,23 @@ impl Report {
         }
         if self.hosts.len() > 1 {
             for h in &self.hosts {
-                s += &format!("\n  {}: {} files, {}", h.host, h.files, human(h.bytes));
+                s += &format!("\n  {}: {} files, {}", h.name, h.count, human(h.bytes));
             }
         }
         s += if self.check.passed { "\ncheck: passed (every file verified at the destination)" } else { "\ncheck: FAILED" };
         s
     }
+}
+
+/// Each destination host's share as `--json` spells it: its name under `host`.
+fn shares_by_host<S: Serializer>(hosts: &[Share], s: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Host<'a> {
+        host: &'a str,
+        files: u64,
+        bytes: u64,
+    }
+    s.collect_seq(hosts.iter().map(|h| Host { host: &h.name, files: h.count, bytes: h.bytes }))
 }
 
 /// The JSON report of a transfer that ended with a fatal error.

@@ -82,6 +82,24 @@ impl Check {
     }
 }
 
+/// How fast a transfer or a job moved what it moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Rate {
+    pub mb_per_s: f64,
+    pub files_per_s: f64,
+}
+
+impl Rate {
+    /// `files` and `bytes` moved in `seconds`; zero when no time passed.
+    pub fn new(files: u64, bytes: u64, seconds: f64) -> Rate {
+        if seconds > 0.0 {
+            Rate { mb_per_s: bytes as f64 / 1e6 / seconds, files_per_s: files as f64 / seconds }
+        } else {
+            Rate::default()
+        }
+    }
+}
+
 /// A byte count for people: `512 B`, `1.5 MiB`.
 pub fn human(b: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];

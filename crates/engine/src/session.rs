@@ -12,7 +12,7 @@ use crate::send::{HostLink, MoreStreams};
 use crate::transport::{connect_tcp, Connector, Mux, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
-use dmover_proto::frame::{EngineParams, FileMeta, HostShare, Stats, TicketedHost, TransferOptions, TunerMode};
+use dmover_proto::frame::{EngineParams, FileMeta, Share, Stats, TicketedHost, TransferOptions, TunerMode};
 use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::{ErrorKind, Msg, Phase};
 use std::sync::Arc;
@@ -407,7 +407,7 @@ pub fn download(
         done_bytes: s.dest_bytes,
         sent_bytes: s.sent_bytes,
     });
-    let hosts = s.hosts.into_iter().map(|h| HostShare { host: host.to_string(), ..h }).collect();
+    let hosts = s.hosts.into_iter().map(|h| Share { name: host.to_string(), ..h }).collect();
     Ok(Stats { hosts, ..s })
 }
 

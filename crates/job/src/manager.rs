@@ -31,7 +31,9 @@
 use crate::agent::{self, AgentSpec};
 use crate::channel::{Channel, FileResult, ToAgent, ToManager, WorkItem};
 use crate::jobfile::spec_path;
-use crate::state::{AgentReport, AgentState, Check, DoneList, FailureReport, JobReport, JobState, RunRecord, Share, StateDir};
+use crate::state::{
+    AgentReport, AgentState, Check, DoneList, FailureReport, FileError, JobReport, JobState, Rate, RunRecord, Share, StateDir,
+};
 use crate::Plan;
 use crossbeam_channel::{Receiver, TryRecvError};
 use dmover_engine::source::{self, Event};
@@ -181,11 +183,11 @@ impl Book {
                     a.files += 1;
                     a.bytes += size;
                     let node = self.nodes.entry(a.node.clone()).or_insert_with(|| Share { name: a.node.clone(), ..Default::default() });
-                    node.files += 1;
+                    node.count += 1;
                     node.bytes += size;
                     if let Some(h) = r.host {
                         let host = self.hosts.entry(h.clone()).or_insert_with(|| Share { name: h, ..Default::default() });
-                        host.files += 1;
+                        host.count += 1;
                         host.bytes += size;
                     }
                     if let Err(e) = self.done.add(&p.item.path).and_then(|()| self.done.flush()) {
@@ -202,12 +204,8 @@ impl Book {
                     } else {
                         log::warn!("{}: {} (after {} attempts)", p.item.path, f.message, p.attempts);
                         self.report.failed_files += 1;
-                        self.report.failures.push(FailureReport {
-                            path: p.item.path,
-                            kind: f.kind,
-                            message: f.message,
-                            attempts: p.attempts,
-                        });
+                        let error = FileError { path: p.item.path, kind: f.kind, message: f.message };
+                        self.report.failures.push(FailureReport { error, attempts: p.attempts });
                     }
                 }
             }
@@ -255,10 +253,7 @@ impl Manager {
         r.updated_unix = now_unix();
         r.seconds = seconds;
         r.walk_done = b.walk_done;
-        if seconds > 0.0 {
-            r.mb_per_s = b.moved_bytes as f64 / 1e6 / seconds;
-            r.files_per_s = b.moved_files as f64 / seconds;
-        }
+        r.rate = Rate::new(b.moved_files, b.moved_bytes, seconds);
         r.nodes = b.nodes.values().cloned().collect();
         r.hosts = b.hosts.values().cloned().collect();
         r.agents = b.agents.iter().map(|a| a.report.clone()).collect();
@@ -464,7 +459,8 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
             log::warn!("{e}");
             let mut b = mgr.lock();
             b.report.failed_files += 1;
-            b.report.failures.push(FailureReport { path: e.subject.clone(), kind: e.kind, message: e.message, attempts: 0 });
+            let error = FileError { path: e.subject.clone(), kind: e.kind, message: e.message };
+            b.report.failures.push(FailureReport { error, attempts: 0 });
             true
         }
         Event::SkippedLink(p) => {
@@ -761,10 +757,10 @@ mod tests {
         b.apply(y, vec![failed("a")], 2);
         assert_eq!(b.report.failed_files, 1, "two attempts used up");
         assert_eq!(b.report.failures[0].attempts, 2);
-        assert_eq!(b.report.failures[0].kind, ErrorKind::Verify);
+        assert_eq!(b.report.failures[0].error.kind, ErrorKind::Verify);
         b.apply(x, vec![ok("b")], 2);
         assert!(b.finished());
-        assert_eq!((b.report.done_files, b.nodes["n1"].files, b.hosts["h1"].files), (1, 1, 1));
+        assert_eq!((b.report.done_files, b.nodes["n1"].count, b.hosts["h1"].count), (1, 1, 1));
     }
 
     #[test]

@@ -15,8 +15,9 @@
 //!
 //! `dmover status` reads these files and nothing else.
 
-pub use dmover_engine::progress::Check;
+pub use dmover_engine::progress::{Check, Rate};
 use dmover_engine::{Error, Result};
+pub use dmover_proto::frame::{FileError, Share};
 use dmover_proto::ErrorKind;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -79,14 +80,6 @@ pub struct RunRecord {
     pub resubmitted_as: Option<String>,
 }
 
-/// A share of the work: a node's or a destination host's.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct Share {
-    pub name: String,
-    pub files: u64,
-    pub bytes: u64,
-}
-
 /// One transfer agent.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct AgentReport {
@@ -106,9 +99,8 @@ pub struct AgentReport {
 /// A file that could not be moved.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct FailureReport {
-    pub path: String,
-    pub kind: ErrorKind,
-    pub message: String,
+    #[serde(flatten)]
+    pub error: FileError,
     /// Agents that tried it.
     pub attempts: u32,
 }
@@ -142,8 +134,8 @@ pub struct JobReport {
     /// Files given to another agent because theirs was lost.
     pub requeued_files: u64,
     /// Rate of what this run moved.
-    pub mb_per_s: f64,
-    pub files_per_s: f64,
+    #[serde(flatten)]
+    pub rate: Rate,
     pub nodes: Vec<Share>,
     pub hosts: Vec<Share>,
     pub agents: Vec<AgentReport>,
@@ -163,7 +155,7 @@ impl JobReport {
             return 0;
         }
         if let Some(f) = self.failures.first() {
-            return f.kind as i32;
+            return f.error.kind as i32;
         }
         ErrorKind::Verify as i32
     }
@@ -183,8 +175,8 @@ impl JobReport {
             h(self.done_bytes),
             h(self.total_bytes),
             self.failed_files,
-            self.mb_per_s,
-            self.files_per_s
+            self.rate.mb_per_s,
+            self.rate.files_per_s
         );
         if self.earlier_files > 0 {
             s += &format!("\n  done by an earlier run: {} files, {}", self.earlier_files, h(self.earlier_bytes));
@@ -196,10 +188,10 @@ impl JobReport {
             s += &format!("\n  given to another agent: {} after a failure, {} from lost agents", self.retried_files, self.requeued_files);
         }
         let shares = |title: &str, v: &[Share]| {
-            let total: u64 = v.iter().map(|x| x.files).sum::<u64>().max(1);
+            let total: u64 = v.iter().map(|x| x.count).sum::<u64>().max(1);
             let mut s = format!("\n{title}:");
             for x in v {
-                s += &format!("\n  {}: {} files ({:.0}%), {}", x.name, x.files, 100.0 * x.files as f64 / total as f64, h(x.bytes));
+                s += &format!("\n  {}: {} files ({:.0}%), {}", x.name, x.count, 100.0 * x.count as f64 / total as f64, h(x.bytes));
             }
             s
         };
@@ -218,7 +210,8 @@ impl JobReport {
             }
         }
         for f in self.failures.iter().take(20) {
-            s += &format!("\nfailed: {} ({}, {} attempts): {}", f.path, f.kind.name(), f.attempts, f.message);
+            let e = &f.error;
+            s += &format!("\nfailed: {} ({}, {} attempts): {}", e.path, e.kind.name(), f.attempts, e.message);
         }
         if self.failures.len() > 20 {
             s += &format!("\n  ... and {} more failures (see report.json)", self.failures.len() - 20);
@@ -402,7 +395,8 @@ mod tests {
         s.write_progress(&r).unwrap();
         assert_eq!(s.read().unwrap().state, JobState::Running);
         r.state = JobState::Failed;
-        r.failures.push(FailureReport { path: "x".into(), kind: ErrorKind::Permission, message: "m".into(), attempts: 3 });
+        let error = FileError { path: "x".into(), kind: ErrorKind::Permission, message: "m".into() };
+        r.failures.push(FailureReport { error, attempts: 3 });
         s.write_report(&r).unwrap();
         let text = fs::read_to_string(t.path().join(REPORT)).unwrap();
         assert!(text.contains(r#""state": "failed""#) && text.contains(r#""kind": "permission-denied""#), "{text}");
@@ -410,6 +404,25 @@ mod tests {
         assert_eq!(back, r);
         assert_eq!(back.exit_code(), 4);
         assert!(fs::read_to_string(t.path().join(SUMMARY)).unwrap().contains("check: FAILED"));
+    }
+
+    #[test]
+    fn shares_failures_and_rates_are_spelled_as_reports_always_spelled_them() {
+        let error = FileError { path: "x".into(), kind: ErrorKind::NotFound, message: "m".into() };
+        let r = JobReport {
+            rate: Rate::new(4, 3_000_000, 2.0),
+            nodes: vec![Share { name: "n1".into(), count: 2, bytes: 5 }],
+            failures: vec![FailureReport { error, attempts: 2 }],
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&r).unwrap();
+        for part in [
+            r#""mb_per_s":1.5,"files_per_s":2.0,"nodes":[{"name":"n1","files":2,"bytes":5}]"#,
+            r#""failures":[{"path":"x","kind":"not-found","message":"m","attempts":2}]"#,
+        ] {
+            assert!(text.contains(part), "{part} not in {text}");
+        }
+        assert_eq!(serde_json::from_str::<JobReport>(&text).unwrap(), r);
     }
 
     #[test]

@@ -247,11 +247,15 @@ pub struct TicketedHost {
     pub wrapped_secret: [u8; 32],
 }
 
-/// One host's share of a transfer.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct HostShare {
-    pub host: String,
-    pub files: u64,
+/// One part's share of what was moved: a destination host's of a transfer,
+/// a node's or host's of a job, a sink's of a stream.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Share {
+    /// The host, node or sink.
+    pub name: String,
+    /// Files, or blocks for a stream.
+    #[serde(rename = "files")]
+    pub count: u64,
     pub bytes: u64,
 }
 
@@ -297,8 +301,8 @@ pub struct StepInfo {
     pub blocks: Vec<StepBlock>,
 }
 
-/// One file that failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One file that failed, and why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileError {
     pub path: String,
     pub kind: ErrorKind,
@@ -316,7 +320,7 @@ pub struct Stats {
     pub retries: u64,
     pub resent_blocks: u64,
     pub nanos: u64,
-    pub hosts: Vec<HostShare>,
+    pub hosts: Vec<Share>,
     pub errors: Vec<FileError>,
     /// Files and bytes the destination confirmed, and whether the source's
     /// and destination's set digests agree.
@@ -801,8 +805,8 @@ impl Msg {
                 w.u8(s.digests_match as u8);
                 w.u32(s.hosts.len() as u32);
                 for h in &s.hosts {
-                    w.str(&h.host);
-                    w.u64(h.files);
+                    w.str(&h.name);
+                    w.u64(h.count);
                     w.u64(h.bytes);
                 }
                 w.u32(s.errors.len() as u32);
@@ -926,7 +930,7 @@ impl Msg {
                 s.digests_match = r.bool()?;
                 let n = r.count(4 + 16)?;
                 for _ in 0..n {
-                    s.hosts.push(HostShare { host: r.str()?, files: r.u64()?, bytes: r.u64()? });
+                    s.hosts.push(Share { name: r.str()?, count: r.u64()?, bytes: r.u64()? });
                 }
                 let n = r.count(4 + 1 + 4)?;
                 for _ in 0..n {
@@ -1182,7 +1186,7 @@ mod tests {
             Msg::Report {
                 stats: Stats {
                     files: 1,
-                    hosts: vec![HostShare { host: "h".into(), files: 1, bytes: 2 }],
+                    hosts: vec![Share { name: "h".into(), count: 1, bytes: 2 }],
                     errors: vec![FileError { path: "p".into(), kind: ErrorKind::NoSpace, message: "m".into() }],
                     digests_match: true,
                     timeline: vec![TunePoint { t_ms: 1, host: 0, streams: 4, concurrency: 8, goodput: 1 << 30, rtt_us: 20_000 }],

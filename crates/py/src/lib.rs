@@ -175,8 +175,8 @@ fn report<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>> {
         .iter()
         .map(|x| {
             let e = PyDict::new(py);
-            e.set_item("addr", &x.addr)?;
-            e.set_item("blocks", x.blocks)?;
+            e.set_item("addr", &x.name)?;
+            e.set_item("blocks", x.count)?;
             e.set_item("bytes", x.bytes)?;
             Ok(e)
         })

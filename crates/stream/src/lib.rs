@@ -46,6 +46,7 @@ use dmover_engine::error::{Error, Result};
 use dmover_engine::pool::{Block, Pool};
 use dmover_engine::session::Credential;
 use dmover_proto::digest::block_sum;
+pub use dmover_proto::frame::Share;
 use dmover_proto::ErrorKind;
 use manager::{Event, Manager};
 use spill::Spill;
@@ -243,14 +244,6 @@ impl Report {
     }
 }
 
-/// One destination's share of a stream.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DestinationReport {
-    pub addr: String,
-    pub blocks: u64,
-    pub bytes: u64,
-}
-
 /// What a stream did, returned by [`Stream::close`].
 #[derive(Clone, Debug, Default)]
 pub struct Report {
@@ -296,7 +289,8 @@ pub struct Report {
     pub manifest: PathBuf,
     /// The spill file, if it still holds undelivered blocks.
     pub spill_file: Option<PathBuf>,
-    pub destinations: Vec<DestinationReport>,
+    /// Each sink's share: its address, the blocks it acknowledged and their bytes.
+    pub destinations: Vec<Share>,
 }
 
 /// Fewest slots the circular buffer has, whatever its size: one being

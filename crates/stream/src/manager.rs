@@ -36,7 +36,7 @@
 
 use crate::policy::{Decision, Observation, Policy, State};
 use crate::spill::Spill;
-use crate::{manifest, Config, DestinationReport, Report};
+use crate::{manifest, Config, Report};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_engine::error::{Error, Result};
 use dmover_engine::pool::{self, Pool};
@@ -44,7 +44,7 @@ use dmover_engine::session::{expect_session, Conn, Credential, SETUP_TIMEOUT};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
 use dmover_proto::digest::{block_sum, file_digest, Sum};
-use dmover_proto::frame::{DataHeader, StepBlock, StepInfo};
+use dmover_proto::frame::{DataHeader, Share, StepBlock, StepInfo};
 use dmover_proto::phase::{FromSink, OnData, Open, Request, ToSink};
 use dmover_proto::session::receive::MAX_DAMAGED;
 use dmover_proto::ErrorKind;
@@ -1103,8 +1103,7 @@ impl Manager {
             self.report.spill_file = Some(self.spill.path().to_path_buf());
         }
         self.report.seconds = self.start.elapsed().as_secs_f64();
-        self.report.destinations =
-            self.dests.iter().map(|d| DestinationReport { addr: d.addr.clone(), blocks: d.blocks, bytes: d.bytes }).collect();
+        self.report.destinations = self.dests.iter().map(|d| Share { name: d.addr.clone(), count: d.blocks, bytes: d.bytes }).collect();
         self.write_manifest().map_err(|e| Error::io(self.manifest_path.display().to_string(), &e))?;
         self.report.manifest = self.manifest_path.clone();
         Ok(self.report)

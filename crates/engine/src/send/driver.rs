@@ -18,7 +18,7 @@ use crate::transport::{Layers, Transport};
 use crate::tuning::{self, Meter};
 use crate::wire::FrameWriter;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use dmover_proto::frame::{FileError, HostShare, Stats, TransferFlags};
+use dmover_proto::frame::{FileError, Share, Stats, TransferFlags};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
@@ -152,7 +152,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         retries: 0,
         resent_blocks: s.resent_blocks,
         nanos: started.elapsed().as_nanos() as u64,
-        hosts: names.into_iter().zip(&s.hosts).map(|(host, h)| HostShare { host, files: h.files, bytes: h.bytes }).collect(),
+        hosts: names.into_iter().zip(&s.hosts).map(|(name, h)| Share { name, count: h.files, bytes: h.bytes }).collect(),
         dest_files,
         dest_bytes,
         digests_match: s.digests_match(),
