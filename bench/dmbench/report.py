@@ -68,6 +68,11 @@ def _header(meta: dict) -> str:
         "Reproduce with `bench/run` from the repository root (as root; it installs what it "
         "needs with apt-get). `bench/run --quick` runs the same steps on much less data.",
         "",
+        "Measured apart, each with its command: what encryption costs (bench/ENCRYPTION.md), "
+        "what durable confirmation costs (bench/DURABILITY.md), this build against an "
+        "earlier one (bench/BASELINE.md), pulling over ssh (bench/SSH.md), streaming "
+        "(bench/STREAMING.md), tuning (bench/TUNING.md) and batch jobs (bench/JOBS.md).",
+        "",
         f"- **date**: {meta['date']}",
         f"- **mode**: {mode}; {meta['runs']} runs per measurement",
         f"- **machine**: {meta['nproc']} CPUs ({meta['cpu']}), {meta['memory_gib']} GiB memory, "
