@@ -138,7 +138,7 @@ fn many_clients_at_once_all_verify_with_bounded_memory_and_no_descriptor_leak() 
     //   the blocks being read or written are all pool blocks;
     // * per session besides: the state of up to 1024 announced files (a
     //   few hundred bytes each here, with 16 bytes per block), the writer,
-    //   pinger, accept and control threads' stacks (a few pages each) and
+    //   accept and control threads' stacks (a few pages each) and
     //   their allocator arenas' bookkeeping: 1 MiB is generous;
     // * per connection (control or data; the uploads' tuners open data
     //   connections as they like, so they are counted as the most sockets

@@ -393,8 +393,8 @@ pub fn download(
     });
     drop(tx);
     let summary = prepared.run(control, rx);
-    // The sender's report follows its `Finish` (and pings, which its
-    // pinger may still send until then).
+    // The sender's report follows its `Finish` (and pings, which it may
+    // still send until then).
     let mut r = FrameReader::new(after);
     let report = remote_report(|| r.read_msg(), host, progress);
     summary?;

@@ -8,6 +8,7 @@ use dmover_proto::frame::{DataHeader, DecodeError, Header, DATA_HEADER_LEN, HEAD
 use dmover_proto::{Msg, Phase};
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Read buffer of a frame reader: large enough to take a data header and
 /// the start of its block in one read.
@@ -146,12 +147,24 @@ impl FrameReader {
     }
 }
 
-/// Writes frames to the writing half of a transport.
+/// Writes frames to the writing half of a transport, and keeps a quiet
+/// connection alive (see [`FrameWriter::keep_alive`]).
 pub struct FrameWriter {
     inner: Box<dyn Transport>,
     peer: String,
     /// Encoded messages not yet written (see [`FrameWriter::queue`]).
     pending: Vec<u8>,
+    /// When a frame last went out (or the writer was made).
+    last_write: Instant,
+}
+
+/// How often a connection with nothing to say pings its peer, given this
+/// end's idle timeout. The peer's idle timeout is its own setting (`dmover
+/// serve --idle-timeout`) and may be much shorter, so pings go at least
+/// every second: a quiet control connection must never look idle while
+/// data flows.
+pub fn ping_interval(idle: Duration) -> Duration {
+    (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
 }
 
 /// Queued messages are written once they reach this many bytes.
@@ -160,7 +173,23 @@ const QUEUE_LIMIT: usize = 64 * 1024;
 impl FrameWriter {
     pub fn new(t: Box<dyn Transport>) -> FrameWriter {
         let peer = t.peer();
-        FrameWriter { inner: t, peer, pending: Vec::with_capacity(256) }
+        FrameWriter { inner: t, peer, pending: Vec::with_capacity(256), last_write: Instant::now() }
+    }
+
+    /// Sends `Ping` if nothing went out for `every`, so that the peer's idle
+    /// timeout does not fire. Every connection's one keepalive rule: whoever
+    /// owns the writer calls this whenever it wakes, and wakes by
+    /// [`ping_due`](FrameWriter::ping_due) at the latest.
+    pub fn keep_alive(&mut self, every: Duration) -> Result<()> {
+        if self.last_write.elapsed() < every {
+            return Ok(());
+        }
+        self.send(Msg::Ping)
+    }
+
+    /// When [`keep_alive`](FrameWriter::keep_alive) will next have to ping.
+    pub fn ping_due(&self, every: Duration) -> Instant {
+        self.last_write + every
     }
 
     /// Sends one control message (after any queued ones).
@@ -187,6 +216,7 @@ impl FrameWriter {
         }
         let r = self.inner.write_all(&self.pending);
         self.pending.clear();
+        self.last_write = Instant::now();
         r.map_err(|e| Error::network(&self.peer, &e))
     }
 
@@ -194,6 +224,7 @@ impl FrameWriter {
     pub fn send_block(&mut self, h: &DataHeader, data: &[u8]) -> Result<()> {
         let head = h.encode();
         let r = write_all_vectored(&mut self.inner, &head, data);
+        self.last_write = Instant::now();
         r.map_err(|e| Error::network(&self.peer, &e))
     }
 

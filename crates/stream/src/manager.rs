@@ -184,7 +184,6 @@ struct Link {
     /// One stop flag per data connection, oldest first.
     streams: Vec<Arc<AtomicBool>>,
     next_index: u32,
-    last_control: Instant,
     /// When the sink last acknowledged something (or the link opened).
     last_ack: Instant,
 }
@@ -602,12 +601,9 @@ impl Manager {
             if !waiting {
                 l.last_ack = Instant::now();
             }
-            if l.last_control.elapsed() >= PING_EVERY {
-                l.last_control = Instant::now();
-                if let Err(e) = l.control.send(ToSink::Ping {}) {
-                    self.link_down(i, e);
-                    continue;
-                }
+            if let Err(e) = l.control.keep_alive(PING_EVERY) {
+                self.link_down(i, e);
+                continue;
             }
             i += 1;
         }
@@ -866,7 +862,6 @@ impl Manager {
                     failed.push((id, e));
                     break;
                 }
-                l.last_control = Instant::now();
                 l.unconfirmed += 1;
                 self.steps.get_mut(&step).expect("listed above").pending.insert(id);
             }
@@ -1013,7 +1008,6 @@ impl Manager {
             unconfirmed: 0,
             streams: Vec::new(),
             next_index: 0,
-            last_control: Instant::now(),
             last_ack: Instant::now(),
         });
         self.dests[dest].down_until = None;

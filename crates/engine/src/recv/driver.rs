@@ -9,15 +9,15 @@
 //! per-block work is the workers'.
 
 use super::workers::{self, FileIo, Input, Paths, Shared, Slot, WriteJob};
-use super::{Layout, Pinger, Prepared, Receiving, RecvSummary, MAX_DIALED_STREAMS, WRITE_QUEUE};
+use super::{Layout, Prepared, Receiving, RecvSummary, MAX_DIALED_STREAMS, WRITE_QUEUE};
 use crate::error::{Error, Result};
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
 use crate::source::PART_SUFFIX;
 use crate::storage::digest_of;
 use crate::transport::{Connector, SocketOptions, Transport};
-use crate::wire::{FrameReader, FrameWriter, Incoming};
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crate::wire::{ping_interval, FrameReader, FrameWriter, Incoming};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use dmover_proto::digest::Sum;
 use dmover_proto::frame::{FileMeta, TransferFlags};
 use dmover_proto::phase::{ToReceiver, ToSender};
@@ -40,7 +40,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     let block_size = opts.block_size as u64;
     let peer = control.peer();
     control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(&peer, &e))?;
-    let ctl = Arc::new(Mutex::new(FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?)));
+    let ctl = FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?);
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
     let (commits, verified) = crossbeam_channel::unbounded::<(Arc<Slot>, Sum)>();
     let sh = Arc::new(Shared {
@@ -59,7 +59,6 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         streams: AtomicUsize::new(0),
         receiving: Receiving::new(cfg.intake),
     });
-    let _pinger = Pinger::start(ctl.clone(), super::ping_interval(cfg.idle_timeout));
     // One queue per writer, and a file's blocks always go to the same
     // writer: writers to one file would only contend for its inode lock.
     let mut wtx = Vec::new();
@@ -96,6 +95,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         sh: sh.clone(),
         session,
         ctl,
+        ping_every: ping_interval(cfg.idle_timeout),
         peer,
         wtx: wtx.into(),
         conns: Vec::new(),
@@ -163,8 +163,11 @@ fn read_control(control: Box<dyn Transport>, events: &Sender<Input>) {
 struct Owner {
     sh: Arc<Shared>,
     session: Receive,
-    /// The control connection's writing half; the pinger shares it.
-    ctl: Arc<Mutex<FrameWriter>>,
+    /// The control connection's writing half.
+    ctl: FrameWriter,
+    /// How often the control connection says something (see
+    /// [`FrameWriter::keep_alive`]).
+    ping_every: Duration,
     /// The control connection's peer, for messages.
     peer: String,
     /// The writers' queues, for data connections that attach.
@@ -201,7 +204,14 @@ impl Owner {
                     if let Some(e) = self.fatal.take() {
                         return Err(e);
                     }
-                    inputs.recv().expect("the owner holds a sender")
+                    match inputs.recv_deadline(self.ctl.ping_due(self.ping_every)) {
+                        Ok(i) => i,
+                        Err(RecvTimeoutError::Timeout) => {
+                            self.keep_alive();
+                            continue;
+                        }
+                        Err(RecvTimeoutError::Disconnected) => unreachable!("the owner holds a sender"),
+                    }
                 }
                 Err(TryRecvError::Disconnected) => unreachable!("the owner holds a sender"),
             };
@@ -229,6 +239,8 @@ impl Owner {
             if let Some(end) = end {
                 return end;
             }
+            // However long a run of inputs lasts, the sender hears from us.
+            self.keep_alive();
             if let Some(e) = self.fatal.take() {
                 return Err(e);
             }
@@ -325,7 +337,7 @@ impl Owner {
             let _ = self.sh.state.remove(&l.marker);
             let _ = self.sh.state.remove_dir(&l.state_dir);
         }
-        self.ctl.lock().expect("control lock").send(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
+        self.ctl.send(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
         Ok(t)
     }
 
@@ -368,15 +380,24 @@ impl Owner {
 
     /// A reply, sent when the owner runs out of things to do.
     fn queue(&mut self, m: ToSender) {
-        let queued = self.ctl.lock().expect("control lock").queue(m);
+        let queued = self.ctl.queue(m);
         if let Err(e) = queued {
             self.fail(e);
         }
     }
 
     fn flush(&mut self) {
-        let flushed = self.ctl.lock().expect("control lock").flush();
+        let flushed = self.ctl.flush();
         if let Err(e) = flushed {
+            self.fail(e);
+        }
+    }
+
+    fn keep_alive(&mut self) {
+        if self.sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Err(e) = self.ctl.keep_alive(self.ping_every) {
             self.fail(e);
         }
     }
@@ -392,16 +413,14 @@ impl Owner {
         };
         self.sh.stop.store(true, Ordering::SeqCst);
         self.conns.iter().for_each(|c| c.close());
-        if let Ok(mut w) = self.ctl.lock() {
-            if first && !lost {
-                // Say why, and leave the connection readable: closing it
-                // with the sender's messages unread would reset it and could
-                // destroy our message before the sender reads it.
-                let _ = w.send(ToSender::Error { kind: e.kind, message: e.to_string() });
-                w.close_write();
-            } else {
-                w.close();
-            }
+        if first && !lost {
+            // Say why, and leave the connection readable: closing it with
+            // the sender's messages unread would reset it and could destroy
+            // our message before the sender reads it.
+            let _ = self.ctl.send(ToSender::Error { kind: e.kind, message: e.to_string() });
+            self.ctl.close_write();
+        } else {
+            self.ctl.close();
         }
         if first {
             self.fatal = Some(e);

@@ -48,10 +48,9 @@ use crate::error::{Error, Result};
 use crate::source::STATE_DIR;
 use crate::storage::Store;
 use crate::transport::{Connector, Transport};
-use crate::wire::FrameWriter;
 use crossbeam_channel::Receiver;
 use dmover_proto::frame::{TransferFlags, TransferOptions};
-use dmover_proto::{ErrorKind, Msg};
+use dmover_proto::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -111,46 +110,6 @@ pub const WRITE_QUEUE: usize = 4;
 
 /// What the receiver committed.
 pub use dmover_proto::session::receive::Totals as RecvSummary;
-
-/// Sends `Ping` on a shared control writer every `every` until dropped, so
-/// the peer's idle timeout does not fire during long quiet stretches.
-pub struct Pinger {
-    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
-}
-
-impl Pinger {
-    pub fn start(ctl: Arc<Mutex<FrameWriter>>, every: Duration) -> Pinger {
-        let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
-        let s = stop.clone();
-        std::thread::spawn(move || {
-            let (lock, cv) = &*s;
-            let mut stopped = lock.lock().expect("pinger lock");
-            loop {
-                let (g, _) = cv.wait_timeout(stopped, every).expect("pinger lock");
-                stopped = g;
-                if *stopped || ctl.lock().expect("control lock").send(Msg::Ping).is_err() {
-                    return;
-                }
-            }
-        });
-        Pinger { stop }
-    }
-}
-
-impl Drop for Pinger {
-    fn drop(&mut self) {
-        *self.stop.0.lock().expect("pinger lock") = true;
-        self.stop.1.notify_all();
-    }
-}
-
-/// How often an endpoint pings its peer, given its own idle timeout. The
-/// peer's idle timeout is its own setting (`dmover serve --idle-timeout`)
-/// and may be much shorter, so pings go at least every second: a quiet
-/// control connection must never look idle while data flows.
-pub fn ping_interval(idle: Duration) -> Duration {
-    (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
-}
 
 /// Where a transfer's files and resume state go. Settled by the first
 /// announcement when the destination may be a file. The state directory and

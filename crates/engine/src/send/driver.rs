@@ -12,19 +12,18 @@ use super::{fill_block, Files, HostLink, SendConfig, SettleHook, Settled, CHUNK_
 use crate::error::{Error, Result};
 use crate::pool::{Pool, MIN_BLOCKS};
 use crate::progress::Progress;
-use crate::recv::{ping_interval, Pinger};
 use crate::storage;
 use crate::transport::{Layers, Transport};
 use crate::tuning::{self, Meter};
-use crate::wire::FrameWriter;
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crate::wire::{ping_interval, FrameWriter};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use dmover_proto::frame::{FileError, Share, Stats, TransferFlags};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Sends the files to the hosts; see [`super::send`].
@@ -56,7 +55,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     for l in &links {
         let split = |t: &dyn Transport| t.split().map_err(|e| Error::network(&l.name, &e));
         l.control.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| Error::network(&l.name, &e))?;
-        ctl.push(Arc::new(Mutex::new(FrameWriter::new(split(l.control.as_ref())?))));
+        ctl.push(FrameWriter::new(split(l.control.as_ref())?));
         controls.push(split(l.control.as_ref())?);
         peers.push(l.control.peer().to_string());
         hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.more.clone() } else { None }));
@@ -82,7 +81,6 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         started,
     });
 
-    let _pingers: Vec<Pinger> = ctl.iter().map(|c| Pinger::start(c.clone(), sh.ping_every)).collect();
     let mut control_readers = Vec::new();
     let mut names = Vec::new();
     for (host, l) in links.into_iter().enumerate() {
@@ -165,9 +163,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
 struct Owner {
     sh: Arc<Shared>,
     session: Send,
-    /// Each host's control connection's writing half, behind a lock
-    /// because the host's pinger writes on it too.
-    ctl: Vec<Arc<Mutex<FrameWriter>>>,
+    /// Each host's control connection's writing half.
+    ctl: Vec<FrameWriter>,
     /// Hosts with messages queued and not yet written.
     queued: Vec<bool>,
     /// The control connections, to close them on a fatal error (they
@@ -190,6 +187,8 @@ enum Next {
     Input(Input),
     Walked(Walked),
     WalkEnd,
+    /// Nothing came before a control connection was due to ping.
+    Idle,
 }
 
 impl Owner {
@@ -223,7 +222,10 @@ impl Owner {
                     self.sh.progress.walk_done.store(true, Ordering::Relaxed);
                     self.session_event(Event::WalkDone);
                 }
+                Next::Idle => {}
             }
+            // However long a run of inputs lasts, the receivers hear from us.
+            self.keep_alive();
         }
         self.flush();
         walk.is_none()
@@ -231,7 +233,8 @@ impl Owner {
 
     /// The next thing to do: what the workers and receivers said first; a
     /// walked file only while the session takes one. Before waiting, the
-    /// messages queued go out together.
+    /// messages queued go out together; the wait ends when a control
+    /// connection is due to ping (see [`FrameWriter::keep_alive`]).
     fn next(&mut self, inputs: &Receiver<Input>, walk: Option<&Receiver<Walked>>) -> Next {
         if let Ok(i) = inputs.try_recv() {
             return Next::Input(i);
@@ -245,13 +248,32 @@ impl Owner {
             }
         }
         self.flush();
+        let every = self.sh.ping_every;
+        let due = self.ctl.iter().map(|w| w.ping_due(every)).min().expect("send needs a destination");
         let held = "the owner holds a sender";
         match walk {
-            None => Next::Input(inputs.recv().expect(held)),
+            None => match inputs.recv_deadline(due) {
+                Ok(i) => Next::Input(i),
+                Err(RecvTimeoutError::Timeout) => Next::Idle,
+                Err(RecvTimeoutError::Disconnected) => unreachable!("{held}"),
+            },
             Some(w) => crossbeam_channel::select! {
                 recv(inputs) -> i => Next::Input(i.expect(held)),
                 recv(w) -> x => x.map_or(Next::WalkEnd, Next::Walked),
+                default(due.saturating_duration_since(Instant::now())) => Next::Idle,
             },
+        }
+    }
+
+    /// Pings each host whose control connection was quiet for a while.
+    fn keep_alive(&mut self) {
+        if self.sh.stopped() {
+            return;
+        }
+        for host in 0..self.ctl.len() {
+            if let Err(e) = self.ctl[host].keep_alive(self.sh.ping_every) {
+                self.fail(e);
+            }
         }
     }
 
@@ -281,15 +303,9 @@ impl Owner {
                     Progress::add(&self.sh.progress.total_bytes, meta.size);
                 }
                 let probe = matches!(msg, ToReceiver::Echo { .. });
-                let written = {
-                    let mut w = self.ctl[host].lock().expect("control lock");
-                    // A probe goes at once: its answer times the round trip.
-                    if probe {
-                        w.send(msg)
-                    } else {
-                        w.queue(msg)
-                    }
-                };
+                let w = &mut self.ctl[host];
+                // A probe goes at once: its answer times the round trip.
+                let written = if probe { w.send(msg) } else { w.queue(msg) };
                 self.queued[host] |= !probe;
                 if let Err(e) = written {
                     self.fail(e);
@@ -330,7 +346,7 @@ impl Owner {
     fn flush(&mut self) {
         for host in 0..self.ctl.len() {
             if std::mem::take(&mut self.queued[host]) {
-                let flushed = self.ctl[host].lock().expect("control lock").flush();
+                let flushed = self.ctl[host].flush();
                 if let Err(e) = flushed {
                     self.fail(e);
                 }

@@ -527,7 +527,6 @@ fn unchanged(file: &dyn ReadFile, s: &Source) -> std::result::Result<(), (ErrorK
 fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: &AtomicBool) {
     let q = &sh.hosts[host];
     let mut w = FrameWriter::new(conn);
-    let mut last = Instant::now();
     loop {
         if retire.load(Ordering::SeqCst) {
             // Dropped by the tuner: nothing more comes on this connection.
@@ -543,18 +542,14 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
                 if let Err(e) = w.send_block(&o.header, &o.data) {
                     return sh.broken(e);
                 }
-                last = Instant::now();
                 let n = o.header.len as u64;
                 sh.sent.fetch_add(n, Ordering::Relaxed);
                 Progress::add(&sh.progress.sent_bytes, n);
             }
             Err(RecvTimeoutError::Timeout) if sh.stopped() => return,
             Err(RecvTimeoutError::Timeout) => {
-                if last.elapsed() >= sh.ping_every {
-                    if w.send(OnData::Ping {}).is_err() {
-                        return;
-                    }
-                    last = Instant::now();
+                if w.keep_alive(sh.ping_every).is_err() {
+                    return;
                 }
             }
             Err(RecvTimeoutError::Disconnected) => return,
