@@ -1,7 +1,7 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
 //! loopback): a tree up and back down identical, a 2 GiB upload killed
 //! midway and resumed (and a download), an upload's memory within its
-//! staging, from bucket to bucket, globs (and ls), --sync, the digest kept with each object and checked on the way
+//! staging, from bucket to bucket, between a bucket and a server, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
 
@@ -258,6 +258,33 @@ fn bucket_to_bucket() {
     t.cp(["s3://two/copy/src", dst.to_str().unwrap()]).run().assert_ok();
     assert_same_tree(&src, &dst.join("src"));
     assert_eq!(list_files(&two.join("copy/src")).len(), list_files(&src).len());
+}
+
+/// A bucket is a source and a destination for a server too: the client
+/// reads the objects and sends them, or receives and writes them.
+#[test]
+fn between_a_bucket_and_a_server_both_ways() {
+    let Some(t) = Setup::new() else { return };
+    t.s3.bucket("one");
+    let two = t.s3.bucket("two");
+    let src = t.env.mkdir("src");
+    make_tree(&src, 31, 25);
+    make_file(&src.join("big/large.bin"), 2 * PART + 777, &mut Rng::new(8));
+    t.cp([src.to_str().unwrap(), "s3://one/"]).run().assert_ok();
+    let export = t.env.mkdir("export");
+    let srv = Server::start(ServerSpec::new(&t.env.token, &[("e", &export)], &t.env.path("server.log")));
+
+    let j = t.cp(["s3://one/src", &srv.url("e/")]).run().assert_ok();
+    assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
+    assert_same_tree(&src, &export.join("src"));
+
+    let j = t.cp([srv.url("e/src"), "s3://two/back/".into()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
+    for (rel, _) in list_files(&src) {
+        assert_eq!(fs::read(two.join("back/src").join(&rel)).unwrap(), fs::read(src.join(&rel)).unwrap(), "{rel}");
+    }
+    let stray: Vec<_> = list_tree(&two).into_keys().filter(|k| k.contains(".part") || k.contains(".dmover")).collect();
+    assert!(stray.is_empty(), "left in the bucket: {stray:?}");
 }
 
 #[test]
