@@ -167,7 +167,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     let is_s3 = |l: &Location| matches!(l, Location::S3 { .. });
     if (is_s3(&sources[0]) && dest.is_remote()) || (is_s3(&dest) && sources[0].is_remote()) {
         return Err(Error::new(ErrorKind::Usage, "", "copies between s3:// and a server (dmover:// or ssh) are not supported yet")
-            .advised("copy through a local directory: first from the source, then to the destination"));
+            .advised("copy through a local directory, or have the server export the bucket (`dmover serve --export NAME=s3://BUCKET/prefix`) and copy with dmover://HOST/NAME"));
     }
     let store = |l: &Location| match l {
         Location::S3 { bucket, .. } => a.s3.open(bucket, a.staging),
