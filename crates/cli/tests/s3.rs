@@ -5,9 +5,10 @@
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
 //! And a bucket served by `dmover serve --export NAME=s3://BUCKET/prefix`:
-//! up, down and listed as a directory export is, third-party copies to and
-//! from a directory export, paths that leave the prefix refused at the
-//! wire level, and a bucket that cannot be reached stopping the server.
+//! up, down and listed as a directory export is, an upload into it cut
+//! short and resumed, third-party copies to and from a directory export,
+//! paths that leave the prefix refused at the wire level, and a bucket that
+//! cannot be reached stopping the server.
 
 mod util;
 
@@ -525,6 +526,37 @@ fn third_party_copies_between_a_directory_export_and_a_bucket_export() {
     let j = t.env.cp([srv.url("b/tp/src"), other.url("d2/back/")]).run().assert_ok();
     assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
     assert_same_tree(&src, &dir2.join("back/src"));
+}
+
+/// An upload into a served bucket cut short (the client killed) resumes
+/// from the parts the S3 server holds, with the state the server keeps.
+#[test]
+fn an_upload_into_a_served_bucket_killed_midway_resumes() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let srv = t.serve(&[("b", "s3://data/in")]);
+    let src = t.env.mkdir("src");
+    let file = src.join("big.bin");
+    let size = 160 * MIB + 999;
+    make_sparse(&file, size, 66);
+    let args = [file.to_str().unwrap().to_string(), srv.url("b/big.bin"), "--bwlimit".into(), "16M".into()];
+    let mut p = t.env.cp(&args).spawn();
+    let mut held = 0;
+    let caught = wait_until(std::time::Duration::from_secs(120), || {
+        let uploads = t.s3.uploads("data");
+        held = uploads.iter().filter(|(k, _)| k == "in/.big.bin.dmover-part").map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>();
+        held >= 2 || !p.running()
+    });
+    assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");
+    p.kill9();
+    let j = t.env.cp(&args).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the client was killed");
+    assert!(sent > 0, "nothing was left to send: the first run was not cut short");
+    assert!(sent + PART <= size, "the re-run sent {sent} of {size} bytes, though the S3 server held {held} parts");
+    assert!(same_content(&file, &bucket.join("in/big.bin")), "the object differs from the file");
+    assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
+    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["in/big.bin"]);
 }
 
 /// Paths that try to leave a bucket export's prefix, sent as raw requests

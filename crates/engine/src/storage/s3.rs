@@ -108,8 +108,8 @@ pub struct Options {
     pub prefix: String,
     /// How messages name the root (an export's name), else `s3://BUCKET[/prefix]`.
     pub label: Option<String>,
-    /// A local directory for this bucket's resume state (see
-    /// [`default_state_dir`] for where the command keeps it).
+    /// A local directory for this storage's resume state ([`default_state_dir`]
+    /// for `cp`; a served bucket's is named after its export).
     pub state_dir: PathBuf,
     /// Memory for the parts of uploads, being filled and being sent (see
     /// [`Budget`]): at least one part, at most [`MAX_PARTS_IN_FLIGHT`].
@@ -170,6 +170,9 @@ impl S3 {
     /// and the credentials are taken.
     pub fn open(bucket: &str, o: &Options) -> Result<S3> {
         let label = format!("s3://{bucket}");
+        let root = o.prefix.trim_end_matches('/').to_string();
+        dmover_proto::path::check_relative(&root)
+            .map_err(|e| Error::new(ErrorKind::Usage, format!("{label}/{root}"), format!("not a key prefix: {e}")))?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("dmover-s3")
@@ -208,9 +211,6 @@ impl S3 {
         };
         let uploads = o.state_dir.join("uploads");
         let budget = Arc::new(Budget::new(o.staging.clamp(PART, MAX_PARTS_IN_FLIGHT * PART)));
-        let root = o.prefix.trim_end_matches('/').to_string();
-        dmover_proto::path::check_relative(&root)
-            .map_err(|e| Error::new(ErrorKind::Usage, format!("{label}/{root}"), format!("not a key prefix: {e}")))?;
         let shown = o.label.clone().unwrap_or_else(|| dmover_proto::path::join(&label, &root));
         let inner = Inner { client, bucket: bucket.to_string(), root, label: shown, rt, budget, uploads };
         let at = endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
