@@ -7,7 +7,7 @@ use crate::ssh::{Endpoint, SshOptions, SshTarget};
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::session::Credential;
-use dmover_engine::storage::Store;
+use dmover_engine::storage::{s3, Store};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
@@ -49,11 +49,16 @@ pub struct S3Args {
 }
 
 impl S3Args {
-    /// The storage of `bucket`, sending parts of uploads in `staging` bytes of memory.
+    /// The storage of `bucket`, sending parts of uploads in `staging` bytes
+    /// of memory, with its resume state in the user's cache.
     pub fn open(&self, bucket: &str, staging: u64) -> Result<Store> {
-        use dmover_engine::storage::s3;
-        let o = s3::Options { endpoint: self.s3_endpoint.clone(), state_dir: s3::default_state_dir(bucket), staging };
-        Ok(std::sync::Arc::new(s3::S3::open(bucket, &o)?))
+        Ok(std::sync::Arc::new(s3::S3::open(bucket, &self.options(s3::default_state_dir(bucket), staging))?))
+    }
+
+    /// How to reach a bucket as these flags say: the whole bucket, named by
+    /// its URL, resume state in `state_dir`, parts of uploads in `staging` bytes.
+    pub fn options(&self, state_dir: std::path::PathBuf, staging: u64) -> s3::Options {
+        s3::Options { endpoint: self.s3_endpoint.clone(), prefix: String::new(), label: None, state_dir, staging }
     }
 }
 

@@ -1,9 +1,11 @@
-//! `dmover serve`: parses the server's flags, binds, and runs the server
-//! until SIGTERM or SIGINT.
+//! `dmover serve`: parses the server's flags, opens the exports (a
+//! directory, or an S3 bucket or a prefix in one), binds, and runs the
+//! server until SIGTERM or SIGINT.
 
+use crate::location::{Location, S3Args};
 use crate::sizes::parse_size;
 use clap::Args;
-use dmover_engine::storage;
+use dmover_engine::storage::{self, s3, Store};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
@@ -15,9 +17,18 @@ pub struct ServeArgs {
     /// Address to listen on (loopback unless you say otherwise).
     #[arg(long, default_value = "127.0.0.1:7450")]
     pub listen: String,
-    /// A directory to serve: NAME=DIR (repeatable).
-    #[arg(long = "export", value_name = "NAME=DIR", required = true)]
+    /// What to serve under NAME (repeatable): a directory, or
+    /// s3://BUCKET[/prefix] for the objects of a bucket below the prefix.
+    #[arg(long = "export", value_name = "NAME=DIR|s3://BUCKET[/prefix]", required = true)]
     pub exports: Vec<String>,
+    /// Where bucket exports keep the resume state of uploads into them
+    /// (journals, records of multipart uploads), each in a directory named
+    /// after its export [default: $XDG_CACHE_HOME/dmover/serve, else
+    /// ~/.cache/dmover/serve].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub s3: S3Args,
     #[command(flatten)]
     pub daemon: DaemonArgs,
     /// Staging memory of each receiving transfer.
@@ -70,27 +81,45 @@ impl DaemonArgs {
 
 pub fn run(a: ServeArgs) -> Result<i32> {
     let usage = |subject: &str, msg: String| Error::new(ErrorKind::Usage, subject, msg);
+    let staging = parse_size(&a.staging).map_err(|m| usage("--staging", m))?;
     let mut exports = HashMap::new();
     for e in &a.exports {
-        let (name, dir) = e.split_once('=').ok_or_else(|| usage(e, "an export is NAME=DIR".into()))?;
+        let (name, what) = e.split_once('=').ok_or_else(|| usage(e, "an export is NAME=DIR or NAME=s3://BUCKET[/prefix]".into()))?;
         if name.is_empty() || name.contains(['/', '\0']) || name == "." || name == ".." {
             return Err(usage(e, "an export name is one path component".into()));
         }
-        if std::path::Path::new(dir).metadata().is_ok_and(|m| !m.is_dir()) {
-            return Err(usage(dir, "not a directory".into()));
-        }
-        let root = storage::export(name, std::path::Path::new(dir)).map_err(|err| Error::io(dir, &err))?;
-        if exports.insert(name.to_string(), root).is_some() {
+        if exports.contains_key(name) {
             return Err(usage(name, "exported twice".into()));
         }
+        let root = if what.starts_with(crate::location::S3_SCHEME) { bucket(&a, name, what, staging)? } else { directory(name, what)? };
+        exports.insert(name.to_string(), root);
     }
-    let staging = parse_size(&a.staging).map_err(|m| usage("--staging", m))?;
     let ticket_lifetime = Duration::from_secs(a.ticket_lifetime);
     let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ticket_lifetime, ..a.daemon.config()? };
     let names: Vec<String> = cfg.exports.keys().cloned().collect();
     let listener = bind(&a.listen)?;
     log::info!("serving {names:?} on {}", listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?);
     run_server(listener, cfg)
+}
+
+/// The export `name` of directory `dir`.
+fn directory(name: &str, dir: &str) -> Result<Store> {
+    if std::path::Path::new(dir).metadata().is_ok_and(|m| !m.is_dir()) {
+        return Err(Error::new(ErrorKind::Usage, dir, "not a directory"));
+    }
+    storage::export(name, std::path::Path::new(dir)).map_err(|err| Error::io(dir, &err))
+}
+
+/// The export `name` of the objects `url` (`s3://BUCKET[/prefix]`) names,
+/// with its resume state in `STATE_DIR/NAME`; fails unless the bucket is
+/// there and takes the credentials.
+fn bucket(a: &ServeArgs, name: &str, url: &str, staging: u64) -> Result<Store> {
+    let Location::S3 { bucket, path } = Location::parse(url)? else { unreachable!("an s3:// URL") };
+    let state = a.state_dir.clone().unwrap_or_else(|| s3::cache_dir().join("serve")).join(name);
+    let o = s3::Options { prefix: path, label: Some(name.to_string()), ..a.s3.options(state.clone(), staging) };
+    let store = s3::S3::open(&bucket, &o)?;
+    log::info!("export {name}: {url}, its resume state in {}", state.display());
+    Ok(std::sync::Arc::new(store))
 }
 
 /// Binds the listening socket.

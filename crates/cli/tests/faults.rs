@@ -418,7 +418,7 @@ fn blocks_damaged_in_flight_are_detected_and_sent_again() {
     let export = env.mkdir("export");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
     spec.bin = BIN_FAULTY;
-    spec.envs.push((CORRUPT.into(), "5".into()));
+    spec.envs.push((CORRUPT.into(), Some("5".into())));
     let srv = Server::start(spec);
     let src = env.path("src");
     make_tree(&src, 41, 30);

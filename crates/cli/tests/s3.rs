@@ -4,10 +4,16 @@
 //! staging, from bucket to bucket, between a bucket and a server, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
 //! --s3-endpoint, and what wrong credentials and a missing bucket say.
+//! And a bucket served by `dmover serve --export NAME=s3://BUCKET/prefix`:
+//! up, down and listed as a directory export is, an upload into it cut
+//! short and resumed, third-party copies to and from a directory export,
+//! paths that leave the prefix refused at the wire level, and a bucket that
+//! cannot be reached stopping the server.
 
 mod util;
 
-use dmover_proto::ErrorKind;
+use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
+use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::path::Path;
 use util::*;
@@ -32,6 +38,24 @@ impl Setup {
         let mut c = self.env.cp(args);
         c.s3(&self.s3, &self.env.path("home"));
         c
+    }
+
+    /// A `dmover serve` of `exports` (NAME, and a directory or an s3:// URL)
+    /// reaching the S3 server, its state under the home directory's cache.
+    fn serve(&self, exports: &[(&str, &str)]) -> Server {
+        let exports: Vec<(&str, &Path)> = exports.iter().map(|(n, w)| (*n, Path::new(*w))).collect();
+        let mut spec = ServerSpec::new(&self.env.token, &exports, &self.env.path(&format!("server-{}.log", unique())));
+        spec.envs = s3_env(&self.s3, &self.env.path("home"));
+        Server::start(spec)
+    }
+
+    /// `dmover serve --export ARG` (with `extra` flags) run to its end.
+    fn serve_fails(&self, export: &str, extra: &[&str]) -> Run {
+        let mut c = dmover(["serve", "--listen", "127.0.0.1:0", "--token-file"]);
+        c.arg(&self.env.token).arg("--export").arg(export).args(extra).s3(&self.s3, &self.env.path("home"));
+        let r = c.run();
+        assert!(!r.stdout.contains("listening"), "the server started: {}", r.stdout);
+        r
     }
 }
 
@@ -451,4 +475,176 @@ fn a_missing_bucket_says_what_to_do() {
     // A name S3 does not take (too short).
     let r = t.cp([src.to_str().unwrap(), "s3://ab/x"]).run();
     r.assert_fails(ErrorKind::Usage as i32, &["s3://ab", "HTTP 400", "bucket's name"]);
+}
+
+/// The paths of a JSON listing by `dmover ls --json`, sorted.
+fn listed(r: &Run) -> Vec<String> {
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    let mut names: Vec<String> = v.as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap().to_string()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_served_bucket_takes_uploads_lists_them_and_gives_them_back() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    // Beside the prefix: the export must neither show nor touch it.
+    fs::write(bucket.join("beside.txt"), b"not exported").unwrap();
+    let srv = t.serve(&[("b", "s3://data/served/in")]);
+    let src = t.env.mkdir("src");
+    make_tree(&src, 61, 20);
+    // Several parts of a multipart upload, the last one short.
+    make_file(&src.join("big/large.bin"), 40 * MIB + 4321, &mut Rng::new(62));
+    let j = t.env.cp([src.to_str().unwrap(), &srv.url("b/up/")]).run().assert_ok();
+    let files = list_files(&src);
+    assert_eq!(u(&j["files"]), files.len() as u64, "{j:#}");
+
+    // Every object is under the prefix, and is its file byte for byte...
+    let keys: Vec<String> = list_files(&bucket).into_keys().filter(|k| k != "beside.txt").collect();
+    let want: Vec<String> = files.keys().map(|rel| format!("served/in/up/src/{rel}")).collect();
+    assert_eq!(keys, want, "the bucket holds other objects than the files, under the prefix");
+    assert_eq!(fs::read(bucket.join("beside.txt")).unwrap(), b"not exported");
+    // ...and read back through the S3 API, with the metadata kept.
+    let back = t.env.mkdir("back");
+    t.cp(["s3://data/served/in/up/src", back.to_str().unwrap()]).run().assert_ok();
+    assert_same_tree(&src, &back.join("src"));
+    // The resume state was kept where the server keeps it, and is gone.
+    let state = t.env.path("home/.cache/dmover/serve/b");
+    assert!(state.join("journals").is_dir(), "no state directory at {}", state.display());
+    assert_eq!(list_files(&state).into_keys().collect::<Vec<_>>(), Vec::<String>::new(), "left in {}", state.display());
+
+    // ls names what is there, as for a directory export.
+    let ls = |what: &str| dmover(["ls", "--json", "--token-file"]).arg(&t.env.token).arg(srv.url(what)).run();
+    let want: Vec<String> = files.keys().map(|rel| format!("src/{rel}")).collect();
+    assert_eq!(listed(&ls("b/up/src")), want);
+    assert_eq!(listed(&ls("b/up/src/big/*.bin")), ["large.bin"]);
+    let r = ls("b/beside.txt");
+    assert_ne!(r.code, 0, "an object outside the prefix was listed: {}", r.stdout);
+
+    // Down again, identical.
+    let dst = t.env.mkdir("dst");
+    let j = t.env.cp([&srv.url("b/up/src"), dst.to_str().unwrap()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), files.len() as u64, "{j:#}");
+    assert_same_tree(&src, &dst.join("src"));
+}
+
+#[test]
+fn third_party_copies_between_a_directory_export_and_a_bucket_export() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let dir = t.env.mkdir("export");
+    let src = dir.join("src");
+    make_tree(&src, 63, 15);
+    make_file(&src.join("big/large.bin"), 20 * MIB + 99, &mut Rng::new(64));
+    let srv = t.serve(&[("d", dir.to_str().unwrap()), ("b", "s3://data")]);
+
+    // Directory export to bucket export, on one server.
+    let j = t.env.cp([srv.url("d/src"), srv.url("b/tp/")]).run().assert_ok();
+    assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
+    for rel in list_files(&src).into_keys() {
+        assert!(same_content(&src.join(&rel), &bucket.join("tp/src").join(&rel)), "{rel}: the object differs from the file");
+    }
+
+    // Bucket export to the directory export of another server.
+    let dir2 = t.env.mkdir("export2");
+    let other = t.serve(&[("d2", dir2.to_str().unwrap())]);
+    let j = t.env.cp([srv.url("b/tp/src"), other.url("d2/back/")]).run().assert_ok();
+    assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
+    assert_same_tree(&src, &dir2.join("back/src"));
+}
+
+/// An upload into a served bucket cut short (the client killed) resumes
+/// from the parts the S3 server holds, with the state the server keeps.
+#[test]
+fn an_upload_into_a_served_bucket_killed_midway_resumes() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let srv = t.serve(&[("b", "s3://data/in")]);
+    let src = t.env.mkdir("src");
+    let file = src.join("big.bin");
+    let size = 160 * MIB + 999;
+    make_sparse(&file, size, 66);
+    let args = [file.to_str().unwrap().to_string(), srv.url("b/big.bin"), "--bwlimit".into(), "16M".into()];
+    let mut p = t.env.cp(&args).spawn();
+    let mut held = 0;
+    let caught = wait_until(std::time::Duration::from_secs(120), || {
+        let uploads = t.s3.uploads("data");
+        held = uploads.iter().filter(|(k, _)| k == "in/.big.bin.dmover-part").map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>();
+        held >= 2 || !p.running()
+    });
+    assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");
+    p.kill9();
+    let j = t.env.cp(&args).run().assert_ok();
+    let sent = u(&j["sent_bytes"]);
+    eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the client was killed");
+    assert!(sent > 0, "nothing was left to send: the first run was not cut short");
+    assert!(sent + PART <= size, "the re-run sent {sent} of {size} bytes, though the S3 server held {held} parts");
+    assert!(same_content(&file, &bucket.join("in/big.bin")), "the object differs from the file");
+    assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
+    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["in/big.bin"]);
+}
+
+/// Paths that try to leave a bucket export's prefix, sent as raw requests
+/// and announcements (the client's own checks bypassed): every one is
+/// refused, and nothing outside the prefix is read or written.
+#[test]
+fn paths_leaving_a_bucket_export_are_refused_at_the_wire_level() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    fs::write(bucket.join("secret.dat"), b"outside the prefix").unwrap();
+    fs::create_dir_all(bucket.join("in")).unwrap();
+    fs::write(bucket.join("in/inside.dat"), b"inside").unwrap();
+    let srv = t.serve(&[("b", "s3://data/in")]);
+    let mut c = Raw::control(&srv.addr(), t.env.token_str().as_bytes());
+    let opts = TransferOptions { transfer_id: [5; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    for dest in ["b/..", "b/../x", "/etc", "b//x", "b/./x", "b/a\0b", "b/a\\..\\b", "b/x/../../y"] {
+        c.refused(&Msg::Receive { dest: dest.into(), options: opts }, ErrorKind::Refused);
+        c.refused(&Msg::Grant { dest: dest.into() }, ErrorKind::Refused);
+    }
+    for path in ["b/../secret.dat", "b/..", "b//inside.dat", "b/./inside.dat", "/data/secret.dat"] {
+        c.refused(&Msg::List { path: path.into() }, ErrorKind::Refused);
+    }
+    // Inside a receiving session: announcements of paths that leave it.
+    c.send(&Msg::Receive { dest: "b/sub".into(), options: opts });
+    assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
+    let bad = ["../escape.dat", "../../secret.dat", "/abs.dat", "a/\0/b", "a/./b", "a//b", "x/../../y", "a\\b"];
+    for (i, path) in bad.iter().enumerate() {
+        let meta = FileMeta { path: path.to_string(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        c.send(&Msg::Announce { id: i as u64, meta, digest: None });
+    }
+    for _ in bad {
+        match c.read() {
+            Some(Msg::Failed { kind: ErrorKind::Refused, .. }) => {}
+            m => panic!("an announcement leaving the destination was not refused: {m:?}"),
+        }
+    }
+    c.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
+    assert!(matches!(c.read(), Some(Msg::Finished { files: 0, .. })));
+    assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["in/inside.dat", "secret.dat"], "the bucket changed");
+    assert_eq!(fs::read(bucket.join("secret.dat")).unwrap(), b"outside the prefix");
+    // Still serving, inside the prefix.
+    let src = t.env.mkdir("src");
+    make_tree(&src, 65, 3);
+    t.env.cp([src.to_str().unwrap(), &srv.url("b")]).run().assert_ok();
+    for rel in list_files(&src).into_keys() {
+        assert!(same_content(&src.join(&rel), &bucket.join("in/src").join(&rel)), "{rel}: the object differs from the file");
+    }
+}
+
+#[test]
+fn a_bucket_export_that_cannot_be_served_stops_the_server_at_start() {
+    let Some(t) = Setup::new() else { return };
+    t.s3.bucket("data");
+    let r = t.serve_fails("b=s3://nobucket/x", &[]);
+    r.assert_fails(ErrorKind::NotFound as i32, &["s3://nobucket", "no such bucket", &t.s3.endpoint(), "create it first"]);
+    let r = t.serve_fails("b=s3://data", &["--s3-endpoint", &format!("http://127.0.0.1:{}", closed_port())]);
+    r.assert_fails(ErrorKind::Unreachable as i32, &["s3://data", "cannot reach the S3 server", "--s3-endpoint"]);
+    let mut c = dmover(["serve", "--listen", "127.0.0.1:0", "--export", "b=s3://data", "--token-file"]);
+    c.arg(&t.env.token).s3(&t.s3, &t.env.path("home")).env("AWS_SECRET_ACCESS_KEY", "not-the-secret");
+    c.run().assert_fails(ErrorKind::Auth as i32, &["s3://data", "refused the credentials", &t.s3.access_key, "AWS_SECRET_ACCESS_KEY"]);
+    for bad in ["b=s3://", "b=s3:///x", "b=s3://data/../x", "b=s3://data//x", "b=s3://da ta"] {
+        t.serve_fails(bad, &[]).assert_fails(ErrorKind::Usage as i32, &["malformed URL", "s3://BUCKET/prefix"]);
+    }
 }

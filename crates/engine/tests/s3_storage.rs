@@ -29,7 +29,17 @@ fn s3_storage_conforms() {
         let state = tempfile::tempdir().unwrap();
         Subject {
             store: Arc::new(
-                S3::open(&bucket, &Options { endpoint: None, state_dir: state.path().to_path_buf(), staging: 64 << 20 }).unwrap(),
+                S3::open(
+                    &bucket,
+                    &Options {
+                        endpoint: None,
+                        prefix: String::new(),
+                        label: None,
+                        state_dir: state.path().to_path_buf(),
+                        staging: 64 << 20,
+                    },
+                )
+                .unwrap(),
             ),
             base: Default::default(),
             disk: None,
@@ -48,7 +58,11 @@ fn parts_beyond_the_bound_go_up_intact(server: &S3Server) {
     const PART: usize = 16 << 20;
     server.bucket("bound");
     let state = tempfile::tempdir().unwrap();
-    let s3 = S3::open("bound", &Options { endpoint: None, state_dir: state.path().to_path_buf(), staging: PART as u64 }).unwrap();
+    let s3 = S3::open(
+        "bound",
+        &Options { endpoint: None, prefix: String::new(), label: None, state_dir: state.path().to_path_buf(), staging: PART as u64 },
+    )
+    .unwrap();
     let size = 3 * PART + 12345;
     let data: Vec<u8> = (0..size).map(|i| ((i as u64 * 2654435761) >> 13) as u8).collect();
     let (temp, path) = (Path::new(".big.tmp"), Path::new("big"));

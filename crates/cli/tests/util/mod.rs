@@ -172,8 +172,8 @@ pub struct ServerSpec {
     pub extra: Vec<OsString>,
     /// Command prefix (e.g. setpriv ...), if any.
     pub prefix: Vec<OsString>,
-    /// Environment variables for the server process.
-    pub envs: Vec<(OsString, OsString)>,
+    /// Environment variables for the server process: set, or (None) removed.
+    pub envs: Vec<(OsString, Option<OsString>)>,
 }
 
 impl ServerSpec {
@@ -243,7 +243,12 @@ impl Server {
             cmd.arg("--export").arg(e);
         }
         cmd.arg("--token-file").arg(&self.spec.token).args(&self.spec.extra);
-        cmd.envs(self.spec.envs.iter().map(|(k, v)| (k, v)));
+        for (k, v) in &self.spec.envs {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log));
         die_with_parent(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| format!("spawn: {e}"))?;
@@ -593,6 +598,18 @@ fn pump(mut from: TcpStream, mut to: TcpStream, count: &std::sync::atomic::Atomi
 // ---------------------------------------------------------------------------
 // Running dmover
 
+/// The environment a dmover process reaching `s3` gets: its keys, and
+/// nothing of this environment's own S3 settings (credentials, endpoint,
+/// CA bundles, proxies), nor the user's ~/.aws (HOME is `home`, and resume
+/// state goes under it too). In order: a later variable wins.
+pub fn s3_env(s3: &S3Server, home: &Path) -> Vec<(OsString, Option<OsString>)> {
+    let mut env: Vec<(OsString, Option<OsString>)> = foreign_env().into_iter().map(|k| (k.into(), None)).collect();
+    env.push(("HOME".into(), Some(home.into())));
+    env.push(("XDG_CACHE_HOME".into(), None));
+    env.extend(s3.client_env().into_iter().map(|(k, v)| (k.into(), Some(v.into()))));
+    env
+}
+
 /// A dmover command being put together.
 pub struct Cmd {
     bin: &'static str,
@@ -693,18 +710,9 @@ impl Cmd {
         self
     }
 
-    /// Reaches `s3` with its keys, and with nothing of this environment's
-    /// own S3 settings (credentials, endpoint, CA bundles, proxies), nor the
-    /// user's ~/.aws (HOME is `home`).
+    /// Reaches `s3` as [`s3_env`] says.
     pub fn s3(&mut self, s3: &S3Server, home: &Path) -> &mut Cmd {
-        for k in foreign_env() {
-            self.env_remove(k);
-        }
-        // Resume state goes under HOME too.
-        self.env("HOME", home).env_remove("XDG_CACHE_HOME");
-        for (k, v) in s3.client_env() {
-            self.env(k, v);
-        }
+        self.envs.extend(s3_env(s3, home));
         self
     }
 

@@ -14,7 +14,9 @@
 //! system is *local*: paths are used as the user gave them.
 //!
 //! [`s3`] (with the `s3` feature) keeps files as the objects of an S3
-//! bucket: a file exists once committed, and directories are key prefixes.
+//! bucket, or those below a key prefix in it (an export of a bucket is
+//! confined to its prefix): a file exists once committed, and directories
+//! are key prefixes.
 //!
 //! What a storage does not do: decide what to send or ask for, verify
 //! digests, or journal partial files; those belong to the engine (which

@@ -1,5 +1,7 @@
-//! The [`Storage`] of an S3-compatible object store: one bucket, its keys
-//! named like paths (`dir/sub/file`).
+//! The [`Storage`] of an S3-compatible object store: one bucket, or the
+//! keys below a prefix in it, named like paths (`dir/sub/file`). Every
+//! path is checked to be a plain relative path before it becomes a key, so
+//! none names a key outside the prefix.
 //!
 //! Objects are written whole and never changed in place, so a file exists
 //! only once committed: a file being written is kept in memory part by
@@ -101,22 +103,33 @@ pub struct Options {
     /// The endpoint URL (else `AWS_ENDPOINT_URL` or the profile's
     /// `endpoint_url`, else AWS itself).
     pub endpoint: Option<String>,
-    /// A local directory for this bucket's resume state (see
-    /// [`default_state_dir`] for where the command keeps it).
+    /// The key prefix that is the storage's root (a plain relative path;
+    /// empty for the whole bucket): `path` is the key `prefix/path`.
+    pub prefix: String,
+    /// How messages name the root (an export's name), else `s3://BUCKET[/prefix]`.
+    pub label: Option<String>,
+    /// A local directory for this storage's resume state ([`default_state_dir`]
+    /// for `cp`; a served bucket's is named after its export).
     pub state_dir: PathBuf,
     /// Memory for the parts of uploads, being filled and being sent (see
     /// [`Budget`]): at least one part, at most [`MAX_PARTS_IN_FLIGHT`].
     pub staging: u64,
 }
 
-/// Where the resume state of uploads into `bucket` is kept by default:
-/// `$XDG_CACHE_HOME/dmover/s3/BUCKET`, else `~/.cache/dmover/s3/BUCKET`.
-pub fn default_state_dir(bucket: &str) -> PathBuf {
+/// dmover's directory in the user's cache: `$XDG_CACHE_HOME/dmover`, else
+/// `~/.cache/dmover`.
+pub fn cache_dir() -> PathBuf {
     let cache = match std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d),
         None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"),
     };
-    cache.join("dmover/s3").join(bucket)
+    cache.join("dmover")
+}
+
+/// Where the resume state of uploads into `bucket` is kept by default:
+/// `$XDG_CACHE_HOME/dmover/s3/BUCKET`, else `~/.cache/dmover/s3/BUCKET`.
+pub fn default_state_dir(bucket: &str) -> PathBuf {
+    cache_dir().join("s3").join(bucket)
 }
 
 /// A bucket of an S3-compatible object store.
@@ -130,6 +143,10 @@ pub struct S3 {
 struct Inner {
     client: Client,
     bucket: String,
+    /// The key of the storage's root: the prefix, or empty.
+    root: String,
+    /// How messages name the root.
+    label: String,
     rt: Runtime,
     /// The memory the parts of uploads hold, within [`Options::staging`].
     budget: Arc<Budget>,
@@ -153,6 +170,9 @@ impl S3 {
     /// and the credentials are taken.
     pub fn open(bucket: &str, o: &Options) -> Result<S3> {
         let label = format!("s3://{bucket}");
+        let root = o.prefix.trim_end_matches('/').to_string();
+        dmover_proto::path::check_relative(&root)
+            .map_err(|e| Error::new(ErrorKind::Usage, format!("{label}/{root}"), format!("not a key prefix: {e}")))?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("dmover-s3")
@@ -191,7 +211,8 @@ impl S3 {
         };
         let uploads = o.state_dir.join("uploads");
         let budget = Arc::new(Budget::new(o.staging.clamp(PART, MAX_PARTS_IN_FLIGHT * PART)));
-        let inner = Inner { client, bucket: bucket.to_string(), rt, budget, uploads };
+        let shown = o.label.clone().unwrap_or_else(|| dmover_proto::path::join(&label, &root));
+        let inner = Inner { client, bucket: bucket.to_string(), root, label: shown, rt, budget, uploads };
         let at = endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
         let creds = config.credentials_provider().ok_or_else(|| Error::internal("no credentials provider"))?;
         use aws_sdk_s3::config::ProvideCredentials;
@@ -262,13 +283,14 @@ fn unsupported(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::Unsupported, format!("an object store cannot {what}"))
 }
 
-/// The key of `path`: a plain relative path (empty for the bucket's root).
-fn key(path: &Path) -> io::Result<String> {
+/// The key of `path` below the key `root` (`root` itself for the empty
+/// path): `path` must be a plain relative path, or it is refused.
+fn key(root: &str, path: &Path) -> io::Result<String> {
     let p = path.to_str().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "an S3 key must be UTF-8"))?;
     let p = p.trim_start_matches("./").trim_end_matches('/');
     dmover_proto::path::check_relative(p)
         .map_err(|_| Refused::io("an S3 key is a plain relative path, without '.', '..' or empty names"))?;
-    Ok(p.to_string())
+    Ok(dmover_proto::path::join(root, p))
 }
 
 /// The prefix listing the objects below directory key `k`.
@@ -324,6 +346,10 @@ fn copy_source(bucket: &str, key: &str) -> String {
 }
 
 impl Inner {
+    fn key(&self, path: &Path) -> io::Result<String> {
+        key(&self.root, path)
+    }
+
     /// The object at `k`: its attributes, ETag and stored digest.
     fn head(&self, k: &str) -> io::Result<(Stat, Option<String>, Option<Digest>)> {
         let h = self.rt.block_on(self.client.head_object().bucket(&self.bucket).key(k).send()).map_err(|e| io_error(k, e))?;
@@ -339,7 +365,8 @@ impl Inner {
     }
 
     fn stat(&self, k: &str) -> io::Result<Stat> {
-        if k.is_empty() {
+        // The root is a directory, whether or not any object is below it yet.
+        if k == self.root {
             let r = self.rt.block_on(self.client.head_bucket().bucket(&self.bucket).send());
             return r.map(|_| dir_stat()).map_err(|e| io_error(&self.bucket, e));
         }
@@ -1095,11 +1122,11 @@ impl Storage for S3 {
 
     fn display(&self, path: &Path) -> String {
         let p = path.to_string_lossy();
-        dmover_proto::path::join(&format!("s3://{}", self.inner.bucket), p.trim_start_matches("./"))
+        dmover_proto::path::join(&self.inner.label, p.trim_start_matches("./"))
     }
 
     fn stat(&self, path: &Path) -> io::Result<Stat> {
-        self.inner.stat(&key(path)?)
+        self.inner.stat(&self.inner.key(path)?)
     }
 
     fn stat_followed(&self, path: &Path) -> io::Result<Stat> {
@@ -1107,7 +1134,7 @@ impl Storage for S3 {
     }
 
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>> {
-        let k = key(dir)?;
+        let k = self.inner.key(dir)?;
         let prefix = dir_prefix(&k);
         let i = &self.inner;
         let mut names: Vec<String> = Vec::new();
@@ -1134,7 +1161,7 @@ impl Storage for S3 {
                 break;
             }
         }
-        if names.is_empty() && dirs.is_empty() && !k.is_empty() {
+        if names.is_empty() && dirs.is_empty() && k != i.root {
             return Err(match i.head(&k) {
                 Ok(_) => io::Error::new(io::ErrorKind::NotADirectory, format!("{k}: an object, not a directory")),
                 Err(_) => io::Error::new(io::ErrorKind::NotFound, format!("{k}: no object is below this prefix")),
@@ -1166,22 +1193,22 @@ impl Storage for S3 {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
-        let k = key(path)?;
+        let k = self.inner.key(path)?;
         let (stat, etag, digest) = self.inner.head(&k)?;
         Ok(Box::new(S3Read { inner: self.inner.clone(), key: k, stat, etag, digest, window: Mutex::new((0, Vec::new())) }))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
-        key(dir).map(drop)
+        self.inner.key(dir).map(drop)
     }
 
     fn make_dir(&self, dir: &Path, _mode: u32) -> io::Result<()> {
-        key(dir).map(drop)
+        self.inner.key(dir).map(drop)
     }
 
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
-        let k = key(path)?;
-        if k.is_empty() {
+        let k = self.inner.key(path)?;
+        if k == self.inner.root {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file"));
         }
         // A file made afresh replaces the upload an earlier run left.
@@ -1192,17 +1219,17 @@ impl Storage for S3 {
     }
 
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>> {
-        let k = key(path)?;
+        let k = self.inner.key(path)?;
         let up = self.inner.resume(&k)?;
         Ok(up.map(|up| Box::new(S3Write { inner: self.inner.clone(), key: k, up: Mutex::new(up) }) as Box<dyn WriteFile>))
     }
 
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
         let f = file.as_any().downcast_ref::<S3Write>().ok_or_else(|| io::Error::other("not a file of this object store"))?;
-        if key(from)? != f.key {
+        if self.inner.key(from)? != f.key {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: committed as {}", f.key, from.display())));
         }
-        f.commit(&key(to)?, attrs.copied())
+        f.commit(&self.inner.key(to)?, attrs.copied())
     }
 
     fn state_store(&self) -> Option<Store> {
@@ -1216,13 +1243,13 @@ impl Storage for S3 {
     /// Removes the object, and aborts the upload of a file being written
     /// under that name.
     fn remove(&self, path: &Path) -> io::Result<()> {
-        let k = key(path)?;
+        let k = self.inner.key(path)?;
         self.inner.abandon(&k)?;
         self.inner.delete(&k)
     }
 
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
-        let k = key(path)?;
+        let k = self.inner.key(path)?;
         if self.inner.has_below(&k)? {
             return Err(io::Error::new(io::ErrorKind::DirectoryNotEmpty, format!("{k}: objects are below it")));
         }
@@ -1255,6 +1282,19 @@ mod tests {
         let r = Record::parse("upid\n0 \"e0\"\n3 \"e3\"\n4 \"e").unwrap();
         assert_eq!(r, Record { id: "upid".into(), parts: HashMap::from([(0, "\"e0\"".into()), (3, "\"e3\"".into())]) });
         assert!(Record::parse("").is_none() && Record::parse("torn").is_none());
+    }
+
+    #[test]
+    fn keys_stay_below_the_prefix() {
+        for (root, path, want) in
+            [("run/1", "x/y", "run/1/x/y"), ("run/1", "", "run/1"), ("run/1", "./x/", "run/1/x"), ("", "x", "x"), ("", "", "")]
+        {
+            assert_eq!(key(root, Path::new(path)).unwrap(), want, "{root} {path}");
+        }
+        for path in ["..", "../x", "x/../../y", "/x", ".//x", "x//y", "x/./y", "x/..", "a\\b", "x\0y"] {
+            let e = key("run/1", Path::new(path)).unwrap_err();
+            assert!(Refused::is(&e), "{path:?}: {e}");
+        }
     }
 
     #[test]
