@@ -82,7 +82,7 @@ const MAX_PARTS_IN_FLIGHT: u64 = 8;
 /// next blocks of a file read in order, come from one request.
 const READ_AHEAD: u64 = 4 << 20;
 /// HEAD requests at once while listing.
-const HEADS_IN_FLIGHT: usize = 32;
+const HEADS_IN_FLIGHT: usize = 128;
 /// Files committed at once (each a PUT, or the completion of an upload).
 const COMMITS_IN_FLIGHT: usize = 32;
 /// Part size of a copy made by the server (at most 5 GiB).
@@ -448,6 +448,40 @@ struct S3Read {
 }
 
 impl S3Read {
+    /// Opens object `k` with one GET of its first [`READ_AHEAD`] bytes:
+    /// the answer carries the object's size, ETag and metadata as a HEAD's
+    /// would, and a small object whole (an empty one takes a HEAD: a range
+    /// of it cannot be asked for).
+    fn open(inner: &Arc<Inner>, k: &str) -> io::Result<S3Read> {
+        let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(format!("bytes=0-{}", READ_AHEAD - 1));
+        let first = inner.rt.block_on(async {
+            match get.send().await {
+                Ok(r) => {
+                    let size = r.content_range().and_then(|c| c.rsplit_once('/')).and_then(|(_, n)| n.parse().ok());
+                    let size = size.unwrap_or(r.content_length().unwrap_or(0) as u64);
+                    let stat = object_stat(size, r.last_modified(), r.metadata());
+                    let digest = r.metadata().and_then(|m| m.get(META_DIGEST)).and_then(|d| parse_digest(d));
+                    let etag = r.e_tag().map(str::to_string);
+                    let data = collect(k, r.body).await?;
+                    Ok(Some((stat, etag, digest, data)))
+                }
+                Err(e) if status(&e) == Some(416) => Ok(None),
+                Err(e) => Err(io_error(k, e)),
+            }
+        })?;
+        let (stat, etag, digest, data) = match first {
+            Some(f) => f,
+            None => {
+                let (stat, etag, digest) = inner.head(k)?;
+                (stat, etag, digest, Vec::new())
+            }
+        };
+        if data.len() as u64 != stat.size.min(READ_AHEAD) {
+            return Err(io::Error::other(format!("{k}: asked for {} bytes, got {}", stat.size.min(READ_AHEAD), data.len())));
+        }
+        Ok(S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, window: Mutex::new((0, data)) })
+    }
+
     /// Fetches `off..end`.
     fn get(&self, off: u64, end: u64) -> io::Result<Vec<u8>> {
         let i = &self.inner;
@@ -457,24 +491,26 @@ impl S3Read {
                 Some(412) => io::Error::other(format!("{}: the object was replaced while it was read", self.key)),
                 _ => io_error(&self.key, e),
             })?;
-            let body = r.body.collect().await;
-            body.map(|b| b.to_vec()).map_err(|e| {
-                if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
-                    let msg = format!(
-                        "{}: what was read differs from the checksum the server keeps for the object ({})",
-                        self.key,
-                        DisplayErrorContext(&e)
-                    );
-                    return io::Error::other(Damaged(msg));
-                }
-                io::Error::new(io::ErrorKind::ConnectionReset, format!("{}: {}", self.key, DisplayErrorContext(&e)))
-            })
+            collect(&self.key, r.body).await
         })?;
         if data.len() as u64 != end - off {
             return Err(io::Error::other(format!("{}: asked for {} bytes, got {}", self.key, end - off, data.len())));
         }
         Ok(data)
     }
+}
+
+/// The body of a GET of `key`, checked against the checksum the server
+/// keeps for the object where it sent one.
+async fn collect(key: &str, body: aws_sdk_s3::primitives::ByteStream) -> io::Result<Vec<u8>> {
+    body.collect().await.map(|b| b.to_vec()).map_err(|e| {
+        if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
+            let msg =
+                format!("{key}: what was read differs from the checksum the server keeps for the object ({})", DisplayErrorContext(&e));
+            return io::Error::other(Damaged(msg));
+        }
+        io::Error::new(io::ErrorKind::ConnectionReset, format!("{key}: {}", DisplayErrorContext(&e)))
+    })
 }
 
 impl ReadFile for S3Read {
@@ -1193,9 +1229,7 @@ impl Storage for S3 {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
-        let k = self.inner.key(path)?;
-        let (stat, etag, digest) = self.inner.head(&k)?;
-        Ok(Box::new(S3Read { inner: self.inner.clone(), key: k, stat, etag, digest, window: Mutex::new((0, Vec::new())) }))
+        Ok(Box::new(S3Read::open(&self.inner, &self.inner.key(path)?)?))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
