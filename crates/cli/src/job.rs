@@ -167,7 +167,14 @@ fn source(job: &JobFile, subject: &str, staging: u64) -> Result<(Store, PathBuf)
     match Location::parse(&job.source_root) {
         Ok(Location::S3 { bucket, path }) => {
             let s3 = S3Args { s3_endpoint: job.s3_endpoint.clone() };
-            Ok((s3.open(&bucket, staging)?, PathBuf::from(path.trim_end_matches('/'))))
+            let store = s3.open(&bucket, staging).map_err(|e| match e.kind {
+                ErrorKind::Unreachable => e.advised(
+                    "check s3_endpoint in the job file (else AWS_ENDPOINT_URL), and that the S3 server runs \
+                     and answers there from every node",
+                ),
+                _ => e,
+            })?;
+            Ok((store, PathBuf::from(path.trim_end_matches('/'))))
         }
         Ok(_) => unreachable!("an s3:// URL"),
         Err(e) => Err(job_error(subject, format!("source_root = {:?}: {}", job.source_root, e.message))),

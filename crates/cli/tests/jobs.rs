@@ -902,8 +902,9 @@ fn delivered(dir: &Path) -> Vec<String> {
 
 /// A job file whose source_root is a bucket: refused before anything runs
 /// when its agent cannot read objects, when the bucket is missing, the
-/// credentials are wrong, the URL is malformed or nothing is below the
-/// prefix; the S3 server is found through AWS_ENDPOINT_URL here.
+/// credentials are wrong, the S3 server does not answer, the URL is
+/// malformed or nothing is below the prefix; the S3 server is found
+/// through AWS_ENDPOINT_URL here, unless s3_endpoint names another.
 #[test]
 fn s3_sources_are_checked_before_anything_runs() {
     let env = Env::new();
@@ -930,6 +931,8 @@ fn s3_sources_are_checked_before_anything_runs() {
     r.assert_fails(ErrorKind::NotFound as i32, &["s3://nobucket", "no such bucket", "create it first"]);
     let r = dmover(["submit", "--dry-run"]).arg(&good.path).s3(&s3, &home).env("AWS_SECRET_ACCESS_KEY", "not-the-secret").run();
     r.assert_fails(ErrorKind::Auth as i32, &["s3://data", "refused the credentials", "AWS_SECRET_ACCESS_KEY"]);
+    let r = case("noserver", format!("s3_endpoint = \"http://127.0.0.1:{}\"\n{base}", closed_port()));
+    r.assert_fails(ErrorKind::Unreachable as i32, &["s3://data", "cannot reach the S3 server", "s3_endpoint"]);
     let r = case("malformed", base.replace("s3://data/run", "s3://da ta/run"));
     r.assert_fails(ErrorKind::Usage as i32, &["source_root", "malformed URL", "s3://BUCKET/prefix"]);
     let r = case("empty", base.replace("s3://data/run", "s3://data/nothing"));
