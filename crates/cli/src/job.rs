@@ -1,15 +1,17 @@
 //! `dmover submit`, `dmover run`, `dmover status` and the hidden
 //! `dmover agent`: the command-line side of batch jobs. The job file is
-//! read and resolved into a [`Plan`] here (destination URL, sizes and token
-//! parsed as `dmover cp` parses them); everything else is in `dmover-job`.
+//! read and resolved into a [`Plan`] here (source and destination URLs,
+//! sizes and token parsed as `dmover cp` parses them, an S3 source opened
+//! as `cp` opens one); everything else is in `dmover-job`.
 
 use crate::cp::{parse_block_size, parse_staging};
-use crate::location::{self, Location};
+use crate::location::{self, Location, S3Args};
 use crate::sizes::parse_size;
 use crate::ssh::SshOptions;
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::session::Credential;
+use dmover_engine::storage::{self, Store};
 use dmover_engine::{Error, Result};
 use dmover_job::agent::{self, AgentSpec};
 use dmover_job::jobfile::{self, JobFile};
@@ -83,7 +85,8 @@ fn job_error(subject: impl Into<String>, message: impl Into<String>) -> Error {
 }
 
 /// Reads the job file and resolves it into a plan; checks nothing outside
-/// the file but the token and the source root's existence.
+/// the file but the token and the source root's existence (for a bucket:
+/// that it is there and takes the credentials).
 fn load(path: &Path) -> Result<(JobFile, Plan)> {
     let job_path = std::path::absolute(path).map_err(|e| Error::io(path.display().to_string(), &e))?;
     let job = JobFile::load(&job_path).map_err(|e| if e.kind == ErrorKind::Usage { e.advised(JOB_DOCS) } else { e })?;
@@ -121,13 +124,12 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
     let size = |key: &str, v: &str, parse: fn(&str) -> std::result::Result<u64, String>| {
         parse(v).map_err(|m| job_error(&subject, format!("transfer.{key} = {v:?}: {m}")))
     };
-    let source_root = Path::new(&job.source_root).canonicalize().map_err(|e| {
-        Error::new(ErrorKind::NotFound, &job.source_root, format!("source_root: {e}"))
-            .advised("check the path: it must be a directory visible from every node")
-    })?;
+    let staging = size("staging", &t.staging, parse_staging)?;
+    let (source, source_root) = source(&job, &subject, staging)?;
     let plan = Plan {
         state_dir: jobfile::state_dir(&job_path),
         job: job_path,
+        source,
         source_root,
         sources: job.sources.clone(),
         hosts,
@@ -136,7 +138,7 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
         streams: t.streams,
         concurrency: t.concurrency,
         block_size: size("block_size", &t.block_size, parse_block_size)?,
-        staging: size("staging", &t.staging, parse_staging)?,
+        staging,
         bwlimit: size("bwlimit", &t.bwlimit, parse_size)?,
         sync: t.sync,
         checksum: t.checksum,
@@ -148,6 +150,35 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
         resubmit: job.slurm.resubmit,
     };
     Ok((job, plan))
+}
+
+/// Where the job's sources are read, and their root there: a canonical
+/// directory of the file system, or a key prefix of an S3 bucket reached as
+/// `dmover cp` reaches one (which checks that the bucket is there and takes
+/// the credentials).
+fn source(job: &JobFile, subject: &str, staging: u64) -> Result<(Store, PathBuf)> {
+    if !job.s3_source() {
+        let root = Path::new(&job.source_root).canonicalize().map_err(|e| {
+            Error::new(ErrorKind::NotFound, &job.source_root, format!("source_root: {e}"))
+                .advised("check the path: it must be a directory visible from every node")
+        })?;
+        return Ok((storage::local(), root));
+    }
+    match Location::parse(&job.source_root) {
+        Ok(Location::S3 { bucket, path }) => {
+            let s3 = S3Args { s3_endpoint: job.s3_endpoint.clone() };
+            let store = s3.open(&bucket, staging).map_err(|e| match e.kind {
+                ErrorKind::Unreachable => e.advised(
+                    "check s3_endpoint in the job file (else AWS_ENDPOINT_URL), and that the S3 server runs \
+                     and answers there from every node",
+                ),
+                _ => e,
+            })?;
+            Ok((store, PathBuf::from(path.trim_end_matches('/'))))
+        }
+        Ok(_) => unreachable!("an s3:// URL"),
+        Err(e) => Err(job_error(subject, format!("source_root = {:?}: {}", job.source_root, e.message))),
+    }
 }
 
 /// The job's destination as an ssh location: each host of `dest_hosts`
@@ -186,7 +217,7 @@ fn reach(job: &JobFile, plan: &mut Plan) -> Result<Option<location::Hosts>> {
 /// are refused here.
 fn load_checked(path: &Path) -> Result<(JobFile, Plan, Option<location::Hosts>)> {
     let (job, mut plan) = load(path)?;
-    jobfile::check_sources(&plan.source_root, &plan.sources)?;
+    jobfile::check_sources(plan.source.as_ref(), &plan.source_root, &plan.sources)?;
     let reach = reach(&job, &mut plan)?;
     match &plan.command {
         Some(c) => c.check_program()?,

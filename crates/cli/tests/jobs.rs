@@ -3,10 +3,14 @@
 //! machine, and jobs submitted to a real three-node Slurm cluster
 //! (tools/slurm-local through dmover-testkit, started here and stopped when
 //! the tests end)
-//! whose agents send to real `dmover serve` processes.
+//! whose agents send to real `dmover serve` processes. Sources and
+//! destinations in S3 are a real S3 server's buckets (versitygw): a job
+//! reading a bucket prefix, one delivering into a bucket a server exports,
+//! and the job files refused before anything runs.
 
 mod util;
 
+use dmover_proto::ErrorKind;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -224,7 +228,11 @@ fn a_job_reaches_its_destination_over_ssh() {
 
 /// Submits `job` and returns its Slurm job id.
 fn submit(job: &Job) -> String {
-    let r = dmover(["submit"]).arg(&job.path).run();
+    job_id(dmover(["submit"]).arg(&job.path).run())
+}
+
+/// The Slurm job id `dmover submit` printed.
+fn job_id(r: Run) -> String {
     assert_eq!(r.code, 0, "submit: {}", r.stderr);
     let id = r.stdout.trim().to_string();
     assert!(!id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()), "job id: {:?}", r.stdout);
@@ -882,4 +890,123 @@ fn a_killed_agents_markers_are_removed_when_the_job_finishes() {
     assert_spread(&src, &dests);
     let left = markers(&dests);
     assert!(left.is_empty(), "markers left at the destinations after the job finished: {left:?}");
+}
+
+// ---------------------------------------------------------------------------
+// Sources and destinations in S3 (a real S3 server)
+
+/// The keys of the files below `dir`, leaving out dmover's resume state.
+fn delivered(dir: &Path) -> Vec<String> {
+    list_files(dir).into_keys().filter(|k| !k.starts_with(".dmover-partial/")).collect()
+}
+
+/// A job file whose source_root is a bucket: refused before anything runs
+/// when its agent cannot read objects, when the bucket is missing, the
+/// credentials are wrong, the S3 server does not answer, the URL is
+/// malformed or nothing is below the prefix; the S3 server is found
+/// through AWS_ENDPOINT_URL here, unless s3_endpoint names another.
+#[test]
+fn s3_sources_are_checked_before_anything_runs() {
+    let env = Env::new();
+    let Some(s3) = S3Server::start(&env.path("s3")) else { return };
+    let home = env.mkdir("home");
+    let bucket = s3.bucket("data");
+    std::fs::create_dir_all(bucket.join("run")).unwrap();
+    std::fs::write(bucket.join("run/a.dat"), b"an object").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let good = write_job(&env, "good", Path::new("s3://data/run"), &[&srv], "");
+    let base = std::fs::read_to_string(&good.path).unwrap();
+    let case = |name: &str, text: String| {
+        let p = env.path(&format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        dmover(["submit", "--dry-run"]).arg(&p).s3(&s3, &home).run()
+    };
+    let r = case("good", base.clone());
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains(&format!("run {}", good.path.display())), "{}", r.stdout);
+    let r = case("command", format!("agent = \"cp {{src}} {{dst}}\"\n{base}"));
+    r.assert_fails(ErrorKind::Usage as i32, &["command.toml", "command agent", "s3://data/run", "native"]);
+    let r = case("nobucket", base.replace("s3://data/run", "s3://nobucket/run"));
+    r.assert_fails(ErrorKind::NotFound as i32, &["s3://nobucket", "no such bucket", "create it first"]);
+    let r = dmover(["submit", "--dry-run"]).arg(&good.path).s3(&s3, &home).env("AWS_SECRET_ACCESS_KEY", "not-the-secret").run();
+    r.assert_fails(ErrorKind::Auth as i32, &["s3://data", "refused the credentials", "AWS_SECRET_ACCESS_KEY"]);
+    let r = case("noserver", format!("s3_endpoint = \"http://127.0.0.1:{}\"\n{base}", closed_port()));
+    r.assert_fails(ErrorKind::Unreachable as i32, &["s3://data", "cannot reach the S3 server", "s3_endpoint"]);
+    let r = case("malformed", base.replace("s3://data/run", "s3://da ta/run"));
+    r.assert_fails(ErrorKind::Usage as i32, &["source_root", "malformed URL", "s3://BUCKET/prefix"]);
+    let r = case("empty", base.replace("s3://data/run", "s3://data/nothing"));
+    r.assert_fails(ErrorKind::NotFound as i32, &["s3://data/nothing", "source_root", "objects below"]);
+    let r = case("nomatch", base.replace("[\"**\"]", "[\"*.h5\"]"));
+    r.assert_fails(ErrorKind::NotFound as i32, &["s3://data/run", "\"*.h5\"", "matches nothing"]);
+    assert!(!good.state.exists(), "nothing may be created by a refused job");
+}
+
+/// A job whose source_root is a bucket prefix, run by agents on two nodes
+/// that read the objects themselves (the nodes reach the S3 server by this
+/// machine's name, which the job file's s3_endpoint gives): every object
+/// below the prefix arrives at a directory export, byte for byte, and
+/// nothing beside the prefix does.
+#[test]
+fn slurm_job_reads_a_bucket_prefix_into_a_directory_export() {
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let env = Env::new();
+    let Some(s3) = S3Server::start_on(&env.path("s3"), "0.0.0.0") else { return };
+    let home = env.mkdir("home");
+    let _cluster = dmover_testkit::slurm_cluster();
+    let bucket = s3.bucket("data");
+    let want = make_tree(&bucket.join("run"), 41, 60);
+    std::fs::write(bucket.join("beside.dat"), b"outside the prefix").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let extra = format!("s3_endpoint = \"http://{}:{}\"\n[slurm]\nnodes = 2\ntasks_per_node = 2\ntime = \"5\"\n", hostname(), s3.port);
+    let job = write_job(&env, "from-s3", Path::new("s3://data/run"), &[&srv], &extra);
+    let id = job_id(dmover(["submit"]).arg(&job.path).s3(&s3, &home).run());
+    let r = wait_report(&job, &id, Duration::from_secs(120));
+    let output = std::fs::read_to_string(job.state.join(format!("slurm-{id}.out"))).unwrap_or_default();
+    assert_eq!(r["state"], "finished", "report: {r:#}\noutput:\n{output}");
+    assert_eq!(r["check"]["passed"], true, "{r:#}");
+    assert_eq!(r["total_files"], want.len() as u64, "{r:#}");
+    assert_eq!(r["done_files"], want.len() as u64, "{r:#}");
+    let nodes = node_files(&r);
+    assert!(!nodes.is_empty() && nodes.keys().all(|n| n == "node1" || n == "node2"), "agents on the nodes read the objects: {r:#}");
+    assert_eq!(delivered(&out.join("in")), want, "the files at the destination are the objects below the prefix");
+    for k in &want {
+        assert!(same_content(&bucket.join("run").join(k), &out.join("in").join(k)), "{k}: content differs");
+    }
+}
+
+/// A job from a directory into a bucket a server exports
+/// (`--export dst=s3://store/incoming`), run by agents on two nodes: every
+/// file becomes an object below the prefix, byte for byte.
+#[test]
+fn slurm_job_delivers_into_a_bucket_a_server_exports() {
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    let env = Env::new();
+    let Some(s3) = S3Server::start(&env.path("s3")) else { return };
+    let home = env.mkdir("home");
+    let _cluster = dmover_testkit::slurm_cluster();
+    let bucket = s3.bucket("store");
+    let src = env.mkdir("src");
+    let want = make_tree(&src, 43, 60);
+    let mut spec = ServerSpec::new(&env.token, &[("dst", Path::new("s3://store/incoming"))], &env.path("server.log"));
+    spec.listen = "0.0.0.0:0".into();
+    spec.envs = s3_env(&s3, &home);
+    let srv = Server::start(spec);
+    let job = write_job(&env, "into-s3", &src, &[&srv], "[slurm]\nnodes = 2\ntasks_per_node = 2\ntime = \"5\"\n");
+    let id = submit(&job);
+    let r = wait_report(&job, &id, Duration::from_secs(120));
+    let output = std::fs::read_to_string(job.state.join(format!("slurm-{id}.out"))).unwrap_or_default();
+    assert_eq!(r["state"], "finished", "report: {r:#}\noutput:\n{output}");
+    assert_eq!(r["check"]["passed"], true, "{r:#}");
+    assert_eq!(r["done_files"], want.len() as u64, "{r:#}");
+    let objects = bucket.join("incoming/in");
+    assert_eq!(delivered(&objects), want, "the objects below incoming/in are the files");
+    for k in &want {
+        assert!(same_content(&src.join(k), &objects.join(k)), "{k}: the object differs from the file");
+    }
 }

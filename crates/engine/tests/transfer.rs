@@ -352,7 +352,8 @@ fn a_fed_transfer_reports_each_file_as_it_settles() {
     });
     let (feed, entries) = crossbeam_channel::unbounded();
     let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![Box::new(d_a)], more: None };
-    let sender = std::thread::spawn(move || send::send(Files::Feed { entries, settled }, vec![link], send_config()));
+    let sender =
+        std::thread::spawn(move || send::send(Files::Feed { store: storage::local(), entries, settled }, vec![link], send_config()));
     // Files are fed while the transfer runs; each is heard of as it settles.
     for n in names {
         let path = src.join(n);

@@ -5,7 +5,9 @@
 //! `streams` data connections to each) — or, with a command template,
 //! [`crate::command`]'s workers — and feeds it the files it pulls from the
 //! manager, a batch at a time, keeping up to a window of files in flight;
-//! each file goes to the host the manager chose for it. The
+//! each file goes to the host the manager chose for it. The engine reads
+//! the files from the job's source storage (the file system, or an S3
+//! bucket reached with the agent's own credentials). The
 //! engine tells it each file's outcome as the file settles
 //! ([`dmover_engine::send::Files::Feed`]); the agent passes the outcomes on
 //! with its next request. If the session fails (a destination restarted, a
@@ -172,7 +174,8 @@ fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16]) -> Result<
         bwlimit: plan.bwlimit,
         tuner: None,
     };
-    let engine = std::thread::spawn(move || send::send(Files::Feed { entries, settled }, links, cfg));
+    let store = plan.source.clone();
+    let engine = std::thread::spawn(move || send::send(Files::Feed { store, entries, settled }, links, cfg));
     Ok(Session::Native { feed, engine })
 }
 
@@ -194,7 +197,7 @@ pub fn finish_transfer(plan: &Plan, transfer_id: [u8; 16]) -> Result<()> {
         bwlimit: 0,
         tuner: None,
     };
-    send::send(Files::Feed { entries, settled }, links, cfg).map(drop)
+    send::send(Files::Feed { store: plan.source.clone(), entries, settled }, links, cfg).map(drop)
 }
 
 fn entry(plan: &Plan, w: &WorkItem) -> Entry {

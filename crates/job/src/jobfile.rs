@@ -11,7 +11,7 @@
 
 use dmover_engine::session::{self, Credential};
 use dmover_engine::source::{self, Event};
-use dmover_engine::storage;
+use dmover_engine::storage::Storage;
 use dmover_engine::Error;
 use dmover_proto::ErrorKind;
 use serde::Deserialize;
@@ -21,8 +21,12 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct JobFile {
-    /// Absolute directory the sources are relative to (DMOVER's SrcDirRoot).
+    /// Absolute directory the sources are relative to (DMOVER's SrcDirRoot),
+    /// or the objects below a key prefix of an S3 bucket, `s3://BUCKET[/prefix]`.
     pub source_root: String,
+    /// URL of the S3 server of an `s3://` source_root (else AWS_ENDPOINT_URL,
+    /// the profile's endpoint_url, or AWS itself), as `dmover cp --s3-endpoint`.
+    pub s3_endpoint: Option<String>,
     /// Files, directories or globs below `source_root` (SrcRelPath); each
     /// file keeps its path below `source_root` at the destination.
     pub sources: Vec<String>,
@@ -67,6 +71,9 @@ impl Default for Ssh {
         Ssh { command: "ssh".into(), remote_dmover: "dmover".into() }
     }
 }
+
+/// How a `source_root` in an S3 bucket begins.
+pub const S3_SCHEME: &str = "s3://";
 
 /// The agent kind that sends with dmover's own engine.
 pub const NATIVE: &str = "native";
@@ -163,9 +170,20 @@ impl JobFile {
         Ok(job)
     }
 
+    /// Whether the sources are objects of an S3 bucket.
+    pub fn s3_source(&self) -> bool {
+        self.source_root.starts_with(S3_SCHEME)
+    }
+
     fn check(&self) -> Result<(), String> {
-        if !self.source_root.starts_with('/') {
-            return Err(format!("source_root = {:?}: give an absolute path (the agents run on other nodes)", self.source_root));
+        if !self.source_root.starts_with('/') && !self.s3_source() {
+            return Err(format!(
+                "source_root = {:?}: give an absolute path (the agents run on other nodes) or s3://BUCKET[/prefix]",
+                self.source_root
+            ));
+        }
+        if self.s3_endpoint.is_some() && !self.s3_source() {
+            return Err("s3_endpoint is for a source_root in S3 (s3://BUCKET[/prefix]); remove it".into());
         }
         if self.source_root.contains(['*', '?', '[', '{']) {
             return Err(format!(
@@ -193,6 +211,13 @@ impl JobFile {
             }
             Some(_) if self.ssh.is_some() => {
                 return Err("[ssh] is for the native agent; a command agent reaches its hosts its own way".into());
+            }
+            Some(_) if self.s3_source() => {
+                return Err(format!(
+                    "agent = {:?}: a command agent is given each file as a local path ({{src}}), and source_root {:?} \
+                     is in S3; use agent = \"native\", or copy the objects to a file system first",
+                    self.agent, self.source_root
+                ));
             }
             Some(c) => {
                 if c.uses_host() && self.dest_hosts.is_empty() {
@@ -324,28 +349,39 @@ pub fn parse_time(s: &str) -> Result<u64, String> {
     Ok(secs)
 }
 
-/// The path of `spec` below `root`, as the walker takes it.
+/// The path of `spec` below `root`, as the walker takes it (`root` is
+/// empty for the whole of a bucket).
 pub fn spec_path(root: &Path, spec: &str) -> String {
     let root = root.display().to_string();
     let root = root.trim_end_matches('/');
-    if spec.is_empty() || spec == "." {
-        format!("{root}/")
-    } else {
-        format!("{root}/{spec}")
+    let spec = if spec == "." { "" } else { spec };
+    match (root.is_empty(), spec.is_empty()) {
+        (true, _) => spec.to_string(),
+        (false, true) => format!("{root}/"),
+        (false, false) => format!("{root}/{spec}"),
     }
 }
 
-/// Checks that the source root exists and that every source names at least
-/// one file, looking no further than each source's first file.
-pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
-    if !root.is_dir() {
-        return Err(Error::new(ErrorKind::NotFound, root.display().to_string(), "source_root is not a directory")
-            .advised("check the path: it must be a directory visible from every node"));
+/// Checks that the source root exists in `store` and that every source
+/// names at least one file, looking no further than each source's first file.
+pub fn check_sources(store: &dyn Storage, root: &Path, sources: &[String]) -> Result<(), Error> {
+    let label = store.display(root);
+    let advice = "source_root must be a directory visible from every node, or s3://BUCKET/prefix with objects below the prefix";
+    let refused = match store.stat(root) {
+        Ok(s) if s.is_dir() => None,
+        Ok(_) => Some(Error::new(ErrorKind::NotFound, &label, "source_root is not a directory")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Some(Error::new(ErrorKind::NotFound, &label, "source_root: no such directory, nor objects below this prefix"))
+        }
+        Err(e) => Some(Error::io(&label, &e)),
+    };
+    if let Some(e) = refused {
+        return Err(e.advised(advice));
     }
     for s in sources {
         let mut found = false;
         let mut err = None;
-        source::walk(storage::local().as_ref(), &[spec_path(root, s)], &mut |ev| match ev {
+        source::walk(store, &[spec_path(root, s)], &mut |ev| match ev {
             Event::File(_) => {
                 found = true;
                 false
@@ -357,7 +393,7 @@ pub fn check_sources(root: &Path, sources: &[String]) -> Result<(), Error> {
             Event::SkippedLink(_) => true,
         });
         let nothing = || {
-            Error::new(ErrorKind::NotFound, root.display().to_string(), format!("sources: {s:?} matches nothing below it"))
+            Error::new(ErrorKind::NotFound, label.clone(), format!("sources: {s:?} matches nothing below it"))
                 .advised("check the pattern: sources are relative to source_root")
         };
         match err {
@@ -411,6 +447,7 @@ pub fn state_dir(job: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dmover_engine::storage;
 
     const MINIMAL: &str = r#"
 source_root = "/data"
@@ -503,14 +540,41 @@ dest_root = "scratch/in"
         let t = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(t.path().join("run/sub")).unwrap();
         std::fs::write(t.path().join("run/sub/a.h5"), b"x").unwrap();
-        check_sources(t.path(), &["run/**/*.h5".into(), "run".into(), "".into()]).unwrap();
-        let e = check_sources(t.path(), &["run/*.h5".into()]).unwrap_err();
+        let local = storage::local();
+        check_sources(local.as_ref(), t.path(), &["run/**/*.h5".into(), "run".into(), "".into()]).unwrap();
+        let e = check_sources(local.as_ref(), t.path(), &["run/*.h5".into()]).unwrap_err();
         assert_eq!(e.kind, ErrorKind::NotFound);
         assert!(e.message.contains("matches nothing"), "{e}");
-        let e = check_sources(t.path(), &["nope".into()]).unwrap_err();
+        let e = check_sources(local.as_ref(), t.path(), &["nope".into()]).unwrap_err();
         assert_eq!(e.kind, ErrorKind::NotFound);
-        let e = check_sources(&t.path().join("missing"), &["x".into()]).unwrap_err();
+        let e = check_sources(local.as_ref(), &t.path().join("missing"), &["x".into()]).unwrap_err();
         assert!(e.message.contains("source_root"), "{e}");
+        let e = check_sources(local.as_ref(), &t.path().join("run/sub/a.h5"), &["x".into()]).unwrap_err();
+        assert!(e.message.contains("not a directory"), "{e}");
+    }
+
+    #[test]
+    fn spec_paths_join_the_root_or_stand_alone_in_a_whole_bucket() {
+        assert_eq!(spec_path(Path::new("/data/"), "run/*.h5"), "/data/run/*.h5");
+        assert_eq!(spec_path(Path::new("/data"), "."), "/data/");
+        assert_eq!(spec_path(Path::new("/data"), ""), "/data/");
+        assert_eq!(spec_path(Path::new("pre/fix"), "a"), "pre/fix/a");
+        assert_eq!(spec_path(Path::new(""), "a/**"), "a/**");
+        assert_eq!(spec_path(Path::new(""), "."), "");
+    }
+
+    #[test]
+    fn s3_sources_take_the_native_agent_only() {
+        let s3 = MINIMAL.replace("\"/data\"", "\"s3://bucket/run\"");
+        let j = JobFile::parse(&format!("s3_endpoint = \"http://s3.example:9000\"\n{s3}")).unwrap();
+        assert!(j.s3_source());
+        assert_eq!(j.s3_endpoint.as_deref(), Some("http://s3.example:9000"));
+        let e = JobFile::parse(&format!("agent = \"cp {{src}} {{dst}}\"\n{}", s3.replace("\"scratch/in\"", "\"/archive\""))).unwrap_err();
+        assert!(e.contains("command agent") && e.contains("s3://bucket/run") && e.contains("native"), "{e}");
+        let e = JobFile::parse(&format!("s3_endpoint = \"http://s3.example:9000\"\n{MINIMAL}")).unwrap_err();
+        assert!(e.contains("s3_endpoint is for a source_root in S3"), "{e}");
+        let e = JobFile::parse(&MINIMAL.replace("\"/data\"", "\"s4://bucket\"")).unwrap_err();
+        assert!(e.contains("s3://BUCKET"), "{e}");
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!   runs or is submitted;
 //! * [`sbatch`] — the batch script `dmover submit` renders and submits;
 //! * [`manager`] — `dmover run`: streams the file list from the engine's
-//!   walker, hands files to long-lived agents in batches, re-queues a failed
+//!   walker (over a directory, or the objects below a key prefix of an S3
+//!   bucket), hands files to long-lived agents in batches, re-queues a failed
 //!   file or a lost agent's files to other agents, stops at a checkpoint
 //!   before the allocation's time runs out (and may resubmit the job), and
 //!   keeps the state directory up to date;
@@ -37,6 +38,7 @@ pub mod state;
 pub use jobfile::JobFile;
 
 use dmover_engine::session::Credential;
+use dmover_engine::storage::Store;
 use dmover_proto::frame::{TransferFlags, TransferOptions};
 use std::path::PathBuf;
 
@@ -47,7 +49,10 @@ pub struct Plan {
     pub job: PathBuf,
     /// Where progress, the done list and the report go.
     pub state_dir: PathBuf,
-    /// The source root, canonical.
+    /// Where the sources are read: the file system, or an S3 bucket.
+    pub source: Store,
+    /// The source root in `source`: a canonical directory, or a key prefix
+    /// (empty for the whole bucket).
     pub source_root: PathBuf,
     pub sources: Vec<String>,
     /// Each destination host as the job file names it (`host:port` of a

@@ -1,6 +1,7 @@
 //! The process manager (`dmover run`).
 //!
-//! It lists the sources with the engine's walker in a thread, streaming the
+//! It lists the sources with the engine's walker in a thread (a directory
+//! tree, or the objects below a key prefix of an S3 bucket), streaming the
 //! files into a bounded queue (the list is never held whole) and giving each
 //! its destination host by a hash of its path — as even as round-robin over
 //! many files, and the same in every retry and every run, so that a file
@@ -37,7 +38,6 @@ use crate::state::{
 use crate::Plan;
 use crossbeam_channel::{Receiver, TryRecvError};
 use dmover_engine::source::{self, Event};
-use dmover_engine::storage;
 use dmover_engine::{Error, Result};
 use dmover_proto::digest::block_sum;
 use dmover_proto::ErrorKind;
@@ -425,7 +425,7 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
     let overlap = mgr.plan.sources.len() > 1;
     let mut seen = HashSet::new();
     let hosts = mgr.plan.hosts.len().max(1) as u128;
-    source::walk(storage::local().as_ref(), &specs, &mut |ev| match ev {
+    source::walk(mgr.plan.source.as_ref(), &specs, &mut |ev| match ev {
         Event::File(e) => {
             let rel = e.path.strip_prefix(root).map(|p| p.to_string_lossy().into_owned()).unwrap_or(e.meta.path.clone());
             if overlap && !seen.insert(rel.clone()) {

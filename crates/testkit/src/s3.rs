@@ -45,9 +45,16 @@ pub struct S3Server {
 }
 
 impl S3Server {
-    /// Starts versitygw with its data and log under `dir`; None (the test
-    /// is skipped, or fails under CI) if it is not installed.
+    /// Starts versitygw on loopback with its data and log under `dir`;
+    /// None (the test is skipped, or fails under CI) if it is not installed.
     pub fn start(dir: &Path) -> Option<S3Server> {
+        S3Server::start_on(dir, "127.0.0.1")
+    }
+
+    /// As [`start`](S3Server::start), listening on address `ip`: `0.0.0.0`
+    /// for the nodes of the local Slurm cluster to reach it (by this
+    /// machine's name; [`endpoint`](S3Server::endpoint) stays loopback).
+    pub fn start_on(dir: &Path, ip: &str) -> Option<S3Server> {
         let bin = bin_dir().join("versitygw");
         if !bin.exists() {
             let why = format!(
@@ -61,13 +68,13 @@ impl S3Server {
         }
         let root = dir.join("s3-root");
         fs::create_dir_all(&root).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port();
         let (access_key, secret_key) = ("dmovertest".to_string(), format!("secret-{}", std::process::id()));
         let log = dir.join("versitygw.log");
         let mut c = Command::new(&bin);
         c.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .args(["--access", &access_key, "--secret", &secret_key, "--port", &format!("127.0.0.1:{port}"), "--quiet", "posix"])
+            .args(["--access", &access_key, "--secret", &secret_key, "--port", &format!("{ip}:{port}"), "--quiet", "posix"])
             .arg(&root)
             .stdin(Stdio::null())
             .stdout(File::create(&log).unwrap())

@@ -39,8 +39,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         _ => None,
     };
     let store = match &files {
-        Files::Walk { store, .. } => store.clone(),
-        Files::Feed { .. } | Files::Generate { .. } => storage::local(),
+        Files::Walk { store, .. } | Files::Feed { store, .. } => store.clone(),
+        Files::Generate { .. } => storage::local(),
     };
     let min_blocks = (streams + cfg.concurrency).max(MIN_BLOCKS);
     let pool = if generate {

@@ -122,11 +122,11 @@ pub struct FedFile {
 pub enum Files {
     /// Files found by walking `specs` under `root`.
     Walk { store: Store, specs: Vec<String> },
-    /// Files the caller hands over while the transfer runs; the transfer
-    /// ends once the channel is closed and every file is settled. `settled`
-    /// hears of each file's outcome, so the caller can hand out more work
-    /// or give a failed file to someone else.
-    Feed { entries: Receiver<FedFile>, settled: SettleHook },
+    /// Files of `store` the caller hands over while the transfer runs; the
+    /// transfer ends once the channel is closed and every file is settled.
+    /// `settled` hears of each file's outcome, so the caller can hand out
+    /// more work or give a failed file to someone else.
+    Feed { store: Store, entries: Receiver<FedFile>, settled: SettleHook },
     /// One file of `size` bytes made up in memory (benchmarks).
     Generate { name: String, size: u64 },
 }
