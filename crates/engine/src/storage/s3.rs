@@ -444,7 +444,7 @@ struct S3Read {
     etag: Option<String>,
     digest: Option<Digest>,
     /// The bytes the last GET fetched, and the offset of the first.
-    window: Mutex<(u64, Vec<u8>)>,
+    window: Mutex<(u64, Bytes)>,
 }
 
 impl S3Read {
@@ -473,7 +473,7 @@ impl S3Read {
             Some(f) => f,
             None => {
                 let (stat, etag, digest) = inner.head(k)?;
-                (stat, etag, digest, Vec::new())
+                (stat, etag, digest, Bytes::new())
             }
         };
         if data.len() as u64 != stat.size.min(READ_AHEAD) {
@@ -483,7 +483,7 @@ impl S3Read {
     }
 
     /// Fetches `off..end`.
-    fn get(&self, off: u64, end: u64) -> io::Result<Vec<u8>> {
+    fn get(&self, off: u64, end: u64) -> io::Result<Bytes> {
         let i = &self.inner;
         let get = i.client.get_object().bucket(&i.bucket).key(&self.key).range(format!("bytes={off}-{}", end - 1));
         let data = i.rt.block_on(async {
@@ -502,8 +502,9 @@ impl S3Read {
 
 /// The body of a GET of `key`, checked against the checksum the server
 /// keeps for the object where it sent one.
-async fn collect(key: &str, body: aws_sdk_s3::primitives::ByteStream) -> io::Result<Vec<u8>> {
-    body.collect().await.map(|b| b.to_vec()).map_err(|e| {
+async fn collect(key: &str, body: aws_sdk_s3::primitives::ByteStream) -> io::Result<Bytes> {
+    // The body as one buffer, copied only if it came in several chunks.
+    body.collect().await.map(|b| b.into_bytes()).map_err(|e| {
         if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
             let msg =
                 format!("{key}: what was read differs from the checksum the server keeps for the object ({})", DisplayErrorContext(&e));
