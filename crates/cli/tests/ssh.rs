@@ -1,8 +1,8 @@
 //! Hosts reached over ssh, with no daemon at the far end: a real `sshd` on
-//! loopback starts `dmover remote` for each command. Copies both ways and
-//! listings arrive intact; the remote end is gone when the command ends,
-//! even when the client is killed, and a re-run resumes; a missing remote
-//! dmover and a failing ssh say what to do.
+//! loopback starts `dmover remote` for each command. Copies both ways (also
+//! to and from a bucket) and listings arrive intact; the remote end is gone
+//! when the command ends, even when the client is killed, and a re-run
+//! resumes; a missing remote dmover and a failing ssh say what to do.
 
 mod util;
 
@@ -77,6 +77,35 @@ fn copies_both_ways_and_lists_over_ssh_with_no_daemon() {
     assert_eq!(l.code, 0, "{}", l.stderr);
     assert_eq!(l.stdout.lines().filter(|x| x.starts_with('-')).count(), list_files(&src).len(), "{}", l.stdout);
     assert!(wait_until(Duration::from_secs(10), || r.remotes() == 0), "a remote dmover outlived its command");
+}
+
+/// A bucket is a source and a destination for a host reached over ssh:
+/// the client reads or writes the objects, the remote end the files.
+#[test]
+fn between_a_bucket_and_a_host_reached_over_ssh() {
+    let r = Remote::new();
+    let Some(s3) = S3Server::start(&r.env.path("s3")) else { return };
+    s3.bucket("one");
+    let two = s3.bucket("two");
+    let home = r.env.mkdir("home");
+    let src = r.env.path("src");
+    make_tree(&src, 23, 30);
+    let with_s3 = |args: [String; 2]| {
+        let mut c = r.cp(args);
+        c.s3(&s3, &home);
+        c.run().assert_ok()
+    };
+    with_s3([src.display().to_string(), "s3://one/".into()]);
+    let far = r.env.mkdir("far");
+    let j = with_s3(["s3://one/src".into(), format!("{}/", r.at(&far))]);
+    assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
+    assert_same_tree(&src, &far.join("src"));
+    let j = with_s3([r.at(&far.join("src")), "s3://two/back/".into()]);
+    assert_eq!(u(&j["files"]), list_files(&src).len() as u64, "{j:#}");
+    for (rel, _) in list_files(&src) {
+        assert_eq!(std::fs::read(two.join("back/src").join(&rel)).unwrap(), std::fs::read(src.join(&rel)).unwrap(), "{rel}");
+    }
+    assert_eq!(r.remotes(), 0, "a remote end outlived its command");
 }
 
 #[test]
