@@ -33,7 +33,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     let n = links.len();
     assert!(n > 0, "send needs a destination");
     let block_size = cfg.options.block_size as u64;
-    let streams: usize = links.iter().map(|l| l.data.len()).sum();
+    let streams: usize = links.iter().map(|l| l.data.len() + l.attaching.as_ref().map_or(0, |a| a.count)).sum();
     let generate = matches!(files, Files::Generate { .. });
     let hook = match &files {
         Files::Feed { settled, .. } => Some(settled.clone()),
@@ -82,11 +82,11 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         started,
     });
 
-    let _pingers: Vec<Pinger> = ctl.iter().map(|c| Pinger::start(c.clone(), sh.ping_every)).collect();
+    let pingers = ctl.iter().map(|c| Some(Pinger::start(c.clone(), sh.ping_every))).collect();
     let mut control_readers = Vec::new();
     let mut names = Vec::new();
     for (host, l) in links.into_iter().enumerate() {
-        sh.start_streams(host, l.data);
+        sh.start_streams(host, l.data, l.attaching);
         let sh2 = sh.clone();
         let control = l.control;
         control_readers.push(std::thread::spawn(move || workers::read_control(&sh2, host, control)));
@@ -106,6 +106,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         sh: sh.clone(),
         session,
         ctl,
+        pingers,
         queued: vec![false; n],
         controls,
         peers,
@@ -168,6 +169,8 @@ struct Owner {
     /// Each host's control connection's writing half, behind a lock
     /// because the host's pinger writes on it too.
     ctl: Vec<Arc<Mutex<FrameWriter>>>,
+    /// Each host's pinger, until `Finish` goes to it (nothing follows it).
+    pingers: Vec<Option<Pinger>>,
     /// Hosts with messages queued and not yet written.
     queued: Vec<bool>,
     /// The control connections, to close them on a fatal error (they
@@ -280,6 +283,10 @@ impl Owner {
                     Progress::add(&self.sh.progress.total_files, 1);
                     Progress::add(&self.sh.progress.total_bytes, meta.size);
                 }
+                if let ToReceiver::Finish { .. } = msg {
+                    // Stopped before `Finish` is queued: no ping follows it.
+                    self.pingers[host] = None;
+                }
                 let probe = matches!(msg, ToReceiver::Echo { .. });
                 let written = {
                     let mut w = self.ctl[host].lock().expect("control lock");
@@ -323,6 +330,10 @@ impl Owner {
             Action::Complete(s) => self.summary = Some(s),
             Action::Violation { host, why } => self.fail(Error::protocol(&self.peers[host], why)),
             Action::PeerFailed { host, kind, message } => self.fail(Error::new(kind, &self.peers[host], message)),
+            Action::Unreadable { host, kind, subject, message } => {
+                let message = format!("{message} (a block {} asked for again after the end of the transfer)", self.peers[host]);
+                self.fail(Error::new(kind, subject, message));
+            }
         }
     }
 

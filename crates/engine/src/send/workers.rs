@@ -5,7 +5,7 @@
 //! beyond reading the blocks a [`Read`] names. The tuner reaches them
 //! through [`Tunable`].
 
-use super::{Files, MoreStreams, AHEAD_PER_STREAM, DIAL_WAIT, POLL};
+use super::{Attaching, Files, MoreStreams, AHEAD_PER_STREAM, ATTACH_WAIT, DIAL_WAIT, POLL};
 use crate::error::{classify, Error, Result};
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
@@ -57,6 +57,15 @@ pub(super) struct Source {
     pub ctime: (i64, i64),
     /// Settled or abandoned: readers skip what is left of it.
     pub done: AtomicBool,
+}
+
+/// Where a data stream's connection comes from.
+enum StreamConn {
+    Open(Box<dyn Transport>),
+    /// One of those still attaching when the transfer started.
+    Attaching(Receiver<Result<Box<dyn Transport>>>),
+    /// A new one (the tuner added the stream).
+    Another,
 }
 
 /// A chunk to read, for the readers.
@@ -215,13 +224,18 @@ impl Shared {
         }
     }
 
-    /// Runs a data stream to `host` in its own thread, on `conn` or on a new connection.
-    fn start_stream(self: &Arc<Self>, st: &mut CrewState, host: usize, conn: Option<Box<dyn Transport>>, retire: Arc<AtomicBool>) {
+    /// Runs a data stream to `host` in its own thread, on its connection.
+    fn start_stream(self: &Arc<Self>, st: &mut CrewState, host: usize, conn: StreamConn, retire: Arc<AtomicBool>) {
         let sh = self.clone();
         let t = std::thread::spawn(move || {
             let conn = match conn {
-                Some(c) => c,
-                None => match sh.another_stream(host) {
+                StreamConn::Open(c) => c,
+                StreamConn::Attaching(conns) => match sh.attached(&conns) {
+                    Some(Ok(c)) => c,
+                    Some(Err(e)) => return sh.broken(e),
+                    None => return,
+                },
+                StreamConn::Another => match sh.another_stream(host) {
                     Some(Ok(c)) => c,
                     failed => {
                         if let Some(Err(e)) = failed {
@@ -261,27 +275,54 @@ impl Shared {
     }
 
     /// A new data connection to `host`: opened here, or asked of the
-    /// receiver and taken as it attaches (None: the set is fixed).
+    /// receiver and taken as it attaches
+    /// (None: the set is fixed, or the transfer stopped first).
     fn another_stream(&self, host: usize) -> Option<Result<Box<dyn Transport>>> {
-        Some(match self.hosts[host].more.as_ref()? {
-            MoreStreams::Connect(c) => c(),
+        match self.hosts[host].more.as_ref()? {
+            MoreStreams::Connect(c) => Some(c()),
             MoreStreams::Ask(attached) => {
                 self.report(Event::Dial { host });
-                attached.recv_timeout(DIAL_WAIT).map_err(|_| {
-                    let why = format!("the receiver dialed no data connection within {} s", DIAL_WAIT.as_secs());
-                    Error::new(ErrorKind::Unreachable, "", why)
-                })
+                self.arrival(attached, DIAL_WAIT, "the receiver dialed no data connection")
             }
-        })
+        }
     }
 
-    /// Starts the data streams given at the start, on their connections.
-    pub fn start_streams(self: &Arc<Self>, host: usize, conns: Vec<Box<dyn Transport>>) {
+    /// A data connection still attaching when the transfer started, once
+    /// it has (None: the transfer stopped first).
+    fn attached(&self, conns: &Receiver<Result<Box<dyn Transport>>>) -> Option<Result<Box<dyn Transport>>> {
+        self.arrival(conns, ATTACH_WAIT, "a data connection did not attach").map(|c| c.and_then(|c| c))
+    }
+
+    /// What arrives on `conns` within `limit` (`late` says what did not),
+    /// or None once the transfer stops: a stream waiting for its connection
+    /// never holds up the end.
+    fn arrival<T>(&self, conns: &Receiver<T>, limit: Duration, late: &str) -> Option<Result<T>> {
+        let deadline = Instant::now() + limit;
+        while !self.stopped() {
+            match conns.recv_timeout(POLL) {
+                Ok(c) => return Some(Ok(c)),
+                Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    return Some(Err(Error::new(ErrorKind::Unreachable, "", format!("{late} within {} s", limit.as_secs()))))
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Some(Err(Error::new(ErrorKind::Unreachable, "", format!("{late}: the session ended"))));
+                }
+            }
+        }
+        None
+    }
+
+    /// Starts the data streams given at the start: on their connections,
+    /// and on those still attaching as they come.
+    pub fn start_streams(self: &Arc<Self>, host: usize, conns: Vec<Box<dyn Transport>>, attaching: Option<Attaching>) {
         let mut st = self.crew.state.lock().expect("crew lock");
+        let attaching = attaching.map_or(Vec::new(), |a| vec![a.conns; a.count]);
+        let conns = conns.into_iter().map(StreamConn::Open).chain(attaching.into_iter().map(StreamConn::Attaching));
         for c in conns {
             let flag = Arc::new(AtomicBool::new(false));
             st.streams.entry(host).or_default().push(flag.clone());
-            self.start_stream(&mut st, host, Some(c), flag);
+            self.start_stream(&mut st, host, c, flag);
         }
     }
 
@@ -316,7 +357,7 @@ impl Tunable for Arc<Shared> {
         }
         let mut st = self.crew.state.lock().expect("crew lock");
         let mut flags = st.streams.remove(&host).unwrap_or_default();
-        resize(&mut flags, n, |flag| self.start_stream(&mut st, host, None, flag));
+        resize(&mut flags, n, |flag| self.start_stream(&mut st, host, StreamConn::Another, flag));
         st.streams.insert(host, flags);
     }
 
