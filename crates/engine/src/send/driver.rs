@@ -62,6 +62,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.more.clone() } else { None }));
     }
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
+    let (halting, halted) = crossbeam_channel::bounded::<()>(0);
     let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
     let sh = Arc::new(Shared {
         options: cfg.options,
@@ -75,6 +76,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         hosts,
         crew: Crew::default(),
         stop: AtomicBool::new(false),
+        halting: Mutex::new(Some(halting)),
+        halted,
         sent: AtomicU64::new(0),
         layers: Layers::new(cfg.bwlimit),
         ping_every: ping_interval(cfg.idle_timeout),
@@ -124,7 +127,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         let _ = walker.join();
     }
     // Stop everything: streams drain their queues first when all went well.
-    sh.stop.store(true, Ordering::SeqCst);
+    sh.halt();
     sh.pool.close();
     let timeline = tuner.and_then(|t| t.join().ok()).unwrap_or_default();
     sh.crew.join();
@@ -360,7 +363,7 @@ impl Owner {
         if self.fatal.as_ref().is_none_or(|old| old.kind == ErrorKind::Unreachable && !lost) {
             self.fatal = Some(e);
         }
-        self.sh.stop.store(true, Ordering::SeqCst);
+        self.sh.halt();
         self.sh.crew.close_all();
         if lost {
             // A receiver that fails closes the data connections first and

@@ -197,6 +197,10 @@ pub(super) struct Shared {
     pub crew: Crew,
     /// The transfer is over (or failed): workers stop.
     pub stop: AtomicBool,
+    /// Dropped when the transfer stops: a thread waiting on [`Shared::halted`]
+    /// wakes at once.
+    pub halting: Mutex<Option<Sender<()>>>,
+    pub halted: Receiver<()>,
     /// Payload bytes written to data connections.
     pub sent: AtomicU64,
     /// Put on every data connection as its stream starts.
@@ -210,6 +214,12 @@ pub(super) struct Shared {
 impl Shared {
     pub fn stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Stops the transfer, and wakes the threads waiting for something to do.
+    pub fn halt(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.halting.lock().expect("halting lock").take();
     }
 
     fn report(&self, e: Event) {
@@ -374,6 +384,10 @@ impl Tunable for Arc<Shared> {
         Shared::stopped(self)
     }
 
+    fn pause(&self, d: Duration) {
+        let _ = self.halted.recv_timeout(d);
+    }
+
     fn elapsed(&self) -> Duration {
         self.started.elapsed()
     }
@@ -481,10 +495,13 @@ pub(super) fn read_control(sh: &Shared, host: usize, control: Box<dyn Transport>
 
 fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
     while !retire.load(Ordering::SeqCst) {
-        let job = match sh.jobs.recv_timeout(POLL) {
-            Ok(j) => j,
-            Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
-            Err(_) => return,
+        let job = crossbeam_channel::select! {
+            recv(sh.jobs) -> j => match j {
+                Ok(j) => j,
+                Err(_) => return,
+            },
+            recv(sh.halted) -> _ => return,
+            default(POLL) => continue,
         };
         if sh.stopped() {
             return;
@@ -577,7 +594,13 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
             }
             return;
         }
-        match q.rx.recv_timeout(POLL) {
+        let next = crossbeam_channel::select! {
+            recv(q.rx) -> o => o.map_err(|_| RecvTimeoutError::Disconnected),
+            // Stopped: what is queued still goes, then the stream ends.
+            recv(sh.halted) -> _ => q.rx.try_recv().map_err(|_| RecvTimeoutError::Timeout),
+            default(POLL) => Err(RecvTimeoutError::Timeout),
+        };
+        match next {
             Ok(mut o) => {
                 q.took_one();
                 crate::fault::corrupt_in_flight(&mut o.data);
