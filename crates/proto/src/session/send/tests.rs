@@ -561,7 +561,8 @@ fn a_block_asked_for_again_after_the_end_that_cannot_be_read_ends_the_session() 
     ] {
         run(&mut tx, e);
     }
-    let out = run(&mut tx, Event::ReadFailed { id: 1, kind: ErrorKind::SourceChanged, subject: "/src/f".into(), message: "changed".into() });
+    let out =
+        run(&mut tx, Event::ReadFailed { id: 1, kind: ErrorKind::SourceChanged, subject: "/src/f".into(), message: "changed".into() });
     assert!(matches!(out.as_slice(), [Action::Unreadable { host: 0, kind: ErrorKind::SourceChanged, .. }]), "{out:?}");
     assert!(tx.is_over());
 }
