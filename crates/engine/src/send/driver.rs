@@ -289,6 +289,7 @@ impl Owner {
                 if let ToReceiver::Finish { .. } = msg {
                     // Stopped before `Finish` is queued: no ping follows it.
                     self.pingers[host] = None;
+                    self.sh.hosts[host].finished.store(true, Ordering::SeqCst);
                 }
                 let probe = matches!(msg, ToReceiver::Echo { .. });
                 let written = {

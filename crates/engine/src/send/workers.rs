@@ -90,6 +90,8 @@ pub(super) struct HostQueue {
     pub more: Option<MoreStreams>,
     /// Streams connected and running.
     open: AtomicU64,
+    /// `Finish` went to this host: every file has ended.
+    pub finished: AtomicBool,
     /// Readers wait on `room_freed` while the queue holds
     /// [`AHEAD_PER_STREAM`] blocks per open stream; a stream signals it each
     /// time it takes a block. The lock guards nothing but that wait.
@@ -100,7 +102,15 @@ pub(super) struct HostQueue {
 impl HostQueue {
     pub fn new(more: Option<MoreStreams>) -> HostQueue {
         let (tx, rx) = crossbeam_channel::unbounded();
-        HostQueue { tx, rx, more, open: AtomicU64::new(0), room: Mutex::default(), room_freed: Condvar::new() }
+        HostQueue {
+            tx,
+            rx,
+            more,
+            open: AtomicU64::new(0),
+            finished: AtomicBool::new(false),
+            room: Mutex::default(),
+            room_freed: Condvar::new(),
+        }
     }
 
     /// Waits while the queue is full (or until `stopped`).
@@ -248,8 +258,9 @@ impl Shared {
                 StreamConn::Another => match sh.another_stream(host) {
                     Some(Ok(c)) => c,
                     failed => {
-                        if let Some(Err(e)) = failed {
-                            log::warn!("could not open another stream: {e}");
+                        match failed {
+                            Some(Err(e)) if !sh.stopped() => log::warn!("could not open another stream: {e}"),
+                            _ => {}
                         }
                         let mut st = sh.crew.state.lock().expect("crew lock");
                         st.streams.entry(host).or_default().retain(|f| !Arc::ptr_eq(f, &retire));
@@ -367,6 +378,9 @@ impl Tunable for Arc<Shared> {
         }
         let mut st = self.crew.state.lock().expect("crew lock");
         let mut flags = st.streams.remove(&host).unwrap_or_default();
+        // Once every file has ended, a new stream could only arrive after
+        // the last blocks: none is opened.
+        let n = if self.hosts[host].finished.load(Ordering::SeqCst) { n.min(flags.len()) } else { n };
         resize(&mut flags, n, |flag| self.start_stream(&mut st, host, StreamConn::Another, flag));
         st.streams.insert(host, flags);
     }
