@@ -121,7 +121,7 @@ impl Driver {
                 assert!(self.settled.insert(id), "file {id} settled twice");
                 self.reads.retain(|r| r.id != id);
             }
-            Action::Complete(_) | Action::Violation { .. } | Action::PeerFailed { .. } => self.over = true,
+            Action::Complete(_) | Action::Violation { .. } | Action::PeerFailed { .. } | Action::Unreadable { .. } => self.over = true,
         }
     }
 }

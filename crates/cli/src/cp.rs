@@ -285,7 +285,8 @@ fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stat
     let data = (0..a.net.initial()).map(|_| connect()).collect::<Result<Vec<_>>>()?;
     let prepared = recv::prepare(recv_config(p))?;
     let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
-    let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data, more: Some(MoreStreams::Connect(connect)) };
+    let more = Some(MoreStreams::Connect(connect));
+    let link = HostLink { name: "localhost".into(), control: Box::new(ctl_a), data, attaching: None, more };
     let sent = send::send(
         Files::Walk { store: p.src_store.clone(), specs: specs(p) },
         vec![link],

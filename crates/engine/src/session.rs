@@ -8,12 +8,12 @@ use crate::error::{Error, Result};
 use crate::handshake;
 use crate::progress::{Progress, Snapshot};
 use crate::recv::{self, RecvConfig};
-use crate::send::{HostLink, MoreStreams};
+use crate::send::{Attaching, HostLink, MoreStreams};
 use crate::transport::{connect_tcp, Connector, Mux, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
 use dmover_proto::frame::{EngineParams, FileMeta, Share, Stats, TicketedHost, TransferOptions, TunerMode};
-use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
+use dmover_proto::phase::{ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::{ErrorKind, Msg, Phase};
 use std::sync::Arc;
 use std::time::Duration;
@@ -157,8 +157,10 @@ impl Conn {
         self.writer.send(m)
     }
 
-    /// Hands over the sealed transport (nothing is buffered: the server only
-    /// ever answers requests during setup). The welcome must have been read.
+    /// Hands over the sealed transport. Nothing is buffered: the server
+    /// sends each answer during setup in a record of its own, and what
+    /// follows (a sending session's first messages) in later ones. The
+    /// welcome must have been read.
     pub fn into_transport(self) -> Box<dyn Transport> {
         debug_assert!(!self.welcome_pending);
         let _ = self.transport.set_read_timeout(None);
@@ -199,31 +201,32 @@ pub fn start_streams(host: &str, cred: &Credential, n: usize, socket: &SocketOpt
     })
 }
 
-/// Attaches started connections to `session`: all requests go out before
-/// any answer is awaited, so this costs one round trip.
-pub fn attach_streams(started: std::thread::JoinHandle<Result<Vec<Conn>>>, session: [u8; 16]) -> Result<Vec<Box<dyn Transport>>> {
-    confirm_streams(ask_to_attach(started, session)?)
-}
-
-/// Asks for started connections to be attached to `session`.
-fn ask_to_attach(started: std::thread::JoinHandle<Result<Vec<Conn>>>, session: [u8; 16]) -> Result<Vec<Conn>> {
-    let mut conns = started.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))?;
-    for (i, c) in conns.iter_mut().enumerate() {
-        c.send(Open::OpenData { session, index: i as u32 })?;
-    }
-    Ok(conns)
-}
-
-/// Reads the server's answer to each connection's request to attach.
-fn confirm_streams(conns: Vec<Conn>) -> Result<Vec<Box<dyn Transport>>> {
-    conns
-        .into_iter()
-        .map(|mut c| {
-            let m = c.read_msg()?;
-            expect_session(&c.host, m)?;
-            Ok(c.into_transport())
-        })
-        .collect()
+/// Attaches started connections to `session` in the background, while
+/// the transfer starts: all requests go out before any answer is awaited,
+/// and `deliver` is given each connection once the server confirms it —
+/// or the first error, after which it hears nothing more.
+fn attach_streams(
+    started: std::thread::JoinHandle<Result<Vec<Conn>>>,
+    session: [u8; 16],
+    mut deliver: impl FnMut(Result<Box<dyn Transport>>) + Send + 'static,
+) {
+    std::thread::spawn(move || {
+        let attached = (|| {
+            let mut conns = started.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))?;
+            for (i, c) in conns.iter_mut().enumerate() {
+                c.send(Open::OpenData { session, index: i as u32 })?;
+            }
+            for mut c in conns {
+                let m = c.read_msg()?;
+                expect_session(&c.host, m)?;
+                deliver(Ok(c.into_transport()));
+            }
+            Ok(())
+        })();
+        if let Err(e) = attached {
+            deliver(Err(e));
+        }
+    });
 }
 
 /// Opens a receiving session for `dest` on `host` with `streams` data
@@ -240,9 +243,17 @@ pub fn receive_link(
     let mut c = Conn::control(host, cred)?;
     let m = c.request(Request::Receive { dest: dest.to_string(), options })?;
     let session = expect_session(host, m)?;
-    let data = attach_streams(started, session)?;
+    // The first announcements go out while the data connections attach.
+    let (attached, conns) = crossbeam_channel::unbounded();
+    attach_streams(started, session, move |c| drop(attached.send(c)));
     let more = MoreStreams::Connect(joiner(host, cred, socket, session));
-    Ok(HostLink { name: host.to_string(), control: c.into_transport(), data, more: Some(more) })
+    Ok(HostLink {
+        name: host.to_string(),
+        control: c.into_transport(),
+        data: Vec::new(),
+        attaching: Some(Attaching { count: streams, conns }),
+        more: Some(more),
+    })
 }
 
 /// Opens one more data connection to `host` and attaches it to `session`
@@ -375,24 +386,32 @@ pub fn download(
     let started = start_streams(host, cred, params.streams as usize, socket);
     let mut c = Conn::control(host, cred)?;
     let session = expect_session(host, c.request(Request::Send { sources, options, params })?)?;
-    // Ready goes out with the requests to attach, not after their answers:
-    // the server waits for the connections itself, and starts sending a
-    // round trip sooner. An answer that refuses one ends this attempt.
-    let asked = ask_to_attach(started, session)?;
     let prepared = match params.tuner {
         TunerMode::Fixed => prepared,
         _ => prepared.dialing(joiner(host, cred, socket, session)),
     };
-    c.send(Attached::Ready {})?;
-    let data = confirm_streams(asked)?;
     let control = c.into_transport();
     let after = control.split().map_err(|e| Error::network(host, &e))?;
+    // The server starts sending at once: its first announcements and this
+    // end's plans cross while the data connections attach. One that
+    // cannot ends this attempt (closing the control connection stops the
+    // receiving end), with its reason.
+    let refused = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = crossbeam_channel::unbounded();
-    data.into_iter().for_each(|d| {
-        let _ = tx.send(d);
-    });
-    drop(tx);
+    {
+        let (refused, stop) = (refused.clone(), control.split().map_err(|e| Error::network(host, &e))?);
+        attach_streams(started, session, move |c| match c {
+            Ok(t) => drop(tx.send(t)),
+            Err(e) => {
+                *refused.lock().expect("refusal lock") = Some(e);
+                stop.close();
+            }
+        });
+    }
     let summary = prepared.run(control, rx);
+    if let Some(e) = refused.lock().expect("refusal lock").take() {
+        return Err(e);
+    }
     // The sender's report follows its `Finish` (and pings, which it may
     // still send until then).
     let mut r = FrameReader::new(after);

@@ -106,6 +106,8 @@ pub(crate) trait Tunable {
     /// Starts or stops reader threads until `n` are wanted.
     fn set_readers(&self, n: usize);
     fn stopped(&self) -> bool;
+    /// Waits `d`, or less if the transfer stops meanwhile.
+    fn pause(&self, d: Duration);
     /// Time since the transfer started.
     fn elapsed(&self) -> Duration;
     /// Sends an `Echo` probe stamped `stamp` (µs since the start) to `host`.
@@ -139,7 +141,7 @@ pub(crate) fn run(sh: &dyn Tunable, make: &(dyn Fn() -> Box<dyn Tuner> + Send + 
     }
     let mut readers = Readers::new(sh.readers(), readers::Params::default());
     while !sh.stopped() {
-        std::thread::sleep(TICK);
+        sh.pause(TICK);
         let now = sh.elapsed();
         let mut whole: Option<Observation> = None;
         for h in &mut hosts {

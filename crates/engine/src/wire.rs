@@ -170,6 +170,15 @@ pub fn ping_interval(idle: Duration) -> Duration {
 /// Queued messages are written once they reach this many bytes.
 const QUEUE_LIMIT: usize = 64 * 1024;
 
+/// Queued messages go out in writes of at most this many bytes, so that on
+/// a sealed connection each is a record of its own: a record is opened
+/// only once all of it has arrived, and a new connection delivers a few
+/// packets per round trip (TCP slow start). In records of 64 KiB, the
+/// first announcements or plans of a transfer would wait two round trips
+/// for the rest of their record; in records of a few packets, the peer
+/// acts on the first ones while the others are on their way.
+const WRITE_PIECE: usize = 4 * 1024;
+
 impl FrameWriter {
     pub fn new(t: Box<dyn Transport>) -> FrameWriter {
         let peer = t.peer();
@@ -209,12 +218,9 @@ impl FrameWriter {
         Ok(())
     }
 
-    /// Writes the queued messages.
+    /// Writes the queued messages, in pieces of [`WRITE_PIECE`] bytes.
     pub fn flush(&mut self) -> Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let r = self.inner.write_all(&self.pending);
+        let r = self.pending.chunks(WRITE_PIECE).try_for_each(|piece| self.inner.write_all(piece));
         self.pending.clear();
         self.last_write = Instant::now();
         r.map_err(|e| Error::network(&self.peer, &e))

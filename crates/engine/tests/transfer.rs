@@ -111,7 +111,7 @@ fn run_transfer(
         None => prepared,
     };
     let receiver = std::thread::spawn(move || prepared.run(Box::new(ctl_b), rx));
-    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], more };
+    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![data], attaching: None, more };
     let files = Files::Walk { store: storage::local(), specs: vec![format!("{}/", src.display())] };
     let stats = send::send(files, vec![link], cfg).expect("send");
     receiver.join().unwrap().expect("receive");
@@ -351,7 +351,7 @@ fn a_fed_transfer_reports_each_file_as_it_settles() {
         o.lock().unwrap().push((meta.path.clone(), host, failed));
     });
     let (feed, entries) = crossbeam_channel::unbounded();
-    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![Box::new(d_a)], more: None };
+    let link = HostLink { name: "test".into(), control: Box::new(ctl_a), data: vec![Box::new(d_a)], attaching: None, more: None };
     let sender =
         std::thread::spawn(move || send::send(Files::Feed { store: storage::local(), entries, settled }, vec![link], send_config()));
     // Files are fed while the transfer runs; each is heard of as it settles.

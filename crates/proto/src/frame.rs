@@ -12,7 +12,7 @@ use crate::digest::Sum;
 use crate::record::Protection;
 
 /// First bytes of a `Hello`: protocol name and version.
-pub const MAGIC: [u8; 8] = *b"DMOVER\0\x03";
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x04";
 pub const HEADER_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = 32;
 /// Largest control message body. Big enough for a plan of 64k ranges.
@@ -344,7 +344,6 @@ pub mod kind {
     pub const RECEIVE: u8 = 14;
     pub const SEND: u8 = 15;
     pub const SESSION_OPENED: u8 = 16;
-    pub const READY: u8 = 17;
     pub const GRANT: u8 = 18;
     pub const TICKET: u8 = 19;
     pub const PUSH: u8 = 20;
@@ -401,8 +400,6 @@ pub enum Msg {
     Send { sources: Vec<String>, options: TransferOptions, params: EngineParams },
     /// S→C: a session began; data streams attach to it with `OpenData`.
     SessionOpened { session: [u8; 16] },
-    /// C→S: all data streams are attached.
-    Ready,
     /// C→S: issue a ticket for receiving into `dest`.
     Grant { dest: String },
     /// S→C: the ticket, valid for `lifetime` seconds unless renewed; its
@@ -620,7 +617,6 @@ impl Msg {
             Receive { .. } => kind::RECEIVE,
             Send { .. } => kind::SEND,
             SessionOpened { .. } => kind::SESSION_OPENED,
-            Ready => kind::READY,
             Grant { .. } => kind::GRANT,
             Ticket { .. } => kind::TICKET,
             Renew { .. } => kind::RENEW,
@@ -668,7 +664,7 @@ impl Msg {
             }
             Challenge { challenge } => w.bytes(challenge),
             Proof { proof } => w.bytes(proof),
-            Welcome | OpenControl | Ready | Ping | StreamEnd | Dial | Identify => {}
+            Welcome | OpenControl | Ping | StreamEnd | Dial | Identify => {}
             Echo { stamp, received, staged, server_received, transfers } => {
                 w.u64(*stamp);
                 w.u64(*received);
@@ -893,7 +889,6 @@ impl Msg {
             kind::RECEIVE => Receive { dest: r.str()?, options: r.options()? },
             kind::SEND => Send { sources: r.strs()?, options: r.options()?, params: r.params()? },
             kind::SESSION_OPENED => SessionOpened { session: r.arr()? },
-            kind::READY => Ready,
             kind::GRANT => Grant { dest: r.str()? },
             kind::TICKET => Ticket { key_id: r.arr()?, wrapped_secret: r.arr()?, lifetime: r.u32()? },
             kind::RENEW => Renew { key_id: r.arr()? },
@@ -1170,7 +1165,6 @@ mod tests {
                 },
             },
             Msg::SessionOpened { session: [8; 16] },
-            Msg::Ready,
             Msg::Grant { dest: "out".into() },
             Msg::Ticket { key_id: [9; 16], wrapped_secret: [10; 32], lifetime: 600 },
             Msg::Renew { key_id: [9; 16] },

@@ -15,8 +15,7 @@
 //! * [`ClientHello`] C→S and [`ServerHello`] S→C: authentication;
 //! * [`Open`] C→S: what an authenticated connection is for;
 //! * [`Request`] C→S on a control connection, answered by [`Reply`] S→C,
-//!   [`Attached`] C→S once data connections are open, [`ListReply`] S→C
-//!   while a listing streams;
+//!   and [`ListReply`] S→C while a listing streams;
 //! * [`ToReceiver`] Tx→Rx and [`ToSender`] Rx→Tx on the control connection
 //!   of a transfer, [`OnData`] Tx→Rx between blocks on a data connection;
 //! * [`RemoteReport`] S→C while a server sends or pushes for a client;
@@ -128,14 +127,6 @@ phase! {
         Ticket { key_id: KeyId, wrapped_secret: [u8; 32], lifetime: u32 },
         Renewed { lifetime: u32 },
         Error { kind: ErrorKind, message: String },
-    }
-}
-
-phase! {
-    /// C→S after `SessionOpened` for a send or a push: the data
-    /// connections are attached.
-    Attached = "waiting for data connections" {
-        Ready {},
     }
 }
 

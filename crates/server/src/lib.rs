@@ -17,14 +17,14 @@ use dmover_engine::error::{Error, Result};
 use dmover_engine::handshake::{self, random};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig};
-use dmover_engine::send::{self, Files, HostLink, MoreStreams, SendConfig};
+use dmover_engine::send::{self, Attaching, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::session::{self, Credential};
 use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{self, KeyId, TOKEN_KEY_ID};
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions, TunerMode};
-use dmover_proto::phase::{Attached, ListReply, Open, RemoteReport, Reply, Request};
+use dmover_proto::phase::{ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::ErrorKind;
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -553,6 +553,9 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
             Action::Receive { root: root.clone(), dest: rest.to_string(), options }
         }
         Request::Send { sources, options, params } => {
+            if params.streams == 0 {
+                return Err(Error::new(ErrorKind::Usage, "", "a download needs at least one data connection"));
+            }
             let params = limit(srv, options.block_size, params.streams as u64, params)?;
             let (root, specs) = resolve_sources(srv, &sources)?;
             Action::Send { root, specs, options, params }
@@ -692,33 +695,33 @@ fn control(
             Ok(Action::Send { root, specs, options, params }) => {
                 let (guard, rx) = open_session(srv, grant);
                 w.send(Reply::SessionOpened { session: guard.id })?;
-                let Attached::Ready {} = r.read_msg()?;
                 drop(r);
-                // The client says it is ready once it has asked for its data
-                // connections to attach (each is handed over just after its
-                // confirmation): the last ones may still be on their way.
+                // Sending starts at once: the first announcements and the
+                // client's plans cross while its data connections attach
+                // (each is handed over just after its confirmation).
                 let want = params.streams as usize;
-                let deadline = Instant::now() + ATTACH_TIMEOUT;
-                let data: Vec<Box<dyn Transport>> = std::iter::from_fn(|| rx.recv_deadline(deadline).ok()).take(want).collect();
-                if want == 0 || data.len() != want {
-                    let e = Error::protocol(
-                        t.peer(),
-                        format!(
-                            "{} data connection(s) attached within {} s; the client asked for {want}",
-                            data.len(),
-                            ATTACH_TIMEOUT.as_secs()
-                        ),
-                    );
-                    return finish_report(&mut w, t.as_ref(), Err(e));
-                }
-                let socket = SocketOptions::of(&options);
-                for d in &data {
-                    d.set_options(&socket).map_err(|e| Error::network(t.peer(), &e))?;
+                let (attached, conns) = crossbeam_channel::bounded(want);
+                {
+                    let (rx, socket, peer) = (rx.clone(), SocketOptions::of(&options), t.peer());
+                    std::thread::spawn(move || {
+                        for d in rx.iter().take(want) {
+                            let d = d.set_options(&socket).map(|_| d).map_err(|e| Error::network(&peer, &e));
+                            if attached.send(d).is_err() {
+                                return;
+                            }
+                        }
+                    });
                 }
                 // A tuned download's new streams are dialed by the client as
                 // this end asks, and attach to the session like the first ones.
                 let more = (params.tuner != TunerMode::Fixed).then(|| MoreStreams::Ask(rx));
-                let link = HostLink { name: t.peer(), control: t.split().map_err(|e| Error::network(t.peer(), &e))?, data, more };
+                let link = HostLink {
+                    name: t.peer(),
+                    control: t.split().map_err(|e| Error::network(t.peer(), &e))?,
+                    data: Vec::new(),
+                    attaching: Some(Attaching { count: want, conns }),
+                    more,
+                };
                 let stats =
                     send::send(Files::Walk { store: root, specs }, vec![link], send_config(srv, options, params, 1, Arc::default()));
                 return finish_report(&mut w, t.as_ref(), stats);

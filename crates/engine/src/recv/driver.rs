@@ -29,9 +29,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-/// How often the thread handing over data connections looks at the stop flag.
-const POLL: Duration = Duration::from_millis(50);
-
 /// Runs a prepared receiving end until the sender finishes or the session
 /// fails; see [`Prepared::run`].
 pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
@@ -43,6 +40,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     let ctl = FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?);
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
     let (commits, verified) = crossbeam_channel::unbounded::<(Arc<Slot>, Sum)>();
+    let (halting, halted) = crossbeam_channel::bounded::<()>(0);
     let sh = Arc::new(Shared {
         options: opts,
         block_size,
@@ -55,6 +53,8 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         pool: Pool::new(cfg.staging, block_size as usize, MIN_BLOCKS),
         queued: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
+        halting: Mutex::new(Some(halting)),
+        halted,
         received: AtomicU64::new(0),
         streams: AtomicUsize::new(0),
         receiving: Receiving::new(cfg.intake),
@@ -76,12 +76,12 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     {
         let sh = sh.clone();
         threads.push(std::thread::spawn(move || loop {
-            match streams.recv_timeout(POLL) {
-                Ok(c) => {
-                    let _ = sh.events.send(Input::Stream(c));
-                }
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
-                Err(_) => return,
+            crossbeam_channel::select! {
+                recv(streams) -> c => match c {
+                    Ok(c) => drop(sh.events.send(Input::Stream(c))),
+                    Err(_) => return,
+                },
+                recv(sh.halted) -> _ => return,
             }
         }));
     }
@@ -113,7 +113,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     if result.as_ref().is_err_and(|e| e.kind != ErrorKind::Unreachable) {
         crate::transport::linger(ctl_handle.as_ref());
     }
-    sh.stop.store(true, Ordering::SeqCst);
+    sh.halt();
     owner.conns.iter().for_each(|c| c.close());
     sh.pool.close();
     // Nothing more is admitted; writers finish what is queued, so
@@ -332,7 +332,7 @@ impl Owner {
     /// The sender is finished: the transfer's resume state goes, and the
     /// totals are confirmed.
     fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
-        self.sh.stop.store(true, Ordering::SeqCst);
+        self.sh.halt();
         if let Some(l) = &self.layout {
             let _ = self.sh.state.remove(&l.marker);
             let _ = self.sh.state.remove_dir(&l.state_dir);
@@ -411,7 +411,7 @@ impl Owner {
             None => !lost || !self.sh.stop.load(Ordering::SeqCst),
             Some(old) => old.kind == ErrorKind::Unreachable && !lost,
         };
-        self.sh.stop.store(true, Ordering::SeqCst);
+        self.sh.halt();
         self.conns.iter().for_each(|c| c.close());
         if first && !lost {
             // Say why, and leave the connection readable: closing it with

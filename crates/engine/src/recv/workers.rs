@@ -70,6 +70,10 @@ pub(super) struct Shared {
     pub queued: AtomicUsize,
     /// The session is over: workers stop reporting broken connections.
     pub stop: AtomicBool,
+    /// Dropped when the session is over: a thread waiting on
+    /// [`Shared::halted`] wakes at once.
+    pub halting: Mutex<Option<Sender<()>>>,
+    pub halted: Receiver<()>,
     /// Payload bytes taken off the data connections (for the sender's tuner).
     pub received: AtomicU64,
     /// Data connections being read now: the owner counts each it attaches,
@@ -80,6 +84,12 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// Ends the session's work, and wakes the threads waiting for some.
+    pub fn halt(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.halting.lock().expect("halting lock").take();
+    }
+
     fn report(&self, e: Event) {
         // The owner outlives the workers' usefulness: after it stops, what
         // they report is not needed.
@@ -305,11 +315,19 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
     let mut renamed: Vec<Arc<Slot>> = Vec::new();
     loop {
         let first = if renamed.is_empty() {
-            match verified.recv_timeout(POLL) {
-                Ok(v) => Some(v),
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !sh.stop.load(Ordering::SeqCst) => continue,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !verified.is_empty() => continue,
-                Err(_) => return,
+            crossbeam_channel::select! {
+                recv(verified) -> v => match v {
+                    Ok(v) => Some(v),
+                    Err(_) => return,
+                },
+                // Over: what was verified is still committed.
+                recv(sh.halted) -> _ => {
+                    if verified.is_empty() {
+                        return;
+                    }
+                    continue;
+                }
+                default(POLL) => continue,
             }
         } else {
             verified.recv_timeout(merge).ok()

@@ -23,7 +23,7 @@ use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Sends the files to the hosts; see [`super::send`].
@@ -32,7 +32,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     let n = links.len();
     assert!(n > 0, "send needs a destination");
     let block_size = cfg.options.block_size as u64;
-    let streams: usize = links.iter().map(|l| l.data.len()).sum();
+    let streams: usize = links.iter().map(|l| l.data.len() + l.attaching.as_ref().map_or(0, |a| a.count)).sum();
     let generate = matches!(files, Files::Generate { .. });
     let hook = match &files {
         Files::Feed { settled, .. } => Some(settled.clone()),
@@ -61,6 +61,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.more.clone() } else { None }));
     }
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
+    let (halting, halted) = crossbeam_channel::bounded::<()>(0);
     let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
     let sh = Arc::new(Shared {
         options: cfg.options,
@@ -74,6 +75,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         hosts,
         crew: Crew::default(),
         stop: AtomicBool::new(false),
+        halting: Mutex::new(Some(halting)),
+        halted,
         sent: AtomicU64::new(0),
         layers: Layers::new(cfg.bwlimit),
         ping_every: ping_interval(cfg.idle_timeout),
@@ -84,7 +87,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     let mut control_readers = Vec::new();
     let mut names = Vec::new();
     for (host, l) in links.into_iter().enumerate() {
-        sh.start_streams(host, l.data);
+        sh.start_streams(host, l.data, l.attaching);
         let sh2 = sh.clone();
         let control = l.control;
         control_readers.push(std::thread::spawn(move || workers::read_control(&sh2, host, control)));
@@ -121,7 +124,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         let _ = walker.join();
     }
     // Stop everything: streams drain their queues first when all went well.
-    sh.stop.store(true, Ordering::SeqCst);
+    sh.halt();
     sh.pool.close();
     let timeline = tuner.and_then(|t| t.join().ok()).unwrap_or_default();
     sh.crew.join();
@@ -249,7 +252,9 @@ impl Owner {
         }
         self.flush();
         let every = self.sh.ping_every;
-        let due = self.ctl.iter().map(|w| w.ping_due(every)).min().expect("send needs a destination");
+        let hosts = 0..self.ctl.len();
+        let due = hosts.filter(|&h| self.pings(h)).map(|h| self.ctl[h].ping_due(every)).min();
+        let due = due.unwrap_or_else(|| Instant::now() + every);
         let held = "the owner holds a sender";
         match walk {
             None => match inputs.recv_deadline(due) {
@@ -265,12 +270,21 @@ impl Owner {
         }
     }
 
+    /// Whether `host`'s control connection is kept alive: until `Finish`
+    /// goes to it, after which nothing more may.
+    fn pings(&self, host: usize) -> bool {
+        !self.sh.hosts[host].finished.load(Ordering::SeqCst)
+    }
+
     /// Pings each host whose control connection was quiet for a while.
     fn keep_alive(&mut self) {
         if self.sh.stopped() {
             return;
         }
         for host in 0..self.ctl.len() {
+            if !self.pings(host) {
+                continue;
+            }
             if let Err(e) = self.ctl[host].keep_alive(self.sh.ping_every) {
                 self.fail(e);
             }
@@ -301,6 +315,10 @@ impl Owner {
                 if let ToReceiver::Announce { meta, .. } = &msg {
                     Progress::add(&self.sh.progress.total_files, 1);
                     Progress::add(&self.sh.progress.total_bytes, meta.size);
+                }
+                if let ToReceiver::Finish { .. } = msg {
+                    // Marked before `Finish` is queued: no ping follows it.
+                    self.sh.hosts[host].finished.store(true, Ordering::SeqCst);
                 }
                 let probe = matches!(msg, ToReceiver::Echo { .. });
                 let w = &mut self.ctl[host];
@@ -339,6 +357,10 @@ impl Owner {
             Action::Complete(s) => self.summary = Some(s),
             Action::Violation { host, why } => self.fail(Error::protocol(&self.peers[host], why)),
             Action::PeerFailed { host, kind, message } => self.fail(Error::new(kind, &self.peers[host], message)),
+            Action::Unreadable { host, kind, subject, message } => {
+                let message = format!("{message} (a block {} asked for again after the end of the transfer)", self.peers[host]);
+                self.fail(Error::new(kind, subject, message));
+            }
         }
     }
 
@@ -365,7 +387,7 @@ impl Owner {
         if self.fatal.as_ref().is_none_or(|old| old.kind == ErrorKind::Unreachable && !lost) {
             self.fatal = Some(e);
         }
-        self.sh.stop.store(true, Ordering::SeqCst);
+        self.sh.halt();
         self.sh.crew.close_all();
         if lost {
             // A receiver that fails closes the data connections first and

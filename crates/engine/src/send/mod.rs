@@ -84,14 +84,30 @@ pub enum MoreStreams {
 /// round trips (connect, authenticate, attach), on a slow link.
 pub const DIAL_WAIT: Duration = Duration::from_secs(10);
 
-/// One destination: its control connection and data connections, already
-/// authenticated and attached to a receiving session.
+/// How long a data connection still attaching when the transfer starts
+/// may take to arrive (see [`Attaching`]).
+pub const ATTACH_WAIT: Duration = Duration::from_secs(30);
+
+/// One destination: its control connection and data connections,
+/// authenticated and attached to a receiving session (or on their way).
 pub struct HostLink {
     pub name: String,
     pub control: Box<dyn Transport>,
+    /// Data connections attached.
     pub data: Vec<Box<dyn Transport>>,
+    /// Data connections still attaching: the transfer starts without them.
+    pub attaching: Option<Attaching>,
     /// How to get more data connections while sending (None: the set is fixed).
     pub more: Option<MoreStreams>,
+}
+
+/// Data connections that attach while the transfer starts, so that the
+/// first announcements and plans cross while they are set up: `count` of
+/// them arrive on `conns` (an error instead ends the transfer), each within
+/// [`ATTACH_WAIT`]. Blocks read meanwhile wait in the host's queue.
+pub struct Attaching {
+    pub count: usize,
+    pub conns: Receiver<Result<Box<dyn Transport>>>,
 }
 
 /// How a file was settled.

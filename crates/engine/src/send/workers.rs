@@ -5,7 +5,7 @@
 //! beyond reading the blocks a [`Read`] names. The tuner reaches them
 //! through [`Tunable`].
 
-use super::{Files, MoreStreams, AHEAD_PER_STREAM, DIAL_WAIT, POLL};
+use super::{Attaching, Files, MoreStreams, AHEAD_PER_STREAM, ATTACH_WAIT, DIAL_WAIT, POLL};
 use crate::error::{classify, Error, Result};
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
@@ -59,6 +59,15 @@ pub(super) struct Source {
     pub done: AtomicBool,
 }
 
+/// Where a data stream's connection comes from.
+enum StreamConn {
+    Open(Box<dyn Transport>),
+    /// One of those still attaching when the transfer started.
+    Attaching(Receiver<Result<Box<dyn Transport>>>),
+    /// A new one (the tuner added the stream).
+    Another,
+}
+
 /// A chunk to read, for the readers.
 pub(super) struct Job {
     pub source: Arc<Source>,
@@ -81,6 +90,8 @@ pub(super) struct HostQueue {
     pub more: Option<MoreStreams>,
     /// Streams connected and running.
     open: AtomicU64,
+    /// `Finish` went to this host: every file has ended.
+    pub finished: AtomicBool,
     /// Readers wait on `room_freed` while the queue holds
     /// [`AHEAD_PER_STREAM`] blocks per open stream; a stream signals it each
     /// time it takes a block. The lock guards nothing but that wait.
@@ -91,7 +102,15 @@ pub(super) struct HostQueue {
 impl HostQueue {
     pub fn new(more: Option<MoreStreams>) -> HostQueue {
         let (tx, rx) = crossbeam_channel::unbounded();
-        HostQueue { tx, rx, more, open: AtomicU64::new(0), room: Mutex::default(), room_freed: Condvar::new() }
+        HostQueue {
+            tx,
+            rx,
+            more,
+            open: AtomicU64::new(0),
+            finished: AtomicBool::new(false),
+            room: Mutex::default(),
+            room_freed: Condvar::new(),
+        }
     }
 
     /// Waits while the queue is full (or until `stopped`).
@@ -188,6 +207,10 @@ pub(super) struct Shared {
     pub crew: Crew,
     /// The transfer is over (or failed): workers stop.
     pub stop: AtomicBool,
+    /// Dropped when the transfer stops: a thread waiting on [`Shared::halted`]
+    /// wakes at once.
+    pub halting: Mutex<Option<Sender<()>>>,
+    pub halted: Receiver<()>,
     /// Payload bytes written to data connections.
     pub sent: AtomicU64,
     /// Put on every data connection as its stream starts.
@@ -203,6 +226,12 @@ impl Shared {
         self.stop.load(Ordering::SeqCst)
     }
 
+    /// Stops the transfer, and wakes the threads waiting for something to do.
+    pub fn halt(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.halting.lock().expect("halting lock").take();
+    }
+
     fn report(&self, e: Event) {
         // After the owner stops, what workers report is not needed.
         let _ = self.events.send(Input::Session(e));
@@ -215,17 +244,23 @@ impl Shared {
         }
     }
 
-    /// Runs a data stream to `host` in its own thread, on `conn` or on a new connection.
-    fn start_stream(self: &Arc<Self>, st: &mut CrewState, host: usize, conn: Option<Box<dyn Transport>>, retire: Arc<AtomicBool>) {
+    /// Runs a data stream to `host` in its own thread, on its connection.
+    fn start_stream(self: &Arc<Self>, st: &mut CrewState, host: usize, conn: StreamConn, retire: Arc<AtomicBool>) {
         let sh = self.clone();
         let t = std::thread::spawn(move || {
             let conn = match conn {
-                Some(c) => c,
-                None => match sh.another_stream(host) {
+                StreamConn::Open(c) => c,
+                StreamConn::Attaching(conns) => match sh.attached(&conns) {
+                    Some(Ok(c)) => c,
+                    Some(Err(e)) => return sh.broken(e),
+                    None => return,
+                },
+                StreamConn::Another => match sh.another_stream(host) {
                     Some(Ok(c)) => c,
                     failed => {
-                        if let Some(Err(e)) = failed {
-                            log::warn!("could not open another stream: {e}");
+                        match failed {
+                            Some(Err(e)) if !sh.stopped() => log::warn!("could not open another stream: {e}"),
+                            _ => {}
                         }
                         let mut st = sh.crew.state.lock().expect("crew lock");
                         st.streams.entry(host).or_default().retain(|f| !Arc::ptr_eq(f, &retire));
@@ -261,27 +296,54 @@ impl Shared {
     }
 
     /// A new data connection to `host`: opened here, or asked of the
-    /// receiver and taken as it attaches (None: the set is fixed).
+    /// receiver and taken as it attaches
+    /// (None: the set is fixed, or the transfer stopped first).
     fn another_stream(&self, host: usize) -> Option<Result<Box<dyn Transport>>> {
-        Some(match self.hosts[host].more.as_ref()? {
-            MoreStreams::Connect(c) => c(),
+        match self.hosts[host].more.as_ref()? {
+            MoreStreams::Connect(c) => Some(c()),
             MoreStreams::Ask(attached) => {
                 self.report(Event::Dial { host });
-                attached.recv_timeout(DIAL_WAIT).map_err(|_| {
-                    let why = format!("the receiver dialed no data connection within {} s", DIAL_WAIT.as_secs());
-                    Error::new(ErrorKind::Unreachable, "", why)
-                })
+                self.arrival(attached, DIAL_WAIT, "the receiver dialed no data connection")
             }
-        })
+        }
     }
 
-    /// Starts the data streams given at the start, on their connections.
-    pub fn start_streams(self: &Arc<Self>, host: usize, conns: Vec<Box<dyn Transport>>) {
+    /// A data connection still attaching when the transfer started, once
+    /// it has (None: the transfer stopped first).
+    fn attached(&self, conns: &Receiver<Result<Box<dyn Transport>>>) -> Option<Result<Box<dyn Transport>>> {
+        self.arrival(conns, ATTACH_WAIT, "a data connection did not attach").map(|c| c.and_then(|c| c))
+    }
+
+    /// What arrives on `conns` within `limit` (`late` says what did not),
+    /// or None once the transfer stops: a stream waiting for its connection
+    /// never holds up the end.
+    fn arrival<T>(&self, conns: &Receiver<T>, limit: Duration, late: &str) -> Option<Result<T>> {
+        let deadline = Instant::now() + limit;
+        while !self.stopped() {
+            match conns.recv_timeout(POLL) {
+                Ok(c) => return Some(Ok(c)),
+                Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    return Some(Err(Error::new(ErrorKind::Unreachable, "", format!("{late} within {} s", limit.as_secs()))))
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Some(Err(Error::new(ErrorKind::Unreachable, "", format!("{late}: the session ended"))));
+                }
+            }
+        }
+        None
+    }
+
+    /// Starts the data streams given at the start: on their connections,
+    /// and on those still attaching as they come.
+    pub fn start_streams(self: &Arc<Self>, host: usize, conns: Vec<Box<dyn Transport>>, attaching: Option<Attaching>) {
         let mut st = self.crew.state.lock().expect("crew lock");
+        let attaching = attaching.map_or(Vec::new(), |a| vec![a.conns; a.count]);
+        let conns = conns.into_iter().map(StreamConn::Open).chain(attaching.into_iter().map(StreamConn::Attaching));
         for c in conns {
             let flag = Arc::new(AtomicBool::new(false));
             st.streams.entry(host).or_default().push(flag.clone());
-            self.start_stream(&mut st, host, Some(c), flag);
+            self.start_stream(&mut st, host, c, flag);
         }
     }
 
@@ -316,7 +378,10 @@ impl Tunable for Arc<Shared> {
         }
         let mut st = self.crew.state.lock().expect("crew lock");
         let mut flags = st.streams.remove(&host).unwrap_or_default();
-        resize(&mut flags, n, |flag| self.start_stream(&mut st, host, None, flag));
+        // Once every file has ended, a new stream could only arrive after
+        // the last blocks: none is opened.
+        let n = if self.hosts[host].finished.load(Ordering::SeqCst) { n.min(flags.len()) } else { n };
+        resize(&mut flags, n, |flag| self.start_stream(&mut st, host, StreamConn::Another, flag));
         st.streams.insert(host, flags);
     }
 
@@ -331,6 +396,10 @@ impl Tunable for Arc<Shared> {
 
     fn stopped(&self) -> bool {
         Shared::stopped(self)
+    }
+
+    fn pause(&self, d: Duration) {
+        let _ = self.halted.recv_timeout(d);
     }
 
     fn elapsed(&self) -> Duration {
@@ -440,10 +509,13 @@ pub(super) fn read_control(sh: &Shared, host: usize, control: Box<dyn Transport>
 
 fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
     while !retire.load(Ordering::SeqCst) {
-        let job = match sh.jobs.recv_timeout(POLL) {
-            Ok(j) => j,
-            Err(RecvTimeoutError::Timeout) if !sh.stopped() => continue,
-            Err(_) => return,
+        let job = crossbeam_channel::select! {
+            recv(sh.jobs) -> j => match j {
+                Ok(j) => j,
+                Err(_) => return,
+            },
+            recv(sh.halted) -> _ => return,
+            default(POLL) => continue,
         };
         if sh.stopped() {
             return;
@@ -535,7 +607,13 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
             }
             return;
         }
-        match q.rx.recv_timeout(POLL) {
+        let next = crossbeam_channel::select! {
+            recv(q.rx) -> o => o.map_err(|_| RecvTimeoutError::Disconnected),
+            // Stopped: what is queued still goes, then the stream ends.
+            recv(sh.halted) -> _ => q.rx.try_recv().map_err(|_| RecvTimeoutError::Timeout),
+            default(POLL) => Err(RecvTimeoutError::Timeout),
+        };
+        match next {
             Ok(mut o) => {
                 q.took_one();
                 crate::fault::corrupt_in_flight(&mut o.data);

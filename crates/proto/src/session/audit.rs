@@ -2,8 +2,9 @@
 //! fuzzer: it watches every event going in and every action coming out and
 //! says when an action breaks a rule of the receiving end — a file opened
 //! for another size than announced, a file committed or confirmed before
-//! every block is written with the digest the sender gave, anything said
-//! after the session ended. It keeps its own account of the blocks written,
+//! every block is written with the digest the sender gave, the end
+//! confirmed while a file is in flight, anything said after the session
+//! ended. It keeps its own account of the blocks written,
 //! so a session that loses track of one is caught.
 
 use super::receive::{Action, Event, Gate, Outcome};
@@ -115,6 +116,10 @@ impl Audit {
                 self.forget(*id);
             }
             Action::Close { id } | Action::Remove { id } => self.forget(*id),
+            // The end is confirmed only once every file is settled.
+            Action::Finish(_) if !(self.open.is_empty() && self.commits.is_empty() && self.preparing.is_empty()) => {
+                return Err(format!("finished with files in flight: open {:?}", self.open.keys().collect::<Vec<_>>()));
+            }
             Action::Finish(_) | Action::Violation(_) | Action::Fatal { .. } | Action::PeerFailed { .. } => self.over = true,
             _ => {}
         }

@@ -18,6 +18,13 @@
 //! ([`MAX_OPEN_FILES`]), an end before its plan, are protocol violations
 //! that end the session; a path or a size this end will not take fails
 //! that file alone.
+//!
+//! The sender says `Finish` as soon as every file it announced has ended
+//! (its last blocks may still be on their way), not once every file is
+//! confirmed: the session confirms the end with its totals (`Finished`)
+//! once every file in flight is settled, so the end costs no round trip
+//! of its own. A `Finish` while a file has not ended, and an announcement
+//! or a second `Finish` after it, are protocol violations.
 
 use crate::digest::{file_digest, SetDigest, Sum};
 use crate::frame::{file_blocks, FileMeta};
@@ -166,7 +173,8 @@ pub enum Action {
     /// The sender asks for one more data connection: dial it, if this end
     /// dials them and holds fewer than it allows.
     Dial,
-    /// The sender is finished: confirm with these totals. The session is over.
+    /// The sender is finished and every file it announced is settled:
+    /// confirm with these totals. The session is over.
     Finish(Totals),
     /// The sender broke a rule of the protocol. The session is over.
     Violation(String),
@@ -228,6 +236,8 @@ pub struct Receive {
     files: HashMap<u64, File>,
     out: VecDeque<Action>,
     totals: Totals,
+    /// The sender said `Finish`: the session ends once no file is in flight.
+    finishing: bool,
     /// Finished, failed or broken: nothing more is heard.
     over: bool,
 }
@@ -235,7 +245,7 @@ pub struct Receive {
 impl Receive {
     pub fn new(cfg: Config) -> Receive {
         assert!(cfg.block_size > 0, "a block size of zero");
-        Receive { cfg, files: HashMap::new(), out: VecDeque::new(), totals: Totals::default(), over: false }
+        Receive { cfg, files: HashMap::new(), out: VecDeque::new(), totals: Totals::default(), finishing: false, over: false }
     }
 
     /// The next thing to do, if any.
@@ -275,6 +285,9 @@ impl Receive {
                 }
             }
         }
+        if self.finishing && !self.over && self.files.is_empty() {
+            self.end(Action::Finish(self.totals));
+        }
     }
 
     fn control(&mut self, m: ToReceiver) {
@@ -299,9 +312,7 @@ impl Receive {
                     self.out.push_back(Action::Remove { id });
                 }
             }
-            // A sender that lost its data connections may still say it
-            // has finished; its files in flight stay unconfirmed.
-            ToReceiver::Finish { .. } => self.end(Action::Finish(self.totals)),
+            ToReceiver::Finish { .. } => self.finish(),
             ToReceiver::Echo { stamp, .. } => self.out.push_back(Action::Echo { stamp }),
             ToReceiver::Dial {} => self.out.push_back(Action::Dial),
             ToReceiver::Ping {} => {}
@@ -309,7 +320,23 @@ impl Receive {
         }
     }
 
+    /// The sender has ended every file: the session ends once those in
+    /// flight are settled (see [`Receive::handle`]).
+    fn finish(&mut self) {
+        if self.finishing {
+            return self.violate("finished twice".into());
+        }
+        let unended = self.files.iter().find(|(_, f)| !matches!(f.stage, Stage::Committing(_)) && f.end.is_none());
+        if let Some((id, _)) = unended {
+            return self.violate(format!("finished before file {id} ended"));
+        }
+        self.finishing = true;
+    }
+
     fn announce(&mut self, id: u64, meta: FileMeta, digest: Option<Sum>) {
+        if self.finishing {
+            return self.violate(format!("file {id} announced after the end"));
+        }
         if self.files.contains_key(&id) {
             return self.violate(format!("file {id} announced twice"));
         }

@@ -17,12 +17,20 @@
 //! names the blocks to read and which of them to send; the session hears
 //! only the checksums, once a chunk is read and queued.
 //!
+//! The session says `Finish` as soon as the walk is over and every file
+//! has ended (`FileEnd` went out, or it is settled), while the last blocks
+//! and confirmations are still on their way: a receiver confirms the end
+//! (`Finished`) once it has settled every file, so the end costs no round
+//! trip of its own. Nothing follows `Finish` on a control connection, so a
+//! block asked for again after it that cannot be read ends the session.
+//!
 //! Every number a receiver gives is checked: a plan, re-request or
 //! confirmation for a file it was not sent or that is settled, a plan
 //! twice or with blocks outside its file, a confirmation before the file
 //! ended, a block asked for more often than a receiver may ask
-//! ([`NACK_BUDGET`]), totals before the end or larger than what it was
-//! offered: each ends the session with a protocol violation. Messages
+//! ([`NACK_BUDGET`]), totals before the end, before every file sent to it
+//! was settled, or larger than what it was offered: each ends the session
+//! with a protocol violation. Messages
 //! about a file this end gave up on (it could not be read) are late, not
 //! lies, and are ignored.
 
@@ -128,6 +136,10 @@ pub enum Action {
     Violation { host: usize, why: String },
     /// `host`'s receiver ended the transfer with an error. The session is over.
     PeerFailed { host: usize, kind: ErrorKind, message: String },
+    /// A block of file `id` asked for again after `Finish` could not be
+    /// read: the receiver cannot be told to give the file up, so the
+    /// session is over (a later attempt sends the file afresh).
+    Unreadable { host: usize, kind: ErrorKind, subject: String, message: String },
 }
 
 /// What one host was offered, and what it confirmed.
@@ -202,7 +214,7 @@ pub struct Send {
     /// Files this end gave up on: what a receiver still says of them is late.
     abandoned: HashSet<u64>,
     walk_done: bool,
-    /// `Finish` went out to every host.
+    /// `Finish` went out to every host: every file had ended.
     finishing: bool,
     summary: Summary,
     out: VecDeque<Action>,
@@ -268,12 +280,16 @@ impl Send {
             Event::WalkError(e) => self.summary.errors.push(e),
             Event::WalkDone => {
                 self.walk_done = true;
-                self.finish_if_settled();
+                self.finish_if_ended();
             }
             Event::Read { id, first, sums, kept } => self.read(id, first, sums, kept),
             Event::ReadFailed { id, kind, subject, message } => {
                 let Some(f) = self.files.get(&id) else { return };
                 let host = f.host;
+                if self.finishing {
+                    // Nothing may follow `Finish` on a control connection.
+                    return self.end(Action::Unreadable { host, kind, subject, message });
+                }
                 self.abandoned.insert(id);
                 self.out.push_back(Action::Send { host, msg: ToReceiver::Abort { id, kind, message: message.clone() } });
                 self.fail(id, subject, kind, message);
@@ -346,6 +362,7 @@ impl Send {
         }
         f.stage = Stage::Ended(digest);
         self.out.push_back(Action::Send { host, msg: ToReceiver::FileEnd { id, digest } });
+        self.finish_if_ended();
     }
 
     fn control(&mut self, host: usize, msg: ToSender) {
@@ -410,7 +427,8 @@ impl Send {
         if chunks == 0 {
             let digest = file_digest(&[]);
             f.stage = Stage::Ended(digest);
-            return self.out.push_back(Action::Send { host, msg: ToReceiver::FileEnd { id, digest } });
+            self.out.push_back(Action::Send { host, msg: ToReceiver::FileEnd { id, digest } });
+            return self.finish_if_ended();
         }
         f.stage = Stage::Reading { sums: vec![[0; 16]; blocks as usize], chunks_left: chunks };
         let send: Arc<[(u64, u64)]> = ranges.into();
@@ -464,6 +482,8 @@ impl Send {
             Some("totals before the end of the transfer".to_string())
         } else if h.confirmed.is_some() {
             Some("totals twice".to_string())
+        } else if self.in_flight[host] > 0 {
+            Some(format!("totals before {} of the files sent to it were settled", self.in_flight[host]))
         } else if files > h.offered_files || bytes > h.offered_bytes {
             Some(format!(
                 "totals of {files} files and {bytes} bytes, more than the {} files and {} bytes offered",
@@ -492,7 +512,7 @@ impl Send {
         self.in_flight[host] -= 1;
         self.out.push_back(Action::Settle { id, host, meta: f.meta, outcome: Outcome::Failed(e) });
         self.announce_waiting();
-        self.finish_if_settled();
+        self.finish_if_ended();
     }
 
     /// Counts a file as at its host (sent or skipped) and settles it.
@@ -505,13 +525,15 @@ impl Send {
         self.in_flight[host] -= 1;
         self.out.push_back(Action::Settle { id, host, meta: f.meta, outcome });
         self.announce_waiting();
-        self.finish_if_settled();
+        self.finish_if_ended();
     }
 
-    /// Once the walk is over and every file settled, tells each host the
-    /// transfer is over, with what it should hold.
-    fn finish_if_settled(&mut self) {
-        if !self.walk_done || self.finishing || !self.offers.is_empty() || !self.files.is_empty() {
+    /// Once the walk is over and every file has ended (or is settled),
+    /// tells each host the transfer is over, with what it should hold once
+    /// the files in flight are settled.
+    fn finish_if_ended(&mut self) {
+        let ended = self.files.values().all(|f| matches!(f.stage, Stage::Ended(_)));
+        if !self.walk_done || self.finishing || !self.offers.is_empty() || !ended {
             return;
         }
         self.finishing = true;

@@ -120,6 +120,8 @@ struct Driver {
     refused: bool,
     /// Blocks asked for again, not yet sent.
     nacks: Vec<(u64, u64)>,
+    /// The sender said `Finish`.
+    finished: bool,
 }
 
 impl Driver {
@@ -138,6 +140,7 @@ impl Driver {
             end: None,
             refused: false,
             nacks: Vec::new(),
+            finished: false,
         }
     }
 
@@ -223,7 +226,11 @@ impl Driver {
                     self.flight.insert(id);
                 }
                 let out = self.feed(e);
-                assert!(!live || again == Self::violated(&out), "a second announcement of file {id} in flight must end the session");
+                let late = self.finished;
+                assert!(
+                    !live || (again || late) == Self::violated(&out),
+                    "a second announcement of file {id} in flight, or one after the end, must end the session"
+                );
             }
             Step::Block { f, b, damaged } => {
                 let (id, b) = (u64::from(f), u64::from(b));
@@ -290,6 +297,7 @@ impl Driver {
             }
             Step::Finish => {
                 self.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
+                self.finished = true;
             }
         }
     }
@@ -322,8 +330,9 @@ proptest! {
 
     /// A faithful sender over data connections that reorder, repeat and
     /// damage blocks, with the sender's ends arriving at any point after
-    /// each plan, gets every file confirmed with its digest, and the
-    /// totals count them all.
+    /// each plan and its `Finish` as soon as every file has ended, gets
+    /// every file confirmed with its digest, and then the totals, which
+    /// count them all.
     #[test]
     fn a_faithful_sender_gets_every_file_confirmed(sizes in sizes(), order in prop::collection::vec(any::<prop::sample::Index>(), 200), damage in prop::collection::vec(prop::bool::weighted(0.1), 200)) {
         let mut d = Driver::new(false);
@@ -342,6 +351,7 @@ proptest! {
             todo.push(Step::End { f: f as u8, true_digest: true });
         }
         let mut i = 0;
+        let mut finished = false;
         while !todo.is_empty() {
             let k = order[i % order.len()].index(todo.len());
             let s = todo.swap_remove(k);
@@ -359,14 +369,19 @@ proptest! {
             }
             // Blocks asked for again (damaged, or stale from an earlier run).
             todo.extend(d.nacks.drain(..).map(|(f, b)| Step::Block { f: f as u8, b: b as u8, damaged: false }));
+            if !finished && !todo.iter().any(|s| matches!(s, Step::End { .. })) {
+                finished = true;
+                d.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
+            }
+            let confirmed = d.done.len() == sizes.len();
+            prop_assert!(d.end.is_none() || confirmed, "the session ended early: {:?}", d.end);
             i += 1;
         }
-        prop_assert!(d.end.is_none() && !d.refused, "the session ended: {:?}", d.end);
+        prop_assert!(!d.refused);
         prop_assert_eq!(d.done.len(), sizes.len());
         for (id, dg) in &d.done {
             prop_assert_eq!(*dg, digest(*id, sizes[*id as usize]));
         }
-        d.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
         let Some(Action::Finish(t)) = &d.end else { panic!("no totals") };
         prop_assert_eq!(t.files, sizes.len() as u64);
         prop_assert_eq!(t.bytes, sizes.iter().sum::<u64>());
@@ -450,4 +465,37 @@ fn a_full_disk_ends_the_session() {
     let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
     assert!(matches!(out.last(), Some(Action::Fatal { kind: ErrorKind::NoSpace, .. })));
     assert!(rx.is_over());
+}
+
+#[test]
+fn the_end_is_confirmed_once_the_files_in_flight_are_settled() {
+    let mut d = Driver::new(false);
+    let id = 1;
+    d.feed(Event::Control(ToReceiver::Announce { id, meta: meta("f", 8), digest: None }));
+    d.feed(Event::Prepared { id, outcome: Outcome::Receive { held: vec![] } });
+    d.feed(Event::Control(ToReceiver::FileEnd { id, digest: digest(id, 8) }));
+    // The sender has ended every file; its blocks are still on their way.
+    let out = d.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
+    assert!(out.is_empty() && d.end.is_none(), "{out:?}");
+    for block in 0..8u64.div_ceil(BS) {
+        d.feed(Event::Written { id, block, sum: sum(id, block) });
+    }
+    assert!(d.end.is_none(), "the end confirmed before the file was committed");
+    let out = d.feed(Event::Committed { id });
+    assert_eq!(out[0], Action::Send(ToSender::Done { id, digest: digest(id, 8) }));
+    assert!(matches!(out.last(), Some(Action::Finish(t)) if t.files == 1 && t.bytes == 8));
+}
+
+#[test]
+fn a_finish_before_every_file_ended_or_followed_by_an_announcement_is_a_violation() {
+    let mut d = Driver::new(false);
+    d.feed(Event::Control(ToReceiver::Announce { id: 1, meta: meta("f", 8), digest: None }));
+    d.feed(Event::Prepared { id: 1, outcome: Outcome::Receive { held: vec![] } });
+    assert!(Driver::violated(&d.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }))));
+    let mut d = Driver::new(false);
+    d.feed(Event::Control(ToReceiver::Announce { id: 1, meta: meta("f", 8), digest: None }));
+    d.feed(Event::Prepared { id: 1, outcome: Outcome::Receive { held: vec![] } });
+    d.feed(Event::Control(ToReceiver::FileEnd { id: 1, digest: digest(1, 8) }));
+    d.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
+    assert!(Driver::violated(&d.feed(Event::Control(ToReceiver::Announce { id: 2, meta: meta("g", 1), digest: None }))));
 }

@@ -189,7 +189,9 @@ impl Sim {
                 Action::Send { host, msg } => {
                     assert!(!self.finished.contains(&host), "{msg:?} after Finish to host {host}");
                     if let ToReceiver::Finish { .. } = msg {
-                        assert!(self.tx.files.is_empty(), "Finish with files in flight");
+                        assert!(self.tx.walk_done && self.tx.offers.is_empty(), "Finish before the walk was over");
+                        let unended = self.tx.files.values().any(|f| !matches!(f.stage, Stage::Ended(_)));
+                        assert!(!unended, "Finish with a file that has not ended");
                         self.finished.insert(host);
                     }
                     if let ToReceiver::Announce { id, .. } = &msg {
@@ -424,7 +426,7 @@ proptest! {
                 match a {
                     Action::Settle { id, .. } => prop_assert!(settled.insert(id), "file {} settled twice", id),
                     Action::Read(r) => prop_assert!(r.end <= files[r.id as usize - 1].0.div_ceil(BS)),
-                    Action::Violation { .. } | Action::Complete(_) | Action::PeerFailed { .. } => over = true,
+                    Action::Violation { .. } | Action::Complete(_) | Action::PeerFailed { .. } | Action::Unreadable { .. } => over = true,
                     Action::Send { .. } => {}
                 }
             }
@@ -514,4 +516,53 @@ fn totals_larger_than_offered_are_a_violation() {
     let out = run(&mut tx, Event::WalkDone);
     assert!(matches!(out.as_slice(), [Action::Send { msg: ToReceiver::Finish { files: 1, .. }, .. }]));
     assert!(violated(&run(&mut tx, Event::Control { host: 0, msg: ToSender::Finished { files: 2, bytes: 0, set_digest: 0 } })));
+}
+
+#[test]
+fn finish_goes_out_with_the_last_end_and_totals_wait_for_every_file() {
+    let mut tx = session(1);
+    run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None });
+    run(&mut tx, Event::WalkDone);
+    run(&mut tx, plan(1, vec![(0, 1)]));
+    let digest = file_digest(&[sum("f", 0)]);
+    let out = run(&mut tx, Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None });
+    assert!(matches!(&out[0], Action::Send { msg: ToReceiver::FileEnd { id: 1, .. }, .. }));
+    assert!(matches!(&out[1], Action::Send { msg: ToReceiver::Finish { .. }, .. }), "{out:?}");
+    // Totals before the file is confirmed: no honest receiver sends them.
+    let mut early = session(1);
+    for e in [
+        Event::Offer { meta: meta("f", BS), digest: None, pinned: None },
+        Event::WalkDone,
+        plan(1, vec![(0, 1)]),
+        Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None },
+    ] {
+        run(&mut early, e);
+    }
+    assert!(violated(&run(&mut early, Event::Control { host: 0, msg: ToSender::Finished { files: 0, bytes: 0, set_digest: 0 } })));
+    // A block asked for again after the end is still sent.
+    let nack = Event::Control { host: 0, msg: ToSender::Nack { id: 1, block: 0 } };
+    assert!(matches!(run(&mut tx, nack).as_slice(), [Action::Read(Read { resend: true, .. })]));
+    let out = run(&mut tx, Event::Control { host: 0, msg: ToSender::Done { id: 1, digest } });
+    assert!(matches!(out.as_slice(), [Action::Settle { outcome: Outcome::Sent, .. }]));
+    let set_digest = tx.summary.hosts[0].set.0;
+    let out = run(&mut tx, Event::Control { host: 0, msg: ToSender::Finished { files: 1, bytes: BS, set_digest } });
+    assert!(matches!(out.as_slice(), [Action::Complete(s)] if s.digests_match()));
+}
+
+#[test]
+fn a_block_asked_for_again_after_the_end_that_cannot_be_read_ends_the_session() {
+    let mut tx = session(1);
+    for e in [
+        Event::Offer { meta: meta("f", BS), digest: None, pinned: None },
+        Event::WalkDone,
+        plan(1, vec![(0, 1)]),
+        Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None },
+        Event::Control { host: 0, msg: ToSender::Nack { id: 1, block: 0 } },
+    ] {
+        run(&mut tx, e);
+    }
+    let out =
+        run(&mut tx, Event::ReadFailed { id: 1, kind: ErrorKind::SourceChanged, subject: "/src/f".into(), message: "changed".into() });
+    assert!(matches!(out.as_slice(), [Action::Unreadable { host: 0, kind: ErrorKind::SourceChanged, .. }]), "{out:?}");
+    assert!(tx.is_over());
 }
