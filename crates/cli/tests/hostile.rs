@@ -242,21 +242,8 @@ fn paths_leaving_the_export_are_refused_at_the_wire_level() {
     }
 
     // Inside a receiving session: announcements of paths that leave it.
-    c.send(&Msg::Receive { dest: "e/in".into(), options: opts });
-    assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
     let bad = ["../escape.dat", "/tmp/abs.dat", "a/\0/b", "a/./b", "a//b", "sub/../../x", "link/x", "link/deeper/x", "a\\b"];
-    for (i, path) in bad.iter().enumerate() {
-        let meta = FileMeta { path: path.to_string(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
-        c.send(&Msg::Announce { id: i as u64, meta, digest: None });
-    }
-    for _ in bad {
-        match c.read() {
-            Some(Msg::Failed { kind: ErrorKind::Refused, .. }) => {}
-            m => panic!("an announcement leaving the destination was not refused: {m:?}"),
-        }
-    }
-    c.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
-    assert!(matches!(c.read(), Some(Msg::Finished { files: 0, .. })));
+    c.announcements_refused("e/in", opts, &bad);
 
     assert_eq!(list_tree(&outside).into_keys().collect::<Vec<_>>(), ["secret.dat"], "something was created outside the export");
     let log = srv.log();

@@ -12,7 +12,7 @@
 
 mod util;
 
-use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
+use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::path::Path;
@@ -607,21 +607,7 @@ fn paths_leaving_a_bucket_export_are_refused_at_the_wire_level() {
         c.refused(&Msg::List { path: path.into() }, ErrorKind::Refused);
     }
     // Inside a receiving session: announcements of paths that leave it.
-    c.send(&Msg::Receive { dest: "b/sub".into(), options: opts });
-    assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
-    let bad = ["../escape.dat", "../../secret.dat", "/abs.dat", "a/\0/b", "a/./b", "a//b", "x/../../y", "a\\b"];
-    for (i, path) in bad.iter().enumerate() {
-        let meta = FileMeta { path: path.to_string(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
-        c.send(&Msg::Announce { id: i as u64, meta, digest: None });
-    }
-    for _ in bad {
-        match c.read() {
-            Some(Msg::Failed { kind: ErrorKind::Refused, .. }) => {}
-            m => panic!("an announcement leaving the destination was not refused: {m:?}"),
-        }
-    }
-    c.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
-    assert!(matches!(c.read(), Some(Msg::Finished { files: 0, .. })));
+    c.announcements_refused("b/sub", opts, &["../escape.dat", "../../secret.dat", "/abs.dat", "a/\0/b", "a/./b", "a//b", "x/../../y", "a\\b"]);
     assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["in/inside.dat", "secret.dat"], "the bucket changed");
     assert_eq!(fs::read(bucket.join("secret.dat")).unwrap(), b"outside the prefix");
     // Still serving, inside the prefix.

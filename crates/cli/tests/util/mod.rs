@@ -1380,4 +1380,25 @@ impl Raw {
             other => panic!("{m:?} was not refused: {other:?}"),
         }
     }
+
+    /// Opens a receiving session into `dest` and announces each of `paths`
+    /// in it: every announcement must be refused, and the session then ends
+    /// with nothing committed.
+    pub fn announcements_refused(&mut self, dest: &str, options: dmover_proto::frame::TransferOptions, paths: &[&str]) {
+        use dmover_proto::frame::FileMeta;
+        self.send(&Msg::Receive { dest: dest.into(), options });
+        assert!(matches!(self.read(), Some(Msg::SessionOpened { .. })));
+        for (i, path) in paths.iter().enumerate() {
+            let meta = FileMeta { path: path.to_string(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+            self.send(&Msg::Announce { id: i as u64, meta, digest: None });
+        }
+        for path in paths {
+            match self.read() {
+                Some(Msg::Failed { kind: ErrorKind::Refused, .. }) => {}
+                m => panic!("the announcement of {path:?}, leaving the destination, was not refused: {m:?}"),
+            }
+        }
+        self.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
+        assert!(matches!(self.read(), Some(Msg::Finished { files: 0, .. })));
+    }
 }
