@@ -220,6 +220,9 @@ impl FrameWriter {
 
     /// Writes the queued messages, in pieces of [`WRITE_PIECE`] bytes.
     pub fn flush(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
         let r = self.pending.chunks(WRITE_PIECE).try_for_each(|piece| self.inner.write_all(piece));
         self.pending.clear();
         self.last_write = Instant::now();
@@ -259,4 +262,31 @@ fn write_all_vectored(w: &mut dyn Write, mut a: &[u8], mut b: &[u8]) -> io::Resu
         }
     }
     w.write_all(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    /// Only what goes out counts: flushing nothing does not put a ping off,
+    /// so an owner that flushes before every wait still pings.
+    #[test]
+    fn a_quiet_writer_pings_once_its_interval_passed_whatever_it_flushed() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut w = FrameWriter::new(Box::new(a));
+        let every = Duration::from_millis(30);
+        w.keep_alive(every).unwrap();
+        b.set_nonblocking(true).unwrap();
+        let mut buf = [0u8; 64];
+        assert!((&b).read(&mut buf).is_err(), "pinged before its interval");
+        std::thread::sleep(every);
+        w.flush().unwrap();
+        assert!(w.ping_due(every) <= Instant::now(), "an empty flush put the ping off");
+        w.keep_alive(every).unwrap();
+        let n = (&b).read(&mut buf).unwrap();
+        assert_eq!(n, HEADER_LEN, "one ping, a header with no body");
+        w.keep_alive(every).unwrap();
+        assert!((&b).read(&mut buf).is_err(), "pinged again at once");
+    }
 }

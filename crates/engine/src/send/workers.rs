@@ -548,7 +548,8 @@ fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<ChunkRead>, 
     let file = if sh.generate {
         None
     } else {
-        let file: Arc<dyn ReadFile> = sh.store.open(&s.path).map_err(|e| (classify(&e), e.to_string()))?.into();
+        let from = r.first * sh.block_size;
+        let file: Arc<dyn ReadFile> = sh.store.open_from(&s.path, from).map_err(|e| (classify(&e), e.to_string()))?.into();
         unchanged(file.as_ref(), s)?;
         Some(file)
     };
@@ -618,6 +619,15 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
                 q.took_one();
                 crate::fault::corrupt_in_flight(&mut o.data);
                 if let Err(e) = w.send_block(&o.header, &o.data) {
+                    // After `Finish` the receiver's word on the control
+                    // connection settles the transfer: `Finished` once every
+                    // file is settled (it may close its data connections with
+                    // blocks of abandoned files still on their way), else
+                    // why it failed.
+                    if q.finished.load(Ordering::SeqCst) {
+                        log::debug!("a data connection to host {host} closed after Finish: {e}");
+                        return;
+                    }
                     return sh.broken(e);
                 }
                 let n = o.header.len as u64;

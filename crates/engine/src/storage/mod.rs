@@ -164,6 +164,11 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>>;
     /// Opens a file for reading.
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>>;
+    /// Opens a file to read from `off` on: a storage that fetches ahead
+    /// (an object store) starts there, not at the file's start.
+    fn open_from(&self, path: &Path, _off: u64) -> io::Result<Box<dyn ReadFile>> {
+        self.open(path)
+    }
     /// Makes `dir` and its missing parents exist as directories.
     fn make_dirs(&self, dir: &Path) -> io::Result<()>;
     /// Makes `dir` exist as a directory (its parent must exist) with `mode`.

@@ -448,12 +448,13 @@ struct S3Read {
 }
 
 impl S3Read {
-    /// Opens object `k` with one GET of its first [`READ_AHEAD`] bytes:
+    /// Opens object `k` with one GET of [`READ_AHEAD`] bytes from `off`:
     /// the answer carries the object's size, ETag and metadata as a HEAD's
-    /// would, and a small object whole (an empty one takes a HEAD: a range
-    /// of it cannot be asked for).
-    fn open(inner: &Arc<Inner>, k: &str) -> io::Result<S3Read> {
-        let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(format!("bytes=0-{}", READ_AHEAD - 1));
+    /// would, and a small object whole (one with nothing at `off`, an empty
+    /// one say, takes a HEAD: that range of it cannot be asked for).
+    fn open(inner: &Arc<Inner>, k: &str, off: u64) -> io::Result<S3Read> {
+        let range = format!("bytes={off}-{}", off + READ_AHEAD - 1);
+        let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(range);
         let first = inner.rt.block_on(async {
             match get.send().await {
                 Ok(r) => {
@@ -476,10 +477,11 @@ impl S3Read {
                 (stat, etag, digest, Bytes::new())
             }
         };
-        if data.len() as u64 != stat.size.min(READ_AHEAD) {
-            return Err(io::Error::other(format!("{k}: asked for {} bytes, got {}", stat.size.min(READ_AHEAD), data.len())));
+        let want = stat.size.saturating_sub(off).min(READ_AHEAD);
+        if !data.is_empty() && data.len() as u64 != want {
+            return Err(io::Error::other(format!("{k}: asked for {want} bytes, got {}", data.len())));
         }
-        Ok(S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, window: Mutex::new((0, data)) })
+        Ok(S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, window: Mutex::new((off, data)) })
     }
 
     /// Fetches `off..end`.
@@ -1230,7 +1232,11 @@ impl Storage for S3 {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
-        Ok(Box::new(S3Read::open(&self.inner, &self.inner.key(path)?)?))
+        self.open_from(path, 0)
+    }
+
+    fn open_from(&self, path: &Path, off: u64) -> io::Result<Box<dyn ReadFile>> {
+        Ok(Box::new(S3Read::open(&self.inner, &self.inner.key(path)?, off)?))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
