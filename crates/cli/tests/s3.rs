@@ -227,7 +227,7 @@ fn an_upload_whose_source_changed_is_started_afresh_and_the_old_one_aborted() {
     let file = src.join("moving.bin");
     let size = 64 * MIB;
     make_sparse(&file, size, 47);
-    let args = [file.to_str().unwrap(), "s3://data/moving.bin", "--bwlimit", "16M"];
+    let args = [file.to_str().unwrap(), "s3://data/moving.bin", "--bwlimit", "8M"];
     kill_when_parts_held(&t, &args, ".moving.bin.dmover-part", 2);
     let old_upload = t.s3.uploads("data");
     assert_eq!(old_upload.len(), 1, "{old_upload:?}");
