@@ -62,7 +62,15 @@ pub struct Journal {
 impl Journal {
     /// Starts a new journal (replacing any old one).
     pub fn create(store: &dyn Storage, path: &Path, meta: &FileMeta, block_size: u32) -> io::Result<Journal> {
-        let file = store.create(path)?;
+        let file = match store.create(path) {
+            // Another transfer into the same directory, which ended, took
+            // the state directory away while it was empty: make it again.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                store.make_dirs(path.parent().ok_or(e)?)?;
+                store.create(path)?
+            }
+            r => r?,
+        };
         file.write_all_at(&header(meta, block_size), 0)?;
         Ok(Journal { file, end: HEADER as u64 })
     }
@@ -110,5 +118,18 @@ mod tests {
         assert_eq!(load(s, &p, &meta, 4, 3).unwrap(), vec![(0, [1; 16]), (2, [3; 16])]);
         assert!(load(s, &p, &FileMeta { mtime_s: 5, ..meta.clone() }, 4, 3).is_none());
         assert!(load(s, &p, &meta, 8, 3).is_none());
+    }
+
+    /// Two transfers into one directory share its state directory, and the
+    /// one that ends first removes it if empty: the other makes it again.
+    #[test]
+    fn a_journal_is_made_even_after_its_state_directory_was_removed() {
+        let t = tempfile::tempdir().unwrap();
+        let store = crate::storage::export("t", t.path()).unwrap();
+        let meta = FileMeta { path: "a".into(), size: 10, mtime_s: 1, mtime_ns: 2, mode: 0o644 };
+        let p = path_for(Path::new("gone"), "a");
+        assert!(!t.path().join("gone").exists());
+        Journal::create(store.as_ref(), &p, &meta, 4).unwrap();
+        assert!(t.path().join(&p).is_file());
     }
 }
