@@ -91,7 +91,7 @@ fn streams(j: &serde_json::Value) -> Vec<u64> {
 
 /// Goodput (Mbit/s) over the second half of a tuned transfer's timeline:
 /// each point's goodput weighted by the time since the previous point, for
-/// the points whose interval lies in that half. The
+/// the points whose interval lies in that half, and the last one. The
 /// timeline ends at `Finish` (no probe follows it), which a sender says
 /// while its last queued blocks are still on their way.
 fn steady_goodput(j: &serde_json::Value) -> f64 {
@@ -101,7 +101,7 @@ fn steady_goodput(j: &serde_json::Value) -> f64 {
     let (mut bits, mut time) = (0.0, 0.0);
     let mut prev = 0.0;
     for (t, g) in points {
-        if prev >= end / 2.0 {
+        if prev >= end / 2.0 || t >= end {
             bits += g * (t - prev);
             time += t - prev;
         }
