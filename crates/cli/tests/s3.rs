@@ -607,7 +607,11 @@ fn paths_leaving_a_bucket_export_are_refused_at_the_wire_level() {
         c.refused(&Msg::List { path: path.into() }, ErrorKind::Refused);
     }
     // Inside a receiving session: announcements of paths that leave it.
-    c.announcements_refused("b/sub", opts, &["../escape.dat", "../../secret.dat", "/abs.dat", "a/\0/b", "a/./b", "a//b", "x/../../y", "a\\b"]);
+    c.announcements_refused(
+        "b/sub",
+        opts,
+        &["../escape.dat", "../../secret.dat", "/abs.dat", "a/\0/b", "a/./b", "a//b", "x/../../y", "a\\b"],
+    );
     assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["in/inside.dat", "secret.dat"], "the bucket changed");
     assert_eq!(fs::read(bucket.join("secret.dat")).unwrap(), b"outside the prefix");
     // Still serving, inside the prefix.

@@ -20,6 +20,7 @@
 
 pub mod error;
 pub mod fault;
+pub mod halt;
 pub mod handshake;
 pub mod journal;
 pub mod pool;

@@ -11,6 +11,7 @@
 use super::workers::{self, FileIo, Input, Paths, Shared, Slot, WriteJob};
 use super::{Layout, Prepared, Receiving, RecvSummary, MAX_DIALED_STREAMS, WRITE_QUEUE};
 use crate::error::{Error, Result};
+use crate::halt::Halt;
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
 use crate::source::PART_SUFFIX;
@@ -25,7 +26,7 @@ use dmover_proto::session::receive::{self, Action, Event, Outcome, Receive, Subj
 use dmover_proto::ErrorKind;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -40,7 +41,6 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     let ctl = FrameWriter::new(control.split().map_err(|e| Error::network(&peer, &e))?);
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
     let (commits, verified) = crossbeam_channel::unbounded::<(Arc<Slot>, Sum)>();
-    let (halting, halted) = crossbeam_channel::bounded::<()>(0);
     let sh = Arc::new(Shared {
         options: opts,
         block_size,
@@ -52,9 +52,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         commits,
         pool: Pool::new(cfg.staging, block_size as usize, MIN_BLOCKS),
         queued: AtomicUsize::new(0),
-        stop: AtomicBool::new(false),
-        halting: Mutex::new(Some(halting)),
-        halted,
+        stop: Halt::default(),
         received: AtomicU64::new(0),
         streams: AtomicUsize::new(0),
         receiving: Receiving::new(cfg.intake),
@@ -81,7 +79,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
                     Ok(c) => drop(sh.events.send(Input::Stream(c))),
                     Err(_) => return,
                 },
-                recv(sh.halted) -> _ => return,
+                recv(sh.stop.woken()) -> _ => return,
             }
         }));
     }
@@ -113,7 +111,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
     if result.as_ref().is_err_and(|e| e.kind != ErrorKind::Unreachable) {
         crate::transport::linger(ctl_handle.as_ref());
     }
-    sh.halt();
+    sh.stop.raise();
     owner.conns.iter().for_each(|c| c.close());
     sh.pool.close();
     // Nothing more is admitted; writers finish what is queued, so
@@ -332,7 +330,7 @@ impl Owner {
     /// The sender is finished: the transfer's resume state goes, and the
     /// totals are confirmed.
     fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
-        self.sh.halt();
+        self.sh.stop.raise();
         if let Some(l) = &self.layout {
             let _ = self.sh.state.remove(&l.marker);
             let _ = self.sh.state.remove_dir(&l.state_dir);
@@ -343,7 +341,7 @@ impl Owner {
 
     /// Takes a data connection that attached: its reader thread starts.
     fn attach(&mut self, conn: Box<dyn Transport>) {
-        if self.sh.stop.load(Ordering::SeqCst) {
+        if self.sh.stop.is_raised() {
             return;
         }
         let socket = SocketOptions { buffer: self.sh.options.tcp_buffer, ..SocketOptions::default() };
@@ -368,7 +366,7 @@ impl Owner {
         let Some(dial) = self.dial.clone() else {
             return log::debug!("the sender asked for a data connection, which this end does not dial");
         };
-        if self.sh.stop.load(Ordering::SeqCst) || self.dialing + self.sh.streams.load(Ordering::SeqCst) >= MAX_DIALED_STREAMS {
+        if self.sh.stop.is_raised() || self.dialing + self.sh.streams.load(Ordering::SeqCst) >= MAX_DIALED_STREAMS {
             return;
         }
         self.dialing += 1;
@@ -394,7 +392,7 @@ impl Owner {
     }
 
     fn keep_alive(&mut self) {
-        if self.sh.stop.load(Ordering::SeqCst) {
+        if self.sh.stop.is_raised() {
             return;
         }
         if let Err(e) = self.ctl.keep_alive(self.ping_every) {
@@ -408,10 +406,10 @@ impl Owner {
         // cause (a full disk) beats a lost connection, whichever came first.
         let lost = e.kind == ErrorKind::Unreachable;
         let first = match &self.fatal {
-            None => !lost || !self.sh.stop.load(Ordering::SeqCst),
+            None => !lost || !self.sh.stop.is_raised(),
             Some(old) => old.kind == ErrorKind::Unreachable && !lost,
         };
-        self.sh.halt();
+        self.sh.stop.raise();
         self.conns.iter().for_each(|c| c.close());
         if first && !lost {
             // Say why, and leave the connection readable: closing it with

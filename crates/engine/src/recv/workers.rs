@@ -5,6 +5,7 @@
 //! [`Gate`](dmover_proto::session::receive::Gate).
 
 use crate::error::{classify, Error};
+use crate::halt::Halt;
 use crate::journal::Journal;
 use crate::pool::{Block, Pool};
 use crate::storage::{Attrs, Digest, Store, WriteFile};
@@ -17,7 +18,7 @@ use dmover_proto::phase::OnData;
 use dmover_proto::session::receive::{check_header, Event, Gate};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
@@ -69,11 +70,7 @@ pub(super) struct Shared {
     /// Blocks waiting in the writers' queues.
     pub queued: AtomicUsize,
     /// The session is over: workers stop reporting broken connections.
-    pub stop: AtomicBool,
-    /// Dropped when the session is over: a thread waiting on
-    /// [`Shared::halted`] wakes at once.
-    pub halting: Mutex<Option<Sender<()>>>,
-    pub halted: Receiver<()>,
+    pub stop: Halt,
     /// Payload bytes taken off the data connections (for the sender's tuner).
     pub received: AtomicU64,
     /// Data connections being read now: the owner counts each it attaches,
@@ -84,12 +81,6 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    /// Ends the session's work, and wakes the threads waiting for some.
-    pub fn halt(&self) {
-        self.stop.store(true, Ordering::SeqCst);
-        self.halting.lock().expect("halting lock").take();
-    }
-
     fn report(&self, e: Event) {
         // The owner outlives the workers' usefulness: after it stops, what
         // they report is not needed.
@@ -206,7 +197,7 @@ pub(super) struct WriteJob {
 pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<WriteJob>]) {
     let mut r = FrameReader::new(conn);
     let broken = |e: Error| {
-        if !sh.stop.load(Ordering::SeqCst) {
+        if !sh.stop.is_raised() {
             let _ = sh.events.send(Input::Broken(e));
         }
     };
@@ -321,7 +312,7 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
                     Err(_) => return,
                 },
                 // Over: what was verified is still committed.
-                recv(sh.halted) -> _ => {
+                recv(sh.stop.woken()) -> _ => {
                     if verified.is_empty() {
                         return;
                     }

@@ -10,6 +10,7 @@
 use super::workers::{self, Crew, HostQueue, Input, Job, Shared, Source, Walked};
 use super::{fill_block, Files, HostLink, SendConfig, SettleHook, Settled, CHUNK_BLOCKS, REASON_WAIT, WALK_AHEAD, WINDOW};
 use crate::error::{Error, Result};
+use crate::halt::Halt;
 use crate::pool::{Pool, MIN_BLOCKS};
 use crate::progress::Progress;
 use crate::storage;
@@ -23,7 +24,7 @@ use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Sends the files to the hosts; see [`super::send`].
@@ -61,7 +62,6 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         hosts.push(HostQueue::new(if cfg.tuner.is_some() { l.more.clone() } else { None }));
     }
     let (events, inputs) = crossbeam_channel::unbounded::<Input>();
-    let (halting, halted) = crossbeam_channel::bounded::<()>(0);
     let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
     let sh = Arc::new(Shared {
         options: cfg.options,
@@ -74,9 +74,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         jobs: jobs_rx,
         hosts,
         crew: Crew::default(),
-        stop: AtomicBool::new(false),
-        halting: Mutex::new(Some(halting)),
-        halted,
+        stop: Halt::default(),
         sent: AtomicU64::new(0),
         layers: Layers::new(cfg.bwlimit),
         ping_every: ping_interval(cfg.idle_timeout),
@@ -124,7 +122,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         let _ = walker.join();
     }
     // Stop everything: streams drain their queues first when all went well.
-    sh.halt();
+    sh.stop.raise();
     sh.pool.close();
     let timeline = tuner.and_then(|t| t.join().ok()).unwrap_or_default();
     sh.crew.join();
@@ -387,7 +385,7 @@ impl Owner {
         if self.fatal.as_ref().is_none_or(|old| old.kind == ErrorKind::Unreachable && !lost) {
             self.fatal = Some(e);
         }
-        self.sh.halt();
+        self.sh.stop.raise();
         self.sh.crew.close_all();
         if lost {
             // A receiver that fails closes the data connections first and

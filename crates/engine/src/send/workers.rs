@@ -7,6 +7,7 @@
 
 use super::{Attaching, Files, MoreStreams, AHEAD_PER_STREAM, ATTACH_WAIT, DIAL_WAIT, POLL};
 use crate::error::{classify, Error, Result};
+use crate::halt::Halt;
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
 use crate::source::{self, Entry};
@@ -206,11 +207,7 @@ pub(super) struct Shared {
     pub hosts: Vec<HostQueue>,
     pub crew: Crew,
     /// The transfer is over (or failed): workers stop.
-    pub stop: AtomicBool,
-    /// Dropped when the transfer stops: a thread waiting on [`Shared::halted`]
-    /// wakes at once.
-    pub halting: Mutex<Option<Sender<()>>>,
-    pub halted: Receiver<()>,
+    pub stop: Halt,
     /// Payload bytes written to data connections.
     pub sent: AtomicU64,
     /// Put on every data connection as its stream starts.
@@ -223,13 +220,7 @@ pub(super) struct Shared {
 
 impl Shared {
     pub fn stopped(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
-    }
-
-    /// Stops the transfer, and wakes the threads waiting for something to do.
-    pub fn halt(&self) {
-        self.stop.store(true, Ordering::SeqCst);
-        self.halting.lock().expect("halting lock").take();
+        self.stop.is_raised()
     }
 
     fn report(&self, e: Event) {
@@ -399,7 +390,7 @@ impl Tunable for Arc<Shared> {
     }
 
     fn pause(&self, d: Duration) {
-        let _ = self.halted.recv_timeout(d);
+        let _ = self.stop.woken().recv_timeout(d);
     }
 
     fn elapsed(&self) -> Duration {
@@ -514,7 +505,7 @@ fn reader(sh: &Arc<Shared>, retire: &AtomicBool) {
                 Ok(j) => j,
                 Err(_) => return,
             },
-            recv(sh.halted) -> _ => return,
+            recv(sh.stop.woken()) -> _ => return,
             default(POLL) => continue,
         };
         if sh.stopped() {
@@ -611,7 +602,7 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
         let next = crossbeam_channel::select! {
             recv(q.rx) -> o => o.map_err(|_| RecvTimeoutError::Disconnected),
             // Stopped: what is queued still goes, then the stream ends.
-            recv(sh.halted) -> _ => q.rx.try_recv().map_err(|_| RecvTimeoutError::Timeout),
+            recv(sh.stop.woken()) -> _ => q.rx.try_recv().map_err(|_| RecvTimeoutError::Timeout),
             default(POLL) => Err(RecvTimeoutError::Timeout),
         };
         match next {
