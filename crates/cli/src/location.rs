@@ -7,7 +7,7 @@ use crate::ssh::{Endpoint, SshOptions, SshTarget};
 use crate::TokenArgs;
 use clap::Args;
 use dmover_engine::session::Credential;
-use dmover_engine::storage::{s3, Store};
+use dmover_engine::storage::{self, s3, Store};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
@@ -15,7 +15,6 @@ use std::collections::HashMap;
 /// Port a server listens on when a URL names none.
 pub const DEFAULT_PORT: u16 = 7450;
 pub const SCHEME: &str = "dmover://";
-pub const S3_SCHEME: &str = "s3://";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Location {
@@ -105,7 +104,7 @@ impl Location {
         if s.is_empty() {
             return Err(Error::new(ErrorKind::Usage, "", "empty path"));
         }
-        if let Some(rest) = s.strip_prefix(S3_SCHEME) {
+        if let Some(rest) = s.strip_prefix(storage::S3_SCHEME) {
             return parse_s3(s, rest);
         }
         let Some(rest) = s.strip_prefix(SCHEME) else {

@@ -91,7 +91,7 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         if exports.contains_key(name) {
             return Err(usage(name, "exported twice".into()));
         }
-        let root = if what.starts_with(crate::location::S3_SCHEME) { bucket(&a, name, what, staging)? } else { directory(name, what)? };
+        let root = if what.starts_with(storage::S3_SCHEME) { bucket(&a, name, what, staging)? } else { directory(name, what)? };
         exports.insert(name.to_string(), root);
     }
     let ticket_lifetime = Duration::from_secs(a.ticket_lifetime);

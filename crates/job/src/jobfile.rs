@@ -72,9 +72,6 @@ impl Default for Ssh {
     }
 }
 
-/// How a `source_root` in an S3 bucket begins.
-pub const S3_SCHEME: &str = "s3://";
-
 /// The agent kind that sends with dmover's own engine.
 pub const NATIVE: &str = "native";
 
@@ -172,7 +169,7 @@ impl JobFile {
 
     /// Whether the sources are objects of an S3 bucket.
     pub fn s3_source(&self) -> bool {
-        self.source_root.starts_with(S3_SCHEME)
+        self.source_root.starts_with(dmover_engine::storage::S3_SCHEME)
     }
 
     fn check(&self) -> Result<(), String> {

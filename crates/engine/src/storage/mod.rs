@@ -228,6 +228,9 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// How the URL of an S3 bucket (or of a key prefix in one) begins.
+pub const S3_SCHEME: &str = "s3://";
+
 /// The local file system, paths used as given.
 pub fn local() -> Store {
     Arc::new(posix::Posix::local())
