@@ -41,6 +41,7 @@ mod job;
 mod location;
 mod ls;
 mod names;
+mod remote;
 mod report;
 mod serve;
 mod sink;
@@ -100,7 +101,7 @@ enum Cmd {
     Agent(job::AgentArgs),
     /// The far end of a [user@]host:path location (started by dmover over ssh).
     #[command(hide = true)]
-    Remote(ssh::RemoteArgs),
+    Remote(remote::RemoteArgs),
 }
 
 /// Options shared by commands that talk to servers.
@@ -174,7 +175,7 @@ pub fn main() -> ! {
         Cmd::Run(a) => job::run(a),
         Cmd::Status(a) => job::status(a),
         Cmd::Agent(a) => job::agent(a),
-        Cmd::Remote(a) => ssh::remote(a),
+        Cmd::Remote(a) => remote::remote(a),
     };
     match r {
         Ok(code) => std::process::exit(code),
