@@ -49,6 +49,7 @@ fn s3_storage_conforms() {
         }
     });
     parts_beyond_the_bound_go_up_intact(&server);
+    ranged_reads_fetch_ahead_of_the_reader(&server);
 }
 
 /// Parts filled out of order, more than the memory bound holds (one part
@@ -83,4 +84,70 @@ fn parts_beyond_the_bound_go_up_intact(server: &S3Server) {
         at += r.read_at(&mut back[at..], at as u64).unwrap();
     }
     assert!(back == data, "the object differs from what was written");
+}
+
+/// Writes `data` as object `name` of `s3`.
+fn put(s3: &S3, name: &str, data: &[u8]) {
+    let temp = format!(".{name}.tmp");
+    let f = s3.create(Path::new(&temp)).unwrap();
+    f.write_all_at(data, 0).unwrap();
+    s3.commit(&*f, Path::new(&temp), Path::new(name), None).unwrap();
+}
+
+/// Reads `len` bytes from `off` in pieces of `piece`.
+fn read(r: &dyn dmover_engine::storage::ReadFile, off: usize, len: usize, piece: usize) -> std::io::Result<Vec<u8>> {
+    let mut back = vec![0; len];
+    let mut at = 0;
+    while at < len {
+        let end = (at + piece).min(len);
+        let n = r.read_at(&mut back[at..end], (off + at) as u64)?;
+        assert!(n > 0, "nothing read at {}", off + at);
+        at += n;
+    }
+    Ok(back)
+}
+
+/// A reader fetches the next bytes of its range while it reads the last:
+/// in order, reads give the object's bytes; outside the range and out of
+/// order too; and an object replaced while it is read fails the read
+/// rather than mixing two versions.
+fn ranged_reads_fetch_ahead_of_the_reader(server: &S3Server) {
+    const MIB: usize = 1 << 20;
+    server.bucket("ranges");
+    let state = tempfile::tempdir().unwrap();
+    let s3 = S3::open(
+        "ranges",
+        &Options { endpoint: None, prefix: String::new(), label: None, state_dir: state.path().to_path_buf(), staging: 64 << 20 },
+    )
+    .unwrap();
+    let size = 13 * MIB + 12345;
+    let data: Vec<u8> = (0..size).map(|i| ((i as u64 * 2654435761) >> 11) as u8).collect();
+    put(&s3, "obj", &data);
+    let path = Path::new("obj");
+
+    let whole = s3.open_range(path, 0..size as u64).unwrap();
+    assert!(read(&*whole, 0, size, MIB).unwrap() == data, "read in order, the object differs");
+
+    let part = s3.open_range(path, 5 * MIB as u64..9 * MIB as u64).unwrap();
+    assert!(read(&*part, 5 * MIB, 4 * MIB, 300_000).unwrap() == data[5 * MIB..9 * MIB], "the range differs");
+    assert!(read(&*part, size - 100, 100, MIB).unwrap() == data[size - 100..], "past the range, the object differs");
+    assert!(read(&*part, 0, MIB, MIB).unwrap() == data[..MIB], "before the range, the object differs");
+
+    let reader = s3.open_range(path, 0..size as u64).unwrap();
+    assert!(read(&*reader, 0, MIB, MIB).unwrap() == data[..MIB]);
+    let other: Vec<u8> = data.iter().map(|b| !b).collect();
+    put(&s3, "obj", &other);
+    let mut at = MIB;
+    let e = loop {
+        let mut buf = vec![0; MIB.min(size - at)];
+        match reader.read_at(&mut buf, at as u64) {
+            Ok(n) => {
+                assert!(buf[..n] == data[at..at + n], "bytes of the new version at {at} came with the old");
+                at += n;
+                assert!(at < size, "the whole object was read although it was replaced");
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(e.to_string().contains("replaced while it was read"), "{e}");
 }

@@ -539,8 +539,8 @@ fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<ChunkRead>, 
     let file = if sh.generate {
         None
     } else {
-        let from = r.first * sh.block_size;
-        let file: Arc<dyn ReadFile> = sh.store.open_from(&s.path, from).map_err(|e| (classify(&e), e.to_string()))?.into();
+        let range = r.first * sh.block_size..r.end * sh.block_size;
+        let file: Arc<dyn ReadFile> = sh.store.open_range(&s.path, range).map_err(|e| (classify(&e), e.to_string()))?.into();
         unchanged(file.as_ref(), s)?;
         Some(file)
     };

@@ -164,9 +164,10 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>>;
     /// Opens a file for reading.
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>>;
-    /// Opens a file to read from `off` on: a storage that fetches ahead
-    /// (an object store) starts there, not at the file's start.
-    fn open_from(&self, path: &Path, _off: u64) -> io::Result<Box<dyn ReadFile>> {
+    /// Opens a file to read `range` of it: a storage that fetches ahead
+    /// (an object store) starts at its start and fetches nothing past its
+    /// end (reads outside it still work).
+    fn open_range(&self, path: &Path, _range: std::ops::Range<u64>) -> io::Result<Box<dyn ReadFile>> {
         self.open(path)
     }
     /// Makes `dir` and its missing parents exist as directories.

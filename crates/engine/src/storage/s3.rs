@@ -79,7 +79,8 @@ const MAX_PARTS: u64 = 10_000;
 /// sent); fewer when [`Options::staging`] is smaller.
 const MAX_PARTS_IN_FLIGHT: u64 = 8;
 /// Bytes one GET fetches at least: the pieces a block is read in, and the
-/// next blocks of a file read in order, come from one request.
+/// next blocks of a file read in order, come from one request. A reader
+/// holds two such windows: the one it reads and the next, on its way.
 const READ_AHEAD: u64 = 4 << 20;
 /// HEAD requests at once while listing.
 const HEADS_IN_FLIGHT: usize = 128;
@@ -436,25 +437,46 @@ impl Inner {
     }
 }
 
-/// An object open for reading: ranged GETs of the version seen when opened.
+/// An object open for reading: ranged GETs of the version seen when opened,
+/// each next one on its way while the bytes of the last are read.
 struct S3Read {
     inner: Arc<Inner>,
     key: String,
     stat: Stat,
     etag: Option<String>,
     digest: Option<Digest>,
-    /// The bytes the last GET fetched, and the offset of the first.
-    window: Mutex<(u64, Bytes)>,
+    /// Where reading is meant to end: no GET fetches ahead past it.
+    end: u64,
+    window: Mutex<Window>,
+}
+
+/// The bytes the last GET fetched, and the GET of those after them.
+struct Window {
+    /// The offset of the first byte of `data`.
+    start: u64,
+    data: Bytes,
+    /// The offset the GET under way starts at, and the GET.
+    ahead: Option<(u64, JoinHandle<io::Result<Bytes>>)>,
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        if let Some((_, task)) = self.ahead.take() {
+            task.abort();
+        }
+    }
 }
 
 impl S3Read {
-    /// Opens object `k` with one GET of [`READ_AHEAD`] bytes from `off`:
-    /// the answer carries the object's size, ETag and metadata as a HEAD's
-    /// would, and a small object whole (one with nothing at `off`, an empty
-    /// one say, takes a HEAD: that range of it cannot be asked for).
-    fn open(inner: &Arc<Inner>, k: &str, off: u64) -> io::Result<S3Read> {
-        let range = format!("bytes={off}-{}", off + READ_AHEAD - 1);
-        let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(range);
+    /// Opens object `k` to read `range` of it, with one GET of up to
+    /// [`READ_AHEAD`] bytes from its start: the answer carries the object's
+    /// size, ETag and metadata as a HEAD's would, and a small object whole
+    /// (one with nothing at the start, an empty one say, takes a HEAD: that
+    /// range of it cannot be asked for). The next GET starts at once.
+    fn open(inner: &Arc<Inner>, k: &str, range: std::ops::Range<u64>) -> io::Result<S3Read> {
+        let off = range.start;
+        let first_end = range.end.min(off + READ_AHEAD).max(off + 1);
+        let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(format!("bytes={off}-{}", first_end - 1));
         let first = inner.rt.block_on(async {
             match get.send().await {
                 Ok(r) => {
@@ -477,28 +499,50 @@ impl S3Read {
                 (stat, etag, digest, Bytes::new())
             }
         };
-        let want = stat.size.saturating_sub(off).min(READ_AHEAD);
+        let want = stat.size.min(first_end).saturating_sub(off);
         if !data.is_empty() && data.len() as u64 != want {
             return Err(io::Error::other(format!("{k}: asked for {want} bytes, got {}", data.len())));
         }
-        Ok(S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, window: Mutex::new((off, data)) })
+        let end = range.end.min(stat.size);
+        let window = Mutex::new(Window { start: off, data, ahead: None });
+        let read = S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, end, window };
+        {
+            let mut w = read.window.lock().expect("read window lock");
+            let next = w.start + w.data.len() as u64;
+            read.fetch_ahead(&mut w, next, READ_AHEAD);
+        }
+        Ok(read)
     }
 
-    /// Fetches `off..end`.
-    fn get(&self, off: u64, end: u64) -> io::Result<Bytes> {
+    /// Fetches `off..end` (in a task of the runtime).
+    fn get(&self, off: u64, end: u64) -> JoinHandle<io::Result<Bytes>> {
         let i = &self.inner;
         let get = i.client.get_object().bucket(&i.bucket).key(&self.key).range(format!("bytes={off}-{}", end - 1));
-        let data = i.rt.block_on(async {
-            let r = get.set_if_match(self.etag.clone()).send().await.map_err(|e| match status(&e) {
-                Some(412) => io::Error::other(format!("{}: the object was replaced while it was read", self.key)),
-                _ => io_error(&self.key, e),
+        let (get, key) = (get.set_if_match(self.etag.clone()), self.key.clone());
+        i.rt.spawn(async move {
+            let r = get.send().await.map_err(|e| match status(&e) {
+                Some(412) => io::Error::other(format!("{key}: the object was replaced while it was read")),
+                _ => io_error(&key, e),
             })?;
-            collect(&self.key, r.body).await
-        })?;
-        if data.len() as u64 != end - off {
-            return Err(io::Error::other(format!("{}: asked for {} bytes, got {}", self.key, end - off, data.len())));
+            let data = collect(&key, r.body).await?;
+            if data.len() as u64 != end - off {
+                return Err(io::Error::other(format!("{key}: asked for {} bytes, got {}", end - off, data.len())));
+            }
+            Ok(data)
+        })
+    }
+
+    /// Starts the GET of up to `len` bytes from `off`, unless reading is
+    /// meant to end before.
+    fn fetch_ahead(&self, w: &mut Window, off: u64, len: u64) {
+        if off < self.end {
+            w.ahead = Some((off, self.get(off, (off + len).min(self.end))));
         }
-        Ok(data)
+    }
+
+    /// Waits for a GET's bytes.
+    fn wait(&self, task: JoinHandle<io::Result<Bytes>>) -> io::Result<Bytes> {
+        self.inner.rt.block_on(task).unwrap_or_else(|e| Err(io::Error::other(format!("{}: {e}", self.key))))
     }
 }
 
@@ -522,13 +566,25 @@ impl ReadFile for S3Read {
             return Ok(0);
         }
         let mut w = self.window.lock().expect("read window lock");
-        if !(w.0..w.0 + w.1.len() as u64).contains(&off) {
-            let end = (off + READ_AHEAD.max(buf.len() as u64)).min(self.stat.size);
-            *w = (off, self.get(off, end)?);
+        if !(w.start..w.start + w.data.len() as u64).contains(&off) {
+            let len = READ_AHEAD.max(buf.len() as u64);
+            let data = match w.ahead.take() {
+                Some((start, task)) if start == off => self.wait(task)?,
+                other => {
+                    if let Some((_, task)) = other {
+                        task.abort();
+                    }
+                    // A read elsewhere than where the last ended.
+                    self.wait(self.get(off, (off + len).min(self.stat.size)))?
+                }
+            };
+            let next = off + data.len() as u64;
+            (w.start, w.data) = (off, data);
+            self.fetch_ahead(&mut w, next, len);
         }
-        let start = (off - w.0) as usize;
-        let n = buf.len().min(w.1.len() - start);
-        buf[..n].copy_from_slice(&w.1[start..start + n]);
+        let start = (off - w.start) as usize;
+        let n = buf.len().min(w.data.len() - start);
+        buf[..n].copy_from_slice(&w.data[start..start + n]);
         Ok(n)
     }
 
@@ -1232,11 +1288,11 @@ impl Storage for S3 {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
-        self.open_from(path, 0)
+        self.open_range(path, 0..u64::MAX)
     }
 
-    fn open_from(&self, path: &Path, off: u64) -> io::Result<Box<dyn ReadFile>> {
-        Ok(Box::new(S3Read::open(&self.inner, &self.inner.key(path)?, off)?))
+    fn open_range(&self, path: &Path, range: std::ops::Range<u64>) -> io::Result<Box<dyn ReadFile>> {
+        Ok(Box::new(S3Read::open(&self.inner, &self.inner.key(path)?, range)?))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
