@@ -239,6 +239,38 @@ fn an_upload_whose_source_changed_is_started_afresh_and_the_old_one_aborted() {
     assert_eq!(t.s3.uploads("data"), [], "the old upload was not aborted");
 }
 
+/// A download reads many objects at once and fetches ahead in each, but
+/// the windows it holds stay within its staging: with 32 readers its peak
+/// RSS stays within that of a small download plus three times the staging
+/// (the copy's own staging at each end, the windows) and, per reader, a
+/// block fetched outside the bound (twice, while its pieces are joined) and
+/// its HTTP connection's buffers.
+#[test]
+fn a_downloads_memory_stays_within_its_staging() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    make_sparse(&bucket.join("small.bin"), 4 * MIB, 61);
+    let size = 640 * MIB + 4321;
+    make_sparse(&bucket.join("big.bin"), size, 63);
+    const STAGING: u64 = 32 * MIB;
+    let staging = format!("{}M", STAGING / MIB);
+    let down = t.env.mkdir("down");
+    let to = down.to_str().unwrap();
+    let (run, base_kib) = t.cp(["s3://data/small.bin", to, "--staging", &staging, "--concurrency", "32"]).spawn().wait_peak_rss();
+    run.assert_ok();
+    let args = ["s3://data/big.bin", to, "--staging", &staging, "--concurrency", "32"];
+    let (run, peak_kib) = t.cp(args).timeout(std::time::Duration::from_secs(600)).spawn().wait_peak_rss();
+    run.assert_ok();
+    assert!(same_content(&bucket.join("big.bin"), &down.join("big.bin")), "the download differs from the object");
+    let bound_kib = base_kib + (3 * STAGING + 32 * (2 * MIB + MIB / 2)) / 1024;
+    eprintln!("peak RSS: {peak_kib} KiB downloading {size} bytes, {base_kib} KiB downloading 4 MiB; bound {bound_kib} KiB");
+    assert!(
+        peak_kib <= bound_kib,
+        "downloading {size} bytes with --staging {staging} peaked at {peak_kib} KiB, over {bound_kib} KiB \
+         ({base_kib} KiB for a small download, three times the staging and 2.5 MiB for each of 32 readers)"
+    );
+}
+
 #[test]
 fn a_download_killed_midway_resumes_into_its_partial_file() {
     let Some(t) = Setup::new() else { return };

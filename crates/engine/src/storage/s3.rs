@@ -80,8 +80,12 @@ const MAX_PARTS: u64 = 10_000;
 const MAX_PARTS_IN_FLIGHT: u64 = 8;
 /// Bytes one GET fetches at least: the pieces a block is read in, and the
 /// next blocks of a file read in order, come from one request. A reader
-/// holds two such windows: the one it reads and the next, on its way.
+/// holds two such windows, the one it reads and the next on its way, as
+/// far as the storage's memory bound has room (see [`Budget`]).
 const READ_AHEAD: u64 = 4 << 20;
+/// The bytes a GET fetches when the memory bound has no room for a window:
+/// a block, as the reader asks for it.
+const BLOCK_WINDOW: u64 = 1 << 20;
 /// HEAD requests at once while listing.
 const HEADS_IN_FLIGHT: usize = 128;
 /// Files committed at once (each a PUT, or the completion of an upload).
@@ -112,8 +116,9 @@ pub struct Options {
     /// A local directory for this storage's resume state ([`default_state_dir`]
     /// for `cp`; a served bucket's is named after its export).
     pub state_dir: PathBuf,
-    /// Memory for the parts of uploads, being filled and being sent (see
-    /// [`Budget`]): at least one part, at most [`MAX_PARTS_IN_FLIGHT`].
+    /// Memory for the parts of uploads, being filled and being sent, and the
+    /// windows of objects being read (see [`Budget`]): at least one part, at
+    /// most [`MAX_PARTS_IN_FLIGHT`].
     pub staging: u64,
 }
 
@@ -149,7 +154,8 @@ struct Inner {
     /// How messages name the root.
     label: String,
     rt: Runtime,
-    /// The memory the parts of uploads hold, within [`Options::staging`].
+    /// The memory the parts of uploads and the windows of reads hold,
+    /// within [`Options::staging`].
     budget: Arc<Budget>,
     /// The local directory of the records of uploads in progress.
     uploads: PathBuf,
@@ -450,18 +456,22 @@ struct S3Read {
     window: Mutex<Window>,
 }
 
-/// The bytes the last GET fetched, and the GET of those after them.
+/// The bytes the last GET fetched, and the GET of those after them, each
+/// with the memory it holds of the storage's bound. Where the bound has no
+/// room, a window holds only what the read asked for (a block), outside
+/// it, and nothing is fetched ahead.
 struct Window {
     /// The offset of the first byte of `data`.
     start: u64,
     data: Bytes,
-    /// The offset the GET under way starts at, and the GET.
-    ahead: Option<(u64, JoinHandle<io::Result<Bytes>>)>,
+    held: Option<Lease>,
+    /// The offset the GET under way starts at, the GET, and its memory.
+    ahead: Option<(u64, JoinHandle<io::Result<Bytes>>, Lease)>,
 }
 
 impl Drop for Window {
     fn drop(&mut self) {
-        if let Some((_, task)) = self.ahead.take() {
+        if let Some((_, task, _)) = self.ahead.take() {
             task.abort();
         }
     }
@@ -475,7 +485,9 @@ impl S3Read {
     /// range of it cannot be asked for). The next GET starts at once.
     fn open(inner: &Arc<Inner>, k: &str, range: std::ops::Range<u64>) -> io::Result<S3Read> {
         let off = range.start;
-        let first_end = range.end.min(off + READ_AHEAD).max(off + 1);
+        let want = range.end.saturating_sub(off).clamp(1, READ_AHEAD);
+        let mut held = inner.budget.try_take(want);
+        let first_end = off + if held.is_some() { want } else { want.min(BLOCK_WINDOW) };
         let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(format!("bytes={off}-{}", first_end - 1));
         let first = inner.rt.block_on(async {
             match get.send().await {
@@ -504,7 +516,10 @@ impl S3Read {
             return Err(io::Error::other(format!("{k}: asked for {want} bytes, got {}", data.len())));
         }
         let end = range.end.min(stat.size);
-        let window = Mutex::new(Window { start: off, data, ahead: None });
+        if let Some(h) = held.as_mut() {
+            h.keep(data.len() as u64);
+        }
+        let window = Mutex::new(Window { start: off, data, held, ahead: None });
         let read = S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, end, window };
         {
             let mut w = read.window.lock().expect("read window lock");
@@ -533,10 +548,13 @@ impl S3Read {
     }
 
     /// Starts the GET of up to `len` bytes from `off`, unless reading is
-    /// meant to end before.
+    /// meant to end before or the memory bound has no room for them.
     fn fetch_ahead(&self, w: &mut Window, off: u64, len: u64) {
-        if off < self.end {
-            w.ahead = Some((off, self.get(off, (off + len).min(self.end))));
+        let end = (off + len).min(self.end);
+        if off < end {
+            if let Some(lease) = self.inner.budget.try_take(end - off) {
+                w.ahead = Some((off, self.get(off, end), lease));
+            }
         }
     }
 
@@ -568,18 +586,22 @@ impl ReadFile for S3Read {
         let mut w = self.window.lock().expect("read window lock");
         if !(w.start..w.start + w.data.len() as u64).contains(&off) {
             let len = READ_AHEAD.max(buf.len() as u64);
-            let data = match w.ahead.take() {
-                Some((start, task)) if start == off => self.wait(task)?,
+            (w.data, w.held) = (Bytes::new(), None);
+            let (data, held) = match w.ahead.take() {
+                Some((start, task, lease)) if start == off => (self.wait(task)?, Some(lease)),
                 other => {
-                    if let Some((_, task)) = other {
+                    if let Some((_, task, _)) = other {
                         task.abort();
                     }
                     // A read elsewhere than where the last ended.
-                    self.wait(self.get(off, (off + len).min(self.stat.size)))?
+                    let end = (off + len).min(self.stat.size);
+                    let held = self.inner.budget.try_take(end - off);
+                    let end = if held.is_some() { end } else { (off + buf.len() as u64).min(self.stat.size) };
+                    (self.wait(self.get(off, end))?, held)
                 }
             };
             let next = off + data.len() as u64;
-            (w.start, w.data) = (off, data);
+            (w.start, w.data, w.held) = (off, data, held);
             self.fetch_ahead(&mut w, next, len);
         }
         let start = (off - w.start) as usize;
@@ -760,7 +782,9 @@ fn spill_file(i: &Inner, k: &str, index: u64) -> io::Result<std::fs::File> {
 }
 
 /// The memory the parts of a storage's uploads hold in memory (being
-/// filled or being sent), kept within a bound.
+/// filled or being sent), and the windows of the objects it reads, kept
+/// within a bound. A read takes a window only if it fits at once (see
+/// [`Window`]).
 ///
 /// A writer that needs more waits while parts are being sent: each send
 /// ends (taken, failed or timed out) and frees its part. It never waits
@@ -807,6 +831,15 @@ impl Budget {
         (h, fits)
     }
 
+    /// Takes `n` bytes if they fit now (a window of an object being read).
+    fn try_take(self: &Arc<Self>, n: u64) -> Option<Lease> {
+        let mut h = self.held.lock().expect("budget lock");
+        (h.bytes + n <= self.bound).then(|| {
+            h.bytes += n;
+            Lease { budget: self.clone(), bytes: n, sending: false }
+        })
+    }
+
     /// Takes `len` bytes to send a part read back from a file: once they
     /// fit, or nothing else is being sent.
     fn take_to_send(self: &Arc<Self>, len: u64) -> Lease {
@@ -835,6 +868,16 @@ impl Lease {
             self.bytes += n;
         }
         fits
+    }
+
+    /// Gives back what it holds beyond `n` bytes.
+    fn keep(&mut self, n: u64) {
+        if n < self.bytes {
+            let mut h = self.budget.held.lock().expect("budget lock");
+            h.bytes -= self.bytes - n;
+            self.bytes = n;
+            self.budget.freed.notify_all();
+        }
     }
 
     /// Takes `n` more bytes, beyond the bound if need be.
