@@ -104,11 +104,14 @@ fn nonce(n: u64) -> Nonce {
     Nonce::assume_unique_for_key(b)
 }
 
-/// The tag of integrity-only record number `n` covering `data`.
-fn mac(key: &[u8; 32], n: u64, data: &[u8]) -> [u8; TAG] {
+/// The tag of integrity-only record number `n` covering `parts`, one
+/// after the other.
+fn mac(key: &[u8; 32], n: u64, parts: &[&[u8]]) -> [u8; TAG] {
     let mut h = blake3::Hasher::new_keyed(key);
     h.update(&n.to_be_bytes());
-    h.update(data);
+    for p in parts {
+        h.update(p);
+    }
     h.finalize().as_bytes()[..TAG].try_into().expect("a 16-byte prefix")
 }
 
@@ -138,7 +141,7 @@ impl Sealer {
                 let sealed = key.seal_in_place_separate_tag(nonce(n), Aad::from(&*header), payload);
                 tag.copy_from_slice(sealed.expect("sealing a bounded record cannot fail").as_ref());
             }
-            Key::Mac(key) => tag.copy_from_slice(&mac(key, n, covered)),
+            Key::Mac(key) => tag.copy_from_slice(&mac(key, n, &[covered])),
         }
         Ok(())
     }
@@ -152,7 +155,7 @@ impl Sealer {
                 let tag = key.seal_in_place_separate_tag(nonce(n), Aad::from(aad), &mut []).expect("sealing nothing cannot fail");
                 tag.as_ref().try_into().expect("a 16-byte tag")
             }
-            Key::Mac(key) => mac(key, n, aad),
+            Key::Mac(key) => mac(key, n, &[aad]),
         })
     }
 }
@@ -187,19 +190,28 @@ impl Opener {
         if record.len() != HEADER + len + TAG {
             return Err(RecordError::Forged);
         }
-        let n = self.0.number()?;
         let (covered, tag) = record.split_at_mut(HEADER + len);
         let tag: [u8; TAG] = (&*tag).try_into().expect("a 16-byte tag");
+        let (header, payload) = covered.split_at_mut(HEADER);
+        self.open_parts(header.try_into().expect("a 4-byte header"), payload, tag)?;
+        Ok(payload)
+    }
+
+    /// Checks and opens, in place, a record whose parts lie apart: its
+    /// header, its payload (as many bytes as the header says) and its tag.
+    /// A reader that knows a record's length from its header can so take
+    /// the payload straight into the buffer it is meant for.
+    pub fn open_parts(&mut self, header: [u8; HEADER], payload: &mut [u8], tag: [u8; TAG]) -> Result<(), RecordError> {
+        if payload.len() != Opener::payload_len(header)? {
+            return Err(RecordError::Forged);
+        }
+        let n = self.0.number()?;
         match &self.0.key {
             Key::Aead(key) => {
-                let (header, payload) = covered.split_at_mut(HEADER);
-                let opened = key.open_in_place_separate_tag(nonce(n), Aad::from(&*header), Tag::from(tag), payload, 0..);
-                opened.map(|p| &*p).map_err(|_| RecordError::Forged)
+                let opened = key.open_in_place_separate_tag(nonce(n), Aad::from(&header), Tag::from(tag), payload, 0..);
+                opened.map(drop).map_err(|_| RecordError::Forged)
             }
-            Key::Mac(key) => {
-                check(&mac(key, n, covered), &tag)?;
-                Ok(&covered[HEADER..])
-            }
+            Key::Mac(key) => check(&mac(key, n, &[&header, payload]), &tag),
         }
     }
 
@@ -211,7 +223,7 @@ impl Opener {
                 let opened = key.open_in_place_separate_tag(nonce(n), Aad::from(aad), Tag::from(*tag), &mut [], 0..);
                 opened.map(|_| ()).map_err(|_| RecordError::Forged)
             }
-            Key::Mac(key) => check(&mac(key, n, aad), tag),
+            Key::Mac(key) => check(&mac(key, n, &[aad]), tag),
         }
     }
 }
@@ -282,6 +294,29 @@ mod tests {
             // The other protection.
             let q = if p == Protection::Encrypted { Protection::Authenticated } else { Protection::Encrypted };
             assert_eq!(Opener::new(&[7; 32], q).open(&mut a.clone()), Err(RecordError::Forged));
+        }
+    }
+
+    #[test]
+    fn a_record_opens_the_same_with_its_parts_apart() {
+        for p in [Protection::Encrypted, Protection::Authenticated] {
+            let (mut s, mut o) = pair(p);
+            let mut r = record(b"apart");
+            s.seal(&mut r).unwrap();
+            let header: [u8; HEADER] = r[..HEADER].try_into().unwrap();
+            let tag: [u8; TAG] = r[HEADER + 5..].try_into().unwrap();
+            let mut payload = r[HEADER..HEADER + 5].to_vec();
+            o.open_parts(header, &mut payload, tag).unwrap();
+            assert_eq!(payload, b"apart", "{p:?}");
+            // A payload of another length than its header says, or changed.
+            let mut next = record(b"apart");
+            s.seal(&mut next).unwrap();
+            let header: [u8; HEADER] = next[..HEADER].try_into().unwrap();
+            let tag: [u8; TAG] = next[HEADER + 5..].try_into().unwrap();
+            assert_eq!(fresh(p).open_parts(header, &mut next[HEADER..HEADER + 4].to_vec(), tag), Err(RecordError::Forged), "{p:?}");
+            let mut changed = next[HEADER..HEADER + 5].to_vec();
+            changed[0] ^= 1;
+            assert_eq!(o.open_parts(header, &mut changed, tag), Err(RecordError::Forged), "{p:?}");
         }
     }
 

@@ -6,8 +6,12 @@
 //! [`WRITE_BATCH`] records; a write returns once all it was given is sent
 //! (a block is written whole, as a layer above it expects). Reads take whatever the socket has into a
 //! buffer, open each record in place once it is whole, and hand out its
-//! payload; nothing is handed out before its record's tag is checked. A read
-//! that times out keeps what it has of a record, so the next read goes on.
+//! payload; nothing is handed out before its record's tag is checked. A
+//! read whose buffer can take a whole record's payload takes it there
+//! straight from the socket, and into the reader's own buffer only the next
+//! record's header: a block comes in without being copied once more. A
+//! read that times out keeps what it has of a record, so the next read goes
+//! on.
 //!
 //! The reading and writing halves of one connection (see
 //! [`Transport::split`]) share one sealer and one opener, each behind its
@@ -17,7 +21,7 @@
 
 use super::{SocketOptions, Transport};
 use dmover_proto::record::{Opener, RecordError, Sealer, HEADER, MAX_RECORD, TAG};
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -104,6 +108,53 @@ impl Rx {
         }
     }
 
+    /// Reads the record whose header is at the start of the buffer (and
+    /// nothing of it beyond) with its payload straight into `out`, which
+    /// can take it; the next record's header, as far as it comes with it,
+    /// into the buffer. Returns the payload's length once its tag is
+    /// checked. If the socket fails part way, what came of the record goes
+    /// back into the buffer, for the next read to go on from.
+    fn read_into(&mut self, inner: &mut dyn Transport, out: &mut [u8], len: usize) -> io::Result<usize> {
+        let header: [u8; HEADER] = self.buf[self.start..self.start + HEADER].try_into().expect("a header");
+        let came = &self.buf[self.start + HEADER..self.end];
+        let mut got = came.len().min(len);
+        out[..got].copy_from_slice(&came[..got]);
+        let mut tag = [0u8; TAG];
+        let mut tag_got = came.len() - got;
+        tag[..tag_got].copy_from_slice(&came[got..]);
+        (self.start, self.end) = (0, 0);
+        while got < len || tag_got < TAG {
+            let mut parts =
+                [IoSliceMut::new(&mut out[got..len]), IoSliceMut::new(&mut tag[tag_got..]), IoSliceMut::new(&mut self.buf[..HEADER])];
+            let n = match inner.read_vectored(&mut parts) {
+                Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside a record")),
+                Ok(n) => Ok(n),
+                Err(e) => Err(e),
+            };
+            let n = match n {
+                Ok(n) => n,
+                Err(e) => {
+                    // Put back what came, in the order it came.
+                    let at = HEADER + got;
+                    self.buf[..HEADER].copy_from_slice(&header);
+                    self.buf[HEADER..at].copy_from_slice(&out[..got]);
+                    self.buf[at..at + tag_got].copy_from_slice(&tag[..tag_got]);
+                    self.end = at + tag_got;
+                    return Err(e);
+                }
+            };
+            let to_payload = n.min(len - got);
+            got += to_payload;
+            let to_tag = (n - to_payload).min(TAG - tag_got);
+            tag_got += to_tag;
+            self.end = n - to_payload - to_tag;
+        }
+        match self.opener.open_parts(header, &mut out[..len], tag) {
+            Ok(()) => Ok(len),
+            Err(e) => Err(self.fail(e, &|| inner.peer())),
+        }
+    }
+
     /// Refuses the rest of the connection, and says so in the log: a
     /// record that fails is an attack or a broken path, whoever reads it.
     fn fail(&mut self, e: RecordError, peer: &dyn Fn() -> String) -> io::Error {
@@ -133,12 +184,25 @@ impl Read for Sealed {
                 }
                 continue;
             }
-            if rx.start == rx.end {
-                rx.start = 0;
-                rx.end = 0;
+            let have = rx.end - rx.start;
+            if have >= HEADER {
+                let header: [u8; HEADER] = rx.buf[rx.start..rx.start + HEADER].try_into().expect("a header");
+                // Announced lengths were checked by open_next.
+                let len = Opener::payload_len(header).map_err(refused)?;
+                if len > 0 && len <= out.len() {
+                    return rx.read_into(&mut *self.inner, out, len);
+                }
+            } else {
+                // Less than a header (a few bytes at most): to the front.
+                let (start, end) = (rx.start, rx.end);
+                rx.buf.copy_within(start..end, 0);
+                (rx.start, rx.end) = (0, have);
             }
             let end = rx.end;
-            match self.inner.read(&mut rx.buf[end..]) {
+            // A caller that can take a whole record takes the next one
+            // straight (above): read only up to its header.
+            let until = if out.len() >= MAX_RECORD && end < HEADER { HEADER } else { rx.buf.len() };
+            match self.inner.read(&mut rx.buf[end..until]) {
                 Ok(0) if rx.start == rx.end => return Ok(0),
                 Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside a record")),
                 Ok(n) => rx.end += n,
@@ -309,5 +373,55 @@ mod tests {
         let mut got = [0u8; 5];
         r.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"later");
+    }
+
+    /// Reads with a buffer that takes any record whole, as a block's pieces
+    /// are read: the wire cut inside headers, payloads and tags, each cut a
+    /// timeout of the reader, gives the payloads back whole and in order;
+    /// a changed byte in such a record is refused.
+    #[test]
+    fn records_read_straight_into_the_callers_buffer_go_on_after_timeouts_and_are_checked() {
+        for p in [Protection::Encrypted, Protection::Authenticated] {
+            let (x, y) = UnixStream::pair().unwrap();
+            let mut r = Sealed::new(Box::new(y), Sealer::new(&[0; 32], p), Opener::new(&[5; 32], p), &[]);
+            r.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+            let mut s = Sealer::new(&[5; 32], p);
+            let (mut wire, mut expect, mut ends) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, n) in [MAX_RECORD, 1000, MAX_RECORD, 3].into_iter().enumerate() {
+                let payload: Vec<u8> = (0..n).map(|j| (i * 31 + j * 7) as u8).collect();
+                let mut rec = vec![0u8; HEADER + n + TAG];
+                rec[HEADER..HEADER + n].copy_from_slice(&payload);
+                s.seal(&mut rec).unwrap();
+                wire.extend_from_slice(&rec);
+                expect.extend_from_slice(&payload);
+                ends.push(wire.len());
+            }
+            // Inside the first header, payload and tag; inside the second
+            // header; at the end of the second record; inside the third
+            // payload and tag; inside the fourth header; the end.
+            let r0 = HEADER + MAX_RECORD + TAG;
+            let cuts = [2, HEADER + 100, r0 - 8, r0 + 2, ends[1], ends[1] + HEADER + 5000, ends[2] - 1, ends[2] + 3, ends[3]];
+            let (mut got, mut buf, mut from) = (Vec::new(), vec![0u8; 4 * MAX_RECORD], 0);
+            for cut in cuts {
+                (&x).write_all(&wire[from..cut]).unwrap();
+                from = cut;
+                loop {
+                    match r.read(&mut buf) {
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => break,
+                        Err(e) => panic!("{p:?}: {e}"),
+                    }
+                }
+            }
+            assert!(got == expect, "{p:?}: the payloads came back changed ({} of {} bytes)", got.len(), expect.len());
+
+            let mut rec = vec![9u8; HEADER + MAX_RECORD + TAG];
+            s.seal(&mut rec).unwrap();
+            rec[HEADER + MAX_RECORD / 2] ^= 1;
+            (&x).write_all(&rec).unwrap();
+            let e = r.read(&mut buf).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{p:?}: {e}");
+            assert!(r.read(&mut buf).is_err(), "{p:?}: a connection that failed a check goes on failing");
+        }
     }
 }
