@@ -28,19 +28,7 @@ fn s3_storage_conforms() {
         let outside = tempfile::tempdir().unwrap();
         let state = tempfile::tempdir().unwrap();
         Subject {
-            store: Arc::new(
-                S3::open(
-                    &bucket,
-                    &Options {
-                        endpoint: None,
-                        prefix: String::new(),
-                        label: None,
-                        state_dir: state.path().to_path_buf(),
-                        staging: 64 << 20,
-                    },
-                )
-                .unwrap(),
-            ),
+            store: Arc::new(open(&bucket, state.path(), 64 << 20)),
             base: Default::default(),
             disk: None,
             outside: outside.path().to_path_buf(),
@@ -52,6 +40,13 @@ fn s3_storage_conforms() {
     ranged_reads_fetch_ahead_of_the_reader(&server);
 }
 
+/// The S3 storage of `bucket` on the server the environment names, with
+/// its state in `state`.
+fn open(bucket: &str, state: &Path, staging: u64) -> S3 {
+    let o = Options { endpoint: None, prefix: String::new(), label: None, state_dir: state.to_path_buf(), staging };
+    S3::open(bucket, &o).unwrap()
+}
+
 /// Parts filled out of order, more than the memory bound holds (one part
 /// with this staging), fill on disk and go up intact: each part's second
 /// half is written first, then the first halves, last part first.
@@ -59,11 +54,7 @@ fn parts_beyond_the_bound_go_up_intact(server: &S3Server) {
     const PART: usize = 16 << 20;
     server.bucket("bound");
     let state = tempfile::tempdir().unwrap();
-    let s3 = S3::open(
-        "bound",
-        &Options { endpoint: None, prefix: String::new(), label: None, state_dir: state.path().to_path_buf(), staging: PART as u64 },
-    )
-    .unwrap();
+    let s3 = open("bound", state.path(), PART as u64);
     let size = 3 * PART + 12345;
     let data: Vec<u8> = (0..size).map(|i| ((i as u64 * 2654435761) >> 13) as u8).collect();
     let (temp, path) = (Path::new(".big.tmp"), Path::new("big"));
@@ -115,11 +106,7 @@ fn ranged_reads_fetch_ahead_of_the_reader(server: &S3Server) {
     const MIB: usize = 1 << 20;
     server.bucket("ranges");
     let state = tempfile::tempdir().unwrap();
-    let s3 = S3::open(
-        "ranges",
-        &Options { endpoint: None, prefix: String::new(), label: None, state_dir: state.path().to_path_buf(), staging: 64 << 20 },
-    )
-    .unwrap();
+    let s3 = open("ranges", state.path(), 64 << 20);
     let size = 13 * MIB + 12345;
     let data: Vec<u8> = (0..size).map(|i| ((i as u64 * 2654435761) >> 11) as u8).collect();
     put(&s3, "obj", &data);
