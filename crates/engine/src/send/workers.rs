@@ -243,6 +243,13 @@ impl Shared {
                 StreamConn::Open(c) => c,
                 StreamConn::Attaching(conns) => match sh.attached(&conns) {
                     Some(Ok(c)) => c,
+                    // After `Finish` the receiver may end the session before
+                    // every connection attached (nothing was left to send):
+                    // the control connection's word settles the transfer.
+                    Some(Err(e)) if sh.hosts[host].finished.load(Ordering::SeqCst) => {
+                        log::debug!("a data connection to host {host} did not attach after Finish: {e}");
+                        return;
+                    }
                     Some(Err(e)) => return sh.broken(e),
                     None => return,
                 },
@@ -609,7 +616,7 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
             Ok(mut o) => {
                 q.took_one();
                 crate::fault::corrupt_in_flight(&mut o.data);
-                if let Err(e) = w.send_block(&o.header, &o.data) {
+                if let Err(e) = w.send_block_consuming(&o.header, &mut o.data) {
                     // After `Finish` the receiver's word on the control
                     // connection settles the transfer: `Finished` once every
                     // file is settled (it may close its data connections with
