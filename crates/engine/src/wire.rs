@@ -6,7 +6,7 @@ use crate::transport::Transport;
 use dmover_proto::digest::{BlockHasher, Sum};
 use dmover_proto::frame::{DataHeader, DecodeError, Header, DATA_HEADER_LEN, HEADER_LEN, KIND_DATA, MAX_CONTROL_BODY};
 use dmover_proto::{Msg, Phase};
-use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -232,7 +232,16 @@ impl FrameWriter {
     /// Sends one block: header and data in one vectored write where possible.
     pub fn send_block(&mut self, h: &DataHeader, data: &[u8]) -> Result<()> {
         let head = h.encode();
-        let r = write_all_vectored(&mut self.inner, &head, data);
+        let r = crate::transport::write_all_vectored(&mut *self.inner, &head, data);
+        self.last_write = Instant::now();
+        r.map_err(|e| Error::network(&self.peer, &e))
+    }
+
+    /// Sends one block the caller drops afterwards: the transport may seal
+    /// it where it lies (see [`Transport::write_consuming`]).
+    pub fn send_block_consuming(&mut self, h: &DataHeader, data: &mut [u8]) -> Result<()> {
+        let head = h.encode();
+        let r = self.inner.write_consuming(&head, data);
         self.last_write = Instant::now();
         r.map_err(|e| Error::network(&self.peer, &e))
     }
@@ -246,22 +255,6 @@ impl FrameWriter {
     pub fn close_write(&self) {
         self.inner.close_write()
     }
-}
-
-fn write_all_vectored(w: &mut dyn Write, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
-    while !a.is_empty() {
-        let n = w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        if n < a.len() {
-            a = &a[n..];
-        } else {
-            b = &b[n - a.len()..];
-            a = &[];
-        }
-    }
-    w.write_all(b)
 }
 
 #[cfg(test)]

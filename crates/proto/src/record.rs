@@ -129,21 +129,32 @@ impl Sealer {
     /// the protection is integrity only.
     pub fn seal(&mut self, record: &mut [u8]) -> Result<(), RecordError> {
         let len = record.len() - HEADER - TAG;
+        let (header, rest) = record.split_at_mut(HEADER);
+        let (payload, tag) = rest.split_at_mut(len);
+        let (h, t) = self.seal_parts(payload)?;
+        header.copy_from_slice(&h);
+        tag.copy_from_slice(&t);
+        Ok(())
+    }
+
+    /// Seals `payload` in place as the next record, whose header and tag
+    /// lie apart from it: a writer can so send a buffer it will not send
+    /// again without copying it first.
+    pub fn seal_parts(&mut self, payload: &mut [u8]) -> Result<([u8; HEADER], [u8; TAG]), RecordError> {
+        let len = payload.len();
         if len > MAX_RECORD {
             return Err(RecordError::TooLong(len));
         }
-        record[..HEADER].copy_from_slice(&(len as u32).to_be_bytes());
+        let header = (len as u32).to_be_bytes();
         let n = self.0.number()?;
-        let (covered, tag) = record.split_at_mut(HEADER + len);
-        match &self.0.key {
+        let tag = match &self.0.key {
             Key::Aead(key) => {
-                let (header, payload) = covered.split_at_mut(HEADER);
-                let sealed = key.seal_in_place_separate_tag(nonce(n), Aad::from(&*header), payload);
-                tag.copy_from_slice(sealed.expect("sealing a bounded record cannot fail").as_ref());
+                let sealed = key.seal_in_place_separate_tag(nonce(n), Aad::from(&header), payload);
+                sealed.expect("sealing a bounded record cannot fail").as_ref().try_into().expect("a 16-byte tag")
             }
-            Key::Mac(key) => tag.copy_from_slice(&mac(key, n, &[covered])),
-        }
-        Ok(())
+            Key::Mac(key) => mac(key, n, &[&header, payload]),
+        };
+        Ok((header, tag))
     }
 
     /// A tag over `aad` alone, as a record with no payload: the client's

@@ -71,6 +71,30 @@ pub trait Transport: Read + Write + Send + Sync + 'static {
     fn send_window(&self) -> u64 {
         0
     }
+    /// Writes `head`, then `data`, whole. A layer that changes the bytes
+    /// it carries (the sealing layer) may change them where they lie in
+    /// `data`, which afterwards holds something else: for a block the
+    /// caller sends once and then drops.
+    fn write_consuming(&mut self, head: &[u8], data: &mut [u8]) -> io::Result<()> {
+        write_all_vectored(self, head, data)
+    }
+}
+
+/// Writes `a` then `b`, whole, in vectored writes.
+pub(crate) fn write_all_vectored<W: Write + ?Sized>(w: &mut W, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+    while !a.is_empty() {
+        let n = w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        if n < a.len() {
+            a = &a[n..];
+        } else {
+            b = &b[n - a.len()..];
+            a = &[];
+        }
+    }
+    w.write_all(b)
 }
 
 /// Options for data connections.

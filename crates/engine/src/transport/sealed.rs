@@ -4,9 +4,12 @@
 //! Writes are cut into records of at most `MAX_RECORD` bytes, sealed in
 //! place in one buffer and sent with one system call for up to
 //! [`WRITE_BATCH`] records; a write returns once all it was given is sent
-//! (a block is written whole, as a layer above it expects). Reads take whatever the socket has into a
-//! buffer, open each record in place once it is whole, and hand out its
-//! payload; nothing is handed out before its record's tag is checked. A
+//! (a block is written whole, as a layer above it expects). A block sent
+//! once and dropped ([`Transport::write_consuming`]) is sealed where it
+//! lies instead, each record's header and tag written beside it.
+//!
+//! Reads take whatever the socket has into a buffer, open each record in
+//! place once it is whole, and hand out its payload; nothing is handed out before its record's tag is checked. A
 //! read whose buffer can take a whole record's payload takes it there
 //! straight from the socket, and into the reader's own buffer only the next
 //! record's header: a block comes in without being copied once more. A
@@ -265,6 +268,61 @@ impl Transport for Sealed {
         Ok(Box::new(Sealed { inner: self.inner.split()?, tx: self.tx.clone(), rx: self.rx.clone() }))
     }
     super::passed_on!();
+
+    /// Seals `head` in a record of its own (it is small, and copied) and
+    /// `data` in records where it lies, and writes them, up to
+    /// [`WRITE_BATCH`] records of `data` a system call.
+    fn write_consuming(&mut self, head: &[u8], data: &mut [u8]) -> io::Result<()> {
+        let mut tx = self.tx.lock().expect("record writer lock");
+        if tx.broken {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "an earlier write on this connection failed"));
+        }
+        let tx = &mut *tx;
+        tx.buf.clear();
+        if !head.is_empty() {
+            tx.buf.resize(HEADER + head.len() + TAG, 0);
+            tx.buf[HEADER..HEADER + head.len()].copy_from_slice(head);
+            tx.sealer.seal(&mut tx.buf).map_err(refused)?;
+        }
+        let mut head_sent = tx.buf.is_empty();
+        let mut batches = data.chunks_mut(WRITE_BATCH * MAX_RECORD).peekable();
+        while !head_sent || batches.peek().is_some() {
+            let batch = batches.next().unwrap_or_default();
+            let mut sealed = [([0u8; HEADER], [0u8; TAG]); WRITE_BATCH];
+            for (record, parts) in batch.chunks_mut(MAX_RECORD).zip(&mut sealed) {
+                *parts = tx.sealer.seal_parts(record).map_err(refused)?;
+            }
+            let mut slices = [IoSlice::new(&[]); 1 + 3 * WRITE_BATCH];
+            let mut k = 0;
+            if !head_sent {
+                slices[0] = IoSlice::new(&tx.buf);
+                (k, head_sent) = (1, true);
+            }
+            for (record, (header, tag)) in batch.chunks(MAX_RECORD).zip(&sealed) {
+                slices[k..k + 3].copy_from_slice(&[IoSlice::new(header), IoSlice::new(record), IoSlice::new(tag)]);
+                k += 3;
+            }
+            if let Err(e) = write_all_slices(&mut *self.inner, &mut slices[..k]) {
+                tx.broken = true;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes what `slices` hold, whole, in vectored writes.
+fn write_all_slices(w: &mut dyn Transport, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match w.write_vectored(slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -422,6 +480,37 @@ mod tests {
             let e = r.read(&mut buf).unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{p:?}: {e}");
             assert!(r.read(&mut buf).is_err(), "{p:?}: a connection that failed a check goes on failing");
+        }
+    }
+
+    /// Blocks sealed where they lie arrive as written, between ordinary
+    /// writes, whatever their size: several batches of records, a short
+    /// last record, none at all.
+    #[test]
+    fn blocks_sealed_where_they_lie_arrive_as_written() {
+        for p in [Protection::Encrypted, Protection::Authenticated] {
+            let (a, b, _) = pair(p);
+            let sizes = [WRITE_BATCH * MAX_RECORD * 2 + 17, MAX_RECORD, 0, 5];
+            let blocks: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| (0..n).map(|j| (i + j * 13) as u8).collect()).collect();
+            let mut expect = Vec::new();
+            for (i, block) in blocks.iter().enumerate() {
+                expect.extend_from_slice(format!("head {i}").as_bytes());
+                expect.extend_from_slice(block);
+            }
+            expect.extend_from_slice(b"end");
+            let mut w = a.split().unwrap();
+            let writer = std::thread::spawn(move || {
+                for (i, mut block) in blocks.into_iter().enumerate() {
+                    w.write_consuming(format!("head {i}").as_bytes(), &mut block).unwrap();
+                }
+                w.write_all(b"end").unwrap();
+                w.close_write();
+            });
+            let mut r = b.split().unwrap();
+            let mut got = Vec::new();
+            r.read_to_end(&mut got).unwrap();
+            writer.join().unwrap();
+            assert!(got == expect, "{p:?}: {} bytes came of {}", got.len(), expect.len());
         }
     }
 }
