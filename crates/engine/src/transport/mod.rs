@@ -81,20 +81,22 @@ pub trait Transport: Read + Write + Send + Sync + 'static {
 }
 
 /// Writes `a` then `b`, whole, in vectored writes.
-pub(crate) fn write_all_vectored<W: Write + ?Sized>(w: &mut W, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
-    while !a.is_empty() {
-        let n = w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        if n < a.len() {
-            a = &a[n..];
-        } else {
-            b = &b[n - a.len()..];
-            a = &[];
+pub(crate) fn write_all_vectored<W: Write + ?Sized>(w: &mut W, a: &[u8], b: &[u8]) -> io::Result<()> {
+    write_all_slices(w, &mut [IoSlice::new(a), IoSlice::new(b)])
+}
+
+/// Writes what `slices` hold, whole, in vectored writes.
+pub(crate) fn write_all_slices<W: Write + ?Sized>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match w.write_vectored(slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
-    w.write_all(b)
+    Ok(())
 }
 
 /// Options for data connections.

@@ -22,7 +22,7 @@
 //! same lock, so records go out in the order of their numbers whatever
 //! thread writes them.
 
-use super::{SocketOptions, Transport};
+use super::{write_all_slices, SocketOptions, Transport};
 use dmover_proto::record::{Opener, RecordError, Sealer, HEADER, MAX_RECORD, TAG};
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::sync::{Arc, Mutex};
@@ -130,13 +130,11 @@ impl Rx {
             let mut parts =
                 [IoSliceMut::new(&mut out[got..len]), IoSliceMut::new(&mut tag[tag_got..]), IoSliceMut::new(&mut self.buf[..HEADER])];
             let n = match inner.read_vectored(&mut parts) {
-                Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside a record")),
-                Ok(n) => Ok(n),
-                Err(e) => Err(e),
-            };
-            let n = match n {
-                Ok(n) => n,
-                Err(e) => {
+                Ok(n) if n > 0 => n,
+                failed => {
+                    let e = failed
+                        .err()
+                        .unwrap_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside a record"));
                     // Put back what came, in the order it came.
                     let at = HEADER + got;
                     self.buf[..HEADER].copy_from_slice(&header);
@@ -309,20 +307,6 @@ impl Transport for Sealed {
         }
         Ok(())
     }
-}
-
-/// Writes what `slices` hold, whole, in vectored writes.
-fn write_all_slices(w: &mut dyn Transport, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
-    IoSlice::advance_slices(&mut slices, 0);
-    while !slices.is_empty() {
-        match w.write_vectored(slices) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut slices, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
