@@ -15,12 +15,11 @@ use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::session;
 use dmover_engine::storage::{self, Store};
-use dmover_engine::transport::{Connector, Transport};
+use dmover_engine::transport::{memory, Connector, Transport};
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TransferFlags, TransferOptions};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -266,18 +265,14 @@ fn recv_config(p: &Plan) -> RecvConfig {
     }
 }
 
-fn pair() -> Result<(UnixStream, UnixStream)> {
-    UnixStream::pair().map_err(|e| Error::io("socket pair", &e))
-}
-
-/// Both ends in this process, joined by socket pairs: local paths and S3 buckets.
+/// Both ends in this process, joined by in-memory streams: local paths and S3 buckets.
 fn local_to_local(p: &Plan, a: &CpArgs, progress: &Arc<Progress>) -> Result<Stats> {
-    let (ctl_a, ctl_b) = pair()?;
+    let (ctl_a, ctl_b) = memory::pair();
     let (tx, rx) = crossbeam_channel::unbounded::<Box<dyn Transport>>();
     // A stream: one end sends, the other goes to the receiver. The tuner
     // opens more the same way.
     let connect: Connector = Arc::new(move || {
-        let (x, y) = pair()?;
+        let (x, y) = memory::pair();
         // The receiver takes connections until the transfer ends.
         let _ = tx.send(Box::new(y));
         Ok(Box::new(x) as Box<dyn Transport>)

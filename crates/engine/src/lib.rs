@@ -5,7 +5,7 @@
 //! host. The same two ends serve every direction: the client sends and a
 //! server receives (upload), a server sends and the client receives
 //! (download), one server sends to others (third party), or both ends run in
-//! one process over socket pairs (local copy). [`session`] opens those
+//! one process over in-memory pairs (local copy). [`session`] opens those
 //! connections from the client's side; the server crate accepts them.
 //!
 //! * [`source`] — source specs, globs and the streaming tree walk

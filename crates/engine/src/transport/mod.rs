@@ -13,13 +13,13 @@
 //!     Sealed           every byte in sealed records (after the handshake)
 //!   ─────────────────────────────────────────
 //!   one byte stream: TcpStream (the network)
-//!                    or UnixStream (a socket pair: two engines in one process)
+//!                    or Memory (two engines in one process: a local copy)
 //!                    or Piped (a program that carries it, such as ssh)
 //!                    or Channel (one of several over a pipe: mux)
 //! ```
 //!
 //! At the bottom is exactly one byte stream: TCP between hosts, or one end
-//! of a Unix socket pair for a local copy. Every layer above is itself a
+//! of an in-memory pair for a local copy. Every layer above is itself a
 //! `Transport` that holds the one below and passes on what it does not
 //! change (splitting, closing, socket options, the peer's name), so the
 //! code that reads and writes frames never knows how many layers there
@@ -39,6 +39,7 @@ use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::record::Protection;
 use rustix::net::sockopt;
 
+pub mod memory;
 pub mod mux;
 mod piped;
 mod sealed;
@@ -211,7 +212,8 @@ impl Transport for TcpStream {
     }
 }
 
-/// A socket pair joins two engines in one process (local copies).
+/// A Unix socket: one end of a pair joins two engines in one process with
+/// the kernel's buffering between them (the engine's tests).
 impl Transport for UnixStream {
     socket_transport!(UnixStream);
     fn peer(&self) -> String {
