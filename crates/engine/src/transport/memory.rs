@@ -146,8 +146,9 @@ impl Write for Memory {
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let offered = || bufs.iter().filter(|b| !b.is_empty()).take(MAX_SLICES);
         let mut offer = Offer { slices: [(std::ptr::null(), 0); MAX_SLICES], count: 0, taken: 0, total: 0 };
-        for b in bufs.iter().filter(|b| !b.is_empty()).take(MAX_SLICES) {
+        for b in offered() {
             offer.slices[offer.count] = (b.as_ptr(), b.len());
             offer.count += 1;
             offer.total += b.len();
@@ -169,7 +170,7 @@ impl Write for Memory {
             return Err(broken());
         }
         if small {
-            for b in bufs.iter().take(MAX_SLICES) {
+            for b in offered() {
                 s.buffered.extend(b.iter());
             }
             drop(s);
@@ -319,6 +320,16 @@ mod tests {
         a.read_exact(&mut x).unwrap();
         b.read_exact(&mut y).unwrap();
         assert!(x.iter().all(|&v| v == 2) && y.iter().all(|&v| v == 1));
+        // A vectored write takes its first slices that hold something, and says how much.
+        let parts: Vec<Vec<u8>> = (0..12u8).map(|i| vec![i; if i % 2 == 0 { 0 } else { 10 + i as usize }]).collect();
+        let slices: Vec<IoSlice> = parts.iter().map(|p| IoSlice::new(p)).collect();
+        let n = a.write_vectored(&slices).unwrap();
+        assert_eq!(n, 11 + 13 + 15 + 17);
+        let mut got = vec![0u8; n];
+        b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        b.read_exact(&mut got).unwrap();
+        b.set_read_timeout(None).unwrap();
+        assert_eq!(got, [vec![1u8; 11], vec![3; 13], vec![5; 15], vec![7; 17]].concat());
         // A large write waits for its reader: the bytes written before it come first.
         a.write_all(b"head").unwrap();
         let big: Vec<u8> = (0..SMALL_WRITE * 3).map(|i| i as u8).collect();
