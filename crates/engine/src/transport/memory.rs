@@ -161,9 +161,7 @@ impl Write for Memory {
         let small = offer.total <= SMALL_WRITE;
         // Bytes go out in the order of the writes: a write waits for the
         // large write under way (another handle's), and a small one for room.
-        while !(s.write_closed || s.read_closed)
-            && (s.offer.is_some() || (small && s.buffered.len() + offer.total > BUFFER))
-        {
+        while !(s.write_closed || s.read_closed) && (s.offer.is_some() || (small && s.buffered.len() + offer.total > BUFFER)) {
             s = d.wait(s);
         }
         if s.write_closed || s.read_closed {
