@@ -393,15 +393,22 @@ pub fn download(
     let control = c.into_transport();
     let after = control.split().map_err(|e| Error::network(host, &e))?;
     // The server starts sending at once: its first announcements and this
-    // end's plans cross while the data connections attach. One that
-    // cannot ends this attempt (closing the control connection stops the
-    // receiving end), with its reason.
+    // end's plans cross while the data connections attach. If none can,
+    // the attempt ends (closing the control connection stops the receiving
+    // end), with the reason. Once one has, the control connection's word
+    // settles the transfer: a small one can be over before the others
+    // attach, and the server refuses those as late.
     let refused = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = crossbeam_channel::unbounded();
     {
         let (refused, stop) = (refused.clone(), control.split().map_err(|e| Error::network(host, &e))?);
+        let mut attached = false;
         attach_streams(started, session, move |c| match c {
-            Ok(t) => drop(tx.send(t)),
+            Ok(t) => {
+                attached = true;
+                drop(tx.send(t))
+            }
+            Err(e) if attached => log::debug!("a data connection did not attach: {e}"),
             Err(e) => {
                 *refused.lock().expect("refusal lock") = Some(e);
                 stop.close();
@@ -409,13 +416,17 @@ pub fn download(
         });
     }
     let summary = prepared.run(control, rx);
-    if let Some(e) = refused.lock().expect("refusal lock").take() {
-        return Err(e);
-    }
     // The sender's report follows its `Finish` (and pings, which it may
     // still send until then).
     let mut r = FrameReader::new(after);
     let report = remote_report(|| r.read_msg(), host, progress);
+    if summary.is_err() || report.is_err() {
+        // Why no data connection attached, rather than what closing the
+        // control connection then caused.
+        if let Some(e) = refused.lock().expect("refusal lock").take() {
+            return Err(e);
+        }
+    }
     summary?;
     let s = report?;
     progress.set(&Snapshot {
