@@ -17,6 +17,7 @@ use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 use util::*;
 
@@ -53,6 +54,8 @@ fn a_directory_swapped_for_a_symlink_never_leads_out_of_the_export() {
     let stop = AtomicBool::new(false);
     let swaps = AtomicU64::new(0);
     let (uploaded, downloaded, refused) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+    // What the downloads that failed but left their file said.
+    let left_behind = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
@@ -64,7 +67,7 @@ fn a_directory_swapped_for_a_symlink_never_leads_out_of_the_export() {
         let copiers: Vec<_> = (0..THREADS * 2)
             .map(|t| {
                 let (env, srv, src, got) = (&env, &srv, &src, &got);
-                let (uploaded, downloaded, refused) = (&uploaded, &downloaded, &refused);
+                let (uploaded, downloaded, refused, left_behind) = (&uploaded, &downloaded, &refused, &left_behind);
                 s.spawn(move || {
                     for i in (t / 2..COPIES).step_by(THREADS) {
                         let up = t % 2 == 0;
@@ -74,6 +77,9 @@ fn a_directory_swapped_for_a_symlink_never_leads_out_of_the_export() {
                             env.cp([srv.url("e/d/in.dat"), got.join(format!("dl{i}.dat")).display().to_string()]).run()
                         };
                         assert!(!r.stderr.contains("panicked"), "dmover panicked: {}", r.stderr);
+                        if !up && r.code != 0 && got.join(format!("dl{i}.dat")).exists() {
+                            left_behind.lock().unwrap().push(format!("dl{i}.dat (exit {}): {}", r.code, r.stderr.trim()));
+                        }
                         match r.code {
                             0 if up => uploaded.fetch_add(1, Ordering::Relaxed),
                             0 => downloaded.fetch_add(1, Ordering::Relaxed),
@@ -97,7 +103,9 @@ fn a_directory_swapped_for_a_symlink_never_leads_out_of_the_export() {
     for (name, _) in list_files(&got) {
         assert_eq!(fs::read(got.join(&name)).unwrap(), INSIDE, "{name}: a download read the file outside the export");
     }
-    assert_eq!(list_files(&got).len() as u64, down, "a failed download left a file behind");
+    let left_behind = left_behind.into_inner().unwrap();
+    assert!(left_behind.is_empty(), "a failed download left a file behind: {left_behind:#?}");
+    assert_eq!(list_files(&got).len() as u64, down, "the downloads done and the files in their directory differ");
     assert!(up > 0 && down > 0, "no copy got through: the test proves nothing ({up} uploads, {down} downloads)");
     assert!(no > 0, "no copy met the symlink: the swaps did not race the copies");
     assert!(swaps.load(Ordering::Relaxed) >= COPIES as u64, "too few swaps to race every copy");
