@@ -14,7 +14,7 @@ use dmover_engine::recv::{self, RecvConfig};
 use dmover_engine::retry::with_retries;
 use dmover_engine::send::{self, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::session;
-use dmover_engine::storage::{self, Store};
+use dmover_engine::storage::{self, s3, Store};
 use dmover_engine::transport::{memory, Connector, Transport};
 use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TransferFlags, TransferOptions};
@@ -163,11 +163,16 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
             "all sources must be on one host (all local, all on the same server, or all in one bucket)",
         ));
     }
-    let store = |l: &Location| match l {
-        Location::S3 { bucket, .. } => a.s3.open(bucket, a.staging),
+    // A bucket copied from whole (no sync, no glob) has its small objects
+    // fetched as it is listed.
+    let read_all = !a.sync && !sources.iter().any(|s| s.path().split('/').any(dmover_engine::source::is_glob));
+    let store = |l: &Location, read_all: bool| match l {
+        Location::S3 { bucket, .. } => {
+            a.s3.open_with(bucket, &s3::Options { fetch_listed: read_all, ..a.s3.options(s3::default_state_dir(bucket), a.staging) })
+        }
         _ => Ok(storage::local()),
     };
-    let (src_store, dest_store) = (store(&sources[0])?, store(&dest)?);
+    let (src_store, dest_store) = (store(&sources[0], read_all)?, store(&dest, false)?);
     let mut flags = TransferFlags::empty();
     if a.sync {
         flags |= TransferFlags::SYNC;

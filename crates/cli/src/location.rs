@@ -51,13 +51,18 @@ impl S3Args {
     /// The storage of `bucket`, sending parts of uploads in `staging` bytes
     /// of memory, with its resume state in the user's cache.
     pub fn open(&self, bucket: &str, staging: u64) -> Result<Store> {
-        Ok(std::sync::Arc::new(s3::S3::open(bucket, &self.options(s3::default_state_dir(bucket), staging))?))
+        self.open_with(bucket, &self.options(s3::default_state_dir(bucket), staging))
+    }
+
+    /// The storage of `bucket`, opened with options `o`.
+    pub fn open_with(&self, bucket: &str, o: &s3::Options) -> Result<Store> {
+        Ok(std::sync::Arc::new(s3::S3::open(bucket, o)?))
     }
 
     /// How to reach a bucket as these flags say: the whole bucket, named by
     /// its URL, resume state in `state_dir`, parts of uploads in `staging` bytes.
     pub fn options(&self, state_dir: std::path::PathBuf, staging: u64) -> s3::Options {
-        s3::Options { endpoint: self.s3_endpoint.clone(), prefix: String::new(), label: None, state_dir, staging }
+        s3::Options { endpoint: self.s3_endpoint.clone(), prefix: String::new(), label: None, state_dir, staging, fetch_listed: false }
     }
 }
 

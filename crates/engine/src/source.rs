@@ -42,7 +42,8 @@ pub enum Event {
     SkippedLink(String),
 }
 
-fn is_glob(s: &str) -> bool {
+/// Whether a source names files by a pattern.
+pub fn is_glob(s: &str) -> bool {
     s.contains(['*', '?', '[', '{'])
 }
 

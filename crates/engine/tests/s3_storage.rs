@@ -38,12 +38,18 @@ fn s3_storage_conforms() {
     });
     parts_beyond_the_bound_go_up_intact(&server);
     ranged_reads_fetch_ahead_of_the_reader(&server);
+    listed_objects_are_read_as_listed(&server);
 }
 
 /// The S3 storage of `bucket` on the server the environment names, with
 /// its state in `state`.
 fn open(bucket: &str, state: &Path, staging: u64) -> S3 {
-    let o = Options { endpoint: None, prefix: String::new(), label: None, state_dir: state.to_path_buf(), staging };
+    open_with(bucket, state, staging, false)
+}
+
+/// The same, its listings fetching small objects if `fetch_listed`.
+fn open_with(bucket: &str, state: &Path, staging: u64, fetch_listed: bool) -> S3 {
+    let o = Options { endpoint: None, prefix: String::new(), label: None, state_dir: state.to_path_buf(), staging, fetch_listed };
     S3::open(bucket, &o).unwrap()
 }
 
@@ -137,4 +143,48 @@ fn ranged_reads_fetch_ahead_of_the_reader(server: &S3Server) {
         }
     };
     assert!(e.to_string().contains("replaced while it was read"), "{e}");
+}
+
+/// A storage whose listed objects are all to be read fetches the small ones
+/// with the listing, and reads them as fetched: objects replaced after
+/// they were listed read as listed (the version whose attributes the
+/// listing gave), as far as half the memory bound holds them, and as
+/// replaced past that. Once objects kept are not read for a while, listings
+/// fetch no more.
+fn listed_objects_are_read_as_listed(server: &S3Server) {
+    const MIB: usize = 1 << 20;
+    server.bucket("listed");
+    let state = tempfile::tempdir().unwrap();
+    // The smallest bound, 16 MiB: 8 MiB of objects kept at most.
+    let plain = open("listed", state.path(), 16 << 20);
+    let fetching = open_with("listed", state.path(), 16 << 20, true);
+    let version =
+        |i: usize, v: usize| -> Vec<u8> { (0..MIB).map(|j| (j as u64 * 2654435761 >> 9) as u8 ^ i as u8 ^ (v as u8 * 85)).collect() };
+    let put_all = |dir: &str, v: usize| (0..12).for_each(|i| put(&plain, &format!("{dir}/{i:02}"), &version(i, v)));
+    let read_as = |dir: &str| -> Vec<usize> {
+        (0..12)
+            .map(|i| {
+                let r = fetching.open(Path::new(&format!("{dir}/{i:02}"))).unwrap();
+                let back = read(&*r, 0, MIB, 256 << 10).unwrap();
+                (0..3).find(|&v| back == version(i, v)).expect("an object read as neither version")
+            })
+            .collect()
+    };
+
+    put_all("a", 0);
+    assert_eq!(fetching.list(Path::new("a")).unwrap().len(), 12);
+    put_all("a", 1);
+    let part = fetching.open_range(Path::new("a/00"), 1000..3000).unwrap();
+    assert!(read(&*part, 1000, 2000, MIB).unwrap() == version(0, 0)[1000..3000], "a range of an object kept differs");
+    // The first 8 MiB were kept; a/00 was taken by the range read.
+    assert_eq!(read_as("a"), [1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1], "which objects read as listed");
+
+    // Kept, then not read: the next listing waits for them, then fetches nothing.
+    fetching.list(Path::new("a")).unwrap();
+    put_all("b", 0);
+    fetching.list(Path::new("b")).unwrap();
+    put_all("b", 1);
+    assert_eq!(read_as("b"), [1; 12], "objects were kept while those kept before were not read");
+    put_all("a", 2);
+    assert_eq!(read_as("a"), [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2], "the objects kept were lost");
 }

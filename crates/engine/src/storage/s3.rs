@@ -47,6 +47,11 @@
 //! in memory, beyond the bound, with a warning). Each part's buffer is made at its final capacity
 //! and handed to the SDK as it is, never copied.
 //!
+//! Listings carry no metadata, so each object listed takes a request for
+//! its mode and mtime: a HEAD, or, where every object listed is to be read
+//! ([`Options::fetch_listed`]), the GET of a small object whole, kept in
+//! memory until it is read (one request per small object in all).
+//!
 //! The AWS SDK does the requests, on an async runtime of this storage's
 //! own; the engine's threads wait on it.
 
@@ -88,6 +93,13 @@ const READ_AHEAD: u64 = 4 << 20;
 const BLOCK_WINDOW: u64 = 1 << 20;
 /// HEAD requests at once while listing.
 const HEADS_IN_FLIGHT: usize = 128;
+/// Objects at most this large are fetched whole by a listing whose
+/// objects are all to be read (see [`Options::fetch_listed`]).
+const FETCH_LISTED: u64 = 1 << 20;
+/// How long a listing waits, with no object it fetched being read, for room
+/// to fetch more; past that, listings stop fetching (the objects kept are
+/// not being read: files skipped as already at their destination, say).
+const LISTED_STALL: std::time::Duration = std::time::Duration::from_secs(5);
 /// Files committed at once (each a PUT, or the completion of an upload).
 const COMMITS_IN_FLIGHT: usize = 32;
 /// Part size of a copy made by the server (at most 5 GiB).
@@ -120,6 +132,12 @@ pub struct Options {
     /// windows of objects being read (see [`Budget`]): at least one part, at
     /// most [`MAX_PARTS_IN_FLIGHT`].
     pub staging: u64,
+    /// Whether every object listed is to be read (a copy of all of it, not
+    /// a sync or a glob): a listing then fetches each small object whole
+    /// with the GET it would read it by, in place of the HEAD it needs for
+    /// the object's mode and mtime, and keeps it until it is read, within
+    /// half of `staging`.
+    pub fetch_listed: bool,
 }
 
 /// dmover's directory in the user's cache: `$XDG_CACHE_HOME/dmover`, else
@@ -159,6 +177,8 @@ struct Inner {
     budget: Arc<Budget>,
     /// The local directory of the records of uploads in progress.
     uploads: PathBuf,
+    /// Small objects listings fetched whole, until they are read.
+    listed: Listed,
 }
 
 impl std::fmt::Debug for S3 {
@@ -219,7 +239,8 @@ impl S3 {
         let uploads = o.state_dir.join("uploads");
         let budget = Arc::new(Budget::new(o.staging.clamp(PART, MAX_PARTS_IN_FLIGHT * PART)));
         let shown = o.label.clone().unwrap_or_else(|| dmover_proto::path::join(&label, &root));
-        let inner = Inner { client, bucket: bucket.to_string(), root, label: shown, rt, budget, uploads };
+        let listed = Listed::new(o.fetch_listed);
+        let inner = Inner { client, bucket: bucket.to_string(), root, label: shown, rt, budget, uploads, listed };
         let at = endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
         let creds = config.credentials_provider().ok_or_else(|| Error::internal("no credentials provider"))?;
         use aws_sdk_s3::config::ProvideCredentials;
@@ -324,6 +345,24 @@ fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<Str
     Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1 }
 }
 
+/// The size of the whole object a GET of a range of it answered.
+fn total_size(r: &aws_sdk_s3::operation::get_object::GetObjectOutput) -> u64 {
+    let whole = r.content_range().and_then(|c| c.rsplit_once('/')).and_then(|(_, n)| n.parse().ok());
+    whole.unwrap_or(r.content_length().unwrap_or(0) as u64)
+}
+
+/// What a HEAD or a GET answered of an object: its attributes, its ETag
+/// and the digest dmover stored with it.
+fn answered(
+    size: u64,
+    modified: Option<&DateTime>,
+    meta: Option<&HashMap<String, String>>,
+    etag: Option<&str>,
+) -> (Stat, Option<String>, Option<Digest>) {
+    let digest = meta.and_then(|m| m.get(META_DIGEST)).and_then(|d| parse_digest(d));
+    (object_stat(size, modified, meta), etag.map(str::to_string), digest)
+}
+
 fn parse_mtime(s: &str) -> Option<(i64, u32)> {
     let (secs, nanos) = s.split_once('.')?;
     Some((secs.parse().ok()?, nanos.parse().ok().filter(|n| *n < 1_000_000_000)?))
@@ -360,9 +399,7 @@ impl Inner {
     /// The object at `k`: its attributes, ETag and stored digest.
     fn head(&self, k: &str) -> io::Result<(Stat, Option<String>, Option<Digest>)> {
         let h = self.rt.block_on(self.client.head_object().bucket(&self.bucket).key(k).send()).map_err(|e| io_error(k, e))?;
-        let st = object_stat(h.content_length().unwrap_or(0) as u64, h.last_modified(), h.metadata());
-        let digest = h.metadata().and_then(|m| m.get(META_DIGEST)).and_then(|d| parse_digest(d));
-        Ok((st, h.e_tag().map(str::to_string), digest))
+        Ok(answered(h.content_length().unwrap_or(0) as u64, h.last_modified(), h.metadata(), h.e_tag()))
     }
 
     /// Whether any object is below directory key `k`.
@@ -484,6 +521,9 @@ impl S3Read {
     /// (one with nothing at the start, an empty one say, takes a HEAD: that
     /// range of it cannot be asked for). The next GET starts at once.
     fn open(inner: &Arc<Inner>, k: &str, range: std::ops::Range<u64>) -> io::Result<S3Read> {
+        if let Some(f) = inner.listed.take(k) {
+            return Ok(S3Read::fetched(inner, k, range, f));
+        }
         let off = range.start;
         let want = range.end.saturating_sub(off).clamp(1, READ_AHEAD);
         let mut held = inner.budget.try_take(want);
@@ -492,11 +532,7 @@ impl S3Read {
         let first = inner.rt.block_on(async {
             match get.send().await {
                 Ok(r) => {
-                    let size = r.content_range().and_then(|c| c.rsplit_once('/')).and_then(|(_, n)| n.parse().ok());
-                    let size = size.unwrap_or(r.content_length().unwrap_or(0) as u64);
-                    let stat = object_stat(size, r.last_modified(), r.metadata());
-                    let digest = r.metadata().and_then(|m| m.get(META_DIGEST)).and_then(|d| parse_digest(d));
-                    let etag = r.e_tag().map(str::to_string);
+                    let (stat, etag, digest) = answered(total_size(&r), r.last_modified(), r.metadata(), r.e_tag());
                     let data = collect(k, r.body).await?;
                     Ok(Some((stat, etag, digest, data)))
                 }
@@ -527,6 +563,18 @@ impl S3Read {
             read.fetch_ahead(&mut w, next, READ_AHEAD);
         }
         Ok(read)
+    }
+
+    /// Reads `range` of object `k` from what a listing fetched of it: the
+    /// version listed, as if opened then.
+    fn fetched(inner: &Arc<Inner>, k: &str, range: std::ops::Range<u64>, f: Fetched) -> S3Read {
+        let end = range.end.min(f.stat.size);
+        let start = range.start.min(end);
+        let data = f.data.slice(start as usize..end as usize);
+        let mut held = f.held;
+        held.keep(data.len() as u64);
+        let window = Mutex::new(Window { start, data, held: Some(held), ahead: None });
+        S3Read { inner: inner.clone(), key: k.to_string(), stat: f.stat, etag: f.etag, digest: f.digest, end, window }
     }
 
     /// Fetches `off..end` (in a task of the runtime).
@@ -912,6 +960,82 @@ impl Drop for Lease {
     }
 }
 
+/// Small objects listings fetched whole, each kept until it is read (see
+/// [`Options::fetch_listed`]), their memory taken from the budget.
+struct Listed {
+    state: Mutex<Kept>,
+    /// Signalled when an object kept is taken.
+    taken: Condvar,
+}
+
+#[derive(Default)]
+struct Kept {
+    /// Whether listings fetch small objects.
+    on: bool,
+    objects: HashMap<String, Fetched>,
+    /// The sizes of `objects`, together.
+    bytes: u64,
+}
+
+/// What the GET of a whole object answered.
+struct Fetched {
+    stat: Stat,
+    etag: Option<String>,
+    digest: Option<Digest>,
+    data: Bytes,
+    held: Lease,
+}
+
+impl Listed {
+    fn new(on: bool) -> Listed {
+        Listed { state: Mutex::new(Kept { on, ..Kept::default() }), taken: Condvar::new() }
+    }
+
+    /// How many bytes of small objects a listing is to fetch, within `cap`
+    /// together with those kept: first it waits until those take at most
+    /// half of `cap` while they are being read (so listings run ahead of
+    /// reading by what memory allows); none once that stalls for
+    /// [`LISTED_STALL`], for good.
+    fn room(&self, cap: u64) -> u64 {
+        let mut k = self.state.lock().expect("listed lock");
+        let mut last = k.bytes;
+        while k.on && k.bytes > cap / 2 {
+            let (next, waited) = self.taken.wait_timeout(k, LISTED_STALL).expect("listed lock");
+            k = next;
+            if waited.timed_out() && k.bytes >= last {
+                log::debug!("objects fetched by a listing are not being read: listings fetch no more");
+                k.on = false;
+            }
+            last = k.bytes;
+        }
+        if k.on {
+            cap.saturating_sub(k.bytes)
+        } else {
+            0
+        }
+    }
+
+    /// Keeps the objects fetched, in place of any kept under the same key.
+    fn keep(&self, fetched: impl IntoIterator<Item = (String, Fetched)>) {
+        let mut k = self.state.lock().expect("listed lock");
+        for (key, f) in fetched {
+            k.bytes += f.stat.size;
+            if let Some(old) = k.objects.insert(key, f) {
+                k.bytes -= old.stat.size;
+            }
+        }
+    }
+
+    /// Takes the object kept under `key`, if any.
+    fn take(&self, key: &str) -> Option<Fetched> {
+        let mut k = self.state.lock().expect("listed lock");
+        let f = k.objects.remove(key)?;
+        k.bytes -= f.stat.size;
+        self.taken.notify_all();
+        Some(f)
+    }
+}
+
 /// A part of the upload.
 enum Sent {
     /// The server holds it, with this ETag.
@@ -1275,7 +1399,8 @@ impl Storage for S3 {
         let k = self.inner.key(dir)?;
         let prefix = dir_prefix(&k);
         let i = &self.inner;
-        let mut names: Vec<String> = Vec::new();
+        // Each object's name and size.
+        let mut names: Vec<(String, u64)> = Vec::new();
         let mut dirs: Vec<String> = Vec::new();
         let mut token = None;
         loop {
@@ -1284,7 +1409,7 @@ impl Storage for S3 {
             for o in r.contents() {
                 // A "directory marker" some tools make: not a file.
                 if let Some(name) = o.key().and_then(|x| x.strip_prefix(&prefix)).filter(|n| !n.is_empty() && !n.ends_with('/')) {
-                    names.push(name.to_string());
+                    names.push((name.to_string(), o.size().unwrap_or(0).max(0) as u64));
                 }
             }
             for p in r.common_prefixes() {
@@ -1305,17 +1430,39 @@ impl Storage for S3 {
                 Err(_) => io::Error::new(io::ErrorKind::NotFound, format!("{k}: no object is below this prefix")),
             });
         }
-        // Listings carry no metadata: each object's mode and mtime take a HEAD.
+        // Listings carry no metadata: each object's mode and mtime take a HEAD,
+        // or the GET of the whole object where it is small and to be read, as
+        // far as half the memory bound has room; such objects are kept until
+        // they are read.
+        let mut room = i.listed.room(i.budget.bound / 2);
         let heads = Arc::new(Semaphore::new(HEADS_IN_FLIGHT));
-        let stats: Vec<io::Result<Stat>> = i.rt.block_on(async {
+        let answers: Vec<io::Result<(Stat, Option<Fetched>)>> = i.rt.block_on(async {
             let tasks: Vec<_> = names
                 .iter()
-                .map(|n| {
+                .map(|&(ref n, size)| {
+                    let lease = (0 < size && size <= FETCH_LISTED.min(room)).then(|| i.budget.try_take(size)).flatten();
+                    if lease.is_some() {
+                        room -= size;
+                    }
                     let (client, bucket, key, heads) = (i.client.clone(), i.bucket.clone(), format!("{prefix}{n}"), heads.clone());
                     tokio::spawn(async move {
                         let _permit = heads.acquire().await;
-                        let h = client.head_object().bucket(bucket).key(&key).send().await.map_err(|e| io_error(&key, e))?;
-                        Ok(object_stat(h.content_length().unwrap_or(0) as u64, h.last_modified(), h.metadata()))
+                        let Some(held) = lease else {
+                            let h = client.head_object().bucket(bucket).key(&key).send().await.map_err(|e| io_error(&key, e))?;
+                            return Ok((object_stat(h.content_length().unwrap_or(0) as u64, h.last_modified(), h.metadata()), None));
+                        };
+                        let get = client.get_object().bucket(bucket).key(&key).range(format!("bytes=0-{}", size - 1));
+                        let r = get.send().await.map_err(|e| io_error(&key, e))?;
+                        let (stat, etag, digest) = answered(total_size(&r), r.last_modified(), r.metadata(), r.e_tag());
+                        let data = collect(&key, r.body).await?;
+                        // An object replaced since it was listed is read later, as a large one is.
+                        if stat.size != size {
+                            return Ok((stat, None));
+                        }
+                        if data.len() as u64 != size {
+                            return Err(io::Error::other(format!("{key}: asked for {size} bytes, got {}", data.len())));
+                        }
+                        Ok((stat, Some(Fetched { stat, etag, digest, data, held })))
                     })
                 })
                 .collect();
@@ -1325,7 +1472,19 @@ impl Storage for S3 {
             }
             out
         });
-        let mut out: Vec<DirEntry> = names.into_iter().zip(stats).map(|(n, stat)| DirEntry { name: OsString::from(n), stat }).collect();
+        let mut fetched = Vec::new();
+        let stats: Vec<io::Result<Stat>> = names
+            .iter()
+            .zip(answers)
+            .map(|((n, _), a)| {
+                let (stat, f) = a?;
+                fetched.extend(f.map(|f| (format!("{prefix}{n}"), f)));
+                Ok(stat)
+            })
+            .collect();
+        i.listed.keep(fetched);
+        let mut out: Vec<DirEntry> =
+            names.into_iter().zip(stats).map(|((n, _), stat)| DirEntry { name: OsString::from(n), stat }).collect();
         out.extend(dirs.into_iter().map(|n| DirEntry { name: OsString::from(n), stat: Ok(dir_stat()) }));
         Ok(out)
     }
