@@ -500,10 +500,10 @@ struct S3Read {
 struct Window {
     /// The offset of the first byte of `data`.
     start: u64,
-    data: Bytes,
+    data: Body,
     held: Option<Lease>,
     /// The offset the GET under way starts at, the GET, and its memory.
-    ahead: Option<(u64, JoinHandle<io::Result<Bytes>>, Lease)>,
+    ahead: Option<(u64, JoinHandle<io::Result<Body>>, Lease)>,
 }
 
 impl Drop for Window {
@@ -544,22 +544,22 @@ impl S3Read {
             Some(f) => f,
             None => {
                 let (stat, etag, digest) = inner.head(k)?;
-                (stat, etag, digest, Bytes::new())
+                (stat, etag, digest, Body::default())
             }
         };
         let want = stat.size.min(first_end).saturating_sub(off);
-        if !data.is_empty() && data.len() as u64 != want {
+        if !data.is_empty() && data.len() != want {
             return Err(io::Error::other(format!("{k}: asked for {want} bytes, got {}", data.len())));
         }
         let end = range.end.min(stat.size);
         if let Some(h) = held.as_mut() {
-            h.keep(data.len() as u64);
+            h.keep(data.len());
         }
         let window = Mutex::new(Window { start: off, data, held, ahead: None });
         let read = S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, end, window };
         {
             let mut w = read.window.lock().expect("read window lock");
-            let next = w.start + w.data.len() as u64;
+            let next = w.start + w.data.len();
             read.fetch_ahead(&mut w, next, READ_AHEAD);
         }
         Ok(read)
@@ -570,15 +570,15 @@ impl S3Read {
     fn fetched(inner: &Arc<Inner>, k: &str, range: std::ops::Range<u64>, f: Fetched) -> S3Read {
         let end = range.end.min(f.stat.size);
         let start = range.start.min(end);
-        let data = f.data.slice(start as usize..end as usize);
+        let data = f.data.slice(start..end);
         let mut held = f.held;
-        held.keep(data.len() as u64);
+        held.keep(data.len());
         let window = Mutex::new(Window { start, data, held: Some(held), ahead: None });
         S3Read { inner: inner.clone(), key: k.to_string(), stat: f.stat, etag: f.etag, digest: f.digest, end, window }
     }
 
     /// Fetches `off..end` (in a task of the runtime).
-    fn get(&self, off: u64, end: u64) -> JoinHandle<io::Result<Bytes>> {
+    fn get(&self, off: u64, end: u64) -> JoinHandle<io::Result<Body>> {
         let i = &self.inner;
         let get = i.client.get_object().bucket(&i.bucket).key(&self.key).range(format!("bytes={off}-{}", end - 1));
         let (get, key) = (get.set_if_match(self.etag.clone()), self.key.clone());
@@ -588,7 +588,7 @@ impl S3Read {
                 _ => io_error(&key, e),
             })?;
             let data = collect(&key, r.body).await?;
-            if data.len() as u64 != end - off {
+            if data.len() != end - off {
                 return Err(io::Error::other(format!("{key}: asked for {} bytes, got {}", end - off, data.len())));
             }
             Ok(data)
@@ -607,16 +607,15 @@ impl S3Read {
     }
 
     /// Waits for a GET's bytes.
-    fn wait(&self, task: JoinHandle<io::Result<Bytes>>) -> io::Result<Bytes> {
+    fn wait(&self, task: JoinHandle<io::Result<Body>>) -> io::Result<Body> {
         self.inner.rt.block_on(task).unwrap_or_else(|e| Err(io::Error::other(format!("{}: {e}", self.key))))
     }
 }
 
 /// The body of a GET of `key`, checked against the checksum the server
 /// keeps for the object where it sent one.
-async fn collect(key: &str, body: aws_sdk_s3::primitives::ByteStream) -> io::Result<Bytes> {
-    // The body as one buffer, copied only if it came in several chunks.
-    body.collect().await.map(|b| b.into_bytes()).map_err(|e| {
+async fn collect(key: &str, body: aws_sdk_s3::primitives::ByteStream) -> io::Result<Body> {
+    body.collect().await.map(|b| Body::of(b.into_segments())).map_err(|e| {
         if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
             let msg =
                 format!("{key}: what was read differs from the checksum the server keeps for the object ({})", DisplayErrorContext(&e));
@@ -626,15 +625,74 @@ async fn collect(key: &str, body: aws_sdk_s3::primitives::ByteStream) -> io::Res
     })
 }
 
+/// The body of a GET as the chunks it came in, never joined: reading it
+/// copies each byte once, into the reader's buffer.
+#[derive(Default)]
+struct Body {
+    chunks: Vec<Bytes>,
+    len: u64,
+}
+
+impl Body {
+    fn of(chunks: impl Iterator<Item = Bytes>) -> Body {
+        let chunks: Vec<Bytes> = chunks.collect();
+        let len = chunks.iter().map(|c| c.len() as u64).sum();
+        Body { chunks, len }
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies the bytes from `off` into `buf`, as many as it holds and fit:
+    /// how many.
+    fn copy_at(&self, mut off: u64, buf: &mut [u8]) -> usize {
+        let mut n = 0;
+        for c in &self.chunks {
+            if n == buf.len() {
+                break;
+            }
+            if off >= c.len() as u64 {
+                off -= c.len() as u64;
+                continue;
+            }
+            let piece = &c[off as usize..];
+            let k = piece.len().min(buf.len() - n);
+            buf[n..n + k].copy_from_slice(&piece[..k]);
+            (n, off) = (n + k, 0);
+        }
+        n
+    }
+
+    /// The bytes of `range` (within it), sharing its chunks.
+    fn slice(&self, range: std::ops::Range<u64>) -> Body {
+        let mut at = 0;
+        let mut chunks = Vec::new();
+        for c in &self.chunks {
+            let (start, end) = (at, at + c.len() as u64);
+            at = end;
+            let (from, to) = (range.start.max(start), range.end.min(end));
+            if from < to {
+                chunks.push(c.slice((from - start) as usize..(to - start) as usize));
+            }
+        }
+        Body::of(chunks.into_iter())
+    }
+}
+
 impl ReadFile for S3Read {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
         if off >= self.stat.size || buf.is_empty() {
             return Ok(0);
         }
         let mut w = self.window.lock().expect("read window lock");
-        if !(w.start..w.start + w.data.len() as u64).contains(&off) {
+        if !(w.start..w.start + w.data.len()).contains(&off) {
             let len = READ_AHEAD.max(buf.len() as u64);
-            (w.data, w.held) = (Bytes::new(), None);
+            (w.data, w.held) = (Body::default(), None);
             let (data, held) = match w.ahead.take() {
                 Some((start, task, lease)) if start == off => (self.wait(task)?, Some(lease)),
                 other => {
@@ -648,14 +706,11 @@ impl ReadFile for S3Read {
                     (self.wait(self.get(off, end))?, held)
                 }
             };
-            let next = off + data.len() as u64;
+            let next = off + data.len();
             (w.start, w.data, w.held) = (off, data, held);
             self.fetch_ahead(&mut w, next, len);
         }
-        let start = (off - w.start) as usize;
-        let n = buf.len().min(w.data.len() - start);
-        buf[..n].copy_from_slice(&w.data[start..start + n]);
-        Ok(n)
+        Ok(w.data.copy_at(off - w.start, buf))
     }
 
     fn stat(&self) -> io::Result<Stat> {
@@ -982,7 +1037,7 @@ struct Fetched {
     stat: Stat,
     etag: Option<String>,
     digest: Option<Digest>,
-    data: Bytes,
+    data: Body,
     held: Lease,
 }
 
@@ -1459,7 +1514,7 @@ impl Storage for S3 {
                         if stat.size != size {
                             return Ok((stat, None));
                         }
-                        if data.len() as u64 != size {
+                        if data.len() != size {
                             return Err(io::Error::other(format!("{key}: asked for {size} bytes, got {}", data.len())));
                         }
                         Ok((stat, Some(Fetched { stat, etag, digest, data, held })))
@@ -1574,6 +1629,24 @@ mod tests {
         assert!(up.covered(5, 50) && up.covered(7, 7));
         up.mark(60, 70);
         assert!(!up.covered(40, 65), "a hole between ranges");
+    }
+
+    #[test]
+    fn a_body_reads_across_its_chunks() {
+        let whole: Vec<u8> = (0..100u8).collect();
+        let body = Body::of([0..7, 7..7, 7..40, 40..41, 41..100].into_iter().map(|r| Bytes::copy_from_slice(&whole[r])));
+        assert_eq!(body.len(), 100);
+        for (off, len) in [(0, 100), (0, 7), (5, 10), (39, 3), (40, 60), (99, 5), (100, 4), (3, 0)] {
+            let mut buf = vec![0; len];
+            let n = body.copy_at(off, &mut buf);
+            let want = &whole[(off as usize).min(100)..(off as usize + len).min(100)];
+            assert_eq!(&buf[..n], want, "{len} bytes from {off}");
+        }
+        let part = body.slice(5..45);
+        assert_eq!(part.len(), 40);
+        let mut buf = vec![0; 40];
+        assert_eq!(part.copy_at(0, &mut buf), 40);
+        assert_eq!(buf, whole[5..45]);
     }
 
     #[test]
