@@ -160,7 +160,7 @@ pub fn main() -> ! {
     };
     let level = if matches!(cli.cmd, Cmd::Serve(_) | Cmd::Sink(_)) { "info" } else { "warn" };
     env_logger::Builder::from_env(env_logger::Env::default().filter_or("DMOVER_LOG", level))
-        .format(|buf, r| writeln!(buf, "[{} {:<5}] {}", buf.timestamp(), r.level(), printable(&r.args().to_string())))
+        .format(|buf, r| writeln!(buf, "[{} {:<5}] {}", buf.timestamp_millis(), r.level(), printable(&r.args().to_string())))
         .init();
     raise_fd_limit();
     let r = match cli.cmd {

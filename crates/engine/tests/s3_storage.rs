@@ -159,7 +159,7 @@ fn listed_objects_are_read_as_listed(server: &S3Server) {
     let plain = open("listed", state.path(), 16 << 20);
     let fetching = open_with("listed", state.path(), 16 << 20, true);
     let version =
-        |i: usize, v: usize| -> Vec<u8> { (0..MIB).map(|j| (j as u64 * 2654435761 >> 9) as u8 ^ i as u8 ^ (v as u8 * 85)).collect() };
+        |i: usize, v: usize| -> Vec<u8> { (0..MIB).map(|j| ((j as u64 * 2654435761) >> 9) as u8 ^ i as u8 ^ (v as u8 * 85)).collect() };
     let put_all = |dir: &str, v: usize| (0..12).for_each(|i| put(&plain, &format!("{dir}/{i:02}"), &version(i, v)));
     let read_as = |dir: &str| -> Vec<usize> {
         (0..12)

@@ -91,7 +91,7 @@ const READ_AHEAD: u64 = 4 << 20;
 /// The bytes a GET fetches when the memory bound has no room for a window:
 /// a block, as the reader asks for it.
 const BLOCK_WINDOW: u64 = 1 << 20;
-/// HEAD requests at once while listing.
+/// Requests for the objects of a listing at once (HEADs, or GETs of small ones).
 const HEADS_IN_FLIGHT: usize = 128;
 /// Objects at most this large are fetched whole by a listing whose
 /// objects are all to be read (see [`Options::fetch_listed`]).
@@ -136,7 +136,7 @@ pub struct Options {
     /// a sync or a glob): a listing then fetches each small object whole
     /// with the GET it would read it by, in place of the HEAD it needs for
     /// the object's mode and mtime, and keeps it until it is read, within
-    /// half of `staging`.
+    /// half of the memory bound (see `staging`).
     pub fetch_listed: bool,
 }
 
