@@ -166,9 +166,9 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     // A bucket copied from whole (no sync, no glob) has its small objects
     // fetched as it is listed.
     let read_all = !a.sync && !sources.iter().any(|s| s.path().split('/').any(dmover_engine::source::is_glob));
-    let store = |l: &Location, read_all: bool| match l {
+    let store = |l: &Location, fetch_listed: bool| match l {
         Location::S3 { bucket, .. } => {
-            a.s3.open_with(bucket, &s3::Options { fetch_listed: read_all, ..a.s3.options(s3::default_state_dir(bucket), a.staging) })
+            a.s3.open_with(bucket, &s3::Options { fetch_listed, ..a.s3.options(s3::default_state_dir(bucket), a.staging) })
         }
         _ => Ok(storage::local()),
     };

@@ -1032,6 +1032,10 @@ struct Kept {
     bytes: u64,
 }
 
+/// An object's attributes from a listing, with its key and what was
+/// fetched of it where it was fetched whole.
+type ListedObject = (Stat, Option<(String, Fetched)>);
+
 /// What the GET of a whole object answered.
 struct Fetched {
     stat: Stat,
@@ -1491,7 +1495,7 @@ impl Storage for S3 {
         // they are read.
         let mut room = i.listed.room(i.budget.bound / 2);
         let heads = Arc::new(Semaphore::new(HEADS_IN_FLIGHT));
-        let answers: Vec<io::Result<(Stat, Option<Fetched>)>> = i.rt.block_on(async {
+        let answers: Vec<io::Result<ListedObject>> = i.rt.block_on(async {
             let tasks: Vec<_> = names
                 .iter()
                 .map(|&(ref n, size)| {
@@ -1504,7 +1508,8 @@ impl Storage for S3 {
                         let _permit = heads.acquire().await;
                         let Some(held) = lease else {
                             let h = client.head_object().bucket(bucket).key(&key).send().await.map_err(|e| io_error(&key, e))?;
-                            return Ok((object_stat(h.content_length().unwrap_or(0) as u64, h.last_modified(), h.metadata()), None));
+                            let (stat, _, _) = answered(h.content_length().unwrap_or(0) as u64, h.last_modified(), h.metadata(), None);
+                            return Ok((stat, None));
                         };
                         let get = client.get_object().bucket(bucket).key(&key).range(format!("bytes=0-{}", size - 1));
                         let r = get.send().await.map_err(|e| io_error(&key, e))?;
@@ -1517,7 +1522,7 @@ impl Storage for S3 {
                         if data.len() != size {
                             return Err(io::Error::other(format!("{key}: asked for {size} bytes, got {}", data.len())));
                         }
-                        Ok((stat, Some(Fetched { stat, etag, digest, data, held })))
+                        Ok((stat, Some((key, Fetched { stat, etag, digest, data, held }))))
                     })
                 })
                 .collect();
@@ -1528,13 +1533,13 @@ impl Storage for S3 {
             out
         });
         let mut fetched = Vec::new();
-        let stats: Vec<io::Result<Stat>> = names
-            .iter()
-            .zip(answers)
-            .map(|((n, _), a)| {
-                let (stat, f) = a?;
-                fetched.extend(f.map(|f| (format!("{prefix}{n}"), f)));
-                Ok(stat)
+        let stats: Vec<io::Result<Stat>> = answers
+            .into_iter()
+            .map(|a| {
+                a.map(|(stat, f)| {
+                    fetched.extend(f);
+                    stat
+                })
             })
             .collect();
         i.listed.keep(fetched);
