@@ -1306,6 +1306,7 @@ impl S3Write {
         }
         let id = up.id.clone().unwrap_or_default();
         let sent = std::mem::take(&mut up.sent);
+        log::debug!("{}: commit: waiting for parts", self.key);
         i.rt.block_on(async {
             let mut done = Vec::with_capacity(sent.len());
             for (index, part) in sent.into_iter().filter(|(index, _)| *index < parts) {
@@ -1321,6 +1322,7 @@ impl S3Write {
             Ok::<_, io::Error>(())
         })?;
         up.done = true;
+        log::debug!("{}: commit: completed; copying", self.key);
         remove_record(&i.record_path(&self.key))?;
         i.rt.block_on(async {
             // Onto its own key, the copy only sets the metadata.
