@@ -14,7 +14,7 @@ use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::io::Write;
 use std::net::Shutdown;
-use std::os::unix::fs::symlink;
+use std::os::unix::fs::{symlink, MetadataExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use util::*;
@@ -335,20 +335,28 @@ fn planted_hard_links_in_the_destination_are_not_written_through() {
     write_random(&outside.join("victim1"), 5000, 8);
     write_random(&outside.join("victim2"), 3 << 20, 9);
     write_random(&outside.join("victim3"), 5000, 10);
-    let before: Vec<Vec<u8>> = (1..=3).map(|i| fs::read(outside.join(format!("victim{i}"))).unwrap()).collect();
+    write_random(&outside.join("victim4"), 5000, 13);
+    let before: Vec<Vec<u8>> = (1..=4).map(|i| fs::read(outside.join(format!("victim{i}"))).unwrap()).collect();
     fs::create_dir_all(export.join("in/src")).unwrap();
     fs::hard_link(outside.join("victim1"), export.join("in/src/a.dat")).unwrap();
     fs::hard_link(outside.join("victim2"), export.join("in/src/.b.dat.dmover-part")).unwrap();
     fs::hard_link(outside.join("victim3"), export.join("in/src/.c.dat.dmover-part")).unwrap();
+    fs::hard_link(outside.join("victim4"), export.join("in/src/d.dat")).unwrap();
     let srv = env.serve(&[("e", &export)]);
     let src = env.path("src");
     write_random(&src.join("a.dat"), 3000, 11);
     write_random(&src.join("b.dat"), 3 << 20, 12); // several blocks: journaled
     fs::write(src.join("c.dat"), b"").unwrap(); // empty: no block written
+    fs::write(src.join("d.dat"), b"").unwrap(); // empty, where a hard link has its final name
     env.cp([src.display().to_string(), srv.url("e/in")]).run().assert_ok();
     for (i, b) in before.iter().enumerate() {
         assert!(fs::read(outside.join(format!("victim{}", i + 1))).unwrap() == *b, "victim{} outside the export was written", i + 1);
     }
+    // An empty file is made under its final name, never through its
+    // temporary name: a fresh run leaves the link planted there as it was.
+    let planted = export.join("in/src/.c.dat.dmover-part");
+    assert_eq!(fs::metadata(&planted).unwrap().nlink(), 2, "the link at an empty file's temporary name was replaced");
+    fs::remove_file(&planted).unwrap();
     assert_same_tree(&src, &export.join("in/src"));
 }
 

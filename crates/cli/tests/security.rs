@@ -209,20 +209,31 @@ fn planted_symlinks_in_the_destination_are_not_written_through() {
     let outside = env.mkdir("outside");
     write_random(&outside.join("victim1"), 5000, 8);
     write_random(&outside.join("victim2"), 5000, 9);
+    write_random(&outside.join("victim3"), 5000, 10);
     let before1 = fs::read(outside.join("victim1")).unwrap();
     let before2 = fs::read(outside.join("victim2")).unwrap();
+    let before3 = fs::read(outside.join("victim3")).unwrap();
+    let mode3 = fs::metadata(outside.join("victim3")).unwrap().permissions().mode();
     fs::create_dir_all(export.join("in/src")).unwrap();
     symlink(outside.join("victim1"), export.join("in/src/a.dat")).unwrap();
     symlink(outside.join("victim2"), export.join("in/src/.b.dat.dmover-part")).unwrap();
+    // An empty file is made under its final name where nothing has it.
+    symlink(outside.join("victim3"), export.join("in/src/c.dat")).unwrap();
     let srv = env.serve(&[("e", &export)]);
     let src = env.path("src");
     write_random(&src.join("a.dat"), 3000, 10);
     write_random(&src.join("b.dat"), 3000, 11);
+    fs::write(src.join("c.dat"), b"").unwrap();
+    fs::set_permissions(src.join("c.dat"), fs::Permissions::from_mode(0o666)).unwrap();
     env.cp([src.display().to_string(), srv.url("e/in")]).run().assert_ok();
     assert_eq!(fs::read(outside.join("victim1")).unwrap(), before1, "written through a symlink at the final name");
     assert_eq!(fs::read(outside.join("victim2")).unwrap(), before2, "written through a symlink at the temporary name");
-    assert_eq!(list_tree(&outside).into_keys().collect::<Vec<_>>(), ["victim1", "victim2"], "something was created outside the export");
-    // Both symlinks are gone: a.dat and b.dat are the real files, nothing else is left.
+    assert_eq!(fs::read(outside.join("victim3")).unwrap(), before3, "an empty file truncated what a symlink at its name led to");
+    let mode = fs::metadata(outside.join("victim3")).unwrap().permissions().mode();
+    assert_eq!(mode, mode3, "an empty file's mode was set through a symlink at its name");
+    let names = list_tree(&outside).into_keys().collect::<Vec<_>>();
+    assert_eq!(names, ["victim1", "victim2", "victim3"], "something was created outside the export");
+    // The symlinks are gone: a.dat, b.dat and c.dat are the real files, nothing else is left.
     assert_same_tree(&src, &export.join("in/src"));
 }
 

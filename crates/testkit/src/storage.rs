@@ -61,6 +61,7 @@ pub fn run(make: &dyn Fn() -> Subject) {
         ("reopen finds a file created earlier, and nothing else", reopen_finds_own_files),
         ("commit sets attributes and renames into place", commit_renames),
         ("commit replaces an existing file", commit_replaces),
+        ("create_empty makes an empty file in place, only where nothing has the name", create_empty_in_place),
         ("remove and remove_dir", removes),
         ("make_dir sets its mode and refuses a file in the way", make_dir_modes),
         ("list names every entry with its kind and size", lists),
@@ -204,6 +205,25 @@ fn commit_replaces(t: &Subject) {
     assert_eq!(read(t, "f"), b"new");
 }
 
+fn create_empty_in_place(t: &Subject) {
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)), digest: None };
+    t.s().make_dirs(&t.p("d")).unwrap();
+    let Some(f) = t.s().create_empty(&t.p("d/e"), &attrs).unwrap() else {
+        // A storage that makes files only by committing them declines.
+        assert!(t.s().stat(&t.p("d/e")).is_err(), "create_empty declined but made something");
+        return;
+    };
+    f.sync().unwrap();
+    drop(f);
+    let s = t.s().stat(&t.p("d/e")).unwrap();
+    assert_eq!((s.kind, s.size, s.mode, s.mtime), (Kind::File, 0, 0o640, (1_000_000_000, 123_456_789)));
+    assert!(t.s().create_empty(&t.p("d/e"), &attrs).unwrap().is_none(), "made again over a file that has the name");
+    write_file(t, "d/full", b"content");
+    assert!(t.s().create_empty(&t.p("d/full"), &attrs).unwrap().is_none(), "made over a file with content");
+    assert_eq!(read(t, "d/full"), b"content", "a file with the name was changed");
+    assert_eq!(t.s().create_empty(&t.p("nope/e"), &attrs).err().expect("in a missing directory").kind(), io::ErrorKind::NotFound);
+}
+
 fn removes(t: &Subject) {
     t.s().remove(&t.p("never-there")).unwrap();
     t.s().make_dirs(&t.p("d")).unwrap();
@@ -317,6 +337,8 @@ fn dir_symlink_leads_nowhere(t: &Subject) {
     refused(s.make_dirs(Path::new("l/sub")), "make_dirs through a symlink");
     refused(s.make_dirs(Path::new("l")), "make_dirs onto a symlink");
     refused(s.remove(Path::new("l/secret")), "remove through a symlink");
+    let attrs = Attrs { mode: 0o644, mtime: None, digest: None };
+    refused(s.create_empty(Path::new("l/new"), &attrs), "create_empty through a symlink");
     assert!(s.reopen(Path::new("l/secret")).is_err(), "reopen through a symlink");
     s.make_dirs(Path::new("d")).unwrap();
     let f = s.create(Path::new("d/.f")).unwrap();
@@ -335,6 +357,9 @@ fn file_symlink_not_followed(t: &Subject) {
     refused(s.open(Path::new("lf")), "open a symlink");
     assert!(s.reopen(Path::new("lf")).unwrap().is_none(), "a symlink is not a file of ours");
     assert!(s.read_all(Path::new("lf"), 1 << 20).is_err(), "read_all of a symlink");
+    let attrs = Attrs { mode: 0o666, mtime: Some((1, 0)), digest: None };
+    assert!(s.create_empty(Path::new("lf"), &attrs).unwrap().is_none(), "create_empty over a symlink");
+    assert_eq!(s.stat(Path::new("lf")).unwrap().kind, Kind::Symlink, "create_empty touched the symlink");
     let f = s.create(Path::new("lf")).unwrap();
     f.write_all_at(b"mine", 0).unwrap();
     assert_eq!(s.stat(Path::new("lf")).unwrap().kind, Kind::File, "create replaces the symlink");

@@ -491,7 +491,7 @@ impl Owner {
             }
         }
         let blocks = meta.size.div_ceil(sh.block_size);
-        let mut paths = Paths { meta: Some(meta.clone()), temp: temp_name(&final_path), dest: final_path, journal: None };
+        let mut paths = Paths { meta: Some(meta.clone()), temp: temp_name(&final_path), dest: final_path, journal: None, resuming };
         let mut held = Vec::new();
         let mut io = FileIo::fresh();
         if blocks > 1 {

@@ -99,6 +99,9 @@ pub(super) struct Paths {
     pub temp: PathBuf,
     pub dest: PathBuf,
     pub journal: Option<PathBuf>,
+    /// An earlier run of this transfer may have left a partial file
+    /// under the temporary name.
+    pub resuming: bool,
 }
 
 /// A file's open temporary file and journal.
@@ -110,18 +113,20 @@ pub(super) struct FileIo {
     fresh: bool,
     /// Removed: nothing more is written.
     closed: bool,
+    /// Created under its final name (an empty file): nothing to rename.
+    placed: bool,
 }
 
 impl FileIo {
     /// A file to create afresh.
     pub fn fresh() -> FileIo {
-        FileIo { file: None, journal: None, fresh: true, closed: false }
+        FileIo { file: None, journal: None, fresh: true, closed: false, placed: false }
     }
 
     /// The partial file of an earlier run, taken up again, with its journal
     /// if it could be opened.
     pub fn resumed(file: Box<dyn WriteFile>, journal: Option<Journal>) -> FileIo {
-        FileIo { file: Some(file.into()), journal, fresh: false, closed: false }
+        FileIo { file: Some(file.into()), journal, fresh: false, closed: false, placed: false }
     }
 }
 
@@ -153,6 +158,34 @@ impl Slot {
         }
         io.fresh = false;
         io.file = Some(f.clone());
+        Ok(f)
+    }
+
+    /// The file to commit, with `attrs` set: an empty file never opened
+    /// is created under its final name if nothing has it
+    /// ([`Storage::create_empty`](crate::storage::Storage::create_empty)),
+    /// saving a rename; any other file is its temporary file.
+    fn finished(&self, sh: &Shared, io: &mut FileIo, attrs: &Attrs) -> std::io::Result<Arc<dyn WriteFile>> {
+        let empty = self.paths.meta.as_ref().is_some_and(|m| m.size == 0);
+        if empty && io.fresh && io.file.is_none() {
+            if let Some(f) = sh.store.create_empty(&self.paths.dest, attrs)? {
+                // A partial file an earlier run of this transfer left goes,
+                // as a rename would have taken its name. A fresh run leaves
+                // what it finds there (another transfer's, or planted): a
+                // search for a name that is not there costs more than the
+                // rename this saves.
+                if self.paths.resuming {
+                    sh.store.remove(&self.paths.temp)?;
+                }
+                let f: Arc<dyn WriteFile> = f.into();
+                io.fresh = false;
+                io.placed = true;
+                io.file = Some(f.clone());
+                return Ok(f);
+            }
+        }
+        let f = self.open(sh, io)?;
+        f.set_attrs(attrs)?;
         Ok(f)
     }
 
@@ -369,6 +402,12 @@ const SYNC_THREADS: usize = 4;
 /// wait together the fewer commits they take.
 const METADATA_SYNC_THREADS: usize = 32;
 
+/// Files of a batch one committer prepares at once, at most: an empty
+/// file is created then (see [`Slot::finished`]), and creating files is
+/// the file system's work on the processor, which a second thread shares
+/// between two cores.
+const PREPARE_THREADS: usize = 2;
+
 /// Makes each file of a batch durable, and the names in `dirs`: the empty
 /// files and the directories on up to [`METADATA_SYNC_THREADS`] threads,
 /// then the files with data on up to [`SYNC_THREADS`]. Returns the files
@@ -438,43 +477,51 @@ impl DurableNames {
 }
 
 /// Sets mode and mtime on each file of a batch (opening, first, a file
-/// none of whose blocks were written in this run: an empty file, or one
-/// resumed with every block already on disk; afresh only if it is fresh,
-/// so a resumed file keeps its blocks). Returns the files ready for their
-/// data to be made durable.
+/// none of whose blocks were written in this run: an empty file, made
+/// under its final name where nothing has it, or one resumed with every
+/// block already on disk; afresh only if it is fresh, so a resumed file
+/// keeps its blocks). Returns the files ready for their data to be made
+/// durable.
 fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
-    let mut ready = Vec::with_capacity(batch.len());
-    for (s, sum) in batch {
-        let Some(meta) = &s.paths.meta else { continue };
+    let prepare = |(s, sum): &(Arc<Slot>, Sum)| {
+        let meta = s.paths.meta.as_ref()?;
         let attrs = Attrs {
             mode: dmover_proto::frame::permission_bits(meta.mode),
             mtime: Some((meta.mtime_s, meta.mtime_ns)),
-            digest: Some(Digest { block_size: sh.block_size, sum }),
+            digest: Some(Digest { block_size: sh.block_size, sum: *sum }),
         };
         let opened = {
             let mut io = s.io.lock().expect("file lock");
             if io.closed {
-                continue;
+                return None;
             }
-            s.open(sh, &mut io).and_then(|f| f.set_attrs(&attrs).map(|()| f))
+            s.finished(sh, &mut io, &attrs)
         };
         match opened {
-            Ok(f) => ready.push((s, f)),
-            Err(e) => sh.failed(s.id, &e),
+            Ok(f) => Some((s.clone(), f)),
+            Err(e) => {
+                sh.failed(s.id, &e);
+                None
+            }
         }
-    }
-    ready
+    };
+    at_once(&batch, PREPARE_THREADS, prepare).into_iter().flatten().collect()
 }
 
-/// Renames each file of a batch into place, as many at once as the
-/// storage takes; returns those renamed.
+/// Renames each file of a batch into place (an empty file made under its
+/// final name is there already), as many at once as the storage takes;
+/// returns those in place.
 fn rename_into_place(sh: &Shared, ready: Ready) -> Vec<Arc<Slot>> {
     let commit = |(s, f): &(Arc<Slot>, Arc<dyn WriteFile>)| {
         let committed = {
             let mut io = s.io.lock().expect("file lock");
             io.file = None;
             io.journal = None;
-            sh.store.commit(f.as_ref(), &s.paths.temp, &s.paths.dest, None)
+            if io.placed {
+                Ok(())
+            } else {
+                sh.store.commit(f.as_ref(), &s.paths.temp, &s.paths.dest, None)
+            }
         };
         match committed {
             Ok(()) => Some(s.clone()),

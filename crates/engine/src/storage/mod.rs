@@ -179,6 +179,16 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// make us write elsewhere) is unlinked first, and the new file is
     /// created exclusively, so its inode is ours.
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>>;
+    /// Creates the empty file `path` under its final name, with `attrs`'s
+    /// mode and mtime, if nothing has that name: an empty file holds no
+    /// data to be caught half-written, so it needs no temporary name and
+    /// no rename. None if something has the name (a file to replace, or a
+    /// link planted there: it is then replaced through a temporary name,
+    /// as any file is), or if the storage makes a file only by committing
+    /// it (an object store). Never follows a symlink.
+    fn create_empty(&self, _path: &Path, _attrs: &Attrs) -> io::Result<Option<Box<dyn WriteFile>>> {
+        Ok(None)
+    }
     /// Opens for writing a file this end created earlier with
     /// [`create`](Storage::create): None if there is none, or if what is
     /// there is not a regular file with one name (never written through).

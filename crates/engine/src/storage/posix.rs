@@ -329,6 +329,18 @@ impl Storage for Posix {
         Ok(Box::new(PosixFile(File::from(fd))))
     }
 
+    fn create_empty(&self, path: &Path, attrs: &Attrs) -> io::Result<Option<Box<dyn WriteFile>>> {
+        let (parent, name) = self.parent(path)?;
+        let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let f = match rustix::fs::openat(&parent, name, flags, Mode::from_raw_mode(0o600)) {
+            Ok(fd) => PosixFile(File::from(fd)),
+            Err(Errno::EXIST) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        f.set_attrs(attrs)?;
+        Ok(Some(Box::new(f)))
+    }
+
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>> {
         let (parent, name) = self.parent(path)?;
         // Non-blocking, so that a FIFO planted there cannot hold us; it is
