@@ -654,7 +654,8 @@ fn resumed_file_with_every_block_already_on_disk_is_committed_whole() {
 /// Regression: a file skipped as already there (by `--sync`, or by a
 /// resumed run) kept the partial file and journal an interrupted run had
 /// left for it — a re-run killed right after a completed one left them for
-/// good. Now skipping a file removes its stale partial state.
+/// good. Now a resumed run removes the stale partial state of a file it
+/// skips; the killed run leaves its marker, so the next run is a resumed one.
 #[test]
 fn stale_partial_file_of_a_file_skipped_as_already_there_is_removed() {
     let env = Env::new();
@@ -662,13 +663,26 @@ fn stale_partial_file_of_a_file_skipped_as_already_there_is_removed() {
     let srv = env.serve(&[("e", &export)]);
     let src = env.path("src");
     make_tree(&src, 81, 5);
-    let sync = || env.cp([src.display().to_string(), srv.url("e"), "--sync".into()]).run();
-    sync().assert_ok();
-    // What a run interrupted after the first one completed leaves behind.
+    let sync = |extra: &[&str]| {
+        let mut c = env.cp([src.display().to_string(), srv.url("e"), "--sync".into()]);
+        c.args(extra.iter().copied()).cwd(env.root());
+        c
+    };
+    sync(&[]).run().assert_ok();
+    // What a re-run interrupted after the first one completed leaves
+    // behind: a partial file of a file the first run completed (as if the
+    // re-run had been sending it again), and the re-run's own marker,
+    // here from a re-run killed while it sends a new large file.
     let stale = export.join("src/a/b/c/.multi.dat.dmover-part");
     fs::write(&stale, b"the first blocks of an interrupted run").unwrap();
-    let j = sync().assert_ok();
-    assert_eq!(u(&j["skipped_files"]), u(&j["files"]), "{j:#}");
+    make_file(&src.join("large.bin"), 24 << 20, &mut Rng::new(5));
+    let mut p = sync(&["--bwlimit", "6M"]).spawn();
+    let partial = export.join("src/.large.bin.dmover-part");
+    let started = wait_until(Duration::from_secs(60), || fs::metadata(&partial).is_ok_and(|m| m.len() > 0) || !p.running());
+    assert!(started && p.running(), "the re-run ended before it could be interrupted");
+    p.kill9();
+    let j = sync(&[]).run().assert_ok();
+    assert_eq!(u(&j["skipped_files"]) + 1, u(&j["files"]), "every file but the new one is skipped: {j:#}");
     assert!(!stale.exists(), "the stale partial file of a skipped file was left behind");
     assert_same_tree(&src, &export.join("src"));
 }

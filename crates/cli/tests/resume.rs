@@ -16,10 +16,12 @@ const BIG: u64 = 24 * MIB;
 /// Slow enough that the kill lands mid-transfer, fast enough for the suite.
 const RATE: &str = "6M";
 
-/// The data set: one 24 MiB file and a dozen small ones. Returns its size.
+/// The data set: one 24 MiB file, a dozen small ones and an empty one.
+/// Returns its size.
 fn make_set(dir: &Path) -> u64 {
     let mut rng = Rng::new(77);
     make_file(&dir.join("big.bin"), BIG, &mut rng);
+    std::fs::write(dir.join("empty.dat"), b"").unwrap();
     for i in 0..12 {
         make_file(&dir.join(format!("small/s{i:02}.dat")), 1000 + rng.below(50_000), &mut rng);
     }
@@ -124,6 +126,10 @@ fn client_killed_mid_upload_then_rerun_resumes() {
     // The server notices the lost connection; what it wrote stays journaled.
     std::thread::sleep(Duration::from_millis(300));
     let (written, partial) = check_interrupted(&src, &dst, total);
+    // As if the empty file had been left as a partial file: a resumed run
+    // makes it under its final name and removes the partial one.
+    let _ = std::fs::remove_file(dst.join("empty.dat"));
+    std::fs::write(dst.join(".empty.dat.dmover-part"), b"stale").unwrap();
 
     relay.reset();
     let j = cmd.run().assert_ok();

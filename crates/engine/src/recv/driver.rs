@@ -482,9 +482,14 @@ impl Owner {
                         m.mtime == (meta.mtime_s, meta.mtime_ns)
                     };
                 if same {
-                    // A partial file an interrupted later run left for it is stale.
-                    let _ = sh.store.remove(&temp_name(&final_path));
-                    let _ = sh.state.remove(&journal::path_for(&state_dir, &meta.path));
+                    // A partial file an interrupted later run of this
+                    // transfer left for it is stale. A fresh run leaves what
+                    // it finds: a search for a name that is not there costs
+                    // as much as the look itself.
+                    if resuming {
+                        let _ = sh.store.remove(&temp_name(&final_path));
+                        let _ = sh.state.remove(&journal::path_for(&state_dir, &meta.path));
+                    }
                     log::debug!("{}: already there", meta.path);
                     return Some(Outcome::Present);
                 }
