@@ -167,8 +167,12 @@ pub fn ping_interval(idle: Duration) -> Duration {
     (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
 }
 
-/// Queued messages are written once they reach this many bytes.
-const QUEUE_LIMIT: usize = 64 * 1024;
+/// Queued messages are written once they fill a record
+/// ([`WRITE_PIECE`]), not only when the writer has nothing more to say: a
+/// receiver answering a window of announcements, or a sender announcing
+/// one, keeps its peer busy while it goes on, instead of the two taking
+/// turns a window at a time.
+const QUEUE_LIMIT: usize = WRITE_PIECE;
 
 /// Queued messages go out in writes of at most this many bytes, so that on
 /// a sealed connection each is a record of its own: a record is opened
