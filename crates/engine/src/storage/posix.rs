@@ -35,6 +35,10 @@ pub enum Resolve {
     Walk,
 }
 
+/// How a new file is opened: exclusively (its inode is ours), never
+/// through a symlink at its name.
+const NEW_FILE: OFlags = OFlags::RDWR.union(OFlags::CREATE).union(OFlags::EXCL).union(OFlags::NOFOLLOW).union(OFlags::CLOEXEC);
+
 const NOT_BENEATH: &str = "symlinks are not followed inside an export, and paths may not leave it";
 
 /// Files and directories on a POSIX file system.
@@ -324,15 +328,13 @@ impl Storage for Posix {
             Ok(()) | Err(Errno::NOENT) => {}
             Err(e) => return Err(e.into()),
         }
-        let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let fd = rustix::fs::openat(&parent, name, flags, Mode::from_raw_mode(0o600))?;
+        let fd = rustix::fs::openat(&parent, name, NEW_FILE, Mode::from_raw_mode(0o600))?;
         Ok(Box::new(PosixFile(File::from(fd))))
     }
 
     fn create_empty(&self, path: &Path, attrs: &Attrs) -> io::Result<Option<Box<dyn WriteFile>>> {
         let (parent, name) = self.parent(path)?;
-        let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let f = match rustix::fs::openat(&parent, name, flags, Mode::from_raw_mode(0o600)) {
+        let f = match rustix::fs::openat(&parent, name, NEW_FILE, Mode::from_raw_mode(0o600)) {
             Ok(fd) => PosixFile(File::from(fd)),
             Err(Errno::EXIST) => return Ok(None),
             Err(e) => return Err(e.into()),
