@@ -70,7 +70,8 @@ def _header(meta: dict) -> str:
         "",
         "Measured apart, each with its command: what encryption costs (bench/ENCRYPTION.md), "
         "what durable confirmation costs (bench/DURABILITY.md), this build against an "
-        "earlier one (bench/BASELINE.md), pulling over ssh (bench/SSH.md), streaming "
+        "earlier one (bench/BASELINE.md), pulling over ssh (bench/SSH.md), downloads and third-party "
+        "copies across a WAN (bench/PULL.md), streaming "
         "(bench/STREAMING.md), tuning (bench/TUNING.md) and batch jobs (bench/JOBS.md).",
         "",
         f"- **date**: {meta['date']}",

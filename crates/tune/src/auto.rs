@@ -4,7 +4,8 @@
 //! the streams of the last change are open and have had time to ramp up,
 //! and moves by experiment rather than by a model:
 //!
-//! 1. **Ramp**: from `n0`, double while doubling pays.
+//! 1. **Ramp**: from `n0`, double while doubling pays and no standing queue
+//!    says the link is already full.
 //! 2. **Hold**: keep the count, track the goodput, and now and then probe a
 //!    quarter more streams, or — when a standing queue says there are more
 //!    than the link needs — a quarter fewer; keep the change if it pays
@@ -294,6 +295,11 @@ impl Auto {
             }
             Phase::Ramp { prev } => {
                 let better = prev.is_none_or(|b| self.pays(b, self.n, g));
+                if queued && prev.is_none_or(|b| g >= b.goodput) {
+                    // A standing queue: the link is full at this count, and
+                    // more streams would only lengthen the queue.
+                    return self.hold(now, here, false);
+                }
                 if !better {
                     let b = prev.expect("compared with a previous count");
                     let keep = if g > b.goodput { here } else { b };
@@ -397,6 +403,7 @@ mod tests {
     use super::*;
     use crate::paper::{self, Paper};
     use crate::sim::{run, run_shared, Event, Link};
+    use crate::ServerLoad;
 
     const SECOND: Duration = Duration::from_secs(1);
 
@@ -493,6 +500,45 @@ mod tests {
         let traces = run_shared(vec![(&mut a, Duration::ZERO), (&mut b, 30 * SECOND)], &mut shared_link(), Duration::from_secs(150), &[]);
         let (ga, gb) = (traces[0].goodput_mbit_after(90 * SECOND), traces[1].goodput_mbit_after(60 * SECOND));
         assert!(ga.min(gb) / ga.max(gb) > 0.8, "{ga} vs {gb}: {:?} / {:?}", traces[0].changes, traces[1].changes);
+    }
+
+    /// Feeds `t` what a lone transfer at `streams` streams and `rate`
+    /// bytes/s with round trip `rtt` sees for `length`, from `*now` on;
+    /// returns the counts it asked for.
+    fn feed(t: &mut Auto, now: &mut Duration, delivered: &mut u64, length: Duration, rate: f64, rtt: Duration) -> Vec<usize> {
+        let step = Duration::from_millis(50);
+        let end = *now + length;
+        let mut asked = Vec::new();
+        while *now < end {
+            *now += step;
+            *delivered += (rate * step.as_secs_f64()) as u64;
+            let o = Observation {
+                now: *now,
+                delivered: *delivered,
+                rtt,
+                window: 8 << 20,
+                streams: t.n,
+                starved: 0.0,
+                staged: 0.0,
+                server: ServerLoad { delivered: *delivered, transfers: 1 },
+            };
+            asked.extend(t.observe(&o));
+        }
+        asked
+    }
+
+    #[test]
+    fn a_standing_queue_ends_the_ramp() {
+        // The round trip stands at three times its least: the link is full.
+        // Windows that happen to measure half again as much later on
+        // (goodput read through a busy control connection wanders that
+        // much) must not take the count past one doubling.
+        let (ms, mut now, mut delivered) = (Duration::from_millis, Duration::ZERO, 0);
+        let mut t = auto();
+        assert!(feed(&mut t, &mut now, &mut delivered, ms(50), 1e6, ms(50)).is_empty());
+        let mut asked = feed(&mut t, &mut now, &mut delivered, ms(3000), 8e6, ms(150));
+        asked.extend(feed(&mut t, &mut now, &mut delivered, ms(6000), 13e6, ms(150)));
+        assert!(asked.iter().all(|&n| n <= 8), "asked for {asked:?} on a full link");
     }
 
     #[test]
