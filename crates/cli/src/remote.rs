@@ -50,6 +50,7 @@ pub fn remote(a: RemoteArgs) -> Result<i32> {
         writers: 2,
         sink: None,
         ticket_lifetime: dmover_server::TICKET_LIFETIME,
+        metrics: Default::default(),
     };
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     outln!("{READY} {} {ip} {port}", dmover_proto::frame::MAGIC[7]);

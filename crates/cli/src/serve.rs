@@ -10,6 +10,7 @@ use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args)]
@@ -55,6 +56,10 @@ pub struct DaemonArgs {
     /// Seconds running transfers may go on after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub grace: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics: a port (on
+    /// loopback), or HOST:PORT (e.g. 0.0.0.0:9464 for every interface).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 impl DaemonArgs {
@@ -75,7 +80,19 @@ impl DaemonArgs {
             writers: 1,
             sink: None,
             ticket_lifetime: dmover_server::TICKET_LIFETIME,
+            metrics: Arc::default(),
         })
+    }
+
+    /// The socket `--metrics` asks for, bound (None without the flag).
+    pub fn metrics_listener(&self) -> Result<Option<std::net::TcpListener>> {
+        let Some(addr) = &self.metrics else { return Ok(None) };
+        let addr = if addr.parse::<u16>().is_ok() { format!("127.0.0.1:{addr}") } else { addr.clone() };
+        let l = std::net::TcpListener::bind(&addr).map_err(|e| {
+            Error::new(ErrorKind::Usage, format!("--metrics {addr}"), format!("cannot listen: {e}"))
+                .advised("give --metrics a free PORT or HOST:PORT")
+        })?;
+        Ok(Some(l))
     }
 }
 
@@ -98,8 +115,9 @@ pub fn run(a: ServeArgs) -> Result<i32> {
     let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ticket_lifetime, ..a.daemon.config()? };
     let names: Vec<String> = cfg.exports.keys().cloned().collect();
     let listener = bind(&a.listen)?;
+    let metrics = a.daemon.metrics_listener()?;
     log::info!("serving {names:?} on {}", listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?);
-    run_server(listener, cfg)
+    run_server(listener, metrics, cfg)
 }
 
 /// The export `name` of directory `dir`.
@@ -119,7 +137,7 @@ fn bucket(a: &ServeArgs, name: &str, url: &str, staging: u64) -> Result<Store> {
     let o = s3::Options { prefix: path, label: Some(name.to_string()), ..a.s3.options(state.clone(), staging) };
     let store = s3::S3::open(&bucket, &o)?;
     log::info!("export {name}: {url}, its resume state in {}", state.display());
-    Ok(std::sync::Arc::new(store))
+    Ok(Arc::new(store))
 }
 
 /// Binds the listening socket.
@@ -127,8 +145,9 @@ pub fn bind(listen: &str) -> Result<std::net::TcpListener> {
     std::net::TcpListener::bind(listen).map_err(|e| Error::new(ErrorKind::Usage, listen, format!("cannot listen: {e}")))
 }
 
-/// Runs a server on `listener` until SIGTERM or SIGINT.
-pub fn run_server(listener: std::net::TcpListener, cfg: dmover_server::Config) -> Result<i32> {
+/// Runs a server on `listener` until SIGTERM or SIGINT, with its metrics
+/// on `metrics` if given.
+pub fn run_server(listener: std::net::TcpListener, metrics: Option<std::net::TcpListener>, cfg: dmover_server::Config) -> Result<i32> {
     let addr = listener.local_addr().map_err(|e| Error::io("listener", &e))?;
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
@@ -140,6 +159,11 @@ pub fn run_server(listener: std::net::TcpListener, cfg: dmover_server::Config) -
         }
     });
     outln!("dmover: listening on {addr}");
+    if let Some(m) = metrics {
+        let at = m.local_addr().map_err(|e| Error::io("metrics listener", &e))?;
+        dmover_server::metrics::serve(m, cfg.metrics.clone());
+        outln!("dmover: metrics at http://{at}/metrics");
+    }
     dmover_server::run(listener, cfg, signal, None).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");
     Ok(0)

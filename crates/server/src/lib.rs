@@ -10,6 +10,7 @@
 //! Shutdown is one [`Shutdown`] handle: the loop stops accepting, waits up to
 //! the grace period for running connections, then returns.
 
+pub mod metrics;
 pub mod sink;
 mod tickets;
 
@@ -26,6 +27,7 @@ use dmover_proto::auth::{self, KeyId, TOKEN_KEY_ID};
 use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions, TunerMode};
 use dmover_proto::phase::{ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::ErrorKind;
+use metrics::{Kind, Metrics, Outcome};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener};
@@ -55,6 +57,8 @@ pub struct Config {
     pub sink: Option<Arc<sink::SinkConfig>>,
     /// How long a ticket (and the session it opens) lives unless renewed.
     pub ticket_lifetime: Duration,
+    /// What the server counts (see [`metrics`]).
+    pub metrics: Arc<Metrics>,
 }
 
 /// Time a client has to authenticate, however its bytes are spread over it.
@@ -120,7 +124,7 @@ struct Server {
     active: AtomicUsize,
     /// Connections still authenticating, oldest first.
     handshakes: Mutex<VecDeque<Handshaking>>,
-    /// What all receiving sessions take in, for the senders' tuners.
+    /// What all receiving sessions take in, for the senders' tuners (and the metrics).
     intake: Arc<recv::Intake>,
 }
 
@@ -136,11 +140,11 @@ pub fn run(
 ) -> std::io::Result<()> {
     let srv = Arc::new(Server {
         tickets: Tickets::new(cfg.ticket_lifetime),
+        intake: cfg.metrics.intake(),
         cfg,
         sessions: Mutex::new(HashMap::new()),
         active: AtomicUsize::new(0),
         handshakes: Mutex::new(VecDeque::new()),
-        intake: Arc::default(),
     });
     if let Some(carried) = carried {
         // The pipe bounds its channels; they are not counted among the
@@ -332,6 +336,7 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     let watchdog = Watchdog::arm(t.split().map_err(net)?, HANDSHAKE_TIMEOUT);
     let authenticated = handshake::server(t, |id| Some(secret(srv, id)));
     if watchdog.disarm() {
+        srv.cfg.metrics.connection(Outcome::Timeout);
         let message = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
         return Err(Error::new(ErrorKind::Refused, &peer, message));
     }
@@ -343,14 +348,20 @@ fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
             log::info!("{e}");
             return Ok(());
         }
-        a => a?,
+        Err(e) => {
+            srv.cfg.metrics.connection(if e.kind == ErrorKind::Auth { Outcome::BadCredential } else { Outcome::Malformed });
+            return Err(e);
+        }
+        Ok(a) => a,
     };
     let (t, mut r, mut w, skey) = (a.transport, a.reader, a.writer, a.session_key);
     let Some(_slot) = ConnectionSlot::take(srv) else {
+        srv.cfg.metrics.connection(Outcome::Busy);
         let max = srv.cfg.max_connections;
         let _ = w.send(Reply::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
         return Err(Error::new(ErrorKind::Refused, &peer, format!("too many connections (--max-connections {max})")));
     };
+    srv.cfg.metrics.connection(Outcome::Authenticated);
     // An authenticated client may take a while to say what the connection
     // is for (a data connection waits for its session to be set up).
     t.set_read_timeout(Some(srv.cfg.idle_timeout)).map_err(net)?;
@@ -386,8 +397,9 @@ fn secret(srv: &Server, id: &KeyId) -> Vec<u8> {
     srv.tickets.secret(id).unwrap_or_else(|| auth::producer_secret(&srv.cfg.token, id).to_vec())
 }
 
-fn refuse(w: &mut FrameWriter, e: &Error) -> Result<()> {
+fn refuse(srv: &Server, w: &mut FrameWriter, e: &Error) -> Result<()> {
     log::warn!("refused: {e}");
+    srv.cfg.metrics.refused_request();
     w.send(Reply::Error { kind: e.kind, message: e.to_string() })
 }
 
@@ -395,7 +407,11 @@ fn refuse(w: &mut FrameWriter, e: &Error) -> Result<()> {
 fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8; 16], grant: &Grant) -> Result<()> {
     if let Grant::Ticket(id, _) = grant {
         if srv.tickets.session(id) != Some(session) {
-            return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "a ticket's connections may join only the session it opened"));
+            return refuse(
+                srv,
+                &mut w,
+                &Error::new(ErrorKind::Refused, t.peer(), "a ticket's connections may join only the session it opened"),
+            );
         }
     }
     let deadline = Instant::now() + ATTACH_TIMEOUT;
@@ -403,10 +419,10 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
         let tx = match srv.sessions.lock().expect("sessions lock").get(&session) {
             Some(Slot::Open(_, opener)) if *opener != grant.key_id() => {
                 let e = Error::new(ErrorKind::Refused, t.peer(), "a connection may join only a session opened with the same credential");
-                return refuse(&mut w, &e);
+                return refuse(srv, &mut w, &e);
             }
             Some(Slot::Open(tx, _)) => Some(tx.clone()),
-            Some(Slot::Ended(_)) => return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "the session has ended")),
+            Some(Slot::Ended(_)) => return refuse(srv, &mut w, &Error::new(ErrorKind::Refused, t.peer(), "the session has ended")),
             None => None,
         };
         if let Some(tx) = tx {
@@ -419,7 +435,7 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
             return Ok(());
         }
         if Instant::now() > deadline {
-            return refuse(&mut w, &Error::new(ErrorKind::Refused, t.peer(), "no such session"));
+            return refuse(srv, &mut w, &Error::new(ErrorKind::Refused, t.peer(), "no such session"));
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -647,7 +663,7 @@ fn control(
             Err(e) => return Err(e),
         };
         match prepare(srv, m, grant, skey) {
-            Err(e) => refuse(&mut w, &e)?,
+            Err(e) => refuse(srv, &mut w, &e)?,
             Ok(Action::Nothing) => {}
             Ok(Action::Reply(m)) => w.send(m)?,
             Ok(Action::Receive { root, dest, options }) => {
@@ -665,7 +681,7 @@ fn control(
                 let prepared = match recv::prepare(cfg) {
                     Ok(p) => p,
                     Err(e) => {
-                        refuse(&mut w, &e)?;
+                        refuse(srv, &mut w, &e)?;
                         continue;
                     }
                 };
@@ -678,17 +694,19 @@ fn control(
                             dest.clone(),
                             "this ticket has opened its session already (a ticket is used once)",
                         );
-                        refuse(&mut w, &e)?;
+                        refuse(srv, &mut w, &e)?;
                         continue;
                     }
                 }
                 w.send(Reply::SessionOpened { session: guard.id })?;
                 drop(r);
+                let _running = srv.cfg.metrics.session(Kind::Receive);
                 let _expiry = match grant {
                     Grant::Ticket(id, _) => Some(EndAtExpiry::watch(srv, *id, t.split().map_err(|e| Error::network(t.peer(), &e))?)),
                     _ => None,
                 };
                 let s = prepared.run(t, rx)?;
+                srv.cfg.metrics.received(s.files);
                 log::info!("received {} files, {} bytes into {label}", s.files, s.bytes);
                 return Ok(());
             }
@@ -722,19 +740,21 @@ fn control(
                     attaching: Some(Attaching { count: want, conns }),
                     more,
                 };
-                let stats =
-                    send::send(Files::Walk { store: root, specs }, vec![link], send_config(srv, options, params, 1, Arc::default()));
-                return finish_report(&mut w, t.as_ref(), stats);
+                let progress = Arc::new(Progress::default());
+                let _running = srv.cfg.metrics.sending(Kind::Send, progress.clone());
+                let stats = send::send(Files::Walk { store: root, specs }, vec![link], send_config(srv, options, params, 1, progress));
+                return finish_report(srv, &mut w, t.as_ref(), stats);
             }
-            Ok(Action::List { root, spec }) => list(&mut w, &root, &spec)?,
+            Ok(Action::List { root, spec }) => list(srv, &mut w, &root, &spec)?,
             Ok(Action::Stream { sink, producer, dir, block_size }) => {
                 let (guard, rx) = open_session(srv, grant);
                 w.send(Reply::SessionOpened { session: guard.id })?;
+                let _running = srv.cfg.metrics.session(Kind::Stream);
                 return sink::run(&sink, &producer, dir, block_size, t, r, w, rx);
             }
             Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
                 let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);
-                return finish_report(&mut w, t.as_ref(), stats);
+                return finish_report(srv, &mut w, t.as_ref(), stats);
             }
         }
     }
@@ -744,7 +764,7 @@ fn control(
 const LISTING_BATCH: usize = 512;
 
 /// Streams the files `spec` names, in batches, as the walk finds them.
-fn list(w: &mut FrameWriter, root: &Store, spec: &str) -> Result<()> {
+fn list(srv: &Server, w: &mut FrameWriter, root: &Store, spec: &str) -> Result<()> {
     let mut batch = Vec::new();
     let mut sent = Ok(());
     let listed = dmover_engine::source::list(root.as_ref(), spec, &mut |meta| {
@@ -756,15 +776,18 @@ fn list(w: &mut FrameWriter, root: &Store, spec: &str) -> Result<()> {
     });
     sent?;
     match listed {
-        Err(e) => refuse(w, &e),
+        Err(e) => refuse(srv, w, &e),
         Ok(()) => w.send(ListReply::Listing { entries: batch, done: true }),
     }
 }
 
 /// Ends a send or push with its report, or with the error that stopped it.
-fn finish_report(w: &mut FrameWriter, t: &dyn Transport, stats: Result<Stats>) -> Result<()> {
+fn finish_report(srv: &Server, w: &mut FrameWriter, t: &dyn Transport, stats: Result<Stats>) -> Result<()> {
     match stats {
-        Ok(s) => w.send(RemoteReport::Report { stats: s }),
+        Ok(s) => {
+            srv.cfg.metrics.sent(s.dest_files, s.resent_blocks);
+            w.send(RemoteReport::Report { stats: s })
+        }
         Err(e) => {
             let _ = w.send(RemoteReport::Error { kind: e.kind, message: e.to_string() });
             dmover_engine::transport::linger(t);
@@ -828,6 +851,7 @@ fn push(
         })
         .collect();
     let progress = Arc::new(Progress::default());
+    let _running = srv.cfg.metrics.sending(Kind::Push, progress.clone());
     let streams = (params.streams as usize).clamp(1, 64);
     let attempt = |progress: &Arc<Progress>| -> Result<Stats> {
         let socket = SocketOptions::of(&options);

@@ -68,6 +68,13 @@ pub struct Intake {
     transfers: AtomicU32,
 }
 
+impl Intake {
+    /// Payload bytes taken off data connections so far, all sessions.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+}
+
 /// Counts a session among those receiving while it lives.
 struct Receiving(Arc<Intake>);
 
