@@ -13,18 +13,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 use util::*;
 
-/// One HTTP/1.0 GET (no chunked answers): status code and body.
-fn http_get(addr: &str, target: &str) -> Option<(u16, String)> {
-    let mut c = TcpStream::connect(addr).ok()?;
-    c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(c, "GET {target} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut answer = String::new();
-    c.read_to_string(&mut answer).ok()?;
-    let (head, body) = answer.split_once("\r\n\r\n")?;
-    let code = head.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, body.to_string()))
-}
-
 /// A Prometheus server scraping `target` every second; killed when dropped.
 struct Prometheus {
     child: Child,
@@ -72,11 +60,6 @@ impl Drop for Prometheus {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// The value of the sample `name` (with its labels, as written) on a page.
-fn sample(page: &str, name: &str) -> Option<f64> {
-    page.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
 }
 
 #[test]

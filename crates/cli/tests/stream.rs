@@ -109,7 +109,8 @@ fn every_step_arrives_verified_with_its_manifest_and_runs_the_hook() {
     let env = Env::new();
     let (out, hooked, spill) = (env.mkdir("sink"), env.mkdir("hooked"), env.mkdir("spill"));
     let hook = format!("cp -t {}", hooked.display());
-    let sink = env.sink(&out, ["--hook", &hook]);
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let sink = env.sink(&out, ["--hook", &hook, "--metrics", &metrics]);
     // Writes may wait for room (the blocking bound), so nothing spills even
     // though this producer writes far faster than it can send.
     let mut c = config(&env, &[&sink.addr()], &spill);
@@ -141,6 +142,13 @@ fn every_step_arrives_verified_with_its_manifest_and_runs_the_hook() {
         let copy = hooked.join(format!("step-{step:06}.json"));
         assert!(wait_until(Duration::from_secs(20), || copy.is_file()), "no hook for step {step}:\n{}", sink.log());
     }
+    // The sink's metrics page counts the session, every step and every byte.
+    let (_, page) = http_get(&metrics, "/metrics").expect("the metrics page answers");
+    let bytes: usize = written.iter().map(Vec::len).sum();
+    assert_eq!(sample(&page, "dmover_sink_steps_total{complete=\"true\"}"), Some(written.len() as f64), "{page}");
+    assert_eq!(sample(&page, "dmover_sink_steps_total{complete=\"false\"}"), Some(0.0), "{page}");
+    assert_eq!(sample(&page, "dmover_sink_received_bytes_total"), Some(bytes as f64), "{page}");
+    assert_eq!(sample(&page, "dmover_sessions_total{kind=\"stream\"}"), Some(1.0), "{page}");
 }
 
 #[test]

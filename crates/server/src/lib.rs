@@ -750,7 +750,7 @@ fn control(
                 let (guard, rx) = open_session(srv, grant);
                 w.send(Reply::SessionOpened { session: guard.id })?;
                 let _running = srv.cfg.metrics.session(Kind::Stream);
-                return sink::run(&sink, &producer, dir, block_size, t, r, w, rx);
+                return sink::run(&sink, &producer, dir, block_size, t, r, w, rx, srv.cfg.metrics.clone());
             }
             Ok(Action::Push { root, specs, dest, hosts, options, params }) => {
                 let stats = push(srv, &mut w, root, specs, &dest, &hosts, skey, options, params);

@@ -1,6 +1,6 @@
 //! What a server counts, and `/metrics`, where Prometheus reads it
 //! (`--metrics ADDR`): connections and why any were refused, sessions by
-//! kind, and the files and bytes received and sent. Counters go up as the
+//! kind, the files and bytes received and sent, and a sink's steps. Counters go up as the
 //! server works; bytes still moving in running sessions are added when
 //! the page is asked for, so a scrape during a transfer sees its progress.
 //! Labels take a few fixed values only (no paths, peers or names).
@@ -10,7 +10,7 @@ use dmover_engine::recv::Intake;
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -72,6 +72,11 @@ pub struct Metrics {
     sent_bytes: IntCounter,
     sent_files: IntCounter,
     resent_blocks: IntCounter,
+    streamed_bytes: IntCounter,
+    damaged_stream_blocks: IntCounter,
+    steps: IntCounterVec,
+    /// Payload bytes a sink's streams take off their data connections.
+    streamed: AtomicU64,
     /// What receiving sessions take off the network (shared with them).
     intake: Arc<Intake>,
     /// Sending sessions still running, and what ended ones sent.
@@ -112,6 +117,14 @@ impl Metrics {
         let active = IntGaugeVec::new(Opts::new("dmover_sessions_active", "Transfer sessions running now, by kind."), &["kind"])
             .expect("a valid metric");
         registry.register(Box::new(active.clone())).expect("registered once");
+        let steps = family(
+            "dmover_sink_steps_total",
+            "Steps a sink saved, by whether all of the step is here (complete=\"true\") or part of it went to another sink.",
+            "complete",
+        );
+        for complete in ["true", "false"] {
+            steps.with_label_values(&[complete]);
+        }
         for o in [Outcome::Authenticated, Outcome::BadCredential, Outcome::Malformed, Outcome::Timeout, Outcome::Busy] {
             connections.with_label_values(&[o.label()]);
         }
@@ -129,6 +142,10 @@ impl Metrics {
             sent_bytes: counter("dmover_sent_bytes_total", "Payload bytes written to data connections by sending sessions."),
             sent_files: counter("dmover_sent_files_total", "Files sent and confirmed by their destination."),
             resent_blocks: counter("dmover_resent_blocks_total", "Blocks sent again after a damaged or lost copy."),
+            streamed_bytes: counter("dmover_sink_received_bytes_total", "Payload bytes a sink took off its producers' data connections."),
+            damaged_stream_blocks: counter("dmover_sink_damaged_blocks_total", "Blocks a sink received damaged and asked for again."),
+            steps,
+            streamed: AtomicU64::new(0),
             connections,
             sessions,
             active,
@@ -175,6 +192,19 @@ impl Metrics {
         self.resent_blocks.inc_by(resent_blocks);
     }
 
+    /// Where a sink's streams count the bytes they take in.
+    pub fn streamed(&self) -> &AtomicU64 {
+        &self.streamed
+    }
+
+    pub fn damaged_stream_block(&self) {
+        self.damaged_stream_blocks.inc();
+    }
+
+    pub fn step_saved(&self, complete: bool) {
+        self.steps.with_label_values(&[if complete { "true" } else { "false" }]).inc();
+    }
+
     /// The page in Prometheus' text format (version 0.0.4).
     pub fn render(&self) -> Vec<u8> {
         // Bring the byte counters up to what running sessions have moved
@@ -185,6 +215,7 @@ impl Metrics {
         };
         catch_up(&self.sent_bytes, sent);
         catch_up(&self.received_bytes, self.intake.received());
+        catch_up(&self.streamed_bytes, self.streamed.load(Ordering::Relaxed));
         let mut page = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut page).expect("text encoding into memory");
         page

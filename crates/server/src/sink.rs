@@ -21,6 +21,7 @@
 //! acknowledged by an earlier session (or an earlier sink process) is found
 //! again by reading it back from the step's file and checking its sum.
 
+use crate::metrics::Metrics;
 use dmover_engine::error::{Error, Result};
 use dmover_engine::storage::{self, Attrs, Store, WriteFile};
 use dmover_engine::transport::Transport;
@@ -286,6 +287,8 @@ struct Shared {
     writer: Mutex<FrameWriter>,
     /// Payload bytes taken off the data connections.
     received: AtomicU64,
+    /// The server's counters.
+    metrics: Arc<Metrics>,
 }
 
 impl Shared {
@@ -339,6 +342,7 @@ pub fn run(
     mut r: FrameReader,
     w: FrameWriter,
     data: crossbeam_channel::Receiver<Box<dyn Transport>>,
+    metrics: Arc<Metrics>,
 ) -> Result<()> {
     let disk_dir = cfg.dir.join(&dir);
     let shared = Arc::new(Shared {
@@ -349,6 +353,7 @@ pub fn run(
         steps: Mutex::default(),
         writer: Mutex::new(w),
         received: AtomicU64::new(0),
+        metrics,
     });
     // Attaches data connections as they arrive, until the session ends;
     // then closes them, so that none outlives a producer that vanished.
@@ -388,6 +393,7 @@ pub fn run(
             ToSink::StepEnd { info } => {
                 let step = info.step;
                 let complete = finish_step(&shared, cfg, producer, info)?;
+                shared.metrics.step_saved(complete);
                 // Hooks run one at a time, in step order, off the control thread.
                 if let Some(hooks) = cfg.hooks.as_ref().filter(|_| complete) {
                     hooks.queue(producer, step);
@@ -426,7 +432,8 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
             return Err(Error::protocol(&peer, format!("block at {} of {} bytes does not fit the block size", h.offset, h.len)));
         }
         let data = &mut buf[..h.len as usize];
-        if r.read_block(data, &[&shared.received])? != h.sum {
+        if r.read_block(data, &[&shared.received, shared.metrics.streamed()])? != h.sum {
+            shared.metrics.damaged_stream_block();
             log::warn!("{peer}: step {} block at {} arrived damaged; asking again", h.file, h.offset);
             shared.send(FromSink::Nack { id: h.file, block: h.offset / shared.block_size as u64 })?;
             continue;

@@ -16,6 +16,7 @@
 //!   bytes crossing it each way (what was sent, seen from outside dmover).
 //! * [`Mount`]: a tmpfs or read-only bind mount, unmounted when dropped.
 //! * [`proc_status`], [`open_fds`]: what a process holds.
+//! * [`http_get`], [`sample`]: read a server's `/metrics` page.
 //! * [`S3Server`]: a real S3 server (versitygw, from `dmover-testkit`);
 //!   [`Cmd::s3`] points a command at it.
 //! * [`Raw`]: a connection that speaks the wire protocol by hand (for
@@ -358,6 +359,26 @@ impl Drop for Server {
 pub fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port()
+}
+
+// ---------------------------------------------------------------------------
+// Metrics pages
+
+/// One HTTP/1.0 GET (no chunked answers): status code and body.
+pub fn http_get(addr: &str, target: &str) -> Option<(u16, String)> {
+    let mut c = TcpStream::connect(addr).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(c, "GET {target} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).ok()?;
+    let (head, body) = answer.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_string()))
+}
+
+/// The value of the sample `name` (with its labels, as written) on a page.
+pub fn sample(page: &str, name: &str) -> Option<f64> {
+    page.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
 }
 
 // ---------------------------------------------------------------------------
