@@ -69,7 +69,8 @@ def _header(meta: dict) -> str:
         "needs with apt-get). `bench/run --quick` runs the same steps on much less data.",
         "",
         "Measured apart, each with its command: what encryption costs (bench/ENCRYPTION.md), "
-        "what durable confirmation costs (bench/DURABILITY.md), this build against an "
+        "what durable confirmation costs (bench/DURABILITY.md), what the metrics page costs "
+        "(bench/METRICS.md), this build against an "
         "earlier one (bench/BASELINE.md), pulling over ssh (bench/SSH.md), downloads and third-party "
         "copies across a WAN (bench/PULL.md), streaming "
         "(bench/STREAMING.md), tuning (bench/TUNING.md) and batch jobs (bench/JOBS.md).",
