@@ -124,8 +124,6 @@ struct Server {
     active: AtomicUsize,
     /// Connections still authenticating, oldest first.
     handshakes: Mutex<VecDeque<Handshaking>>,
-    /// What all receiving sessions take in, for the senders' tuners (and the metrics).
-    intake: Arc<recv::Intake>,
 }
 
 /// Serves connections from `listener`, and those `carried` hands over
@@ -140,7 +138,6 @@ pub fn run(
 ) -> std::io::Result<()> {
     let srv = Arc::new(Server {
         tickets: Tickets::new(cfg.ticket_lifetime),
-        intake: cfg.metrics.intake(),
         cfg,
         sessions: Mutex::new(HashMap::new()),
         active: AtomicUsize::new(0),
@@ -675,7 +672,8 @@ fn control(
                     staging: srv.cfg.staging,
                     writers: srv.cfg.writers,
                     idle_timeout: srv.cfg.idle_timeout,
-                    intake: srv.intake.clone(),
+                    // What all receiving sessions take in, for the senders' tuners (and the metrics).
+                    intake: srv.cfg.metrics.intake(),
                     accept: None,
                 };
                 let prepared = match recv::prepare(cfg) {
