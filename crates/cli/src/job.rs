@@ -43,6 +43,10 @@ pub struct SubmitArgs {
     /// Account to charge (overrides slurm.account).
     #[arg(short = 'A', long)]
     pub account: Option<String>,
+    /// Have the manager serve the job's metrics and status page on ADDR
+    /// (as `dmover run --metrics`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 #[derive(Args)]
@@ -52,6 +56,11 @@ pub struct RunArgs {
     /// Print the final report as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Serve the job's Prometheus metrics at http://ADDR/metrics and its
+    /// status page at http://ADDR/ while it runs: a port (on loopback), or
+    /// HOST:PORT (off loopback both need the job's token).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 #[derive(Args)]
@@ -61,6 +70,13 @@ pub struct StatusArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Serve a live status page of the job at http://ADDR/ (its metrics at
+    /// /metrics) until interrupted: a port (on loopback), or HOST:PORT (off
+    /// loopback it needs the job's token: open it as /?token=TOKEN).
+    #[arg(long, value_name = "ADDR", conflicts_with = "json")]
+    pub web: Option<String>,
+    #[command(flatten)]
+    pub token: TokenArgs,
 }
 
 #[derive(Args)]
@@ -245,7 +261,13 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
         slurm.account = Some(acc);
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;
-    let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm);
+    if let Some(m) = &a.metrics {
+        // Checked here: a bad address would only show in the batch job's output.
+        crate::web::address(m)
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| usage(format!("--metrics {m}"), format!("not PORT or HOST:PORT: {e}")))?;
+    }
+    let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm, a.metrics.as_deref());
     if a.dry_run {
         out!("{script}");
         return Ok(0);
@@ -259,8 +281,24 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// The token a job's pages ask for off loopback: `--token-file` or
+/// DMOVER_TOKEN, else the job file's `token_file`.
+fn page_token(job: Option<&JobFile>, t: &TokenArgs) -> Option<Vec<u8>> {
+    t.token().ok().or_else(|| dmover_engine::session::read_token(Path::new(job?.token_file.as_ref()?)).ok())
+}
+
+/// Serves the pages of the job whose state directory is `dir` on `addr`.
+fn serve_pages(flag: &str, addr: &str, dir: &Path, job: Option<&JobFile>, t: &TokenArgs) -> Result<()> {
+    let listener = crate::web::listen(flag, addr)?;
+    let page = dmover_job::page::JobPage::new(StateDir::new(dir));
+    crate::web::start(flag, listener, std::sync::Arc::new(page), page_token(job, t).as_deref())
+}
+
 pub fn run(a: RunArgs) -> Result<i32> {
-    let (_, plan, _reach) = load_checked(&a.job)?;
+    let (job, plan, _reach) = load_checked(&a.job)?;
+    if let Some(m) = &a.metrics {
+        serve_pages("--metrics", m, &plan.state_dir, Some(&job), &TokenArgs { token_file: None })?;
+    }
     let launch = if std::env::var_os("SLURM_JOB_ID").is_some() {
         Launch::Srun { exe: std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))? }
     } else {
@@ -276,6 +314,14 @@ pub fn run(a: RunArgs) -> Result<i32> {
 
 pub fn status(a: StatusArgs) -> Result<i32> {
     let dir = if a.job.is_dir() { a.job.clone() } else { jobfile::state_dir(&a.job) };
+    if let Some(addr) = &a.web {
+        let job = if a.job.is_dir() { None } else { Some(JobFile::load(&a.job)?) };
+        serve_pages("--web", addr, &dir, job.as_ref(), &a.token)?;
+        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+            .map_err(|e| Error::io("signals", &e))?;
+        signals.forever().next();
+        return Ok(0);
+    }
     let state = StateDir::new(&dir);
     let r = state.read()?;
     if a.json {

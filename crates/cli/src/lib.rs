@@ -48,6 +48,7 @@ mod sink;
 mod sizes;
 mod ssh;
 mod streams;
+mod web;
 
 use clap::{Args, Parser, Subcommand};
 use dmover_engine::Error;

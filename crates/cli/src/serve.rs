@@ -56,8 +56,9 @@ pub struct DaemonArgs {
     /// Seconds running transfers may go on after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub grace: u64,
-    /// Serve Prometheus metrics at http://ADDR/metrics: a port (on
-    /// loopback), or HOST:PORT (e.g. 0.0.0.0:9464 for every interface).
+    /// Serve Prometheus metrics at http://ADDR/metrics and a status page
+    /// of the running sessions at http://ADDR/: a port (on loopback), or
+    /// HOST:PORT (e.g. 0.0.0.0:9464; off loopback both need the token).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
 }
@@ -86,13 +87,7 @@ impl DaemonArgs {
 
     /// The socket `--metrics` asks for, bound (None without the flag).
     pub fn metrics_listener(&self) -> Result<Option<std::net::TcpListener>> {
-        let Some(addr) = &self.metrics else { return Ok(None) };
-        let addr = if addr.parse::<u16>().is_ok() { format!("127.0.0.1:{addr}") } else { addr.clone() };
-        let l = std::net::TcpListener::bind(&addr).map_err(|e| {
-            Error::new(ErrorKind::Usage, format!("--metrics {addr}"), format!("cannot listen: {e}"))
-                .advised("give --metrics a free PORT or HOST:PORT")
-        })?;
-        Ok(Some(l))
+        self.metrics.as_deref().map(|addr| crate::web::listen("--metrics", addr)).transpose()
     }
 }
 
@@ -160,9 +155,7 @@ pub fn run_server(listener: std::net::TcpListener, metrics: Option<std::net::Tcp
     });
     outln!("dmover: listening on {addr}");
     if let Some(m) = metrics {
-        let at = m.local_addr().map_err(|e| Error::io("metrics listener", &e))?;
-        dmover_server::metrics::serve(m, cfg.metrics.clone());
-        outln!("dmover: metrics at http://{at}/metrics");
+        crate::web::start("--metrics", m, cfg.metrics.clone(), Some(&cfg.token))?;
     }
     dmover_server::run(listener, cfg, signal, None).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");

@@ -290,19 +290,29 @@ fn slurm_job_moves_a_tree_with_agents_on_all_three_nodes() {
     assert!(s.stdout.contains("2000/2000") && s.stdout.contains("check: passed") && s.stdout.contains("node3"), "{}", s.stdout);
 }
 
-/// Waits until an agent on node2 has sent a few files, kills it (SIGKILL)
-/// and returns its entry in the job's progress.
+/// An agent on node2 that has sent a few files, from the job's progress.
+fn busy_agent_on_node2(job: &Job) -> Option<Value> {
+    let p = read_report(&job.state.join("progress.json"))?;
+    p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned()
+}
+
+/// Kills an agent (SIGKILL).
+fn kill_agent(agent: &Value) {
+    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
+    assert_eq!(unsafe { libc::kill(agent["pid"].as_i64().unwrap() as i32, libc::SIGKILL) }, 0, "kill agent {agent}");
+}
+
+/// Waits until an agent on node2 has sent a few files, kills it and
+/// returns its entry in the job's progress.
 fn kill_an_agent_on_node2(job: &Job) -> Value {
     let mut victim = None;
     let found = wait_until(Duration::from_secs(60), || {
-        let Some(p) = read_report(&job.state.join("progress.json")) else { return false };
-        victim = p["agents"].as_array().unwrap().iter().find(|a| a["node"] == "node2" && a["files"].as_u64().unwrap() >= 5).cloned();
+        victim = busy_agent_on_node2(job);
         victim.is_some()
     });
     assert!(found, "no agent on node2 got going; progress: {:?}", std::fs::read_to_string(job.state.join("progress.json")));
     let victim = victim.unwrap();
-    // SAFETY: kill(2) on the agent's pid (the nodes share this machine's pid space).
-    assert_eq!(unsafe { libc::kill(victim["pid"].as_i64().unwrap() as i32, libc::SIGKILL) }, 0, "kill agent {victim}");
+    kill_agent(&victim);
     victim
 }
 
@@ -335,6 +345,117 @@ fn slurm_job_survives_an_agent_killed_mid_job() {
     assert!(r["requeued_files"].as_u64().unwrap() > 0, "the lost agent held files: {r:#}");
     let nodes = node_files(&r);
     assert!(nodes["node1"] > 0 && nodes["node3"] > 0, "{nodes:?}");
+    assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
+}
+
+/// What a test reads off the status page's rendered DOM.
+const PAGE_VIEW: &str = r##"(() => {
+  const $ = (id) => document.getElementById(id);
+  const rows = (id) => [...document.querySelectorAll("#" + id + " tr[data-name]")].map((r) => [r.dataset.name, Number(r.dataset.files)]);
+  const line = document.querySelector("#chart polyline");
+  return {
+    state: $("state").textContent,
+    title: $("title").textContent,
+    done: Number($("files").dataset.done || -1),
+    bar: $("bar").style.width,
+    points: Number($("chart").dataset.points || 0),
+    line: line ? line.getAttribute("points") : "",
+    nodes: rows("nodes"),
+    hosts: rows("hosts"),
+    agents: $("agents").textContent,
+    lost: $("lost").textContent,
+    check: $("check").hidden ? null : $("check").textContent,
+    updates: Number($("updates").dataset.updates),
+  };
+})()"##;
+
+/// Where tests keep what a person may want to look at afterwards.
+fn artifacts(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).parent().unwrap().join("test-artifacts").join(name)
+}
+
+#[test]
+fn status_page_follows_a_slurm_job_in_a_browser() {
+    if !dmover_testkit::slurm_possible() {
+        return;
+    }
+    if !on_path("chromium") {
+        let _ = dmover_testkit::skip("needs chromium (Debian's `chromium` package; ./test installs it)");
+        return;
+    }
+    let _cluster = dmover_testkit::slurm_cluster();
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(23);
+    for i in 0..480 {
+        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 5)), 64 << 10, &mut rng);
+    }
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
+    // 512 kB/s per agent: the job runs for several seconds while the page is watched.
+    let extra = "[transfer]\nbwlimit = \"512K\"\n[slurm]\nnodes = 3\ntasks_per_node = 2\n";
+    let job = write_job(&env, "watched", &src, &[&sa, &sb], extra);
+    // The page is up before the job: it says it waits, then follows it.
+    let port = closed_port().to_string();
+    let _web = dmover(["status", "--web", &port]).arg(&job.path).spawn();
+    let addr = format!("127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(10), || http_get(&addr, "/").is_some_and(|(c, _)| c == 200)), "no status page");
+    let mut browser = browser::Browser::open(&format!("http://{addr}/"), &env.path("chromium"));
+    let id = submit(&job);
+
+    let shots = artifacts("status-page");
+    let mut running: Vec<Value> = Vec::new();
+    let mut victim = None;
+    let mut last = Value::Null;
+    let ended = wait_until(Duration::from_secs(180), || {
+        last = browser.eval(PAGE_VIEW);
+        if last["state"] == "running" {
+            let halfway = last["done"].as_u64().is_some_and(|d| d >= 240);
+            if halfway && !running.iter().any(|v| v["done"].as_u64() >= Some(240)) {
+                browser.screenshot(&shots.join("running.png"));
+            }
+            running.push(last.clone());
+            if victim.is_none() {
+                victim = busy_agent_on_node2(&job);
+                victim.iter().for_each(kill_agent);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        last["check"].is_string() && last["state"] != "running"
+    });
+    let out = std::fs::read_to_string(job.state.join(format!("slurm-{id}.out"))).unwrap_or_default();
+    assert!(ended, "the page never showed the job's end; last view: {last:#}\njob output:\n{out}");
+    browser.screenshot(&shots.join("finished.png"));
+
+    // While it ran: progress, the chart and the shares were drawn and changed.
+    let first =
+        running.iter().find(|v| v["done"].as_u64() > Some(0)).unwrap_or_else(|| panic!("no running view with progress: {running:#?}"));
+    assert!(first["done"].as_u64() < Some(480), "{first:#}");
+    let distinct = |key: &str| running.iter().map(|v| v[key].to_string()).collect::<std::collections::BTreeSet<_>>().len();
+    for key in ["done", "bar", "line", "nodes", "hosts", "updates"] {
+        assert!(distinct(key) >= 3, "the page's {key} changed only {} times while the job ran: {running:#?}", distinct(key));
+    }
+    assert!(running.iter().any(|v| v["points"].as_u64() >= Some(3)), "the chart drew no rate line: {running:#?}");
+    assert!(running.iter().any(|v| v["nodes"].as_array().unwrap().len() == 3), "not every node's share was shown: {running:#?}");
+    let slurm_title = last["title"].as_str().unwrap();
+    assert!(slurm_title.ends_with("watched.toml"), "{last:#}");
+
+    // At the end: everything done, the lost agent named, the check shown.
+    let victim = victim.expect("an agent on node2 was killed mid-job");
+    assert_eq!(last["state"], "finished", "{last:#}");
+    assert_eq!(last["done"], 480, "{last:#}");
+    assert_eq!(last["bar"], "100%", "{last:#}");
+    assert!(last["check"].as_str().unwrap().starts_with("Check passed"), "{last:#}");
+    let lost = format!("agent {} on node2", victim["id"]);
+    assert!(last["lost"].as_str().unwrap().contains(&lost), "{lost} not among the lost: {last:#}");
+    assert!(last["agents"].as_str().unwrap().ends_with("1 lost"), "{last:#}");
+    let nodes: u64 = last["nodes"].as_array().unwrap().iter().map(|r| r[1].as_u64().unwrap()).sum();
+    let hosts: Vec<u64> = last["hosts"].as_array().unwrap().iter().map(|r| r[1].as_u64().unwrap()).collect();
+    assert_eq!((nodes, hosts.len(), hosts.iter().sum::<u64>()), (480, 2, 480), "{last:#}");
+    assert!(hosts.iter().all(|&f| f > 0), "{last:#}");
+    for shot in ["running.png", "finished.png"] {
+        assert!(std::fs::metadata(shots.join(shot)).unwrap().len() > 10_000, "{shot} is (nearly) empty");
+    }
     assert_spread(&src, &[out_a.join("in"), out_b.join("in")]);
 }
 

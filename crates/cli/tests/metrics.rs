@@ -127,21 +127,7 @@ fn prometheus_reads_what_moved() {
     // The page is well-formed, by Prometheus' own linter.
     let (code, page) = http_get(&metrics, "/metrics").unwrap();
     assert_eq!(code, 200);
-    let mut lint = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    lint.stdin.take().unwrap().write_all(page.as_bytes()).unwrap();
-    let out = lint.wait_with_output().unwrap();
-    assert!(
-        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
-        "promtool check metrics: {}{}\npage:\n{page}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    promtool_check(&page);
     drop(server);
 }
 
@@ -202,9 +188,4 @@ fn metrics_address_in_use_is_refused_clearly() {
     ])
     .run();
     run.assert_fails(2, &["--metrics", &port]);
-}
-
-/// Whether `program` is on the PATH.
-fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
 }

@@ -15,13 +15,14 @@
 //! * [`transport`], [`wire`], [`handshake`] — byte streams, frames, authentication
 //! * [`storage`] — every file operation, confined to an export by directory handles
 //! * [`tuning`] — runs a stream tuner (`dmover-tune`) against a live transfer
-//! * [`progress`] — live counters
+//! * [`progress`] — live counters; [`history`] — rate over time
 //! * [`fault`] — a seam for injecting faults, used only by the test suite
 
 pub mod error;
 pub mod fault;
 pub mod halt;
 pub mod handshake;
+pub mod history;
 pub mod journal;
 pub mod pool;
 pub mod progress;

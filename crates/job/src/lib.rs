@@ -20,7 +20,9 @@
 //! * [`command`] — the external transfer agent: a command such as `cp`,
 //!   `rsync` or `globus-url-copy` run per file;
 //! * [`channel`] — the authenticated manager–agent connection;
-//! * [`state`] — the state directory: progress, done list, final report.
+//! * [`state`] — the state directory: progress, done list, final report;
+//! * [`page`] — the job's status page and Prometheus metrics, read from
+//!   the state directory.
 //!
 //! Inside a Slurm allocation the agents are one `srun` step (one agent per
 //! task); without one they run as threads of `dmover run` itself. Nothing
@@ -32,6 +34,7 @@ pub mod channel;
 pub mod command;
 pub mod jobfile;
 pub mod manager;
+pub mod page;
 pub mod sbatch;
 pub mod state;
 

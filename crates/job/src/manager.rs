@@ -37,6 +37,7 @@ use crate::state::{
 };
 use crate::Plan;
 use crossbeam_channel::{Receiver, TryRecvError};
+use dmover_engine::history::History;
 use dmover_engine::source::{self, Event};
 use dmover_engine::{Error, Result};
 use dmover_proto::digest::block_sum;
@@ -238,6 +239,8 @@ struct Manager {
     book: Mutex<Book>,
     changed: Condvar,
     started: Instant,
+    /// What this run moved, over time (the report's timeline).
+    timeline: History,
 }
 
 impl Manager {
@@ -254,6 +257,7 @@ impl Manager {
         r.seconds = seconds;
         r.walk_done = b.walk_done;
         r.rate = Rate::new(b.moved_files, b.moved_bytes, seconds);
+        r.timeline = self.timeline.note(b.moved_bytes, b.moved_files);
         r.nodes = b.nodes.values().cloned().collect();
         r.hosts = b.hosts.values().cloned().collect();
         r.agents = b.agents.iter().map(|a| a.report.clone()).collect();
@@ -303,6 +307,7 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
         }),
         changed: Condvar::new(),
         started: Instant::now(),
+        timeline: History::default(),
         token,
         plan,
     });

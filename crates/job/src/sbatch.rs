@@ -30,8 +30,9 @@ pub fn sbatch_quote(s: &str) -> String {
 }
 
 /// Renders the batch script for the job file at `job` (absolute), run by
-/// the `dmover` binary at `exe`, with the state directory `state`.
-pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm) -> String {
+/// the `dmover` binary at `exe`, with the state directory `state`; the
+/// manager serves its pages on `metrics` if given.
+pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm, metrics: Option<&str>) -> String {
     let name = job.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "job".into());
     let mut s = String::from("#!/bin/bash\n");
     s += &format!("#SBATCH --job-name={}\n", sbatch_quote(&format!("dmover-{name}")));
@@ -50,7 +51,8 @@ pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm) -> String {
     s += &format!("# Made by `dmover submit` from {}.\n", job.display());
     s += "# The process manager runs here and starts one transfer agent per task\n";
     s += "# on every node with srun; `dmover status` shows its progress.\n";
-    s += &format!("exec {} run {}\n", shell_quote(&exe.display().to_string()), shell_quote(&job.display().to_string()));
+    let metrics = metrics.map(|m| format!(" --metrics {}", shell_quote(m))).unwrap_or_default();
+    s += &format!("exec {} run{metrics} {}\n", shell_quote(&exe.display().to_string()), shell_quote(&job.display().to_string()));
     s
 }
 
@@ -105,13 +107,13 @@ mod tests {
     fn script_has_the_resources_and_runs_the_manager() {
         let slurm =
             Slurm { nodes: 3, tasks_per_node: 2, partition: Some("debug".into()), time: Some("00:10:00".into()), ..Slurm::default() };
-        let s = render(Path::new("/w/my job.toml"), Path::new("/bin/dmover"), Path::new("/w/my job.dmover"), &slurm);
+        let s = render(Path::new("/w/my job.toml"), Path::new("/bin/dmover"), Path::new("/w/my job.dmover"), &slurm, Some("0.0.0.0:9464"));
         assert!(s.starts_with("#!/bin/bash\n#SBATCH --job-name=\"dmover-my job\"\n"), "{s}");
         for line in ["#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=debug", "#SBATCH --time=00:10:00"] {
             assert!(s.lines().any(|l| l == line), "{line} missing in\n{s}");
         }
         assert!(s.lines().any(|l| l == "#SBATCH --output=\"/w/my job.dmover/slurm-%j.out\""), "{s}");
-        assert!(s.ends_with("exec /bin/dmover run '/w/my job.toml'\n"), "{s}");
+        assert!(s.ends_with("exec /bin/dmover run --metrics 0.0.0.0:9464 '/w/my job.toml'\n"), "{s}");
         assert!(!s.contains("--account"));
     }
 }

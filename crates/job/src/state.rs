@@ -15,6 +15,7 @@
 //!
 //! `dmover status` reads these files and nothing else.
 
+pub use dmover_engine::history::Point;
 pub use dmover_engine::progress::{Check, Rate};
 use dmover_engine::{Error, Result};
 pub use dmover_proto::frame::{FileError, Share};
@@ -136,6 +137,10 @@ pub struct JobReport {
     /// Rate of what this run moved.
     #[serde(flatten)]
     pub rate: Rate,
+    /// What this run had moved, over time (at most a few hundred points,
+    /// spanning the whole run).
+    #[serde(default)]
+    pub timeline: Vec<Point>,
     pub nodes: Vec<Share>,
     pub hosts: Vec<Share>,
     pub agents: Vec<AgentReport>,

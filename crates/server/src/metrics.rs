@@ -1,18 +1,20 @@
-//! What a server counts, and `/metrics`, where Prometheus reads it
-//! (`--metrics ADDR`): connections and why any were refused, sessions by
-//! kind, the files and bytes received and sent, and a sink's steps. Counters go up as the
-//! server works; bytes still moving in running sessions are added when
-//! the page is asked for, so a scrape during a transfer sees its progress.
+//! What a server counts, served with `--metrics ADDR` (by `dmover-web`)
+//! as `/metrics` for Prometheus and as the status page of its running
+//! sessions: connections and why any were refused, sessions by kind, the
+//! files and bytes received and sent, and a sink's steps. Counters go up as
+//! the server works; bytes still moving in running sessions are added when
+//! a page is asked for, so a scrape during a transfer sees its progress.
 //! Labels take a few fixed values only (no paths, peers or names).
 
+use dmover_engine::history::History;
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::Intake;
+use dmover_web::Site;
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::Instant;
 
 /// How a connection ended its handshake: the `outcome` label.
 #[derive(Debug, Clone, Copy)]
@@ -79,14 +81,28 @@ pub struct Metrics {
     streamed: AtomicU64,
     /// What receiving sessions take off the network (shared with them).
     intake: Arc<Intake>,
-    /// Sending sessions still running, and what ended ones sent.
-    sending: Mutex<Sending>,
+    /// Sessions running now, and what ended ones sent.
+    live: Mutex<Live>,
+    started: Instant,
+    /// Bytes moved either way, for the status page's chart.
+    history: History,
 }
 
 #[derive(Default)]
-struct Sending {
-    running: Vec<Arc<Progress>>,
-    ended: u64,
+struct Live {
+    sessions: Vec<LiveSession>,
+    next: u64,
+    /// Bytes sent by sessions that ended.
+    ended_sent: u64,
+}
+
+/// A running session, as the status page lists it.
+struct LiveSession {
+    id: u64,
+    kind: Kind,
+    started: Instant,
+    /// What a sending session has sent.
+    progress: Option<Arc<Progress>>,
 }
 
 impl Default for Metrics {
@@ -151,7 +167,9 @@ impl Metrics {
             active,
             registry,
             intake: Arc::default(),
-            sending: Mutex::default(),
+            live: Mutex::default(),
+            started: Instant::now(),
+            history: History::default(),
         }
     }
 
@@ -170,17 +188,22 @@ impl Metrics {
 
     /// Counts a session of `kind`, running until the guard is dropped.
     pub fn session(&self, kind: Kind) -> Running<'_> {
-        self.sessions.with_label_values(&[kind.label()]).inc();
-        self.active.with_label_values(&[kind.label()]).inc();
-        Running { metrics: self, kind, progress: None }
+        self.start(kind, None)
     }
 
     /// Counts a sending session whose bytes `progress` counts.
     pub fn sending(&self, kind: Kind, progress: Arc<Progress>) -> Running<'_> {
-        self.sending.lock().expect("sending lock").running.push(progress.clone());
-        let mut running = self.session(kind);
-        running.progress = Some(progress);
-        running
+        self.start(kind, Some(progress))
+    }
+
+    fn start(&self, kind: Kind, progress: Option<Arc<Progress>>) -> Running<'_> {
+        self.sessions.with_label_values(&[kind.label()]).inc();
+        self.active.with_label_values(&[kind.label()]).inc();
+        let mut live = self.live.lock().expect("live lock");
+        let id = live.next;
+        live.next += 1;
+        live.sessions.push(LiveSession { id, kind, started: Instant::now(), progress });
+        Running { metrics: self, id }
     }
 
     pub fn received(&self, files: u64) {
@@ -205,20 +228,59 @@ impl Metrics {
         self.steps.with_label_values(&[if complete { "true" } else { "false" }]).inc();
     }
 
-    /// The page in Prometheus' text format (version 0.0.4).
-    pub fn render(&self) -> Vec<u8> {
-        // Bring the byte counters up to what running sessions have moved
-        // (they only grow, so a counter never goes back).
+    /// Brings the byte counters up to what running sessions have moved
+    /// (they only grow, so a counter never goes back).
+    fn catch_up(&self) {
         let sent = {
-            let s = self.sending.lock().expect("sending lock");
-            s.ended + s.running.iter().map(|p| p.snapshot().sent_bytes).sum::<u64>()
+            let live = self.live.lock().expect("live lock");
+            live.ended_sent + live.sessions.iter().filter_map(|s| s.progress.as_ref()).map(|p| p.snapshot().sent_bytes).sum::<u64>()
         };
         catch_up(&self.sent_bytes, sent);
         catch_up(&self.received_bytes, self.intake.received());
         catch_up(&self.streamed_bytes, self.streamed.load(Ordering::Relaxed));
+    }
+}
+
+impl Site for Metrics {
+    fn metrics(&self) -> Vec<u8> {
+        self.catch_up();
         let mut page = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut page).expect("text encoding into memory");
         page
+    }
+
+    fn status(&self) -> Value {
+        self.catch_up();
+        let received = self.received_bytes.get() + self.streamed_bytes.get();
+        let files = self.received_files.get() + self.sent_files.get();
+        let history = self.history.note(received + self.sent_bytes.get(), files);
+        let sessions: Vec<Value> = {
+            let live = self.live.lock().expect("live lock");
+            live.sessions
+                .iter()
+                .map(|s| {
+                    let bytes = s.progress.as_ref().map(|p| p.snapshot().sent_bytes);
+                    json!({ "kind": s.kind.label(), "seconds": s.started.elapsed().as_secs_f64(), "bytes": bytes })
+                })
+                .collect()
+        };
+        let authenticated = self.connections.with_label_values(&[Outcome::Authenticated.label()]).get();
+        let all: u64 = [Outcome::Authenticated, Outcome::BadCredential, Outcome::Malformed, Outcome::Timeout, Outcome::Busy]
+            .iter()
+            .map(|o| self.connections.with_label_values(&[o.label()]).get())
+            .sum();
+        json!({
+            "kind": "server",
+            "seconds": self.started.elapsed().as_secs_f64(),
+            "received_bytes": received,
+            "sent_bytes": self.sent_bytes.get(),
+            "received_files": self.received_files.get(),
+            "sent_files": self.sent_files.get(),
+            "refused_connections": all - authenticated,
+            "refused_requests": self.refused_requests.get(),
+            "sessions": sessions,
+            "timeline": history,
+        })
     }
 }
 
@@ -231,80 +293,15 @@ fn catch_up(c: &IntCounter, total: u64) {
 /// A running session's place in [`Metrics`], given back when dropped.
 pub struct Running<'a> {
     metrics: &'a Metrics,
-    kind: Kind,
-    progress: Option<Arc<Progress>>,
+    id: u64,
 }
 
 impl Drop for Running<'_> {
     fn drop(&mut self) {
-        self.metrics.active.with_label_values(&[self.kind.label()]).dec();
-        if let Some(p) = self.progress.take() {
-            let mut s = self.metrics.sending.lock().expect("sending lock");
-            s.running.retain(|r| !Arc::ptr_eq(r, &p));
-            s.ended += p.snapshot().sent_bytes;
-        }
+        let mut live = self.metrics.live.lock().expect("live lock");
+        let Some(at) = live.sessions.iter().position(|s| s.id == self.id) else { return };
+        let s = live.sessions.swap_remove(at);
+        live.ended_sent += s.progress.map(|p| p.snapshot().sent_bytes).unwrap_or(0);
+        self.metrics.active.with_label_values(&[s.kind.label()]).dec();
     }
-}
-
-/// Requests a metrics page serves at once; more wait to be accepted.
-const MAX_REQUESTS: usize = 8;
-/// Time a client has to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest request head read.
-const MAX_HEAD: usize = 8 << 10;
-
-/// Serves `GET /metrics` on `listener` from a thread of its own, for as
-/// long as the process runs.
-pub fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
-    let busy = Arc::new(AtomicUsize::new(0));
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(conn) = conn else { continue };
-            if busy.fetch_add(1, Ordering::SeqCst) >= MAX_REQUESTS {
-                busy.fetch_sub(1, Ordering::SeqCst);
-                continue;
-            }
-            let (metrics, busy) = (metrics.clone(), busy.clone());
-            std::thread::spawn(move || {
-                if let Err(e) = answer(conn, &metrics) {
-                    log::debug!("metrics request: {e}");
-                }
-                busy.fetch_sub(1, Ordering::SeqCst);
-            });
-        }
-    });
-}
-
-/// Reads one request and answers it: the page for `GET /metrics`, an
-/// error otherwise.
-fn answer(mut conn: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
-    conn.set_read_timeout(Some(REQUEST_TIMEOUT))?;
-    conn.set_write_timeout(Some(REQUEST_TIMEOUT))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = conn.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-        if head.len() > MAX_HEAD {
-            return reply(&mut conn, "431 Request Header Fields Too Large", "text/plain", b"request head too long\n");
-        }
-    }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|&b| b == b' ');
-    let (method, target) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
-    let path = target.split(|&b| b == b'?').next().unwrap_or_default();
-    match (method, path) {
-        (b"GET", b"/metrics") => reply(&mut conn, "200 OK", "text/plain; version=0.0.4; charset=utf-8", &metrics.render()),
-        (b"GET", _) => reply(&mut conn, "404 Not Found", "text/plain", b"not found: the metrics are at /metrics\n"),
-        _ => reply(&mut conn, "405 Method Not Allowed", "text/plain", b"only GET is served\n"),
-    }
-}
-
-fn reply(conn: &mut TcpStream, status: &str, content_type: &str, body: &[u8]) -> std::io::Result<()> {
-    let head = format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
-    conn.write_all(head.as_bytes())?;
-    conn.write_all(body)
 }

@@ -16,12 +16,15 @@
 //!   bytes crossing it each way (what was sent, seen from outside dmover).
 //! * [`Mount`]: a tmpfs or read-only bind mount, unmounted when dropped.
 //! * [`proc_status`], [`open_fds`]: what a process holds.
-//! * [`http_get`], [`sample`]: read a server's `/metrics` page.
+//! * [`http_get`], [`sample`], [`promtool_check`]: read and lint a
+//!   `/metrics` page; [`browser::Browser`]: a headless Chromium on a page.
 //! * [`S3Server`]: a real S3 server (versitygw, from `dmover-testkit`);
 //!   [`Cmd::s3`] points a command at it.
 //! * [`Raw`]: a connection that speaks the wire protocol by hand (for
 //!   hostile peers and for holding a session open).
 #![allow(dead_code)]
+
+pub mod browser;
 
 use dmover_engine::transport::{Sealed, Transport};
 use dmover_proto::auth::{Channel, Initiator, KeyId, Responder, SessionKey, TOKEN_KEY_ID};
@@ -374,6 +377,32 @@ pub fn http_get(addr: &str, target: &str) -> Option<(u16, String)> {
     let (head, body) = answer.split_once("\r\n\r\n")?;
     let code = head.split_whitespace().nth(1)?.parse().ok()?;
     Some((code, body.to_string()))
+}
+
+/// Asserts that Prometheus' own linter (`promtool check metrics`) finds
+/// nothing to say about `page`.
+#[track_caller]
+pub fn promtool_check(page: &str) {
+    let mut lint = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool");
+    lint.stdin.take().unwrap().write_all(page.as_bytes()).unwrap();
+    let out = lint.wait_with_output().unwrap();
+    assert!(
+        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
+        "promtool check metrics: {}{}\npage:\n{page}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Whether `program` is on the PATH.
+pub fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
 }
 
 /// The value of the sample `name` (with its labels, as written) on a page.
