@@ -266,6 +266,7 @@ fn recv_config(p: &Plan) -> RecvConfig {
         writers: WRITERS,
         idle_timeout: IDLE_TIMEOUT,
         intake: Default::default(),
+        write_errors: Default::default(),
         accept: None,
     }
 }

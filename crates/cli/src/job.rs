@@ -287,8 +287,9 @@ fn page_token(job: Option<&JobFile>, t: &TokenArgs) -> Option<Vec<u8>> {
     t.token().ok().or_else(|| dmover_engine::session::read_token(Path::new(job?.token_file.as_ref()?)).ok())
 }
 
-/// Serves the pages of the job whose state directory is `dir` on `addr`.
-fn serve_pages(flag: &str, addr: &str, dir: &Path, job: Option<&JobFile>, t: &TokenArgs) -> Result<()> {
+/// Serves the pages of the job whose state directory is `dir` on `addr`;
+/// returns the line that says where.
+fn serve_pages(flag: &str, addr: &str, dir: &Path, job: Option<&JobFile>, t: &TokenArgs) -> Result<String> {
     let listener = crate::web::listen(flag, addr)?;
     let page = dmover_job::page::JobPage::new(StateDir::new(dir));
     crate::web::start(flag, listener, std::sync::Arc::new(page), page_token(job, t).as_deref())
@@ -297,7 +298,8 @@ fn serve_pages(flag: &str, addr: &str, dir: &Path, job: Option<&JobFile>, t: &To
 pub fn run(a: RunArgs) -> Result<i32> {
     let (job, plan, _reach) = load_checked(&a.job)?;
     if let Some(m) = &a.metrics {
-        serve_pages("--metrics", m, &plan.state_dir, Some(&job), &TokenArgs { token_file: None })?;
+        // On stderr: stdout is the report's (--json).
+        errln!("{}", serve_pages("--metrics", m, &plan.state_dir, Some(&job), &TokenArgs { token_file: None })?);
     }
     let launch = if std::env::var_os("SLURM_JOB_ID").is_some() {
         Launch::Srun { exe: std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))? }
@@ -316,7 +318,7 @@ pub fn status(a: StatusArgs) -> Result<i32> {
     let dir = if a.job.is_dir() { a.job.clone() } else { jobfile::state_dir(&a.job) };
     if let Some(addr) = &a.web {
         let job = if a.job.is_dir() { None } else { Some(JobFile::load(&a.job)?) };
-        serve_pages("--web", addr, &dir, job.as_ref(), &a.token)?;
+        outln!("{}", serve_pages("--web", addr, &dir, job.as_ref(), &a.token)?);
         let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
             .map_err(|e| Error::io("signals", &e))?;
         signals.forever().next();

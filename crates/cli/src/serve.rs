@@ -155,7 +155,7 @@ pub fn run_server(listener: std::net::TcpListener, metrics: Option<std::net::Tcp
     });
     outln!("dmover: listening on {addr}");
     if let Some(m) = metrics {
-        crate::web::start("--metrics", m, cfg.metrics.clone(), Some(&cfg.token))?;
+        outln!("{}", crate::web::start("--metrics", m, cfg.metrics.clone(), Some(&cfg.token))?);
     }
     dmover_server::run(listener, cfg, signal, None).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");

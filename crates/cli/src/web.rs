@@ -27,8 +27,9 @@ pub fn listen(flag: &str, addr: &str) -> Result<TcpListener> {
 }
 
 /// Serves `site` on `listener` from now on; off loopback, only to requests
-/// that show `token`. Says where on stdout.
-pub fn start(flag: &str, listener: TcpListener, site: Arc<dyn Site>, token: Option<&[u8]>) -> Result<()> {
+/// that show `token`. Returns a line that says where, for the caller to
+/// show.
+pub fn start(flag: &str, listener: TcpListener, site: Arc<dyn Site>, token: Option<&[u8]>) -> Result<String> {
     let at = listener.local_addr().map_err(|e| Error::io(flag, &e))?;
     let access = Access::for_listener(&listener, token).ok_or_else(|| {
         Error::new(ErrorKind::Usage, format!("{flag} {at}"), "not a loopback address, and there is no token to ask visitors for")
@@ -39,6 +40,5 @@ pub fn start(flag: &str, listener: TcpListener, site: Arc<dyn Site>, token: Opti
         Access::Token(_) => " (open the page as /?token=TOKEN; Prometheus sends the token as a bearer credential)".into(),
     };
     dmover_web::serve(listener, site, access);
-    outln!("dmover: status page at http://{at}/, metrics at http://{at}/metrics{how}");
-    Ok(())
+    Ok(format!("dmover: status page at http://{at}/, metrics at http://{at}/metrics{how}"))
 }

@@ -611,7 +611,7 @@ fn overlapping_sources_list_each_file_once() {
 // The job's own keys and reports, run without Slurm (`dmover run`)
 
 /// Every key of `dmover status --json` that docs/CLI.md shows, in its order.
-const STATUS_KEYS: [&str; 27] = [
+const STATUS_KEYS: [&str; 28] = [
     "state",
     "job",
     "slurm_job_id",
@@ -632,6 +632,7 @@ const STATUS_KEYS: [&str; 27] = [
     "requeued_files",
     "mb_per_s",
     "files_per_s",
+    "timeline",
     "nodes",
     "hosts",
     "agents",
@@ -640,6 +641,83 @@ const STATUS_KEYS: [&str; 27] = [
     "error",
     "resubmitted_as",
 ];
+
+/// CLI.md "Watching a job in a browser": `dmover run --metrics` has the
+/// manager serve the job's metrics while it runs (Prometheus' linter
+/// accepts them), and `dmover status --web` serves them and the page's
+/// data from the state directory once it has ended; off loopback it will
+/// not serve without a token to ask for.
+#[test]
+fn a_jobs_metrics_follow_it_and_its_page_outlives_it() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(5);
+    for i in 0..120 {
+        make_file(&src.join(format!("f{i:03}")), 64 << 10, &mut rng);
+    }
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    // 1 MB/s per agent: about four seconds.
+    let job = write_job(&env, "metered", &src, &[&srv], "[transfer]\nbwlimit = \"1M\"\n[slurm]\ntasks_per_node = 2\n");
+    let port = closed_port().to_string();
+    let run = dmover(["run", "--metrics", &port]).arg(&job.path).spawn();
+    let addr = format!("127.0.0.1:{port}");
+    let mut mid = None;
+    let mut done_seen = std::collections::BTreeSet::new();
+    wait_until(Duration::from_secs(60), || {
+        let Some((200, page)) = http_get(&addr, "/metrics") else { return false };
+        let done = sample(&page, "dmover_job_files{status=\"done\"}").unwrap_or(0.0) as u64;
+        if sample(&page, "dmover_job_state{state=\"running\"}") == Some(1.0) && done > 0 && done < 120 {
+            done_seen.insert(done);
+            mid.get_or_insert(page);
+        }
+        done_seen.len() >= 3
+    });
+    let mid = mid.expect("no scrape saw the job running with files done");
+    assert!(done_seen.len() >= 3, "the done count changed only {} times: {done_seen:?}", done_seen.len());
+    assert_eq!(sample(&mid, "dmover_job_files{status=\"listed\"}"), Some(120.0), "{mid}");
+    assert_eq!(sample(&mid, "dmover_job_agents{state=\"running\"}"), Some(2.0), "{mid}");
+    if on_path("promtool") {
+        promtool_check(&mid);
+    }
+    let r = run.wait();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("status page at http://{addr}/")), "{}", r.stderr);
+
+    let port = closed_port().to_string();
+    let _web = dmover(["status", "--web", &port]).arg(&job.state).spawn();
+    let addr = format!("127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(10), || http_get(&addr, "/metrics").is_some_and(|(c, _)| c == 200)));
+    let (_, page) = http_get(&addr, "/metrics").unwrap();
+    let host = format!("dmover_job_host_files_total{{host=\"{}:{}\"}}", hostname(), srv.port);
+    for (name, want) in [
+        ("dmover_job_state{state=\"finished\"}", 1.0),
+        ("dmover_job_state{state=\"running\"}", 0.0),
+        ("dmover_job_check_passed", 1.0),
+        ("dmover_job_files{status=\"done\"}", 120.0),
+        ("dmover_job_bytes{status=\"done\"}", (120 << 16) as f64),
+        (&format!("dmover_job_node_files_total{{node=\"{}\"}}", hostname()), 120.0),
+        (&host, 120.0),
+        ("dmover_job_agents{state=\"finished\"}", 2.0),
+    ] {
+        assert_eq!(sample(&page, name), Some(want), "{name}:\n{page}");
+    }
+    if on_path("promtool") {
+        promtool_check(&page);
+    }
+    let (_, body) = http_get(&addr, "/status.json").unwrap();
+    let j: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (j["kind"].as_str(), u(&j["report"]["done_files"]), j["runs"].as_array().map(Vec::len)),
+        (Some("job"), 120, Some(1)),
+        "{j:#}"
+    );
+
+    // Off loopback with no token to ask for: refused before serving anything.
+    let r = dmover(["status", "--web", "0.0.0.0:0"]).arg(&job.state).run();
+    r.assert_fails(2, &["--web"]);
+    assert!(r.stderr.contains("not a loopback address"), "{}", r.stderr);
+}
 
 /// CLI.md "status": `dmover status --json` prints the job's report with
 /// exactly the documented fields — counts that add up, each node's, host's
@@ -680,6 +758,10 @@ fn status_json_has_the_documented_shape() {
     }
     u(&j["requeued_files"]);
     assert!(j["mb_per_s"].as_f64().is_some_and(|x| x > 0.0) && j["files_per_s"].as_f64().is_some_and(|x| x > 0.0), "{j:#}");
+    let timeline: Vec<(f64, u64, u64)> =
+        j["timeline"].as_array().unwrap().iter().map(|p| (p["t"].as_f64().unwrap(), u(&p["bytes"]), u(&p["files"]))).collect();
+    assert!(timeline.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1 && w[0].2 <= w[1].2), "{timeline:?}");
+    assert_eq!(timeline.last().map(|p| (p.1, p.2)), Some((bytes, files)), "the timeline ends at what the run moved: {timeline:?}");
     let shares = |k: &str| -> Vec<(String, u64, u64)> {
         j[k].as_array()
             .unwrap_or_else(|| panic!("{k} is not an array: {j:#}"))

@@ -142,7 +142,7 @@ fn raw_status(addr: &str, request: &[u8]) -> Option<u16> {
 }
 
 #[test]
-fn the_metrics_page_answers_nothing_but_get_metrics() {
+fn the_metrics_page_answers_nothing_but_get() {
     let env = Env::new();
     let export = env.mkdir("export");
     let metrics = format!("127.0.0.1:{}", closed_port());
@@ -150,7 +150,7 @@ fn the_metrics_page_answers_nothing_but_get_metrics() {
     spec.extra = vec!["--metrics".into(), metrics.clone().into()];
     let mut server = Server::start(spec);
     assert!(wait_until(Duration::from_secs(10), || http_get(&metrics, "/metrics").is_some_and(|a| a.0 == 200)));
-    assert_eq!(http_get(&metrics, "/").map(|a| a.0), Some(404));
+    assert_eq!(http_get(&metrics, "/nothing").map(|a| a.0), Some(404));
     assert_eq!(http_get(&metrics, "/metrics/../etc/passwd").map(|a| a.0), Some(404));
     assert_eq!(raw_status(&metrics, b"POST /metrics HTTP/1.0\r\n\r\n"), Some(405));
     // Just past the 8 KiB a request head may take (so that the server has
@@ -167,6 +167,122 @@ fn the_metrics_page_answers_nothing_but_get_metrics() {
     write_random(&src.join("f"), 1000, 1);
     env.cp([src.display().to_string(), server.url("data/")]).run().assert_ok();
     assert!(server.running(), "the server died; log:\n{}", server.log());
+}
+
+/// The answer to GET `target` with `header` lines: status code and body.
+fn get_with(addr: &str, target: &str, header: &str) -> Option<(u16, String)> {
+    let mut c = TcpStream::connect(addr).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(c, "GET {target} HTTP/1.1\r\nHost: {addr}\r\n{header}\r\n").ok()?;
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).ok()?;
+    let (head, body) = answer.split_once("\r\n\r\n")?;
+    Some((head.split_whitespace().nth(1)?.parse().ok()?, body.to_string()))
+}
+
+/// CLI.md `serve --metrics`: the status page of a server lists its running
+/// sessions; on an address other than loopback its data and the metrics
+/// are given only to a request that shows the server's token (the page
+/// itself holds none).
+#[test]
+fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let port = closed_port();
+    let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), format!("0.0.0.0:{port}").into()];
+    let server = Server::start(spec);
+    let addr = format!("127.0.0.1:{port}");
+    let token = env.token_str();
+    let bearer = format!("Authorization: Bearer {token}\r\n");
+    assert!(wait_until(Duration::from_secs(10), || get_with(&addr, "/", "").is_some_and(|(c, _)| c == 200)), "no page");
+    let (_, html) = get_with(&addr, "/", "").unwrap();
+    assert!(html.starts_with("<!doctype html>"), "{html}");
+    for outside in [" src=", " href=", "url(", "@import", "https://"] {
+        assert!(!html.contains(outside), "the page is not self-contained: it has {outside:?}");
+    }
+    for (target, header) in [
+        ("/status.json", ""),
+        ("/metrics", ""),
+        ("/metrics", "Authorization: Bearer not-the-token\r\n"),
+        ("/status.json?token=not-the-token", ""),
+        ("/metrics", &format!("Authorization: Basic {token}\r\n")),
+    ] {
+        let (code, body) = get_with(&addr, target, header).unwrap();
+        assert_eq!(code, 401, "{target} with {header:?} was let in: {body}");
+        assert!(body.contains("token"), "{body}");
+    }
+    let (code, page) = get_with(&addr, "/metrics", &bearer).unwrap();
+    assert_eq!(code, 200, "{page}");
+    assert!(sample(&page, "dmover_received_bytes_total").is_some(), "{page}");
+
+    // A slow upload (3 MB/s): the page lists it while it runs.
+    let src = env.mkdir("src");
+    write_random(&src.join("f"), 6 << 20, 3);
+    let up = env.slow_cp(src.display().to_string(), server.url("data/")).spawn();
+    let mut seen = None;
+    let listed = wait_until(Duration::from_secs(30), || {
+        let (code, body) = get_with(&addr, &format!("/status.json?token={token}"), "").unwrap();
+        assert_eq!(code, 200, "{body}");
+        let j: Value = serde_json::from_str(&body).unwrap();
+        let receiving = j["sessions"].as_array().unwrap().iter().any(|s| s["kind"] == "receive" && s["seconds"].as_f64() > Some(0.0));
+        let received = j["received_bytes"].as_u64().unwrap();
+        if receiving && received > 0 && received < 6 << 20 && j["receive_streams"].as_u64() > Some(0) {
+            seen = Some(j);
+        }
+        seen.is_some()
+    });
+    assert!(listed, "the page never listed the running upload with its bytes");
+    let j = seen.unwrap();
+    assert_eq!(j["kind"], "server", "{j:#}");
+    assert!(!j["timeline"].as_array().unwrap().is_empty(), "{j:#}");
+    up.wait().assert_ok();
+    let (_, body) = get_with(&addr, "/status.json", &bearer).unwrap();
+    let j: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((j["received_files"].as_u64(), j["sessions"].as_array().map(Vec::len)), (Some(1), Some(0)), "{j:#}");
+    assert_eq!(j["refused_connections"], 0, "{j:#}");
+    assert_eq!((j["receive_streams"].as_u64(), j["staging_bytes"].as_u64()), (Some(0), Some(0)), "streams or staging kept: {j:#}");
+    assert_eq!(j["write_errors"]["data"], serde_json::json!({ "permission": 0, "no_space": 0, "io": 0 }), "{j:#}");
+    drop(server);
+}
+
+/// CLI.md `serve --metrics`: a file that fails on an export's storage is
+/// counted for that export, by class.
+#[test]
+fn write_errors_are_counted_by_export() {
+    if !dmover_testkit::needs_root("a small tmpfs mount") {
+        return;
+    }
+    let env = Env::new();
+    let full = env.path("full");
+    let _m = Mount::tmpfs(&full, "4m");
+    let roomy = env.mkdir("roomy");
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let mut spec = ServerSpec::new(&env.token, &[("full", &full), ("roomy", &roomy)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), metrics.clone().into()];
+    let server = Server::start(spec);
+    let src = env.mkdir("src");
+    write_random(&src.join("big.dat"), 8 << 20, 7);
+    for _ in 0..2 {
+        let r = env.cp([src.join("big.dat").display().to_string(), server.url("full/big.dat"), "--retries".into(), "0".into()]).run();
+        r.assert_fails(5, &["big.dat"]);
+    }
+    env.cp([src.join("big.dat").display().to_string(), server.url("roomy/big.dat")]).run().assert_ok();
+    let (_, page) = http_get(&metrics, "/metrics").unwrap();
+    for (series, want) in [
+        ("dmover_write_errors_total{export=\"full\",kind=\"no_space\"}", 2.0),
+        ("dmover_write_errors_total{export=\"full\",kind=\"io\"}", 0.0),
+        ("dmover_write_errors_total{export=\"roomy\",kind=\"no_space\"}", 0.0),
+        ("dmover_write_errors_total{export=\"roomy\",kind=\"permission\"}", 0.0),
+        ("dmover_staging_bytes", 0.0),
+        ("dmover_receive_streams", 0.0),
+    ] {
+        assert_eq!(sample(&page, series), Some(want), "{series}:\n{page}");
+    }
+    if on_path("promtool") {
+        promtool_check(&page);
+    }
+    drop(server);
 }
 
 #[test]

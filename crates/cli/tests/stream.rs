@@ -149,6 +149,9 @@ fn every_step_arrives_verified_with_its_manifest_and_runs_the_hook() {
     assert_eq!(sample(&page, "dmover_sink_steps_total{complete=\"false\"}"), Some(0.0), "{page}");
     assert_eq!(sample(&page, "dmover_sink_received_bytes_total"), Some(bytes as f64), "{page}");
     assert_eq!(sample(&page, "dmover_sessions_total{kind=\"stream\"}"), Some(1.0), "{page}");
+    if on_path("promtool") {
+        promtool_check(&page);
+    }
 }
 
 #[test]

@@ -134,6 +134,11 @@ impl Pool {
         self.take_empty(&mut s)
     }
 
+    /// Bytes of staging memory handed out now (whole blocks).
+    pub fn in_use_bytes(&self) -> u64 {
+        (self.blocks - self.free()) as u64 * self.block_size as u64
+    }
+
     /// Blocks free now.
     pub fn free(&self) -> usize {
         let s = self.state.lock().expect("pool lock");

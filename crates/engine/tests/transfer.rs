@@ -127,6 +127,7 @@ fn recv_config(dest: &Path) -> RecvConfig {
         writers: 2,
         idle_timeout: Duration::from_secs(30),
         intake: Default::default(),
+        write_errors: Default::default(),
         accept: None,
     }
 }

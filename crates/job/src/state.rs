@@ -416,13 +416,14 @@ mod tests {
         let error = FileError { path: "x".into(), kind: ErrorKind::NotFound, message: "m".into() };
         let r = JobReport {
             rate: Rate::new(4, 3_000_000, 2.0),
+            timeline: vec![Point { t: 0.5, bytes: 7, files: 1 }],
             nodes: vec![Share { name: "n1".into(), count: 2, bytes: 5 }],
             failures: vec![FailureReport { error, attempts: 2 }],
             ..Default::default()
         };
         let text = serde_json::to_string(&r).unwrap();
         for part in [
-            r#""mb_per_s":1.5,"files_per_s":2.0,"nodes":[{"name":"n1","files":2,"bytes":5}]"#,
+            r#""mb_per_s":1.5,"files_per_s":2.0,"timeline":[{"t":0.5,"bytes":7,"files":1}],"nodes":[{"name":"n1","files":2,"bytes":5}]"#,
             r#""failures":[{"path":"x","kind":"not-found","message":"m","attempts":2}]"#,
         ] {
             assert!(text.contains(part), "{part} not in {text}");

@@ -17,7 +17,7 @@ mod tickets;
 use dmover_engine::error::{Error, Result};
 use dmover_engine::handshake::{self, random};
 use dmover_engine::progress::Progress;
-use dmover_engine::recv::{self, RecvConfig};
+use dmover_engine::recv::{self, RecvConfig, WriteErrors};
 use dmover_engine::send::{self, Attaching, Files, HostLink, MoreStreams, SendConfig};
 use dmover_engine::session::{self, Credential};
 use dmover_engine::storage::{self, Store};
@@ -136,6 +136,10 @@ pub fn run(
     shutdown: ShutdownSignal,
     carried: Option<crossbeam_channel::Receiver<Box<dyn Transport>>>,
 ) -> std::io::Result<()> {
+    // Every export's count is on the metrics page from the start.
+    for name in cfg.exports.keys() {
+        cfg.metrics.write_errors(name);
+    }
     let srv = Arc::new(Server {
         tickets: Tickets::new(cfg.ticket_lifetime),
         cfg,
@@ -502,6 +506,8 @@ enum Action {
         root: Store,
         dest: String,
         options: TransferOptions,
+        /// The export's count of files that failed on its storage.
+        write_errors: Arc<WriteErrors>,
     },
     /// Become the sending end of a transfer to this client.
     Send {
@@ -563,7 +569,9 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
             blocks_fit(srv, options.block_size, 0)?;
             let (root, rest) = locate(srv, &dest)?;
             storage::check_path(root.as_ref(), rest)?;
-            Action::Receive { root: root.clone(), dest: rest.to_string(), options }
+            // An export's name (it was found above): a bounded label.
+            let export = dest.split('/').next().unwrap_or_default();
+            Action::Receive { root: root.clone(), dest: rest.to_string(), options, write_errors: srv.cfg.metrics.write_errors(export) }
         }
         Request::Send { sources, options, params } => {
             if params.streams == 0 {
@@ -663,7 +671,7 @@ fn control(
             Err(e) => refuse(srv, &mut w, &e)?,
             Ok(Action::Nothing) => {}
             Ok(Action::Reply(m)) => w.send(m)?,
-            Ok(Action::Receive { root, dest, options }) => {
+            Ok(Action::Receive { root, dest, options, write_errors }) => {
                 let label = root.display(std::path::Path::new(&dest));
                 let cfg = RecvConfig {
                     store: root,
@@ -674,6 +682,7 @@ fn control(
                     idle_timeout: srv.cfg.idle_timeout,
                     // What all receiving sessions take in, for the senders' tuners (and the metrics).
                     intake: srv.cfg.metrics.intake(),
+                    write_errors,
                     accept: None,
                 };
                 let prepared = match recv::prepare(cfg) {

@@ -8,10 +8,11 @@
 
 use dmover_engine::history::History;
 use dmover_engine::progress::Progress;
-use dmover_engine::recv::Intake;
+use dmover_engine::recv::{Intake, WriteErrors};
 use dmover_web::Site;
-use prometheus::{Encoder, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -77,6 +78,12 @@ pub struct Metrics {
     streamed_bytes: IntCounter,
     damaged_stream_blocks: IntCounter,
     steps: IntCounterVec,
+    write_error_counts: IntCounterVec,
+    staging: IntGauge,
+    receive_streams: IntGauge,
+    /// Each export's files that failed on its storage, as receiving
+    /// sessions count them.
+    write_errors: Mutex<BTreeMap<String, Arc<WriteErrors>>>,
     /// Payload bytes a sink's streams take off their data connections.
     streamed: AtomicU64,
     /// What receiving sessions take off the network (shared with them).
@@ -138,6 +145,25 @@ impl Metrics {
             "Steps a sink saved, by whether all of the step is here (complete=\"true\") or part of it went to another sink.",
             "complete",
         );
+        let write_error_counts = IntCounterVec::new(
+            Opts::new(
+                "dmover_write_errors_total",
+                "Files that failed on an export's storage while received into it, by export and class (permission, no_space, io).",
+            ),
+            &["export", "kind"],
+        )
+        .expect("a valid metric");
+        registry.register(Box::new(write_error_counts.clone())).expect("registered once");
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("a valid metric");
+            registry.register(Box::new(g.clone())).expect("registered once");
+            g
+        };
+        let staging = gauge("dmover_staging_bytes", "Staging memory holding blocks in receiving sessions now, in bytes.");
+        let receive_streams = gauge(
+            "dmover_receive_streams",
+            "Data connections receiving sessions read now (divided by dmover_sessions_active{kind=\"receive\"}: streams per session).",
+        );
         for complete in ["true", "false"] {
             steps.with_label_values(&[complete]);
         }
@@ -161,6 +187,10 @@ impl Metrics {
             streamed_bytes: counter("dmover_sink_received_bytes_total", "Payload bytes a sink took off its producers' data connections."),
             damaged_stream_blocks: counter("dmover_sink_damaged_blocks_total", "Blocks a sink received damaged and asked for again."),
             steps,
+            write_error_counts,
+            staging,
+            receive_streams,
+            write_errors: Mutex::default(),
             streamed: AtomicU64::new(0),
             connections,
             sessions,
@@ -171,6 +201,12 @@ impl Metrics {
             started: Instant::now(),
             history: History::default(),
         }
+    }
+
+    /// Where receiving sessions count the files that fail on `export`'s
+    /// storage.
+    pub fn write_errors(&self, export: &str) -> Arc<WriteErrors> {
+        self.write_errors.lock().expect("write errors lock").entry(export.to_string()).or_default().clone()
     }
 
     /// What receiving sessions take in, for them to count into.
@@ -238,6 +274,13 @@ impl Metrics {
         catch_up(&self.sent_bytes, sent);
         catch_up(&self.received_bytes, self.intake.received());
         catch_up(&self.streamed_bytes, self.streamed.load(Ordering::Relaxed));
+        for (export, errors) in self.write_errors.lock().expect("write errors lock").iter() {
+            for (kind, n) in errors.counts() {
+                catch_up(&self.write_error_counts.with_label_values(&[export.as_str(), kind]), n);
+            }
+        }
+        self.staging.set(self.intake.staged_bytes() as i64);
+        self.receive_streams.set(self.intake.streams() as i64);
     }
 }
 
@@ -264,6 +307,10 @@ impl Site for Metrics {
                 })
                 .collect()
         };
+        let write_errors: serde_json::Map<String, Value> = {
+            let by_export = self.write_errors.lock().expect("write errors lock");
+            by_export.iter().map(|(export, e)| (export.clone(), json!(BTreeMap::from(e.counts())))).collect()
+        };
         let authenticated = self.connections.with_label_values(&[Outcome::Authenticated.label()]).get();
         let all: u64 = [Outcome::Authenticated, Outcome::BadCredential, Outcome::Malformed, Outcome::Timeout, Outcome::Busy]
             .iter()
@@ -278,6 +325,9 @@ impl Site for Metrics {
             "sent_files": self.sent_files.get(),
             "refused_connections": all - authenticated,
             "refused_requests": self.refused_requests.get(),
+            "staging_bytes": self.staging.get(),
+            "receive_streams": self.receive_streams.get(),
+            "write_errors": write_errors,
             "sessions": sessions,
             "timeline": history,
         })

@@ -57,6 +57,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         streams: AtomicUsize::new(0),
         receiving: Receiving::new(cfg.intake),
     });
+    sh.receiving.0.watch(&sh);
     // One queue per writer, and a file's blocks always go to the same
     // writer: writers to one file would only contend for its inode lock.
     let mut wtx = Vec::new();
@@ -106,6 +107,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
         dial,
         dialing: 0,
+        write_errors: cfg.write_errors,
     };
     let result = owner.run(&inputs);
     if result.as_ref().is_err_and(|e| e.kind != ErrorKind::Unreachable) {
@@ -189,6 +191,8 @@ struct Owner {
     dial: Option<Connector>,
     /// Dials under way.
     dialing: usize,
+    /// Where files that fail on the storage are counted.
+    write_errors: Arc<super::WriteErrors>,
 }
 
 impl Owner {
@@ -295,6 +299,7 @@ impl Owner {
                 }
             }
             Action::Refuse { id, kind, subject, message } => {
+                self.write_errors.add(kind);
                 let subject = match subject {
                     Subject::Said(s) => s,
                     Subject::Path(p) => self.name(&p),
@@ -317,7 +322,10 @@ impl Owner {
             Action::Dial => self.dial(),
             Action::Finish(t) => return Some(self.finish(t)),
             Action::Violation(why) => self.fail(Error::protocol(&self.peer, why)),
-            Action::Fatal { kind, path, message } => self.fail(Error::new(kind, self.name(&path), message)),
+            Action::Fatal { kind, path, message } => {
+                self.write_errors.add(kind);
+                self.fail(Error::new(kind, self.name(&path), message))
+            }
             Action::PeerFailed { kind, message } => return Some(Err(Error::new(kind, &self.peer, message))),
         }
         None

@@ -53,25 +53,77 @@ use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 pub use dmover_proto::session::receive::{NameCheck, MAX_DAMAGED};
 
 /// What one server takes in across all of its receiving sessions, reported
-/// to each sender's tuner so that transfers sharing the server can balance.
+/// to each sender's tuner so that transfers sharing the server can balance
+/// (and to the server's metrics).
 #[derive(Debug, Default)]
 pub struct Intake {
     /// Payload bytes taken off data connections, all sessions.
     received: AtomicU64,
     /// Sessions receiving now.
     transfers: AtomicU32,
+    /// The sessions receiving now, for what they hold (dead ones are
+    /// pruned as sessions start).
+    live: Mutex<Vec<Weak<workers::Shared>>>,
 }
 
 impl Intake {
     /// Payload bytes taken off data connections so far, all sessions.
     pub fn received(&self) -> u64 {
         self.received.load(Ordering::Relaxed)
+    }
+
+    fn live(&self) -> Vec<Arc<workers::Shared>> {
+        self.live.lock().expect("intake lock").iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Staging memory the receiving sessions hold now, in bytes.
+    pub fn staged_bytes(&self) -> u64 {
+        self.live().iter().map(|s| s.pool.in_use_bytes()).sum()
+    }
+
+    /// Data connections the receiving sessions read now.
+    pub fn streams(&self) -> u64 {
+        self.live().iter().map(|s| s.streams.load(Ordering::Relaxed) as u64).sum()
+    }
+
+    fn watch(&self, session: &Arc<workers::Shared>) {
+        let mut live = self.live.lock().expect("intake lock");
+        live.retain(|w| w.strong_count() > 0);
+        live.push(Arc::downgrade(session));
+    }
+}
+
+/// Files that failed on the receiving end's storage, by class (a path
+/// refused as outside the destination is not a storage error).
+#[derive(Debug, Default)]
+pub struct WriteErrors {
+    permission: AtomicU64,
+    no_space: AtomicU64,
+    other: AtomicU64,
+}
+
+impl WriteErrors {
+    fn add(&self, kind: ErrorKind) {
+        let counter = match kind {
+            ErrorKind::Refused | ErrorKind::Usage | ErrorKind::Verify | ErrorKind::SourceChanged => return,
+            ErrorKind::Permission => &self.permission,
+            ErrorKind::NoSpace => &self.no_space,
+            _ => &self.other,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counts by class: `permission`, `no_space` and `io` (any other
+    /// failure of the storage).
+    pub fn counts(&self) -> [(&'static str, u64); 3] {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [("permission", get(&self.permission)), ("no_space", get(&self.no_space)), ("io", get(&self.other))]
     }
 }
 
@@ -108,6 +160,8 @@ pub struct RecvConfig {
     /// The intake of the server this session belongs to (a fresh one for a
     /// receiver of its own).
     pub intake: Arc<Intake>,
+    /// Where files that fail on `store` are counted.
+    pub write_errors: Arc<WriteErrors>,
     /// Which announced names to take (None: any that stays below `dest`).
     pub accept: Option<NameCheck>,
 }
