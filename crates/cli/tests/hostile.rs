@@ -788,6 +788,7 @@ fn one_block_step(step: u64, bytes: &[u8]) -> Msg {
         metadata: vec![],
         records: vec![(0, bytes.len() as u64)],
         blocks: vec![block],
+        events: Default::default(),
     };
     Msg::StepEnd { info }
 }

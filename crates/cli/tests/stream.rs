@@ -187,7 +187,8 @@ fn a_wrong_token_or_no_sink_fails_at_open_with_a_clear_error() {
 fn overflow_spills_to_disk_and_everything_arrives_after_close() {
     let env = Env::new();
     let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
-    let sink = env.sink(&out, [] as [&str; 0]);
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let sink = env.sink(&out, ["--metrics", &metrics]);
     let mut s = Stream::open(config(&env, &[&sink.addr()], &spill)).unwrap();
     let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
     // A sink that stops answering: nothing is acknowledged, the 16-block
@@ -208,6 +209,11 @@ fn overflow_spills_to_disk_and_everything_arrives_after_close() {
     let sinks = HashMap::from([(sink.addr(), out.clone())]);
     check_delivery(&report, &written, &sinks);
     assert!(!spill_file.exists(), "the spill file is removed once every block in it was delivered");
+    // The producer told the sink of its spills, with its steps' ends.
+    let (_, page) = http_get(&metrics, "/metrics").expect("the sink's metrics page answers");
+    assert_eq!(sample(&page, "dmover_sink_producer_spilled_blocks_total"), Some(report.spilled_blocks as f64), "{report:?}\n{page}");
+    assert_eq!(sample(&page, "dmover_sink_producer_spilled_bytes_total"), Some(report.spilled_bytes as f64), "{report:?}\n{page}");
+    assert_eq!(sample(&page, "dmover_sink_producer_failovers_total"), Some(0.0), "{page}");
 }
 
 #[test]
@@ -215,7 +221,8 @@ fn killing_the_primary_sink_fails_over_to_the_alternate_and_loses_nothing() {
     let env = Env::new();
     let (out_a, out_b, spill) = (env.mkdir("sink-a"), env.mkdir("sink-b"), env.mkdir("spill"));
     let mut primary = env.sink(&out_a, [] as [&str; 0]);
-    let alternate = env.sink(&out_b, [] as [&str; 0]);
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let alternate = env.sink(&out_b, ["--metrics", &metrics]);
     let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
     let mut written: Vec<Vec<u8>> = (0..4).map(|step| write_step(&mut s, step)).collect();
     // Let the first steps settle at the primary, then freeze it so that
@@ -250,6 +257,9 @@ fn killing_the_primary_sink_fails_over_to_the_alternate_and_loses_nothing() {
         assert_eq!(sm["complete"], blocks.iter().all(|b| b["here"] == true));
     }
     assert!(out_b.join(PRODUCER).join("step-000011.json").is_file());
+    // The alternate heard of the failover with the steps' ends it got.
+    let (_, page) = http_get(&metrics, "/metrics").expect("the sink's metrics page answers");
+    assert_eq!(sample(&page, "dmover_sink_producer_failovers_total"), Some(report.failovers as f64), "{report:?}\n{page}");
 }
 
 /// The static library cargo built for these tests (a dev-dependency).

@@ -299,6 +299,21 @@ pub struct StepInfo {
     /// Each write of the step: (offset, length).
     pub records: Vec<(u64, u64)>,
     pub blocks: Vec<StepBlock>,
+    /// What befell the producer since it last told a sink (for the
+    /// sinks' metrics; the step does not depend on it).
+    pub events: ProducerEvents,
+}
+
+/// Spills and failovers of a producer, counted since it last reported them
+/// (with a `StepEnd`, to one sink).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProducerEvents {
+    /// Blocks, and their bytes, written to the producer's spill file
+    /// because its memory buffer was full or no sink could take them.
+    pub spilled_blocks: u64,
+    pub spilled_bytes: u64,
+    /// Sinks the producer gave up for dead.
+    pub failovers: u64,
 }
 
 /// One file that failed, and why.
@@ -733,6 +748,9 @@ impl Msg {
                     w.bytes(&b.sum);
                     w.str(&b.at);
                 }
+                w.u64(s.events.spilled_blocks);
+                w.u64(s.events.spilled_bytes);
+                w.u64(s.events.failovers);
             }
             StepSaved { step, complete } => {
                 w.u64(*step);
@@ -1007,6 +1025,7 @@ impl Msg {
                 for _ in 0..n {
                     s.blocks.push(StepBlock { offset: r.u64()?, len: r.u32()?, sum: r.arr()?, at: r.str()? });
                 }
+                s.events = ProducerEvents { spilled_blocks: r.u64()?, spilled_bytes: r.u64()?, failovers: r.u64()? };
                 StepEnd { info: s }
             }
             kind::STEP_SAVED => StepSaved { step: r.u64()?, complete: r.bool()? },
@@ -1213,6 +1232,7 @@ mod tests {
                     metadata: vec![("var".into(), "phi".into()), ("dims".into(), "2,3".into())],
                     records: vec![(0, 2), (2, 3)],
                     blocks: vec![StepBlock { offset: 0, len: 5, sum: [5; 16], at: "h:1".into() }],
+                    events: ProducerEvents { spilled_blocks: 2, spilled_bytes: 3 << 20, failovers: u64::MAX },
                 },
             },
             Msg::StepSaved { step: 3, complete: true },

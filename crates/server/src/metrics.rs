@@ -9,6 +9,7 @@
 use dmover_engine::history::History;
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{Intake, WriteErrors};
+use dmover_proto::frame::ProducerEvents;
 use dmover_web::Site;
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use serde_json::{json, Value};
@@ -78,6 +79,9 @@ pub struct Metrics {
     streamed_bytes: IntCounter,
     damaged_stream_blocks: IntCounter,
     steps: IntCounterVec,
+    spilled_blocks: IntCounter,
+    spilled_bytes: IntCounter,
+    failovers: IntCounter,
     write_error_counts: IntCounterVec,
     staging: IntGauge,
     receive_streams: IntGauge,
@@ -187,6 +191,15 @@ impl Metrics {
             streamed_bytes: counter("dmover_sink_received_bytes_total", "Payload bytes a sink took off its producers' data connections."),
             damaged_stream_blocks: counter("dmover_sink_damaged_blocks_total", "Blocks a sink received damaged and asked for again."),
             steps,
+            spilled_blocks: counter(
+                "dmover_sink_producer_spilled_blocks_total",
+                "Blocks the producers streaming to this sink spilled to their local disk (as they reported it with a step's end).",
+            ),
+            spilled_bytes: counter("dmover_sink_producer_spilled_bytes_total", "Bytes of those blocks."),
+            failovers: counter(
+                "dmover_sink_producer_failovers_total",
+                "Sinks the producers streaming to this sink gave up for dead (as they reported it with a step's end).",
+            ),
             write_error_counts,
             staging,
             receive_streams,
@@ -258,6 +271,15 @@ impl Metrics {
 
     pub fn damaged_stream_block(&self) {
         self.damaged_stream_blocks.inc();
+    }
+
+    /// Counts what a producer reported with a step's end.
+    pub fn producer_events(&self, e: &ProducerEvents) {
+        // Far beyond any honest report: a producer cannot make a counter wrap.
+        const MOST: u64 = 1 << 40;
+        self.spilled_blocks.inc_by(e.spilled_blocks.min(MOST));
+        self.spilled_bytes.inc_by(e.spilled_bytes.min(MOST));
+        self.failovers.inc_by(e.failovers.min(MOST));
     }
 
     pub fn step_saved(&self, complete: bool) {

@@ -392,6 +392,7 @@ pub fn run(
         match m {
             ToSink::StepEnd { info } => {
                 let step = info.step;
+                shared.metrics.producer_events(&info.events);
                 let complete = finish_step(&shared, cfg, producer, info)?;
                 shared.metrics.step_saved(complete);
                 // Hooks run one at a time, in step order, off the control thread.

@@ -44,7 +44,7 @@ use dmover_engine::session::{expect_session, Conn, Credential, SETUP_TIMEOUT};
 use dmover_engine::transport::Transport;
 use dmover_engine::wire::{FrameReader, FrameWriter, Incoming};
 use dmover_proto::digest::{block_sum, file_digest, Sum};
-use dmover_proto::frame::{DataHeader, Share, StepBlock, StepInfo};
+use dmover_proto::frame::{DataHeader, ProducerEvents, Share, StepBlock, StepInfo};
 use dmover_proto::phase::{FromSink, OnData, Open, Request, ToSink};
 use dmover_proto::session::receive::MAX_DAMAGED;
 use dmover_proto::ErrorKind;
@@ -234,6 +234,8 @@ pub struct Manager {
     spilled_since: usize,
     closing: Option<Instant>,
     report: Report,
+    /// The spills and failovers of `report` told to a sink so far.
+    events_told: ProducerEvents,
     /// The producer's manifest on disk, and whether it changed since it
     /// was last written, when, and how long to wait before the next write.
     manifest_path: PathBuf,
@@ -268,6 +270,7 @@ impl Manager {
             spilled_since: 0,
             closing: None,
             report: Report::default(),
+            events_told: ProducerEvents::default(),
             manifest_path,
             manifest_dirty: false,
             manifest_written: Instant::now(),
@@ -849,6 +852,8 @@ impl Manager {
                         StepBlock { offset, len: b.len, sum: b.sum, at }
                     })
                     .collect();
+                let now = self.events();
+                let told = self.events_told;
                 let info = StepInfo {
                     step,
                     bytes: end.bytes,
@@ -856,12 +861,18 @@ impl Manager {
                     metadata: end.metadata.clone(),
                     records: end.records.clone(),
                     blocks,
+                    events: ProducerEvents {
+                        spilled_blocks: now.spilled_blocks - told.spilled_blocks,
+                        spilled_bytes: now.spilled_bytes - told.spilled_bytes,
+                        failovers: now.failovers - told.failovers,
+                    },
                 };
                 let l = &mut self.links[i];
                 if let Err(e) = l.control.send(ToSink::StepEnd { info }) {
                     failed.push((id, e));
                     break;
                 }
+                self.events_told = now;
                 l.unconfirmed += 1;
                 self.steps.get_mut(&step).expect("listed above").pending.insert(id);
             }
@@ -871,6 +882,12 @@ impl Manager {
                 self.link_down(i, e);
             }
         }
+    }
+
+    /// The spills and failovers so far.
+    fn events(&self) -> ProducerEvents {
+        let r = &self.report;
+        ProducerEvents { spilled_blocks: r.spilled_blocks, spilled_bytes: r.spilled_bytes, failovers: r.failovers }
     }
 
     /// Whether the sink of destination `dest` should save the ended step
