@@ -243,6 +243,25 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     assert_eq!(j["refused_connections"], 0, "{j:#}");
     assert_eq!((j["receive_streams"].as_u64(), j["staging_bytes"].as_u64()), (Some(0), Some(0)), "streams or staging kept: {j:#}");
     assert_eq!(j["write_errors"]["data"], serde_json::json!({ "permission": 0, "no_space": 0, "io": 0 }), "{j:#}");
+
+    // A slow download: the page lists the sending session with its streams.
+    let back = env.mkdir("back");
+    let down = env.slow_cp(server.url("data/src"), back.display().to_string()).spawn();
+    let mut seen = None;
+    let listed = wait_until(Duration::from_secs(30), || {
+        let (_, body) = get_with(&addr, "/status.json", &bearer).unwrap();
+        let j: Value = serde_json::from_str(&body).unwrap();
+        let sending = j["sessions"].as_array().unwrap().iter().find(|s| s["kind"] == "send" && s["streams"].as_u64() > Some(0)).cloned();
+        if let Some(s) = sending.filter(|_| j["send_streams"].as_u64() > Some(0)) {
+            seen = Some(s);
+        }
+        seen.is_some()
+    });
+    assert!(listed, "the page never listed the running download with its streams");
+    down.wait().assert_ok();
+    assert_same_tree(&src, &back.join("src"));
+    let (_, page) = get_with(&addr, "/metrics", &bearer).unwrap();
+    assert_eq!(sample(&page, "dmover_send_streams"), Some(0.0), "{page}");
     drop(server);
 }
 

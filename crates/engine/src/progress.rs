@@ -16,6 +16,8 @@ pub struct Progress {
     pub done_bytes: AtomicU64,
     /// Payload bytes written to the network.
     pub sent_bytes: AtomicU64,
+    /// Data connections sending now.
+    pub streams: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -27,6 +29,7 @@ pub struct Snapshot {
     pub done_files: u64,
     pub done_bytes: u64,
     pub sent_bytes: u64,
+    pub streams: u64,
 }
 
 impl Progress {
@@ -38,6 +41,7 @@ impl Progress {
             done_files: self.done_files.load(Ordering::Relaxed),
             done_bytes: self.done_bytes.load(Ordering::Relaxed),
             sent_bytes: self.sent_bytes.load(Ordering::Relaxed),
+            streams: self.streams.load(Ordering::Relaxed),
         }
     }
 

@@ -358,7 +358,7 @@ fn remote_report(mut read: impl FnMut() -> Result<RemoteReport>, host: &str, pro
     loop {
         match read()? {
             RemoteReport::Progress { files, bytes, total_files, total_bytes, walk_done } => {
-                progress.set(&Snapshot { total_files, total_bytes, walk_done, done_files: files, done_bytes: bytes, sent_bytes: 0 })
+                progress.set(&Snapshot { total_files, total_bytes, walk_done, done_files: files, done_bytes: bytes, ..Snapshot::default() })
             }
             RemoteReport::Report { stats } => return Ok(stats),
             RemoteReport::Ping {} => {}
@@ -436,6 +436,7 @@ pub fn download(
         done_files: s.dest_files,
         done_bytes: s.dest_bytes,
         sent_bytes: s.sent_bytes,
+        streams: 0,
     });
     let hosts = s.hosts.into_iter().map(|h| Share { name: host.to_string(), ..h }).collect();
     Ok(Stats { hosts, ..s })

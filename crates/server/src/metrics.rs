@@ -85,6 +85,7 @@ pub struct Metrics {
     write_error_counts: IntCounterVec,
     staging: IntGauge,
     receive_streams: IntGauge,
+    send_streams: IntGauge,
     /// Each export's files that failed on its storage, as receiving
     /// sessions count them.
     write_errors: Mutex<BTreeMap<String, Arc<WriteErrors>>>,
@@ -168,6 +169,7 @@ impl Metrics {
             "dmover_receive_streams",
             "Data connections receiving sessions read now (divided by dmover_sessions_active{kind=\"receive\"}: streams per session).",
         );
+        let send_streams = gauge("dmover_send_streams", "Data connections sending sessions (send and push) write now.");
         for complete in ["true", "false"] {
             steps.with_label_values(&[complete]);
         }
@@ -203,6 +205,7 @@ impl Metrics {
             write_error_counts,
             staging,
             receive_streams,
+            send_streams,
             write_errors: Mutex::default(),
             streamed: AtomicU64::new(0),
             connections,
@@ -289,11 +292,13 @@ impl Metrics {
     /// Brings the byte counters up to what running sessions have moved
     /// (they only grow, so a counter never goes back).
     fn catch_up(&self) {
-        let sent = {
+        let (sent, streams) = {
             let live = self.live.lock().expect("live lock");
-            live.ended_sent + live.sessions.iter().filter_map(|s| s.progress.as_ref()).map(|p| p.snapshot().sent_bytes).sum::<u64>()
+            let running: Vec<_> = live.sessions.iter().filter_map(|s| s.progress.as_ref()).map(|p| p.snapshot()).collect();
+            (live.ended_sent + running.iter().map(|p| p.sent_bytes).sum::<u64>(), running.iter().map(|p| p.streams).sum::<u64>())
         };
         catch_up(&self.sent_bytes, sent);
+        self.send_streams.set(streams as i64);
         catch_up(&self.received_bytes, self.intake.received());
         catch_up(&self.streamed_bytes, self.streamed.load(Ordering::Relaxed));
         for (export, errors) in self.write_errors.lock().expect("write errors lock").iter() {
@@ -324,8 +329,9 @@ impl Site for Metrics {
             live.sessions
                 .iter()
                 .map(|s| {
-                    let bytes = s.progress.as_ref().map(|p| p.snapshot().sent_bytes);
-                    json!({ "kind": s.kind.label(), "seconds": s.started.elapsed().as_secs_f64(), "bytes": bytes })
+                    let p = s.progress.as_ref().map(|p| p.snapshot());
+                    let (bytes, streams) = (p.map(|p| p.sent_bytes), p.map(|p| p.streams));
+                    json!({ "kind": s.kind.label(), "seconds": s.started.elapsed().as_secs_f64(), "bytes": bytes, "streams": streams })
                 })
                 .collect()
         };
@@ -349,6 +355,7 @@ impl Site for Metrics {
             "refused_requests": self.refused_requests.get(),
             "staging_bytes": self.staging.get(),
             "receive_streams": self.receive_streams.get(),
+            "send_streams": self.send_streams.get(),
             "write_errors": write_errors,
             "sessions": sessions,
             "timeline": history,

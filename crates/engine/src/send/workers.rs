@@ -285,7 +285,9 @@ impl Shared {
                 conn.close();
             } else {
                 q.open.fetch_add(1, Ordering::SeqCst);
+                sh.progress.streams.fetch_add(1, Ordering::Relaxed);
                 data_stream(&sh, host, conn, &retire);
+                sh.progress.streams.fetch_sub(1, Ordering::Relaxed);
                 q.open.fetch_sub(1, Ordering::SeqCst);
             }
             sh.crew.state.lock().expect("crew lock").conns.remove(&id);
