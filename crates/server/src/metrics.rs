@@ -1,7 +1,9 @@
 //! What a server counts, served with `--metrics ADDR` (by `dmover-web`)
 //! as `/metrics` for Prometheus and as the status page of its running
 //! sessions: connections and why any were refused, sessions by kind, the
-//! files and bytes received and sent, and a sink's steps. Counters go up as
+//! files and bytes received and sent, the streams and staging memory of
+//! running sessions, each export's write errors, and a sink's steps and
+//! its producers' spills and failovers. Counters go up as
 //! the server works; bytes still moving in running sessions are added when
 //! a page is asked for, so a scrape during a transfer sees its progress.
 //! Labels take a few fixed values only (no paths, peers or names).
