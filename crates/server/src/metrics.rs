@@ -6,7 +6,8 @@
 //! its producers' spills and failovers. Counters go up as
 //! the server works; bytes still moving in running sessions are added when
 //! a page is asked for, so a scrape during a transfer sees its progress.
-//! Labels take a few fixed values only (no paths, peers or names).
+//! Labels take a few fixed values, and the export names the server was
+//! given: never paths, peers or producer names.
 
 use dmover_engine::history::History;
 use dmover_engine::progress::Progress;
