@@ -183,6 +183,9 @@ impl JobReport {
             self.rate.mb_per_s,
             self.rate.files_per_s
         );
+        if let Some(line) = sparkline(&self.timeline) {
+            s += &format!("\nrate over the run: {line}");
+        }
         if self.earlier_files > 0 {
             s += &format!("\n  done by an earlier run: {} files, {}", self.earlier_files, h(self.earlier_bytes));
         }
@@ -241,6 +244,36 @@ impl JobReport {
         }
         s
     }
+}
+
+/// Columns of the rate's sparkline at most.
+const SPARK_COLUMNS: usize = 40;
+
+/// The rate over a timeline as a line of block characters, one column per
+/// stretch of the run (a column's height is the bytes moved in it), with
+/// the peak; None with too few points to draw.
+fn sparkline(timeline: &[Point]) -> Option<String> {
+    let (first, last) = (timeline.first()?, timeline.last()?);
+    let span = last.t - first.t;
+    if timeline.len() < 3 || span <= 0.0 {
+        return None;
+    }
+    let columns = (timeline.len() - 1).min(SPARK_COLUMNS);
+    let width = span / columns as f64;
+    // Bytes moved in each column, spread over the points that fall in it.
+    let mut moved = vec![0f64; columns];
+    for w in timeline.windows(2) {
+        let column = (((w[1].t - first.t) / width).ceil() as usize).clamp(1, columns) - 1;
+        moved[column] += w[1].bytes.saturating_sub(w[0].bytes) as f64;
+    }
+    let peak = moved.iter().copied().fold(0.0, f64::max);
+    if peak <= 0.0 {
+        return None;
+    }
+    const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
+    let line: String = moved.iter().map(|m| BARS[((m / peak) * 7.0).round() as usize]).collect();
+    let rate = peak / width;
+    Some(format!("{line} (peak {}/s)", dmover_engine::progress::human(rate as u64)))
 }
 
 /// The state directory of a job.
@@ -429,6 +462,24 @@ mod tests {
             assert!(text.contains(part), "{part} not in {text}");
         }
         assert_eq!(serde_json::from_str::<JobReport>(&text).unwrap(), r);
+    }
+
+    #[test]
+    fn the_rate_is_drawn_as_a_sparkline_with_its_peak() {
+        let p = |t: f64, bytes: u64| Point { t, bytes, files: 0 };
+        assert_eq!(sparkline(&[]), None);
+        assert_eq!(sparkline(&[p(0.0, 0), p(1.0, 10)]), None, "too few points");
+        assert_eq!(sparkline(&[p(0.0, 0), p(1.0, 0), p(2.0, 0)]), None, "nothing moved");
+        // 1 MB/s, then 2 MB/s, then nothing, then 2 MB/s again.
+        let t = [p(0.0, 0), p(1.0, 1_000_000), p(2.0, 3_000_000), p(3.0, 3_000_000), p(4.0, 5_000_000)];
+        let line = sparkline(&t).unwrap();
+        assert!(line.starts_with("▅█▁█ (peak "), "{line}");
+        assert!(line.ends_with("/s)"), "{line}");
+        // Many points: at most SPARK_COLUMNS columns, the same total height.
+        let many: Vec<Point> = (0..=1000).map(|i| p(i as f64, i * 1000)).collect();
+        let line = sparkline(&many).unwrap();
+        assert_eq!(line.split(' ').next().unwrap().chars().count(), SPARK_COLUMNS, "{line}");
+        assert!(line.starts_with(&"█".repeat(SPARK_COLUMNS)), "an even rate is even: {line}");
     }
 
     #[test]
