@@ -247,21 +247,24 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     // A slow download: the page lists the sending session with its streams.
     let back = env.mkdir("back");
     let down = env.slow_cp(server.url("data/src"), back.display().to_string()).spawn();
-    let mut seen = None;
+    let (mut seen, mut staged) = (None, false);
     let listed = wait_until(Duration::from_secs(30), || {
         let (_, body) = get_with(&addr, "/status.json", &bearer).unwrap();
         let j: Value = serde_json::from_str(&body).unwrap();
+        staged |= j["staging_bytes"].as_u64() > Some(0);
         let sending = j["sessions"].as_array().unwrap().iter().find(|s| s["kind"] == "send" && s["streams"].as_u64() > Some(0)).cloned();
         if let Some(s) = sending.filter(|_| j["send_streams"].as_u64() > Some(0)) {
             seen = Some(s);
         }
-        seen.is_some()
+        seen.is_some() && staged
     });
     assert!(listed, "the page never listed the running download with its streams");
+    assert!(staged, "the page never showed the sending session's staging in use");
     down.wait().assert_ok();
     assert_same_tree(&src, &back.join("src"));
     let (_, page) = get_with(&addr, "/metrics", &bearer).unwrap();
     assert_eq!(sample(&page, "dmover_send_streams"), Some(0.0), "{page}");
+    assert_eq!(sample(&page, "dmover_staging_bytes"), Some(0.0), "staging kept after the download: {page}");
     drop(server);
 }
 

@@ -1,6 +1,8 @@
 //! Live counters a transfer updates and a display reads.
 
+use crate::pool::Pool;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 /// Running totals; every field is updated by the engine's threads and read
 /// by whoever shows progress, without locks.
@@ -18,6 +20,9 @@ pub struct Progress {
     pub sent_bytes: AtomicU64,
     /// Data connections sending now.
     pub streams: AtomicU64,
+    /// The sending end's staging pool, while it runs (read on demand: the
+    /// blocks' own path pays nothing for it).
+    pool: Mutex<Weak<Pool>>,
 }
 
 /// A copy of the counters at one moment.
@@ -43,6 +48,15 @@ impl Progress {
             sent_bytes: self.sent_bytes.load(Ordering::Relaxed),
             streams: self.streams.load(Ordering::Relaxed),
         }
+    }
+
+    /// Staging memory the sending end holds now, in bytes.
+    pub fn staged_bytes(&self) -> u64 {
+        self.pool.lock().expect("progress pool lock").upgrade().map_or(0, |p| p.in_use_bytes())
+    }
+
+    pub(crate) fn watch_pool(&self, pool: &Arc<Pool>) {
+        *self.pool.lock().expect("progress pool lock") = Arc::downgrade(pool);
     }
 
     /// Sets the counters from a peer's report (a server sending for us).

@@ -167,7 +167,8 @@ impl Metrics {
             registry.register(Box::new(g.clone())).expect("registered once");
             g
         };
-        let staging = gauge("dmover_staging_bytes", "Staging memory holding blocks in receiving sessions now, in bytes.");
+        let staging =
+            gauge("dmover_staging_bytes", "Staging memory holding blocks in running sessions (receiving and sending) now, in bytes.");
         let receive_streams = gauge(
             "dmover_receive_streams",
             "Data connections receiving sessions read now (divided by dmover_sessions_active{kind=\"receive\"}: streams per session).",
@@ -295,10 +296,15 @@ impl Metrics {
     /// Brings the byte counters up to what running sessions have moved
     /// (they only grow, so a counter never goes back).
     fn catch_up(&self) {
-        let (sent, streams) = {
+        let (sent, streams, staged) = {
             let live = self.live.lock().expect("live lock");
-            let running: Vec<_> = live.sessions.iter().filter_map(|s| s.progress.as_ref()).map(|p| p.snapshot()).collect();
-            (live.ended_sent + running.iter().map(|p| p.sent_bytes).sum::<u64>(), running.iter().map(|p| p.streams).sum::<u64>())
+            let sending: Vec<&Arc<Progress>> = live.sessions.iter().filter_map(|s| s.progress.as_ref()).collect();
+            let running: Vec<_> = sending.iter().map(|p| p.snapshot()).collect();
+            (
+                live.ended_sent + running.iter().map(|p| p.sent_bytes).sum::<u64>(),
+                running.iter().map(|p| p.streams).sum::<u64>(),
+                sending.iter().map(|p| p.staged_bytes()).sum::<u64>(),
+            )
         };
         catch_up(&self.sent_bytes, sent);
         self.send_streams.set(streams as i64);
@@ -309,7 +315,7 @@ impl Metrics {
                 catch_up(&self.write_error_counts.with_label_values(&[export.as_str(), kind]), n);
             }
         }
-        self.staging.set(self.intake.staged_bytes() as i64);
+        self.staging.set((self.intake.staged_bytes() + staged) as i64);
         self.receive_streams.set(self.intake.streams() as i64);
     }
 }

@@ -49,6 +49,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     } else {
         Pool::new(cfg.staging, block_size as usize, min_blocks)
     };
+    cfg.progress.watch_pool(&pool);
     let mut ctl = Vec::new();
     let mut controls = Vec::new();
     let mut peers = Vec::new();
