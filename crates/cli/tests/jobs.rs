@@ -316,6 +316,30 @@ fn kill_an_agent_on_node2(job: &Job) -> Value {
     victim
 }
 
+/// A job of `files` files of 64 KiB to two servers, on three nodes with two
+/// agents each, `bwlimit` per agent: long enough to act on while it runs.
+struct Slow {
+    src: PathBuf,
+    out_a: PathBuf,
+    out_b: PathBuf,
+    job: Job,
+    /// Running while this lives.
+    servers: [Server; 2],
+}
+
+fn slow_job(env: &Env, name: &str, files: usize, bwlimit: &str) -> Slow {
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(files as u64);
+    for i in 0..files {
+        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 7)), 64 << 10, &mut rng);
+    }
+    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
+    let servers = [public_server(env, &out_a), public_server(env, &out_b)];
+    let extra = format!("[transfer]\nbwlimit = \"{bwlimit}\"\n[slurm]\nnodes = 3\ntasks_per_node = 2\n");
+    let job = write_job(env, name, &src, &[&servers[0], &servers[1]], &extra);
+    Slow { src, out_a, out_b, job, servers }
+}
+
 #[test]
 fn slurm_job_survives_an_agent_killed_mid_job() {
     if !dmover_testkit::slurm_possible() {
@@ -323,16 +347,8 @@ fn slurm_job_survives_an_agent_killed_mid_job() {
     }
     let _cluster = dmover_testkit::slurm_cluster();
     let env = Env::new();
-    let src = env.mkdir("src");
-    let mut rng = Rng::new(3);
-    for i in 0..600 {
-        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 7)), 64 << 10, &mut rng);
-    }
-    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
-    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
     // 1 MB/s per agent: the job takes several seconds, time enough to kill one.
-    let extra = "[transfer]\nbwlimit = \"1M\"\n[slurm]\nnodes = 3\ntasks_per_node = 2\n";
-    let job = write_job(&env, "kill", &src, &[&sa, &sb], extra);
+    let Slow { src, out_a, out_b, job, servers: _servers } = slow_job(&env, "kill", 600, "1M");
     let id = submit(&job);
     let victim = kill_an_agent_on_node2(&job);
     let r = wait_report(&job, &id, Duration::from_secs(120));
@@ -385,16 +401,8 @@ fn status_page_follows_a_slurm_job_in_a_browser() {
     }
     let _cluster = dmover_testkit::slurm_cluster();
     let env = Env::new();
-    let src = env.mkdir("src");
-    let mut rng = Rng::new(23);
-    for i in 0..480 {
-        make_file(&src.join(format!("d{}/f{i:03}.dat", i % 5)), 64 << 10, &mut rng);
-    }
-    let (out_a, out_b) = (env.mkdir("a"), env.mkdir("b"));
-    let (sa, sb) = (public_server(&env, &out_a), public_server(&env, &out_b));
     // 512 kB/s per agent: the job runs for several seconds while the page is watched.
-    let extra = "[transfer]\nbwlimit = \"512K\"\n[slurm]\nnodes = 3\ntasks_per_node = 2\n";
-    let job = write_job(&env, "watched", &src, &[&sa, &sb], extra);
+    let Slow { src, out_a, out_b, job, servers: _servers } = slow_job(&env, "watched", 480, "512K");
     // The page is up before the job: it says it waits, then follows it.
     let port = closed_port().to_string();
     let _web = dmover(["status", "--web", &port]).arg(&job.path).spawn();

@@ -169,17 +169,6 @@ fn the_metrics_page_answers_nothing_but_get() {
     assert!(server.running(), "the server died; log:\n{}", server.log());
 }
 
-/// The answer to GET `target` with `header` lines: status code and body.
-fn get_with(addr: &str, target: &str, header: &str) -> Option<(u16, String)> {
-    let mut c = TcpStream::connect(addr).ok()?;
-    c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(c, "GET {target} HTTP/1.1\r\nHost: {addr}\r\n{header}\r\n").ok()?;
-    let mut answer = String::new();
-    c.read_to_string(&mut answer).ok()?;
-    let (head, body) = answer.split_once("\r\n\r\n")?;
-    Some((head.split_whitespace().nth(1)?.parse().ok()?, body.to_string()))
-}
-
 /// CLI.md `serve --metrics`: the status page of a server lists its running
 /// sessions; on an address other than loopback its data and the metrics
 /// are given only to a request that shows the server's token (the page
@@ -195,8 +184,8 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     let addr = format!("127.0.0.1:{port}");
     let token = env.token_str();
     let bearer = format!("Authorization: Bearer {token}\r\n");
-    assert!(wait_until(Duration::from_secs(10), || get_with(&addr, "/", "").is_some_and(|(c, _)| c == 200)), "no page");
-    let (_, html) = get_with(&addr, "/", "").unwrap();
+    assert!(wait_until(Duration::from_secs(10), || http_get_with(&addr, "/", "").is_some_and(|(c, _)| c == 200)), "no page");
+    let (_, html) = http_get_with(&addr, "/", "").unwrap();
     assert!(html.starts_with("<!doctype html>"), "{html}");
     for outside in [" src=", " href=", "url(", "@import", "https://"] {
         assert!(!html.contains(outside), "the page is not self-contained: it has {outside:?}");
@@ -208,11 +197,11 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
         ("/status.json?token=not-the-token", ""),
         ("/metrics", &format!("Authorization: Basic {token}\r\n")),
     ] {
-        let (code, body) = get_with(&addr, target, header).unwrap();
+        let (code, body) = http_get_with(&addr, target, header).unwrap();
         assert_eq!(code, 401, "{target} with {header:?} was let in: {body}");
         assert!(body.contains("token"), "{body}");
     }
-    let (code, page) = get_with(&addr, "/metrics", &bearer).unwrap();
+    let (code, page) = http_get_with(&addr, "/metrics", &bearer).unwrap();
     assert_eq!(code, 200, "{page}");
     assert!(sample(&page, "dmover_received_bytes_total").is_some(), "{page}");
 
@@ -222,7 +211,7 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     let up = env.slow_cp(src.display().to_string(), server.url("data/")).spawn();
     let mut seen = None;
     let listed = wait_until(Duration::from_secs(30), || {
-        let (code, body) = get_with(&addr, &format!("/status.json?token={token}"), "").unwrap();
+        let (code, body) = http_get_with(&addr, &format!("/status.json?token={token}"), "").unwrap();
         assert_eq!(code, 200, "{body}");
         let j: Value = serde_json::from_str(&body).unwrap();
         let receiving = j["sessions"].as_array().unwrap().iter().any(|s| s["kind"] == "receive" && s["seconds"].as_f64() > Some(0.0));
@@ -237,7 +226,7 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     assert_eq!(j["kind"], "server", "{j:#}");
     assert!(!j["timeline"].as_array().unwrap().is_empty(), "{j:#}");
     up.wait().assert_ok();
-    let (_, body) = get_with(&addr, "/status.json", &bearer).unwrap();
+    let (_, body) = http_get_with(&addr, "/status.json", &bearer).unwrap();
     let j: Value = serde_json::from_str(&body).unwrap();
     assert_eq!((j["received_files"].as_u64(), j["sessions"].as_array().map(Vec::len)), (Some(1), Some(0)), "{j:#}");
     assert_eq!(j["refused_connections"], 0, "{j:#}");
@@ -249,7 +238,7 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     let down = env.slow_cp(server.url("data/src"), back.display().to_string()).spawn();
     let (mut seen, mut staged) = (None, false);
     let listed = wait_until(Duration::from_secs(30), || {
-        let (_, body) = get_with(&addr, "/status.json", &bearer).unwrap();
+        let (_, body) = http_get_with(&addr, "/status.json", &bearer).unwrap();
         let j: Value = serde_json::from_str(&body).unwrap();
         staged |= j["staging_bytes"].as_u64() > Some(0);
         let sending = j["sessions"].as_array().unwrap().iter().find(|s| s["kind"] == "send" && s["streams"].as_u64() > Some(0)).cloned();
@@ -262,7 +251,7 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     assert!(staged, "the page never showed the sending session's staging in use");
     down.wait().assert_ok();
     assert_same_tree(&src, &back.join("src"));
-    let (_, page) = get_with(&addr, "/metrics", &bearer).unwrap();
+    let (_, page) = http_get_with(&addr, "/metrics", &bearer).unwrap();
     assert_eq!(sample(&page, "dmover_send_streams"), Some(0.0), "{page}");
     assert_eq!(sample(&page, "dmover_staging_bytes"), Some(0.0), "staging kept after the download: {page}");
     drop(server);

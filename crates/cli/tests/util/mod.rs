@@ -369,9 +369,14 @@ pub fn closed_port() -> u16 {
 
 /// One HTTP/1.0 GET (no chunked answers): status code and body.
 pub fn http_get(addr: &str, target: &str) -> Option<(u16, String)> {
+    http_get_with(addr, target, "")
+}
+
+/// [`http_get`] with more header lines (each ending in CRLF).
+pub fn http_get_with(addr: &str, target: &str, header: &str) -> Option<(u16, String)> {
     let mut c = TcpStream::connect(addr).ok()?;
     c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(c, "GET {target} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    write!(c, "GET {target} HTTP/1.0\r\nHost: {addr}\r\n{header}\r\n").ok()?;
     let mut answer = String::new();
     c.read_to_string(&mut answer).ok()?;
     let (head, body) = answer.split_once("\r\n\r\n")?;
