@@ -134,34 +134,30 @@ impl Metrics {
             registry.register(Box::new(c.clone())).expect("registered once");
             c
         };
-        let family = |name: &str, help: &str, label: &str| {
-            let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("a valid metric");
+        let family = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("a valid metric");
             registry.register(Box::new(c.clone())).expect("registered once");
             c
         };
         let connections = family(
             "dmover_connections_total",
             "Connections that finished their handshake, by outcome (authenticated, bad_credential, malformed, timeout, busy).",
-            "outcome",
+            &["outcome"],
         );
-        let sessions = family("dmover_sessions_total", "Transfer sessions opened, by kind (receive, send, push, stream).", "kind");
+        let sessions = family("dmover_sessions_total", "Transfer sessions opened, by kind (receive, send, push, stream).", &["kind"]);
         let active = IntGaugeVec::new(Opts::new("dmover_sessions_active", "Transfer sessions running now, by kind."), &["kind"])
             .expect("a valid metric");
         registry.register(Box::new(active.clone())).expect("registered once");
         let steps = family(
             "dmover_sink_steps_total",
             "Steps a sink saved, by whether all of the step is here (complete=\"true\") or part of it went to another sink.",
-            "complete",
+            &["complete"],
         );
-        let write_error_counts = IntCounterVec::new(
-            Opts::new(
-                "dmover_write_errors_total",
-                "Files that failed on an export's storage while received into it, by export and class (permission, no_space, io).",
-            ),
+        let write_error_counts = family(
+            "dmover_write_errors_total",
+            "Files that failed on an export's storage while received into it, by export and class (permission, no_space, io).",
             &["export", "kind"],
-        )
-        .expect("a valid metric");
-        registry.register(Box::new(write_error_counts.clone())).expect("registered once");
+        );
         let gauge = |name: &str, help: &str| {
             let g = IntGauge::new(name, help).expect("a valid metric");
             registry.register(Box::new(g.clone())).expect("registered once");
