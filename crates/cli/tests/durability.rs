@@ -2,8 +2,10 @@
 //! each file of a batch durable (its own `fsync`, not a sync of the whole
 //! file system) before it renames it into place, and the directories it
 //! was renamed into (and every new directory on the way up) after, before
-//! it confirms it. Seen from outside through strace, as the order of the
-//! server's fsync and rename calls.
+//! it confirms it. Empty files, made in place, are synced after they are
+//! made, many at once by one sync of their file system. Seen from outside
+//! through strace, as the order of the server's sync, create and rename
+//! calls.
 
 mod util;
 
@@ -13,20 +15,23 @@ use util::*;
 
 const FILES: usize = 300;
 
-/// Uploads `FILES` small files in ten directories to a new directory
-/// `dst` of a server's export running under strace, with `extra` cp flags;
-/// returns the export and the server's fsync and rename calls.
-fn upload_traced(extra: &[&str]) -> (PathBuf, Vec<Call>) {
+/// Uploads `FILES` files of a size `size` draws in ten directories to a
+/// new directory `dst` of a server's export running under strace, with
+/// `extra` cp flags; returns the export and the server's sync, create and
+/// rename calls.
+fn upload_traced(extra: &[&str], size: impl Fn(&mut Rng) -> u64) -> (PathBuf, Vec<Call>) {
     let env = Env::new();
     let export = env.mkdir("export");
     let src = env.mkdir("src");
     let mut rng = Rng::new(7);
     for i in 0..FILES {
-        make_file(&src.join(format!("d{}/f{i}.dat", i % 10)), 1000 + rng.below(20_000), &mut rng);
+        let n = size(&mut rng);
+        make_file(&src.join(format!("d{}/f{i}.dat", i % 10)), n, &mut rng);
     }
     let trace = env.path("server.strace");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
-    spec.prefix = ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,rename,renameat,renameat2", "-o"].iter().map(Into::into).collect();
+    spec.prefix =
+        ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,syncfs,openat,rename,renameat,renameat2", "-o"].iter().map(Into::into).collect();
     spec.prefix.push(trace.clone().into());
     // The server is strace's child: have it killed when strace is, as the
     // test's kill reaches strace only.
@@ -53,11 +58,15 @@ struct Call {
 enum What {
     /// `fsync` of this path (a file or a directory).
     Sync(PathBuf),
+    /// `syncfs` of the file system holding this path.
+    SyncFs(PathBuf),
+    /// A file made with `O_CREAT` at this path.
+    Create(PathBuf),
     /// A rename of `from` to `to`.
     Rename { from: PathBuf, to: PathBuf },
 }
 
-/// The fsync and rename calls that returned 0 in a trace of `strace -f -y`,
+/// The sync, create and rename calls that succeeded in a trace of `strace -f -y`,
 /// whose calls may be split by other threads' into a start (`<unfinished
 /// ...>`) and an end (`<... resumed>`).
 fn calls(trace: &Path) -> Vec<Call> {
@@ -78,11 +87,19 @@ fn calls(trace: &Path) -> Vec<Call> {
         } else {
             (n, rest)
         };
-        if !line.trim_end().ends_with("= 0") {
+        let Some((_, result)) = line.trim_end().rsplit_once(" = ") else { continue };
+        if !result.starts_with(|c: char| c.is_ascii_digit()) {
             continue;
         }
         let what = if args.starts_with("fsync(") {
             What::Sync(fd_paths(args).remove(0))
+        } else if args.starts_with("syncfs(") {
+            What::SyncFs(fd_paths(args).remove(0))
+        } else if args.starts_with("openat(") && args.contains("O_CREAT") {
+            match fd_paths(result).pop() {
+                Some(made) => What::Create(made),
+                None => continue,
+            }
         } else if args.starts_with("rename") {
             let dirs = fd_paths(args);
             let names = quoted(args);
@@ -112,7 +129,7 @@ fn quoted(args: &str) -> Vec<String> {
 
 #[test]
 fn files_are_synced_before_and_after_their_rename_and_no_fsync_skips_it() {
-    let (export, calls) = upload_traced(&[]);
+    let (export, calls) = upload_traced(&[], |rng| 1000 + rng.below(20_000));
     let synced = |path: &Path| {
         let what = What::Sync(path.to_path_buf());
         calls.iter().filter(move |c| c.what == what)
@@ -140,7 +157,33 @@ fn files_are_synced_before_and_after_their_rename_and_no_fsync_skips_it() {
     let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_))).count();
     eprintln!("{FILES} files committed with {syncs} syncs");
 
-    let (_, calls) = upload_traced(&["--no-fsync"]);
-    assert!(calls.iter().all(|c| matches!(c.what, What::Rename { .. })), "--no-fsync: a sync: {calls:#?}");
-    assert_eq!(calls.len(), FILES, "--no-fsync: every file renamed once: {calls:#?}");
+    let (_, calls) = upload_traced(&["--no-fsync"], |rng| 1000 + rng.below(20_000));
+    assert!(!calls.iter().any(|c| matches!(c.what, What::Sync(_) | What::SyncFs(_))), "--no-fsync: a sync: {calls:#?}");
+    let renamed = calls.iter().filter(|c| matches!(c.what, What::Rename { .. })).count();
+    assert_eq!(renamed, FILES, "--no-fsync: every file renamed once: {calls:#?}");
+}
+
+#[test]
+fn empty_files_are_synced_after_they_are_made_many_by_one_sync_of_their_file_system() {
+    let (export, calls) = upload_traced(&[], |_| 0);
+    let dst = export.join("dst");
+    let made: Vec<(&Call, &Path)> = calls
+        .iter()
+        .filter_map(|c| match &c.what {
+            What::Create(p) if p.starts_with(&dst) && p.extension().is_some_and(|e| e == "dat") => Some((c, p.as_path())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(made.len(), FILES, "every empty file is made in place, once: {calls:#?}");
+    let whole: Vec<&Call> = calls.iter().filter(|c| matches!(&c.what, What::SyncFs(p) if p.starts_with(&export))).collect();
+    for (c, path) in &made {
+        let own = What::Sync(path.to_path_buf());
+        let dir = What::Sync(path.parent().unwrap().to_path_buf());
+        let after = |w: &What| calls.iter().any(|s| s.start > c.end && s.what == *w);
+        let by_whole = whole.iter().any(|s| s.start > c.end);
+        assert!(by_whole || after(&own), "{} was never synced after it was made", path.display());
+        assert!(by_whole || after(&dir), "{}: its directory was not synced after it was made", path.display());
+    }
+    let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_) | What::SyncFs(_))).count();
+    assert!(!whole.is_empty() && syncs < FILES / 4, "{FILES} empty files took {syncs} syncs, {} of them of the file system", whole.len());
 }

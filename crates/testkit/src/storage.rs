@@ -340,6 +340,7 @@ fn dir_symlink_leads_nowhere(t: &Subject) {
     let attrs = Attrs { mode: 0o644, mtime: None, digest: None };
     refused(s.create_empty(Path::new("l/new"), &attrs), "create_empty through a symlink");
     assert!(s.reopen(Path::new("l/secret")).is_err(), "reopen through a symlink");
+    refused(s.sync_file_systems(&[Path::new("l")]), "sync the file system of a symlink");
     s.make_dirs(Path::new("d")).unwrap();
     let f = s.create(Path::new("d/.f")).unwrap();
     refused(s.commit(f.as_ref(), Path::new("d/.f"), Path::new("l/f"), None), "commit through a symlink");

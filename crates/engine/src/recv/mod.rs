@@ -23,8 +23,9 @@
 //!   committed (and the owner confirms them, `Done`). A batch's files and
 //!   the directories the batch before it was renamed into are synced all at
 //!   once, each on its own (not the whole file system, which would wait for
-//!   other programs' writes), so the file system commits them together
-//!   (`--no-fsync` skips the syncs). The writers have the kernel start
+//!   other programs' writes), so the file system commits them together;
+//!   a batch of many empty files instead takes one sync of each file
+//!   system they are on (`--no-fsync` skips the syncs). The writers have the kernel start
 //!   writing each block back as soon as it is written, so a sync finds
 //!   little left to do.
 //!

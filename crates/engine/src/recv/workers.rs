@@ -408,11 +408,20 @@ const METADATA_SYNC_THREADS: usize = 32;
 /// between two cores.
 const PREPARE_THREADS: usize = 2;
 
+/// Empty files in a batch from which one sync of each file system they
+/// are on ([`Storage::sync_file_systems`](crate::storage::Storage::sync_file_systems))
+/// makes them and the batch's directories durable, instead of a sync
+/// each: each of those waits for a journal commit and a flush of the
+/// device's cache, which one call pays once. The price: a file system's
+/// sync also writes back what other writers left dirty on it.
+const SYNC_FILE_SYSTEM_AT: usize = 32;
+
 /// Makes each file of a batch durable, and the names in `dirs`: the empty
-/// files and the directories on up to [`METADATA_SYNC_THREADS`] threads,
-/// then the files with data on up to [`SYNC_THREADS`]. Returns the files
-/// that were made durable (the others are reported failed) and whether
-/// every directory was.
+/// files and the directories by one sync of each file system they are on
+/// when there are [`SYNC_FILE_SYSTEM_AT`] such files and the storage can, else on up
+/// to [`METADATA_SYNC_THREADS`] threads; then the files with data on up
+/// to [`SYNC_THREADS`]. Returns the files that were made durable (the
+/// others are reported failed) and whether every directory was.
 fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io::Result<()>) {
     enum Job<'a> {
         File(usize, &'a Arc<dyn WriteFile>),
@@ -423,12 +432,33 @@ fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io:
         let empty = s.paths.meta.as_ref().is_some_and(|m| m.size == 0);
         if empty { &mut light } else { &mut heavy }.push(Job::File(i, f));
     }
+    let mut files: Vec<Option<std::io::Result<()>>> = ready.iter().map(|_| None).collect();
+    let mut dirs_synced = Ok(());
+    // One sync of each file system the empty files and directories are
+    // on, when the empty files are many.
+    if light.len() - dirs.len() >= SYNC_FILE_SYSTEM_AT {
+        let places: BTreeSet<&Path> = light
+            .iter()
+            .filter_map(|j| match j {
+                Job::File(i, _) => ready[*i].0.paths.dest.parent(),
+                Job::Dir(d) => Some(*d),
+            })
+            .collect();
+        let whole = sh.store.sync_file_systems(&places.into_iter().collect::<Vec<_>>());
+        if !matches!(whole, Ok(false)) {
+            for j in light.drain(..) {
+                let r = whole.as_ref().map(|_| ()).map_err(|e| std::io::Error::new(e.kind(), e.to_string()));
+                match j {
+                    Job::File(i, _) => files[i] = Some(r),
+                    Job::Dir(_) => dirs_synced = dirs_synced.and(r),
+                }
+            }
+        }
+    }
     let sync = |j: &Job| match j {
         Job::File(_, f) => f.sync(),
         Job::Dir(d) => sh.store.sync_dir(d),
     };
-    let mut files: Vec<Option<std::io::Result<()>>> = ready.iter().map(|_| None).collect();
-    let mut dirs_synced = Ok(());
     for (jobs, threads) in [(light, METADATA_SYNC_THREADS), (heavy, SYNC_THREADS)] {
         for (j, r) in jobs.iter().zip(at_once(&jobs, threads, sync)) {
             match j {

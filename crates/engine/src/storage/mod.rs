@@ -208,6 +208,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
         Ok(())
     }
+    /// Makes everything written to the file systems that hold `dirs`
+    /// durable, with one call (syncfs) each, if the storage can: `Ok(false)`
+    /// if it cannot, and nothing was done. Cheaper than a sync per file for
+    /// many files without data, whose syncs each wait for a journal commit
+    /// and a flush of the device's cache.
+    fn sync_file_systems(&self, _dirs: &[&Path]) -> io::Result<bool> {
+        Ok(false)
+    }
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// Removes an empty directory.

@@ -18,6 +18,7 @@ use super::{Attrs, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
 use crate::error::Refused;
 use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, Timespec, Timestamps, CWD};
 use rustix::io::Errno;
+use std::collections::HashSet;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
@@ -378,6 +379,17 @@ impl Storage for Posix {
         // fsync needs a descriptor opened for reading, not an O_PATH one.
         let fd = self.open_dir(dir)?;
         Ok(rustix::fs::fsync(&fd)?)
+    }
+
+    fn sync_file_systems(&self, dirs: &[&Path]) -> io::Result<bool> {
+        let mut synced = HashSet::new();
+        for dir in dirs {
+            let fd = self.open_dir(dir)?;
+            if synced.insert(rustix::fs::fstat(&fd)?.st_dev) {
+                rustix::fs::syncfs(&fd)?;
+            }
+        }
+        Ok(true)
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {
