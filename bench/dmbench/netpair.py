@@ -93,12 +93,26 @@ class Pair:
 
     def iperf3(self, reverse: bool, seconds: int = 10) -> float:
         """iperf3 -P 8 from A to B (reverse: B sends to A). Mbit/s received."""
+        end, _ = self._iperf3(reverse, ["-t", str(seconds)])
+        return end["sum_received"]["bits_per_second"] / 1e6
+
+    def iperf3_bytes(self, reverse: bool, nbytes: int) -> tuple[float, float]:
+        """`iperf3 -P 8 -n NBYTES` from A to B (reverse: B sends to A): how
+        long TCP itself takes to move that much from a cold start. Wall
+        seconds from the client's start to its exit (its own setup and
+        results exchange included), and seconds of its data phase alone."""
+        end, wall = self._iperf3(reverse, ["-n", str(nbytes)])
+        return wall, end["sum_received"]["seconds"]
+
+    def _iperf3(self, reverse: bool, extra: list[str]) -> tuple[dict, float]:
         srv = subprocess.Popen(["ip", "netns", "exec", self.ns_b, "iperf3", "-s", "-1", "-B", self.ip_b],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
         try:
-            argv = ["ip", "netns", "exec", self.ns_a, "iperf3", "-c", self.ip_b, "-P", "8", "-t", str(seconds), "-J"]
+            argv = ["ip", "netns", "exec", self.ns_a, "iperf3", "-c", self.ip_b, "-P", "8", *extra, "-J"]
+            t0 = time.monotonic()
             out = sh(argv + (["-R"] if reverse else []), capture_output=True).stdout
+            wall = time.monotonic() - t0
         finally:
             srv.wait(30)
-        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e6
+        return json.loads(out)["end"], wall
