@@ -262,9 +262,9 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;
     if let Some(m) = &a.metrics {
-        // Checked here: a bad address would only show in the batch job's output.
-        crate::web::address(m)
-            .parse::<std::net::SocketAddr>()
+        // Checked here (its form, and that its host name resolves): a bad
+        // address would only show in the batch job's output.
+        std::net::ToSocketAddrs::to_socket_addrs(&crate::web::address(m))
             .map_err(|e| usage(format!("--metrics {m}"), format!("not PORT or HOST:PORT: {e}")))?;
     }
     let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm, a.metrics.as_deref());

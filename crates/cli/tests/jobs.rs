@@ -140,6 +140,12 @@ fn dry_run_prints_the_batch_script_with_overrides() {
     assert!(!r.stdout.contains("--nodes=2") && !r.stdout.contains("1:00:00"), "flags must override the job file:\n{}", r.stdout);
     let r = dmover(["submit", "--dry-run", "--time", "soon"]).arg(&job.path).run();
     r.assert_fails(2, &["--time", "HH:MM:SS"]);
+    // --metrics goes to the script's `dmover run`, a host name as well as an address.
+    let r = dmover(["submit", "--dry-run", "--metrics", "localhost:9464"]).arg(&job.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains(&format!("exec {BIN} run --metrics localhost:9464 {}", job.path.display())), "{}", r.stdout);
+    let r = dmover(["submit", "--dry-run", "--metrics", "localhost"]).arg(&job.path).run();
+    r.assert_fails(2, &["--metrics localhost", "not PORT or HOST:PORT"]);
 }
 
 #[test]
