@@ -25,9 +25,9 @@
 //!   once, each on its own (not the whole file system, which would wait for
 //!   other programs' writes), so the file system commits them together;
 //!   a batch of many empty files instead takes one sync of each file
-//!   system they are on (`--no-fsync` skips the syncs). The writers have the kernel start
-//!   writing each block back as soon as it is written, so a sync finds
-//!   little left to do.
+//!   system they are on (`--no-fsync` skips the syncs). The writers have
+//!   the kernel start writing each block back as soon as it is written,
+//!   so a sync finds little left to do.
 //!
 //! In a download the receiving end (the client) dials the data
 //! connections: when the sender's tuner wants another stream it says

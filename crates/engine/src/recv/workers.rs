@@ -418,10 +418,11 @@ const SYNC_FILE_SYSTEM_AT: usize = 32;
 
 /// Makes each file of a batch durable, and the names in `dirs`: the empty
 /// files and the directories by one sync of each file system they are on
-/// when there are [`SYNC_FILE_SYSTEM_AT`] such files and the storage can, else on up
-/// to [`METADATA_SYNC_THREADS`] threads; then the files with data on up
-/// to [`SYNC_THREADS`]. Returns the files that were made durable (the
-/// others are reported failed) and whether every directory was.
+/// when there are [`SYNC_FILE_SYSTEM_AT`] such files and the storage can,
+/// else on up to [`METADATA_SYNC_THREADS`] threads; then the files with
+/// data on up to [`SYNC_THREADS`]. Returns the files that were made
+/// durable (the others are reported failed) and whether every directory
+/// was.
 fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io::Result<()>) {
     enum Job<'a> {
         File(usize, &'a Arc<dyn WriteFile>),
