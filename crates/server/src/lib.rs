@@ -77,6 +77,8 @@ const MAX_HANDSHAKES_PER_ADDR: usize = 128;
 const MAX_STREAMS: u64 = 64;
 /// How long a data connection may wait for its session to appear.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a third-party copy tells its client how far it got.
+const PUSH_PROGRESS_EVERY: Duration = Duration::from_millis(500);
 
 /// Asks a running server to stop; cheap to clone, usable from a signal thread.
 #[derive(Clone)]
@@ -869,28 +871,29 @@ fn push(
             send_config(srv, options, params, creds.len(), progress.clone()),
         )
     };
-    // Progress goes to the client from this thread while the transfer runs.
-    // One attempt: the tickets open one session each, so a retry is the
-    // client's, with fresh tickets.
+    // Progress goes to the client from this thread while the transfer runs;
+    // the report follows the transfer's end at once. One attempt: the
+    // tickets open one session each, so a retry is the client's, with
+    // fresh tickets.
     let result = std::thread::scope(|s| {
-        let h = s.spawn(|| attempt(&progress));
-        let mut last = Instant::now();
-        while !h.is_finished() {
-            std::thread::sleep(Duration::from_millis(20));
-            if last.elapsed() >= Duration::from_millis(500) {
-                last = Instant::now();
-                let p = progress.snapshot();
-                let m = RemoteReport::Progress {
-                    files: p.done_files,
-                    bytes: p.done_bytes,
-                    total_files: p.total_files,
-                    total_bytes: p.total_bytes,
-                    walk_done: p.walk_done,
-                };
-                if w.send(m).is_err() {
-                    break;
-                }
-            }
+        // Dropped when the attempt ends, which wakes this thread.
+        let (ended, end) = crossbeam_channel::bounded::<()>(0);
+        let running = &progress;
+        let h = s.spawn(move || {
+            let _ended = ended;
+            attempt(running)
+        });
+        let mut told = true;
+        while told && end.recv_timeout(PUSH_PROGRESS_EVERY) == Err(crossbeam_channel::RecvTimeoutError::Timeout) {
+            let p = progress.snapshot();
+            let m = RemoteReport::Progress {
+                files: p.done_files,
+                bytes: p.done_bytes,
+                total_files: p.total_files,
+                total_bytes: p.total_bytes,
+                walk_done: p.walk_done,
+            };
+            told = w.send(m).is_ok();
         }
         h.join().unwrap_or_else(|_| Err(Error::internal("transfer thread panicked")))
     });
