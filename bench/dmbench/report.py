@@ -141,7 +141,7 @@ def _section(i: int, res: WorkloadResult, runs: int) -> str:
     if res.skipped:
         lines += [f"Skipped: {res.skipped}.", ""]
         return "\n".join(lines)
-    lines += _figures_table(res) + _ratio_table(res) + _verdict_table(res) + _trials(res)
+    lines += _figures_table(res) + _ratio_table(res) + _verdict_table(res) + _cpu(res) + _trials(res)
     lines += _checks(res)
     lines += _profile(res) if res.profile else []
     per_run = "; the other runs repeat run 1 with the tools in rotated order"
@@ -246,6 +246,37 @@ def _verdict_table(res: WorkloadResult) -> list[str]:
             f"| {fmt_spread(peer)} | {fmt_ratio(ev['ratio'])} "
             f"| {row.target.text if row.target else '–'} | {verdict_text(row, ev)} |")
     return lines + [""]
+
+
+def _cpu_per_gb(res: WorkloadResult, tool: str) -> float | None:
+    """Client and server CPU seconds per GB together (a local copy has one process)."""
+    sides = [st.median for k in ("client_cpu_s_per_gb", "server_cpu_s_per_gb") if (st := res.stat(tool, k))]
+    return sum(sides) if sides else None
+
+
+def _cpu(res: WorkloadResult) -> list[str]:
+    """dmover's CPU per GB beside the fastest peer's, and why it is higher
+    where it is: the per-byte work only dmover does here."""
+    own = _cpu_per_gb(res, "dmover")
+    peers = [t for t in res.figures
+             if not t.startswith("dmover") and t != res.limit and res.stat(t, "seconds")]
+    if own is None or not peers:
+        return []
+    fastest = min(peers, key=lambda t: res.stat(t, "seconds").median)
+    theirs = _cpu_per_gb(res, fastest)
+    if theirs is None:
+        return []
+    line = (f"CPU per GB, client and server together (medians): dmover {fmt(own)} s, the fastest "
+            f"peer ({fastest}) {fmt(theirs)} s.")
+    if own > theirs:
+        line += (" dmover spends more because it encrypts and authenticates every record it "
+                 "sends (AES-256-GCM, sealed at one end and opened at the other: "
+                 "bench/ENCRYPTION.md), which no peer here does (GridFTP runs without data "
+                 "channel protection; rsync, rclone and cp copy locally, with no network between "
+                 "their ends), checksums every block "
+                 "at both ends (XXH3-128), and on disk makes each file durable before it "
+                 "confirms it (bench/DURABILITY.md).")
+    return [line, ""]
 
 
 def _trials(res: WorkloadResult) -> list[str]:
