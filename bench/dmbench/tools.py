@@ -346,6 +346,38 @@ class GlobusUrlCopy(ServerCopyTool):
                 self.server.url(f"{dest}/")]
 
 
+class GlobusThirdParty(GlobusUrlCopy):
+    """globus-url-copy of the tree between two GridFTP endpoints (a
+    third-party transfer: the client only steers, the data goes from the
+    source server's process to the destination server's), here both
+    served by one GridFTP server, as a site's transfer node would. The
+    server's processes run as `nobody`, which cannot read the data set's
+    private files, so they read a copy of it that anyone may read, made
+    once before the runs. Only the pipelined settings are tried: without
+    `-pp` (`-fast -p 4`) a third-party copy of 500 small files here did
+    not finish within the harness's time limit."""
+
+    name = "globus-url-copy third party"
+    candidates = tuple(c for c in GlobusUrlCopy.candidates if "-pp" in c)
+
+    def session(self, ctx):
+        src = self.dataset.src(ctx.scratch)
+        self.readable = ctx.work / "gridftp-src" / src.parent.name
+        if not self.readable.is_dir():
+            remove_tree(ctx.log, self.readable.parent)
+            self.readable.parent.mkdir(parents=True)
+            for argv in (["cp", "-r", str(src), str(self.readable)],
+                         ["chmod", "-R", "a+rX", str(self.readable.parent)]):
+                res = run(ctx.log, argv)
+                if res.rc != 0:
+                    raise BenchError(res.describe())
+        return super().session(ctx)
+
+    def command(self, ctx, src, dest, run_no):
+        return ["globus-url-copy", "-r", "-cd", *self.options, self.server.url(f"{self.readable}/"),
+                self.server.url(f"{dest}/")]
+
+
 class DmoverCopy(DmoverBuild, ServerCopyTool):
     """`dmover cp` into a dmover server of the same build (loopback, or
     across a netns link); it keeps permissions and modification times.

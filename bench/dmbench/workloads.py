@@ -15,7 +15,7 @@ from .core import BASELINE, Context, Row, Target, Workload
 from .datasets import Dataset
 from .system import BenchError
 from .tools import (Cp, DmoverBench, DmoverCopy, DmoverDownload, DmoverThirdParty, Fio,
-                    GlobusUrlCopy, GridftpMemory, Iperf3, Rclone, Rsync)
+                    GlobusThirdParty, GlobusUrlCopy, GridftpMemory, Iperf3, Rclone, Rsync)
 from .wanem import WanLink
 
 STREAMS = (1, 2, 4, 8, 16)
@@ -111,7 +111,8 @@ class DiskCopy(Workload):
 
     def describe(self, ctx):
         return (f"{self.dataset(ctx).describe()}. dmover copies to a `dmover serve` and "
-                "globus-url-copy to a GridFTP server, both on 127.0.0.1; rsync, rclone and "
+                "globus-url-copy to a GridFTP server, both on 127.0.0.1 (and, as \"globus-url-copy "
+                "third party\", between two endpoints of that server); rsync, rclone and "
                 "cp copy locally. The limit is fio's sequential rate with direct I/O (the "
                 "lower of write and read, 1 MiB blocks). Destination removed and page cache "
                 "dropped before every run; every copy is checked afterwards. dmover reports "
@@ -125,7 +126,7 @@ class DiskCopy(Workload):
     def tools(self, ctx):
         ds = self.dataset(ctx)
         return [*dmovers(ctx, lambda **b: DmoverCopy(ds, **b)),
-                GlobusUrlCopy(ds), Rsync(ds), Rclone(ds), Cp(ds),
+                GlobusUrlCopy(ds), GlobusThirdParty(ds), Rsync(ds), Rclone(ds), Cp(ds),
                 Fio(pick(ctx, "1G", "64M"))]
 
     def rows(self, ctx):
@@ -135,7 +136,7 @@ class DiskCopy(Workload):
         # like-for-like figure), and a build is compared with the baseline
         # including the sync, since a baseline may not make files durable.
         rows, synced = [], []
-        for peer in ("globus-url-copy", "rsync", "rclone", "cp -r"):
+        for peer in ("globus-url-copy", "globus-url-copy third party", "rsync", "rclone", "cp -r"):
             key, target = self.targets.get(peer, ("mb_per_s", None))
             measure = "files/s" if key == "files_per_s" else "MB/s"
             rows.append(Row(measure, "dmover", key, peer, target))
@@ -149,7 +150,7 @@ class SmallFiles(DiskCopy):
     title = "Small files, disk to disk over loopback"
     beat = Target(">", 1.0, "more files/s than the peer")
     targets = {"rsync": ("files_per_s", beat), "rclone": ("files_per_s", beat),
-               "globus-url-copy": ("files_per_s", None)}
+               "globus-url-copy": ("files_per_s", None), "globus-url-copy third party": ("files_per_s", None)}
     baseline_key = "files_per_s"
 
     def dataset(self, ctx):
