@@ -273,9 +273,8 @@ def _cpu(res: WorkloadResult) -> list[str]:
                  "sends (AES-256-GCM, sealed at one end and opened at the other: "
                  "bench/ENCRYPTION.md), which no peer here does (GridFTP runs without data "
                  "channel protection; rsync, rclone and cp copy locally, with no network between "
-                 "their ends), checksums every block "
-                 "at both ends (XXH3-128), and on disk makes each file durable before it "
-                 "confirms it (bench/DURABILITY.md).")
+                 "their ends), checksums every block at both ends (XXH3-128), and on disk makes "
+                 "each file durable before it confirms it (bench/DURABILITY.md).")
     return [line, ""]
 
 
