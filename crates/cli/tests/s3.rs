@@ -109,13 +109,13 @@ fn make_sparse(path: &Path, size: u64, seed: u64) {
 }
 
 /// Runs `dmover cp ARGS` and kills it with SIGKILL once the server holds
-/// `parts` parts of the multipart upload of `temp` (the temporary key);
-/// returns how many it held.
-fn kill_when_parts_held(t: &Setup, args: &[&str], temp: &str, parts: u64) -> u64 {
+/// `parts` parts of the multipart upload of `key` (made under the key the
+/// file is to have, invisible until complete); returns how many it held.
+fn kill_when_parts_held(t: &Setup, args: &[&str], key: &str, parts: u64) -> u64 {
     let mut p = t.cp(args).spawn();
     let mut held = 0;
     let caught = wait_until(std::time::Duration::from_secs(300), || {
-        held = t.s3.uploads("data").iter().filter(|(k, _)| k == temp).map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>() as u64;
+        held = t.s3.uploads("data").iter().filter(|(k, _)| k == key).map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>() as u64;
         held >= parts || !p.running()
     });
     assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");
@@ -134,7 +134,7 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     make_sparse(&file, size, 31);
     let args = [file.to_str().unwrap(), "s3://data/up/huge.bin"];
     // Killed once the server holds a quarter of the parts.
-    let held = kill_when_parts_held(&t, &args, "up/.huge.bin.dmover-part", size / PART / 4);
+    let held = kill_when_parts_held(&t, &args, "up/huge.bin", size / PART / 4);
     // Nothing is visible under the final key, the upload is incomplete.
     assert!(!bucket.join("up/huge.bin").exists(), "visible after the copy was killed");
     assert_eq!(t.s3.uploads("data").len(), 1, "{:?}", t.s3.uploads("data"));
@@ -210,7 +210,7 @@ fn an_upload_whose_blocks_straddle_parts_resumes_identical() {
     // Four parts held by the server: at least two recorded by the client
     // (it may lag a part or two behind when the machine is busy), holding
     // ten whole blocks.
-    let held = kill_when_parts_held(&t, &args, ".odd.bin.dmover-part", 4);
+    let held = kill_when_parts_held(&t, &args, "odd.bin", 4);
     let j = t.cp(args).run().assert_ok();
     let sent = u(&j["sent_bytes"]);
     eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the first run was killed");
@@ -227,10 +227,16 @@ fn an_upload_whose_source_changed_is_started_afresh_and_the_old_one_aborted() {
     let file = src.join("moving.bin");
     let size = 64 * MIB;
     make_sparse(&file, size, 47);
+    // An older object is there: the upload is made under its key, but it
+    // stays whole until the new one is complete.
+    let older = src.join("older");
+    fs::write(&older, b"the version before").unwrap();
+    t.cp([older.to_str().unwrap(), "s3://data/moving.bin"]).run().assert_ok();
     let args = [file.to_str().unwrap(), "s3://data/moving.bin", "--bwlimit", "8M"];
-    kill_when_parts_held(&t, &args, ".moving.bin.dmover-part", 2);
+    kill_when_parts_held(&t, &args, "moving.bin", 2);
     let old_upload = t.s3.uploads("data");
     assert_eq!(old_upload.len(), 1, "{old_upload:?}");
+    assert_eq!(fs::read(bucket.join("moving.bin")).unwrap(), b"the version before", "the older object was touched");
     // Rewritten with other bytes (and so a new mtime) before the re-run.
     make_sparse(&file, size, 48);
     let j = t.cp(args).run().assert_ok();
@@ -396,6 +402,8 @@ fn sync_skips_what_is_there_both_ways() {
     t.s3.bucket("data");
     let src = t.env.mkdir("src");
     make_tree(&src, 23, 10);
+    // Uploaded in parts, its metadata set after.
+    make_file(&src.join("parts.bin"), 20 << 20, &mut Rng::new(24));
     let j = t.cp([src.to_str().unwrap(), "s3://data/", "--sync"]).run().assert_ok();
     let files = u(&j["files"]);
     assert_eq!(u(&j["skipped_files"]), 0, "{j:#}");
@@ -425,7 +433,8 @@ fn damaged_objects_fail_verification_on_the_way_down() {
     let mut rng = Rng::new(9);
     // One read in a single GET, one in ranges of it.
     make_file(&src.join("small.bin"), 3 << 20, &mut rng);
-    make_file(&src.join("large.bin"), 9 << 20, &mut rng);
+    // Larger than a part: uploaded in parts, its digest set after.
+    make_file(&src.join("large.bin"), 20 << 20, &mut rng);
     t.cp([src.to_str().unwrap(), "s3://data/"]).run().assert_ok();
     // Damage the objects behind the server's back, keeping their size.
     for name in ["small.bin", "large.bin"] {
@@ -603,7 +612,7 @@ fn an_upload_into_a_served_bucket_killed_midway_resumes() {
     let mut held = 0;
     let caught = wait_until(std::time::Duration::from_secs(120), || {
         let uploads = t.s3.uploads("data");
-        held = uploads.iter().filter(|(k, _)| k == "in/.big.bin.dmover-part").map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>();
+        held = uploads.iter().filter(|(k, _)| k == "in/big.bin").map(|(k, id)| t.s3.parts("data", k, id)).sum::<usize>();
         held >= 2 || !p.running()
     });
     assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({held} parts held)");

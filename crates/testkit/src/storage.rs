@@ -61,6 +61,7 @@ pub fn run(make: &dyn Fn() -> Subject) {
         ("reopen finds a file created earlier, and nothing else", reopen_finds_own_files),
         ("commit sets attributes and renames into place", commit_renames),
         ("commit replaces an existing file", commit_replaces),
+        ("a file created for a name leaves it untouched until commit", create_for_leaves_dest),
         ("create_empty makes an empty file in place, only where nothing has the name", create_empty_in_place),
         ("remove and remove_dir", removes),
         ("make_dir sets its mode and refuses a file in the way", make_dir_modes),
@@ -203,6 +204,31 @@ fn commit_replaces(t: &Subject) {
     f.write_all_at(b"new", 0).unwrap();
     t.s().commit(f.as_ref(), &t.p(".f.part"), &t.p("f"), None).unwrap();
     assert_eq!(read(t, "f"), b"new");
+}
+
+/// Large enough that an object store sends it in several parts.
+const SEVERAL_PARTS: usize = 40 << 20;
+
+fn create_for_leaves_dest(t: &Subject) {
+    write_file(t, "f", b"old old old");
+    let data: Vec<u8> = (0..SEVERAL_PARTS).map(|i| (i % 251) as u8).collect();
+    // Written whole, then given up: the old file is as it was.
+    let f = t.s().create_for(&t.p(".f.part"), &t.p("f")).unwrap();
+    f.write_all_at(&data, 0).unwrap();
+    assert_eq!(read(t, "f"), b"old old old", "changed before commit");
+    t.s().remove(&t.p(".f.part")).unwrap();
+    drop(f);
+    assert_eq!(read(t, "f"), b"old old old", "changed by a file given up");
+    // Written again and committed: the new file, with its attributes.
+    let f = t.s().create_for(&t.p(".f.part"), &t.p("f")).unwrap();
+    f.write_all_at(&data, 0).unwrap();
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 5)), digest: None };
+    t.s().commit(f.as_ref(), &t.p(".f.part"), &t.p("f"), Some(&attrs)).unwrap();
+    drop(f);
+    assert!(read(t, "f") == data, "not the file committed");
+    let s = t.s().stat(&t.p("f")).unwrap();
+    assert_eq!((s.size, s.mode, s.mtime), (data.len() as u64, 0o640, (1_000_000_000, 5)));
+    assert_eq!(t.s().stat(&t.p(".f.part")).unwrap_err().kind(), io::ErrorKind::NotFound);
 }
 
 fn create_empty_in_place(t: &Subject) {

@@ -152,7 +152,7 @@ impl Slot {
             return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file is no longer open"));
         }
         log::debug!("{}: new partial file", self.paths.temp.display());
-        let f: Arc<dyn WriteFile> = sh.store.create(&self.paths.temp)?.into();
+        let f: Arc<dyn WriteFile> = sh.store.create_for(&self.paths.temp, &self.paths.dest)?.into();
         if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
             io.journal = Some(Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32)?);
         }

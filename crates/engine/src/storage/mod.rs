@@ -179,6 +179,15 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// make us write elsewhere) is unlinked first, and the new file is
     /// created exclusively, so its inode is ours.
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>>;
+    /// Creates `path` as [`create`](Storage::create) does, to be committed
+    /// as `dest`. A storage whose files appear only when committed (an
+    /// object store, whose multipart upload is invisible until complete)
+    /// may write it where it will end up, so that commit moves nothing;
+    /// `dest` is untouched until then, and removing `path` gives the file up.
+    fn create_for(&self, path: &Path, dest: &Path) -> io::Result<Box<dyn WriteFile>> {
+        let _ = dest;
+        self.create(path)
+    }
     /// Creates the empty file `path` under its final name, with `attrs`'s
     /// mode and mtime, if nothing has that name: an empty file holds no
     /// data to be caught half-written, so it needs no temporary name and

@@ -7,11 +7,18 @@
 //! only once committed: a file being written is kept in memory part by
 //! part, and each part wholly written is sent as a part of a multipart
 //! upload; commit sends the last part and completes it. A file smaller
-//! than a part is sent by one PUT at commit, under its final key; a larger
-//! one is completed under the name it was created with and copied to its
-//! final key with its metadata (the digest is known only at the end, and
-//! S3 sets metadata only when an object is made). Nothing is visible under
-//! the final key before commit.
+//! than a part is sent by one PUT at commit, under its final key. A larger
+//! one is uploaded under the key it will be committed as, when created
+//! for one ([`Storage::create_for`]): a multipart upload is invisible until
+//! complete, so that key is untouched until commit, which completes the
+//! upload and then sets the object's metadata by copying it onto itself
+//! (the digest is known only at the end, and S3 sets metadata only when an
+//! object is made; a server copies an object onto itself by rewriting its
+//! metadata alone, where it can). Until that copy ends, the object is
+//! whole but without its metadata: a run cut short there leaves one that
+//! a later `--sync` sends again. A file committed under another name is
+//! completed under its own and copied. Nothing is visible under the final
+//! key before commit.
 //!
 //! Uploads are resumable. Each is recorded in a local state directory
 //! (`uploads/`): its id, then each part's ETag once the server has taken
@@ -61,7 +68,7 @@ use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
-use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart, MetadataDirective};
 use aws_sdk_s3::Client;
 use bytes::Bytes;
 use dmover_proto::ErrorKind;
@@ -104,6 +111,8 @@ const LISTED_STALL: std::time::Duration = std::time::Duration::from_secs(5);
 const COMMITS_IN_FLIGHT: usize = 32;
 /// Part size of a copy made by the server (at most 5 GiB).
 const COPY_PART: u64 = 1 << 30;
+/// The largest object one copy request copies (S3's limit).
+const MAX_COPY: u64 = 5 << 30;
 
 /// How long connecting to the server may take.
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -436,10 +445,16 @@ impl Inner {
     }
 
     /// Copies `from` (of `size` bytes) to `to` with `meta` in place of its
-    /// metadata, by the server, in parts (so of any size).
+    /// metadata, by the server: by one request up to the largest object
+    /// one copies (so an object copied onto itself only has its metadata
+    /// rewritten, where the server can), in parts above.
     async fn copy(&self, from: &str, to: &str, size: u64, meta: HashMap<String, String>) -> io::Result<()> {
         let c = &self.client;
         let source = copy_source(&self.bucket, from);
+        if size <= MAX_COPY {
+            let r = c.copy_object().bucket(&self.bucket).key(to).copy_source(&source).metadata_directive(MetadataDirective::Replace);
+            return r.set_metadata(Some(meta)).send().await.map(drop).map_err(|e| io_error(to, e));
+        }
         let up =
             c.create_multipart_upload().bucket(&self.bucket).key(to).set_metadata(Some(meta)).send().await.map_err(|e| io_error(to, e))?;
         let id = up.upload_id().unwrap_or_default().to_string();
@@ -728,6 +743,9 @@ struct S3Write {
     inner: Arc<Inner>,
     /// The key it was created under.
     key: String,
+    /// The key its multipart upload is made under: the key it is to be
+    /// committed as, or its own.
+    target: String,
     up: Mutex<Upload>,
 }
 
@@ -1125,22 +1143,37 @@ impl Ranges {
     }
 }
 
-/// What the local record of an upload says: its id, and the ETag of each
-/// part the server took, by index.
+/// What the local record of an upload says: its id, the key it is made
+/// under, and the ETag of each part the server took, by index.
 #[derive(Debug, PartialEq)]
 struct Record {
     id: String,
+    target: String,
     parts: HashMap<u64, String>,
 }
 
 impl Record {
-    /// Reads a record: the id on the first line, then `index etag` lines
-    /// (a torn last line is ignored).
-    fn parse(text: &str) -> Option<Record> {
+    /// The record's first line: the upload's id and, in hex, its key.
+    fn head(id: &str, target: &str) -> String {
+        format!("{id} {}\n", hex::encode(target))
+    }
+
+    /// Reads the record of the upload of file `k`: the id and key on the
+    /// first line (the id alone in a record an earlier version wrote: the
+    /// upload is under `k`), then `index etag` lines (a torn last line is
+    /// ignored).
+    fn parse(text: &str, k: &str) -> Option<Record> {
         let mut lines = text.split_inclusive('\n').filter_map(|l| l.strip_suffix('\n'));
-        let id = lines.next().filter(|id| !id.is_empty())?.to_string();
+        let first = lines.next()?;
+        let (id, target) = match first.split_once(' ') {
+            Some((id, target)) => (id, String::from_utf8(hex::decode(target).ok()?).ok()?),
+            None => (first, k.to_string()),
+        };
+        if id.is_empty() {
+            return None;
+        }
         let parts = lines.filter_map(|l| l.split_once(' ')).filter_map(|(i, etag)| Some((i.parse().ok()?, etag.to_string()))).collect();
-        Some(Record { id, parts })
+        Some(Record { id: id.to_string(), target, parts })
     }
 }
 
@@ -1152,13 +1185,13 @@ impl Inner {
     }
 
     fn record(&self, k: &str) -> Option<Record> {
-        Record::parse(&std::fs::read_to_string(self.record_path(k)).ok()?)
+        Record::parse(&std::fs::read_to_string(self.record_path(k)).ok()?, k)
     }
 
     /// Aborts the upload of `k` that the record names, if any, and drops the record.
     fn abandon(&self, k: &str) -> io::Result<()> {
         let Some(r) = self.record(k) else { return Ok(()) };
-        let abort = self.client.abort_multipart_upload().bucket(&self.bucket).key(k).upload_id(&r.id);
+        let abort = self.client.abort_multipart_upload().bucket(&self.bucket).key(&r.target).upload_id(&r.id);
         match self.rt.block_on(abort.send()) {
             Ok(_) => {}
             Err(e) if status(&e) == Some(404) => {}
@@ -1167,24 +1200,25 @@ impl Inner {
         remove_record(&self.record_path(k))
     }
 
-    /// Starts a multipart upload of `k`, aborting any other of that key
-    /// (one an interrupted run started but did not record), and records it.
-    /// Neither the clean-up (which needs leave to list uploads) nor the
-    /// record is needed for the upload itself: their failure is a warning.
-    fn begin(&self, k: &str) -> io::Result<String> {
+    /// Starts the multipart upload of file `k` under key `target`,
+    /// aborting any other of that key (one an interrupted run started but
+    /// did not record), and records it. Neither the clean-up (which needs
+    /// leave to list uploads) nor the record is needed for the upload
+    /// itself: their failure is a warning.
+    fn begin(&self, k: &str, target: &str) -> io::Result<String> {
         let c = &self.client;
-        match self.rt.block_on(c.list_multipart_uploads().bucket(&self.bucket).prefix(k).send()) {
+        match self.rt.block_on(c.list_multipart_uploads().bucket(&self.bucket).prefix(target).send()) {
             Ok(listed) => {
-                for u in listed.uploads().iter().filter(|u| u.key() == Some(k)) {
-                    let abort = c.abort_multipart_upload().bucket(&self.bucket).key(k).upload_id(u.upload_id().unwrap_or_default());
+                for u in listed.uploads().iter().filter(|u| u.key() == Some(target)) {
+                    let abort = c.abort_multipart_upload().bucket(&self.bucket).key(target).upload_id(u.upload_id().unwrap_or_default());
                     let _ = self.rt.block_on(abort.send());
                 }
             }
-            Err(e) => log::warn!("{}", io_error(&format!("{k}: listing earlier uploads to abort them"), e)),
+            Err(e) => log::warn!("{}", io_error(&format!("{target}: listing earlier uploads to abort them"), e)),
         }
-        let r = self.rt.block_on(c.create_multipart_upload().bucket(&self.bucket).key(k).send()).map_err(|e| io_error(k, e))?;
+        let r = self.rt.block_on(c.create_multipart_upload().bucket(&self.bucket).key(target).send()).map_err(|e| io_error(k, e))?;
         let id = r.upload_id().unwrap_or_default().to_string();
-        let recorded = std::fs::create_dir_all(&self.uploads).and_then(|()| std::fs::write(self.record_path(k), format!("{id}\n")));
+        let recorded = std::fs::create_dir_all(&self.uploads).and_then(|()| std::fs::write(self.record_path(k), Record::head(&id, target)));
         if let Err(e) = recorded {
             log::warn!("{}: {e}; the upload of {k} cannot be resumed if cut short", self.uploads.display());
         }
@@ -1193,14 +1227,14 @@ impl Inner {
 
     /// Takes up the recorded upload of `k` again: the parts the server
     /// holds whose size is a whole part and whose ETag is the one recorded
-    /// when they were sent. None if there is no record, or the server no
-    /// longer has the upload.
-    fn resume(&self, k: &str) -> io::Result<Option<Upload>> {
+    /// when they were sent, and the key it is made under. None if there is
+    /// no record, or the server no longer has the upload.
+    fn resume(&self, k: &str) -> io::Result<Option<(Upload, String)>> {
         let Some(r) = self.record(k) else { return Ok(None) };
         let mut up = Upload { id: Some(r.id.clone()), ..Upload::default() };
         let mut marker = None;
         loop {
-            let req = self.client.list_parts().bucket(&self.bucket).key(k).upload_id(&r.id).set_part_number_marker(marker);
+            let req = self.client.list_parts().bucket(&self.bucket).key(&r.target).upload_id(&r.id).set_part_number_marker(marker);
             let listed = match self.rt.block_on(req.send()) {
                 Ok(l) => l,
                 Err(e) if status(&e) == Some(404) => {
@@ -1219,7 +1253,7 @@ impl Inner {
             }
             marker = listed.next_part_number_marker().map(str::to_string);
             if !listed.is_truncated().unwrap_or(false) || marker.is_none() {
-                return Ok(Some(up));
+                return Ok(Some((up, r.target)));
             }
         }
     }
@@ -1245,10 +1279,10 @@ impl S3Write {
         }
         let id = match &up.id {
             Some(id) => id.clone(),
-            None => up.id.insert(i.begin(&self.key)?).clone(),
+            None => up.id.insert(i.begin(&self.key, &self.target)?).clone(),
         };
         let (data, lease) = part.into_body(&i.budget)?;
-        let req = i.client.upload_part().bucket(&i.bucket).key(&self.key).upload_id(id).part_number(index as i32 + 1);
+        let req = i.client.upload_part().bucket(&i.bucket).key(&self.target).upload_id(id).part_number(index as i32 + 1);
         let (key, record) = (self.key.clone(), i.record_path(&self.key));
         up.sent.insert(
             index,
@@ -1317,23 +1351,23 @@ impl S3Write {
                 done.push(CompletedPart::builder().part_number(index as i32 + 1).e_tag(etag).build());
             }
             let all = CompletedMultipartUpload::builder().set_parts(Some(done)).build();
-            let c = i.client.complete_multipart_upload().bucket(&i.bucket).key(&self.key).upload_id(id).multipart_upload(all);
+            let c = i.client.complete_multipart_upload().bucket(&i.bucket).key(&self.target).upload_id(id).multipart_upload(all);
             c.send().await.map_err(|e| io_error(&self.key, e))?;
             Ok::<_, io::Error>(())
         })?;
         up.done = true;
-        log::debug!("{}: commit: completed; copying", self.key);
+        log::debug!("{}: commit: completed under {}; setting its metadata", self.key, self.target);
         remove_record(&i.record_path(&self.key))?;
         i.rt.block_on(async {
             // Onto its own key, the copy only sets the metadata.
-            let copied = i.copy(&self.key, to, size, meta).await;
-            if to == self.key && copied.is_ok() {
+            let copied = i.copy(&self.target, to, size, meta).await;
+            if to == self.target && copied.is_ok() {
                 return Ok(());
             }
             // The object under its first key goes, and so does one left
             // without its metadata when the copy failed.
-            let deleted = i.client.delete_object().bucket(&i.bucket).key(&self.key).send().await;
-            copied.and(deleted.map(drop).map_err(|e| io_error(&self.key, e)))
+            let deleted = i.client.delete_object().bucket(&i.bucket).key(&self.target).send().await;
+            copied.and(deleted.map(drop).map_err(|e| io_error(&self.target, e)))
         })
     }
 }
@@ -1568,21 +1602,25 @@ impl Storage for S3 {
     }
 
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
-        let k = self.inner.key(path)?;
-        if k == self.inner.root {
+        self.create_for(path, path)
+    }
+
+    fn create_for(&self, path: &Path, dest: &Path) -> io::Result<Box<dyn WriteFile>> {
+        let (k, target) = (self.inner.key(path)?, self.inner.key(dest)?);
+        if k == self.inner.root || target == self.inner.root {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file"));
         }
         // A file made afresh replaces the upload an earlier run left.
         if let Err(e) = self.inner.abandon(&k) {
             log::warn!("{}: cannot abort the upload an earlier run left: {e}", self.display(path));
         }
-        Ok(Box::new(S3Write { inner: self.inner.clone(), key: k, up: Mutex::new(Upload::default()) }))
+        Ok(Box::new(S3Write { inner: self.inner.clone(), key: k, target, up: Mutex::new(Upload::default()) }))
     }
 
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>> {
         let k = self.inner.key(path)?;
-        let up = self.inner.resume(&k)?;
-        Ok(up.map(|up| Box::new(S3Write { inner: self.inner.clone(), key: k, up: Mutex::new(up) }) as Box<dyn WriteFile>))
+        let Some((up, target)) = self.inner.resume(&k)? else { return Ok(None) };
+        Ok(Some(Box::new(S3Write { inner: self.inner.clone(), key: k, target, up: Mutex::new(up) })))
     }
 
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
@@ -1658,9 +1696,15 @@ mod tests {
 
     #[test]
     fn a_record_survives_a_torn_last_line() {
-        let r = Record::parse("upid\n0 \"e0\"\n3 \"e3\"\n4 \"e").unwrap();
-        assert_eq!(r, Record { id: "upid".into(), parts: HashMap::from([(0, "\"e0\"".into()), (3, "\"e3\"".into())]) });
-        assert!(Record::parse("").is_none() && Record::parse("torn").is_none());
+        let head = Record::head("upid", "d/f g");
+        let r = Record::parse(&format!("{head}0 \"e0\"\n3 \"e3\"\n4 \"e"), "d/.f g.part").unwrap();
+        let parts = HashMap::from([(0, "\"e0\"".into()), (3, "\"e3\"".into())]);
+        assert_eq!(r, Record { id: "upid".into(), target: "d/f g".into(), parts: parts.clone() });
+        // An earlier version's record: the upload is under the file's own key.
+        let r = Record::parse("upid\n0 \"e0\"\n3 \"e3\"\n", "k").unwrap();
+        assert_eq!(r, Record { id: "upid".into(), target: "k".into(), parts });
+        assert!(Record::parse("", "k").is_none() && Record::parse("torn", "k").is_none());
+        assert!(Record::parse("upid nothex\n", "k").is_none());
     }
 
     #[test]
