@@ -245,9 +245,9 @@ fn open_direct(f: &File) -> Option<File> {
 /// Whether writing `buf` at `off` may go to the disk directly.
 fn direct_fits(buf: &[u8], off: u64) -> bool {
     buf.len() >= DIRECT_MIN
-        && buf.len() % DIRECT_ALIGN == 0
-        && off % DIRECT_ALIGN as u64 == 0
-        && (buf.as_ptr() as usize) % DIRECT_ALIGN == 0
+        && buf.len().is_multiple_of(DIRECT_ALIGN)
+        && off.is_multiple_of(DIRECT_ALIGN as u64)
+        && (buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
 }
 
 impl ReadFile for PosixFile {
