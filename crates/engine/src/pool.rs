@@ -6,9 +6,7 @@
 //! water mark (a quarter of the blocks), so a stalled consumer turns into
 //! back-pressure on the producer rather than into memory, and producers
 //! resume in bursts rather than one block at a time. Memory in use never
-//! exceeds `blocks × block_size` (and a page per block), whatever the data
-//! size or file count. Each block starts on a page boundary, so that a
-//! disk writer may hand it to the kernel for direct I/O.
+//! exceeds `blocks × block_size`, whatever the data size or file count.
 //!
 //! The streaming library's circular buffer is a pool too, taken from
 //! differently: the simulation's writer fills an empty block
@@ -37,35 +35,8 @@ pub struct Pool {
     fill: Option<fn(&mut [u8])>,
 }
 
-/// Alignment of the start of every block: a page, as direct I/O asks.
-pub const BLOCK_ALIGN: usize = 4096;
-
-/// The memory of a block: `block_size` bytes from `start` (a page
-/// boundary) are the block's, all initialised; the first `len` are in use.
-struct Buf {
-    bytes: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl Buf {
-    fn new(block_size: usize) -> Buf {
-        let bytes = vec![0u8; block_size + BLOCK_ALIGN];
-        let start = bytes.as_ptr().align_offset(BLOCK_ALIGN);
-        Buf { bytes, start, len: 0 }
-    }
-
-    /// Makes the first `len` bytes in use, those not in use before zeroed.
-    fn set_len(&mut self, len: usize) {
-        if len > self.len {
-            self.bytes[self.start + self.len..self.start + len].fill(0);
-        }
-        self.len = len;
-    }
-}
-
 struct PoolState {
-    free: Vec<Buf>,
+    free: Vec<Vec<u8>>,
     unallocated: usize,
     /// Set while takers wait for the low water mark.
     draining: bool,
@@ -111,19 +82,20 @@ impl Pool {
                 return None;
             }
             if !s.draining {
-                if let Some(mut b) = s.free.pop() {
-                    b.set_len(len);
-                    return Some(Block { buf: b, pool: self.clone() });
+                if let Some(mut v) = s.free.pop() {
+                    v.truncate(len);
+                    v.resize(len, 0);
+                    return Some(Block { data: v, pool: self.clone() });
                 }
                 if s.unallocated > 0 {
                     s.unallocated -= 1;
                     drop(s);
-                    let mut b = Buf::new(self.block_size);
+                    let mut v = vec![0u8; self.block_size];
                     if let Some(f) = self.fill {
-                        f(&mut b.bytes[b.start..b.start + self.block_size]);
+                        f(&mut v);
                     }
-                    b.len = len;
-                    return Some(Block { buf: b, pool: self.clone() });
+                    v.truncate(len);
+                    return Some(Block { data: v, pool: self.clone() });
                 }
                 s.draining = true;
             }
@@ -174,18 +146,18 @@ impl Pool {
     }
 
     fn take_empty(self: &Arc<Pool>, s: &mut PoolState) -> Option<Block> {
-        let buf = match s.free.pop() {
-            Some(mut b) => {
-                b.len = 0;
-                b
+        let data = match s.free.pop() {
+            Some(mut v) => {
+                v.clear();
+                v
             }
             None if s.unallocated > 0 => {
                 s.unallocated -= 1;
-                Buf::new(self.block_size)
+                Vec::with_capacity(self.block_size)
             }
             None => return None,
         };
-        Some(Block { buf, pool: self.clone() })
+        Some(Block { data, pool: self.clone() })
     }
 
     /// Wakes every taker and refuses blocks from now on (the transfer is over).
@@ -194,9 +166,9 @@ impl Pool {
         self.freed.notify_all();
     }
 
-    fn give_back(&self, b: Buf) {
+    fn give_back(&self, v: Vec<u8>) {
         let mut s = self.state.lock().expect("pool lock");
-        s.free.push(b);
+        s.free.push(v);
         if s.waiting > 0 {
             self.freed.notify_all();
         }
@@ -209,22 +181,20 @@ impl Pool {
 
 /// A block on loan from a [`Pool`]; dropping it returns it.
 pub struct Block {
-    buf: Buf,
+    data: Vec<u8>,
     pool: Arc<Pool>,
 }
 
 impl Block {
     /// Room left before the block is full.
     pub fn room(&self) -> usize {
-        self.pool.block_size - self.buf.len
+        self.pool.block_size - self.data.len()
     }
 
     /// Appends as much of `src` as fits; returns how much.
     pub fn fill(&mut self, src: &[u8]) -> usize {
         let n = src.len().min(self.room());
-        let at = self.buf.start + self.buf.len;
-        self.buf.bytes[at..at + n].copy_from_slice(&src[..n]);
-        self.buf.len += n;
+        self.data.extend_from_slice(&src[..n]);
         n
     }
 
@@ -232,28 +202,27 @@ impl Block {
     /// added, e.g. to read a block back into it.
     pub fn resize(&mut self, len: usize) {
         assert!(len <= self.pool.block_size, "a block holds at most {} bytes", self.pool.block_size);
-        self.buf.set_len(len);
+        self.data.resize(len, 0);
     }
 }
 
 impl Deref for Block {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.buf.bytes[self.buf.start..self.buf.start + self.buf.len]
+        &self.data
     }
 }
 
 impl DerefMut for Block {
     fn deref_mut(&mut self) -> &mut [u8] {
-        let (start, len) = (self.buf.start, self.buf.len);
-        &mut self.buf.bytes[start..start + len]
+        &mut self.data
     }
 }
 
 impl Drop for Block {
     fn drop(&mut self) {
-        let b = std::mem::replace(&mut self.buf, Buf { bytes: Vec::new(), start: 0, len: 0 });
-        self.pool.give_back(b);
+        let v = std::mem::take(&mut self.data);
+        self.pool.give_back(v);
     }
 }
 
@@ -315,20 +284,5 @@ mod tests {
         drop(b);
         assert_eq!(p.free(), 2);
         assert_eq!(p.take_before(Instant::now()).unwrap().len(), 0);
-    }
-
-    #[test]
-    fn blocks_start_on_a_page_and_come_back_zeroed_beyond_what_was_in_use() {
-        let p = Pool::new(2 * 8192, 8192, 0);
-        let mut b = p.take(100).unwrap();
-        assert_eq!(b.as_ptr() as usize % BLOCK_ALIGN, 0);
-        b.fill(&[1; 10]);
-        b.iter_mut().for_each(|x| *x = 9);
-        drop(b);
-        let mut b = p.take(200).unwrap();
-        assert_eq!(b.as_ptr() as usize % BLOCK_ALIGN, 0);
-        assert!(b[110..].iter().all(|x| *x == 0), "bytes beyond the last use were not zeroed");
-        b.resize(8192);
-        assert!(b[200..].iter().all(|x| *x == 0));
     }
 }

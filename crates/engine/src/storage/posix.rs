@@ -13,13 +13,6 @@
 //! A local storage (the user's own file system) uses paths as given,
 //! relative to the working directory, and follows symlinks the user names;
 //! only the final name of a file it creates is never followed.
-//!
-//! Large writes bypass the page cache: a write of whole pages from a
-//! page-aligned buffer (a staging block) goes to the disk directly
-//! (`O_DIRECT`) on file systems known to do that well (ext4, xfs), so the
-//! data is not copied into the page cache only to be flushed by the
-//! commit's `fsync` and dropped; short writes (a file's last block, small
-//! files) go through the page cache as usual.
 
 use super::{Attrs, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
 use crate::error::Refused;
@@ -33,7 +26,6 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
 
 /// How paths beneath a confined root are resolved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,92 +197,41 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
     }
 }
 
-/// Writes at least this long go to the disk directly when they can.
-const DIRECT_MIN: usize = 256 << 10;
-/// What offsets, lengths and buffers of direct writes are multiples of.
-const DIRECT_ALIGN: usize = crate::pool::BLOCK_ALIGN;
-
 /// An open file of a [`Posix`] storage.
-struct PosixFile {
-    file: File,
-    /// The file opened a second time for direct writes, on the first write
-    /// that could be one (None: its file system is not one to do them on).
-    direct: OnceLock<Option<File>>,
-}
-
-impl PosixFile {
-    fn new(fd: OwnedFd) -> PosixFile {
-        PosixFile { file: File::from(fd), direct: OnceLock::new() }
-    }
-
-    fn direct(&self) -> Option<&File> {
-        self.direct.get_or_init(|| open_direct(&self.file)).as_ref()
-    }
-}
-
-/// `f` opened again for writing with `O_DIRECT` where its file system is a
-/// local one known to do direct I/O well (ext4, xfs): through
-/// `/proc/self/fd`, the same inode, no name resolved again.
-fn open_direct(f: &File) -> Option<File> {
-    const EXT4: i64 = 0xEF53;
-    const XFS: i64 = 0x5846_5342;
-    let fs = rustix::fs::fstatfs(f).ok()?;
-    if !matches!(fs.f_type as i64, EXT4 | XFS) {
-        return None;
-    }
-    let again = format!("/proc/self/fd/{}", f.as_raw_fd());
-    rustix::fs::open(again, OFlags::WRONLY | OFlags::DIRECT | OFlags::CLOEXEC, Mode::empty()).ok().map(File::from)
-}
-
-/// Whether writing `buf` at `off` may go to the disk directly.
-fn direct_fits(buf: &[u8], off: u64) -> bool {
-    buf.len() >= DIRECT_MIN
-        && buf.len().is_multiple_of(DIRECT_ALIGN)
-        && off.is_multiple_of(DIRECT_ALIGN as u64)
-        && (buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
-}
+struct PosixFile(File);
 
 impl ReadFile for PosixFile {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
-        self.file.read_at(buf, off)
+        self.0.read_at(buf, off)
     }
 
     fn stat(&self) -> io::Result<Stat> {
-        Ok(stat_of(&rustix::fs::fstat(&self.file)?))
+        Ok(stat_of(&rustix::fs::fstat(&self.0)?))
     }
 }
 
 impl WriteFile for PosixFile {
     fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
-        if direct_fits(buf, off) {
-            if let Some(d) = self.direct() {
-                match d.write_all_at(buf, off) {
-                    // A device that wants larger alignment: through the cache.
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-                    r => return r,
-                }
-            }
-        }
-        self.file.write_all_at(buf, off)
+        self.0.write_all_at(buf, off)
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        self.file.set_len(len)
+        self.0.set_len(len)
     }
 
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()> {
-        rustix::fs::fchmod(&self.file, Mode::from_raw_mode(attrs.mode))?;
+        rustix::fs::fchmod(&self.0, Mode::from_raw_mode(attrs.mode))?;
         if let Some((s, ns)) = attrs.mtime {
             let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
             let times = Timestamps { last_access: omit, last_modification: Timespec { tv_sec: s, tv_nsec: ns as _ } };
-            rustix::fs::futimens(&self.file, &times)?;
+            rustix::fs::futimens(&self.0, &times)?;
         }
         Ok(())
     }
 
     fn write_back(&self, off: u64, len: u64) -> io::Result<()> {
         // SAFETY: the descriptor is open for the call; the range is plain numbers.
-        let r = unsafe { libc::sync_file_range(self.file.as_raw_fd(), off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE) };
+        let r = unsafe { libc::sync_file_range(self.0.as_raw_fd(), off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE) };
         if r == 0 {
             Ok(())
         } else {
@@ -299,7 +240,7 @@ impl WriteFile for PosixFile {
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.file.sync_all()
+        self.0.sync_all()
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -346,7 +287,7 @@ impl Storage for Posix {
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
         let fd = self.open_at(path, OFlags::RDONLY, Mode::empty())?;
-        Ok(Box::new(PosixFile::new(fd)))
+        Ok(Box::new(PosixFile(File::from(fd))))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
@@ -389,13 +330,13 @@ impl Storage for Posix {
             Err(e) => return Err(e.into()),
         }
         let fd = rustix::fs::openat(&parent, name, NEW_FILE, Mode::from_raw_mode(0o600))?;
-        Ok(Box::new(PosixFile::new(fd)))
+        Ok(Box::new(PosixFile(File::from(fd))))
     }
 
     fn create_empty(&self, path: &Path, attrs: &Attrs) -> io::Result<Option<Box<dyn WriteFile>>> {
         let (parent, name) = self.parent(path)?;
         let f = match rustix::fs::openat(&parent, name, NEW_FILE, Mode::from_raw_mode(0o600)) {
-            Ok(fd) => PosixFile::new(fd),
+            Ok(fd) => PosixFile(File::from(fd)),
             Err(Errno::EXIST) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
@@ -418,7 +359,7 @@ impl Storage for Posix {
             return Ok(None);
         }
         rustix::fs::fcntl_setfl(&fd, OFlags::empty())?;
-        Ok(Some(Box::new(PosixFile::new(fd))))
+        Ok(Some(Box::new(PosixFile(File::from(fd)))))
     }
 
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
@@ -462,36 +403,5 @@ impl Storage for Posix {
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
         let (parent, name) = self.parent(path)?;
         Ok(rustix::fs::unlinkat(&parent, name, AtFlags::REMOVEDIR)?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::pool::Pool;
-
-    /// Staging blocks go to the disk directly where the file system takes
-    /// direct writes, the short last block through the page cache, and the
-    /// file reads back whole either way.
-    #[test]
-    fn whole_blocks_go_to_the_disk_directly_and_the_tail_through_the_cache() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Posix::export("t", dir.path()).unwrap();
-        let f = store.create(Path::new("f")).unwrap();
-        let pool = Pool::new(2 << 20, 1 << 20, 0);
-        let mut want = Vec::new();
-        for (i, len) in [(0u8, 1 << 20), (1, 1 << 20), (2, 12345)] {
-            let mut b = pool.take(len).unwrap();
-            b.iter_mut().enumerate().for_each(|(j, x)| *x = (j % 251) as u8 ^ i);
-            f.write_all_at(&b, want.len() as u64).unwrap();
-            want.extend_from_slice(&b);
-        }
-        f.sync().unwrap();
-        let file = f.as_any().downcast_ref::<PosixFile>().unwrap();
-        let fs = rustix::fs::fstatfs(&file.file).unwrap().f_type as i64;
-        let direct = file.direct.get().is_some_and(Option::is_some);
-        assert_eq!(direct, fs == 0xEF53 || fs == 0x5846_5342, "direct writes on a file system of type {fs:#x}");
-        drop(f);
-        assert!(std::fs::read(dir.path().join("f")).unwrap() == want, "the file differs from what was written");
     }
 }
