@@ -17,7 +17,8 @@ pub struct Browser {
 }
 
 impl Browser {
-    /// Starts Chromium on `url`, with its profile in `profile`.
+    /// Starts Chromium on `url`, with its profile in `profile`, and waits
+    /// until the page has loaded.
     pub fn open(url: &str, profile: &Path) -> Browser {
         let child = Command::new("chromium")
             .args(["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars", "--mute-audio"])
@@ -54,7 +55,11 @@ impl Browser {
         if let MaybeTlsStream::Plain(s) = ws.get_ref() {
             s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         }
-        Browser { child, ws, next_id: 1 }
+        let mut b = Browser { child, ws, next_id: 1 };
+        // The page target exists before the page has loaded: wait for it.
+        let loaded = format!("document.readyState === 'complete' && location.href === {}", json!(url));
+        assert!(super::wait_until(Duration::from_secs(30), || b.eval(&loaded) == json!(true)), "chromium did not load {url}");
+        b
     }
 
     /// Calls a DevTools method and returns its result.
