@@ -25,7 +25,10 @@
 //!   once, each on its own (not the whole file system, which would wait for
 //!   other programs' writes), so the file system commits them together;
 //!   a batch of many empty files instead takes one sync of each file
-//!   system they are on (`--no-fsync` skips the syncs). The writers have
+//!   system they are on (`--no-fsync` skips the syncs). Into an object
+//!   store, whose commit is a request durable once answered, the committer
+//!   instead keeps that store's number of commits in flight, each file
+//!   committed as soon as it is verified. The writers have
 //!   the kernel start writing each block back as soon as it is written,
 //!   so a sync finds little left to do.
 //!

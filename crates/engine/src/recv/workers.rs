@@ -330,8 +330,20 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
 /// them up), together with the directories the batch before it was renamed
 /// into, which are then reported committed; then the batch is renamed into
 /// place and waits for the next round. A batch waits for the next one at
-/// most [`SYNC_MERGE`]; then a round of its names alone follows.
+/// most [`SYNC_MERGE`]; then a round of its names alone follows. A storage
+/// that takes several commits at once commits each file as it comes
+/// instead ([`commit_each`]).
 pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
+    let threads = sh.store.commits_at_once();
+    if threads > 1 {
+        std::thread::scope(|scope| {
+            for _ in 1..threads {
+                scope.spawn(|| commit_each(sh, verified));
+            }
+            commit_each(sh, verified);
+        });
+        return;
+    }
     let durable = !sh.options.flags.contains(TransferFlags::NO_FSYNC);
     // Without syncs there is nothing to merge: confirm at once.
     let merge = if durable { SYNC_MERGE } else { Duration::ZERO };
@@ -339,19 +351,10 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
     let mut renamed: Vec<Arc<Slot>> = Vec::new();
     loop {
         let first = if renamed.is_empty() {
-            crossbeam_channel::select! {
-                recv(verified) -> v => match v {
-                    Ok(v) => Some(v),
-                    Err(_) => return,
-                },
-                // Over: what was verified is still committed.
-                recv(sh.stop.woken()) -> _ => {
-                    if verified.is_empty() {
-                        return;
-                    }
-                    continue;
-                }
-                default(POLL) => continue,
+            match next_verified(sh, verified) {
+                Next::File(v) => Some(v),
+                Next::Over => return,
+                Next::Idle => continue,
             }
         } else {
             verified.recv_timeout(merge).ok()
@@ -369,21 +372,76 @@ pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
                 }
             }
         }
-        let mut committed = Vec::with_capacity(renamed.len());
-        for s in renamed.drain(..) {
-            if s.io.lock().expect("file lock").closed {
-                continue; // aborted by the sender meanwhile: it counts the file as failed
-            }
-            log::debug!("{}: committed", s.paths.dest.display());
-            if let Some(j) = &s.paths.journal {
-                let _ = sh.state.remove(j);
-            }
-            committed.push(Event::Committed { id: s.id });
-        }
-        if !committed.is_empty() {
-            let _ = sh.events.send(Input::Batch(committed));
-        }
+        report_committed(sh, std::mem::take(&mut renamed));
         renamed = rename_into_place(sh, ready);
+    }
+}
+
+/// What the committer found waiting.
+enum Next {
+    File((Arc<Slot>, Sum)),
+    /// The session is over and every verified file was taken.
+    Over,
+    /// Nothing yet: look again.
+    Idle,
+}
+
+/// The next verified file, waiting up to [`POLL`]. Once the session stops,
+/// what was verified is still taken.
+fn next_verified(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) -> Next {
+    crossbeam_channel::select! {
+        recv(verified) -> v => match v {
+            Ok(v) => Next::File(v),
+            Err(_) => Next::Over,
+        },
+        recv(sh.stop.woken()) -> _ => match verified.try_recv() {
+            Ok(v) => Next::File(v),
+            Err(_) => Next::Over,
+        },
+        default(POLL) => Next::Idle,
+    }
+}
+
+/// Commits verified files one at a time as they come, until the session
+/// stops: one of the threads of a storage whose commit is a request to a
+/// server ([`Storage::commits_at_once`](crate::storage::Storage::commits_at_once)
+/// above one: an object store's PUT), durable once answered and with no
+/// names to make durable after it. Threads that each take the next file
+/// keep that many requests in flight all the time, where batches would
+/// wait for each one's slowest request (and leave the connections idle
+/// long enough for TCP to restart slow start).
+fn commit_each(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
+    let durable = !sh.options.flags.contains(TransferFlags::NO_FSYNC);
+    loop {
+        let v = match next_verified(sh, verified) {
+            Next::File(v) => v,
+            Next::Over => return,
+            Next::Idle => continue,
+        };
+        let mut ready = prepare_commit(sh, vec![v]);
+        if durable {
+            ready = make_durable(sh, ready, &[]).0;
+        }
+        report_committed(sh, rename_into_place(sh, ready));
+    }
+}
+
+/// Reports files in place and durable as committed (but for those the
+/// sender aborted meanwhile), and drops their journals.
+fn report_committed(sh: &Shared, placed: Vec<Arc<Slot>>) {
+    let mut committed = Vec::with_capacity(placed.len());
+    for s in placed {
+        if s.io.lock().expect("file lock").closed {
+            continue; // aborted by the sender meanwhile: it counts the file as failed
+        }
+        log::debug!("{}: committed", s.paths.dest.display());
+        if let Some(j) = &s.paths.journal {
+            let _ = sh.state.remove(j);
+        }
+        committed.push(Event::Committed { id: s.id });
+    }
+    if !committed.is_empty() {
+        let _ = sh.events.send(Input::Batch(committed));
     }
 }
 

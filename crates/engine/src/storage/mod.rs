@@ -206,8 +206,11 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
     /// How many files [`commit`](Storage::commit) may take at once, from
     /// as many threads: 1 where a commit is quick (a rename), more where
-    /// each is a request to a server (an object store's PUT), so that a
-    /// batch of small files costs a few round trips, not one each.
+    /// each is a request to a server (an object store's PUT), so that many
+    /// small files cost a few round trips, not one each. A storage that
+    /// says more than one makes each commit durable by itself, with no
+    /// name to sync after it: the engine then commits each file as soon as
+    /// it is verified, that many at a time, instead of in batches.
     fn commits_at_once(&self) -> usize {
         1
     }

@@ -108,7 +108,11 @@ const FETCH_LISTED: u64 = 1 << 20;
 /// not being read: files skipped as already at their destination, say).
 const LISTED_STALL: std::time::Duration = std::time::Duration::from_secs(5);
 /// Files committed at once (each a PUT, or the completion of an upload).
-const COMMITS_IN_FLIGHT: usize = 32;
+/// Requests sharing a link fairly end together, and the link is idle for
+/// the round trip until the next ones start: the more in flight, the
+/// smaller that gap's share (at 100 Mbit/s and 50 ms, small files went up
+/// at 63 % of the link with 32, at 96 % with 128).
+const COMMITS_IN_FLIGHT: usize = 128;
 /// Part size of a copy made by the server (at most 5 GiB).
 const COPY_PART: u64 = 1 << 30;
 /// The largest object one copy request copies (S3's limit).
