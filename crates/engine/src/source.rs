@@ -9,11 +9,13 @@
 //! skipped), and dmover's own partial files are never sent.
 
 use crate::error::Error;
-use crate::storage::{self, Kind, Stat, Storage};
+use crate::storage::{self, DirEntry, Kind, Stat, Storage};
 use dmover_proto::frame::FileMeta;
 use dmover_proto::ErrorKind;
 use globset::{GlobBuilder, GlobMatcher};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::thread::ScopedJoinHandle;
 
 /// Suffix of a file being received; never sent.
 pub const PART_SUFFIX: &str = ".dmover-part";
@@ -140,7 +142,9 @@ fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> boo
 
 /// Depth-first walk of `dir`, whose entries are named `prefix/...`. With a
 /// glob, entries are named relative to `dir` and only matches are sent (a
-/// matching directory is sent whole).
+/// matching directory is sent whole). Where the storage lists several
+/// directories at once ([`Storage::lists_at_once`]), the next ones on the
+/// way are listed while one is being sent; entries come in the same order.
 fn walk_dir(
     store: &dyn Storage,
     dir: PathBuf,
@@ -148,65 +152,80 @@ fn walk_dir(
     glob: Option<(&GlobMatcher, usize)>,
     emit: &mut dyn FnMut(Event) -> bool,
 ) -> bool {
-    // (directory, its name, depth below the glob base, inside a matched directory)
-    let mut stack = vec![(dir, prefix, 0usize, glob.is_none())];
-    while let Some((dir, name, depth, take_all)) = stack.pop() {
-        let entries = match store.list(&dir) {
-            Ok(rd) => rd,
-            Err(e) => {
-                if !emit(Event::Error(Error::io(store.display(&dir), &e))) {
-                    return false;
-                }
-                continue;
-            }
-        };
-        let empty = entries.is_empty();
-        for ent in entries {
-            let fname = ent.name.to_string_lossy().into_owned();
-            let child = dmover_proto::path::join(&name, &fname);
-            let path = dir.join(&ent.name);
-            let st = match ent.stat {
-                Ok(s) => s,
+    let ahead = store.lists_at_once().saturating_sub(1);
+    std::thread::scope(|scope| {
+        // Directories being listed ahead, by path.
+        let mut listing: HashMap<PathBuf, ScopedJoinHandle<std::io::Result<Vec<DirEntry>>>> = HashMap::new();
+        // (directory, its name, depth below the glob base, inside a matched directory)
+        let mut stack = vec![(dir, prefix, 0usize, glob.is_none())];
+        while let Some((dir, name, depth, take_all)) = stack.pop() {
+            let listed = match listing.remove(&dir) {
+                Some(lister) => lister.join().unwrap_or_else(|_| Err(std::io::Error::other("the listing thread panicked"))),
+                None => store.list(&dir),
+            };
+            let entries = match listed {
+                Ok(rd) => rd,
                 Err(e) => {
-                    if !emit(Event::Error(Error::io(store.display(&path), &e))) {
+                    if !emit(Event::Error(Error::io(store.display(&dir), &e))) {
                         return false;
                     }
                     continue;
                 }
             };
-            let matched = take_all || glob.is_some_and(|(g, _)| g.is_match(&child));
-            let go_on = match st.kind {
-                Kind::Symlink => !matched || emit(Event::SkippedLink(child)),
-                Kind::Dir if fname == STATE_DIR => true,
-                Kind::Dir => {
-                    let deeper = glob.is_some_and(|(_, d)| depth + 1 < d);
-                    if matched || deeper {
-                        stack.push((path, child, depth + 1, matched));
+            let empty = entries.is_empty();
+            for ent in entries {
+                let fname = ent.name.to_string_lossy().into_owned();
+                let child = dmover_proto::path::join(&name, &fname);
+                let path = dir.join(&ent.name);
+                let st = match ent.stat {
+                    Ok(s) => s,
+                    Err(e) => {
+                        if !emit(Event::Error(Error::io(store.display(&path), &e))) {
+                            return false;
+                        }
+                        continue;
                     }
-                    true
+                };
+                let matched = take_all || glob.is_some_and(|(g, _)| g.is_match(&child));
+                let go_on = match st.kind {
+                    Kind::Symlink => !matched || emit(Event::SkippedLink(child)),
+                    Kind::Dir if fname == STATE_DIR => true,
+                    Kind::Dir => {
+                        let deeper = glob.is_some_and(|(_, d)| depth + 1 < d);
+                        if matched || deeper {
+                            stack.push((path, child, depth + 1, matched));
+                        }
+                        true
+                    }
+                    Kind::File if matched && !fname.ends_with(PART_SUFFIX) => emit(Event::File(entry(path, child, &st))),
+                    _ => true,
+                };
+                if !go_on {
+                    return false;
                 }
-                Kind::File if matched && !fname.ends_with(PART_SUFFIX) => emit(Event::File(entry(path, child, &st))),
-                _ => true,
-            };
-            if !go_on {
-                return false;
+            }
+            // An empty directory is sent as itself, so that it exists at the destination.
+            if empty && take_all && !name.is_empty() {
+                let ev = match store.stat(&dir) {
+                    Ok(m) => {
+                        let e = entry(dir, name, &m);
+                        Event::File(Entry { meta: FileMeta { size: 0, mode: FileMeta::DIR | m.mode, ..e.meta }, ..e })
+                    }
+                    Err(e) => Event::Error(Error::io(store.display(&dir), &e)),
+                };
+                if !emit(ev) {
+                    return false;
+                }
+            }
+            for (next, ..) in stack.iter().rev().take(ahead) {
+                if !listing.contains_key(next) {
+                    let next = next.clone();
+                    listing.insert(next.clone(), scope.spawn(move || store.list(&next)));
+                }
             }
         }
-        // An empty directory is sent as itself, so that it exists at the destination.
-        if empty && take_all && !name.is_empty() {
-            let ev = match store.stat(&dir) {
-                Ok(m) => {
-                    let e = entry(dir, name, &m);
-                    Event::File(Entry { meta: FileMeta { size: 0, mode: FileMeta::DIR | m.mode, ..e.meta }, ..e })
-                }
-                Err(e) => Event::Error(Error::io(store.display(&dir), &e)),
-            };
-            if !emit(ev) {
-                return false;
-            }
-        }
-    }
-    true
+        true
+    })
 }
 
 #[cfg(test)]

@@ -162,6 +162,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn stat_followed(&self, path: &Path) -> io::Result<Stat>;
     /// The entries of directory `dir`, in no particular order.
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>>;
+    /// How many directories a walk may list at once, from as many
+    /// threads: 1 where a listing is quick (a local directory), more where
+    /// each takes requests to a server (an object store's listing, and the
+    /// fetches of the small objects in it), so that the next directories
+    /// are listed while one is sent.
+    fn lists_at_once(&self) -> usize {
+        1
+    }
     /// Opens a file for reading.
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>>;
     /// Opens a file to read `range` of it: a storage that fetches ahead

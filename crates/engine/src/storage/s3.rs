@@ -107,6 +107,9 @@ const FETCH_LISTED: u64 = 1 << 20;
 /// to fetch more; past that, listings stop fetching (the objects kept are
 /// not being read: files skipped as already at their destination, say).
 const LISTED_STALL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Directories listed at once by a walk (see [`Storage::lists_at_once`]):
+/// the next ones' listings and small objects arrive while one is sent.
+const LISTS_AT_ONCE: usize = 4;
 /// Files committed at once (each a PUT, or the completion of an upload).
 /// Requests sharing a link fairly end together, and the link is idle for
 /// the round trip until the next ones start: the more in flight, the
@@ -1587,6 +1590,10 @@ impl Storage for S3 {
             names.into_iter().zip(stats).map(|((n, _), stat)| DirEntry { name: OsString::from(n), stat }).collect();
         out.extend(dirs.into_iter().map(|n| DirEntry { name: OsString::from(n), stat: Ok(dir_stat()) }));
         Ok(out)
+    }
+
+    fn lists_at_once(&self) -> usize {
+        LISTS_AT_ONCE
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
