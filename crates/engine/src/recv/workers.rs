@@ -407,9 +407,8 @@ fn next_verified(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) -> Next {
 /// server ([`Storage::commits_at_once`](crate::storage::Storage::commits_at_once)
 /// above one: an object store's PUT), durable once answered and with no
 /// names to make durable after it. Threads that each take the next file
-/// keep that many requests in flight all the time, where batches would
-/// wait for each one's slowest request (and leave the connections idle
-/// long enough for TCP to restart slow start).
+/// keep that many requests in flight all the time, where a batch would
+/// wait for its slowest request before the next batch starts.
 fn commit_each(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
     let durable = !sh.options.flags.contains(TransferFlags::NO_FSYNC);
     loop {
