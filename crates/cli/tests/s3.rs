@@ -87,11 +87,11 @@ fn a_tree_goes_up_and_comes_back_identical() {
 }
 
 const MIB: u64 = 1 << 20;
-/// The size of a part of dmover's multipart uploads.
-const PART: u64 = 16 * MIB;
+/// The size of the parts of dmover's multipart uploads (the first 2,000).
+const PART: u64 = 8 * MIB;
 /// Parts dmover sends at once, at most: those the server had when the
 /// client was killed may not all have been recorded by it.
-const MAX_PARTS_IN_FLIGHT: u64 = 8;
+const MAX_PARTS_IN_FLIGHT: u64 = 16;
 
 /// A file of `size` bytes, sparse but different in every MiB (4 KiB of
 /// random bytes at the start of each), written in a moment.
@@ -207,10 +207,10 @@ fn an_upload_whose_blocks_straddle_parts_resumes_identical() {
     make_sparse(&file, size, 43);
     // 3 MiB blocks: some lie across two parts, one kept and one not.
     let args = [file.to_str().unwrap(), "s3://data/odd.bin", "--block-size", "3M", "--bwlimit", "16M"];
-    // Four parts held by the server: at least two recorded by the client
+    // Six parts held by the server: at least four recorded by the client
     // (it may lag a part or two behind when the machine is busy), holding
     // ten whole blocks.
-    let held = kill_when_parts_held(&t, &args, "odd.bin", 4);
+    let held = kill_when_parts_held(&t, &args, "odd.bin", 6);
     let j = t.cp(args).run().assert_ok();
     let sent = u(&j["sent_bytes"]);
     eprintln!("re-run: sent {sent} of {size} bytes; the server held {held} parts when the first run was killed");
