@@ -106,7 +106,11 @@ const READ_AHEAD: u64 = 4 << 20;
 /// The bytes a GET fetches when the memory bound has no room for a window:
 /// a block, as the reader asks for it.
 const BLOCK_WINDOW: u64 = 1 << 20;
-/// Requests for the objects of a listing at once (HEADs, or GETs of small ones).
+/// Requests for the objects of listings at once, all listings together
+/// (HEADs, or GETs of small ones). A listing's requests queue behind
+/// those of the listings before it, so the connections they take are
+/// kept busy from one listing to the next: left idle between listings, a
+/// connection starts its next request in slow start.
 const HEADS_IN_FLIGHT: usize = 128;
 /// Objects at most this large are fetched whole by a listing whose
 /// objects are all to be read (see [`Options::fetch_listed`]).
@@ -234,6 +238,8 @@ struct Inner {
     uploads: PathBuf,
     /// Small objects listings fetched whole, until they are read.
     listed: Listed,
+    /// Permits for the requests of listings ([`HEADS_IN_FLIGHT`]).
+    heads: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for S3 {
@@ -295,7 +301,8 @@ impl S3 {
         let budget = Arc::new(Budget::new(o.staging.clamp(FIRST_PART, MAX_PARTS_IN_FLIGHT * FIRST_PART)));
         let shown = o.label.clone().unwrap_or_else(|| dmover_proto::path::join(&label, &root));
         let listed = Listed::new(o.fetch_listed);
-        let inner = Inner { client, bucket: bucket.to_string(), root, label: shown, rt, budget, uploads, listed };
+        let heads = Arc::new(Semaphore::new(HEADS_IN_FLIGHT));
+        let inner = Inner { client, bucket: bucket.to_string(), root, label: shown, rt, budget, uploads, listed, heads };
         let at = endpoint.as_deref().map(|e| format!(" at {e}")).unwrap_or_default();
         let creds = config.credentials_provider().ok_or_else(|| Error::internal("no credentials provider"))?;
         use aws_sdk_s3::config::ProvideCredentials;
@@ -1579,7 +1586,6 @@ impl Storage for S3 {
         // far as half the memory bound has room; such objects are kept until
         // they are read.
         let mut room = i.listed.room(i.budget.bound / 2);
-        let heads = Arc::new(Semaphore::new(HEADS_IN_FLIGHT));
         let answers: Vec<io::Result<ListedObject>> = i.rt.block_on(async {
             let tasks: Vec<_> = names
                 .iter()
@@ -1588,7 +1594,7 @@ impl Storage for S3 {
                     if lease.is_some() {
                         room -= size;
                     }
-                    let (client, bucket, key, heads) = (i.client.clone(), i.bucket.clone(), format!("{prefix}{n}"), heads.clone());
+                    let (client, bucket, key, heads) = (i.client.clone(), i.bucket.clone(), format!("{prefix}{n}"), i.heads.clone());
                     tokio::spawn(async move {
                         let _permit = heads.acquire().await;
                         let Some(held) = lease else {
