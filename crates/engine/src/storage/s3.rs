@@ -86,8 +86,8 @@ use tokio::task::JoinHandle;
 /// Size of the first parts of a multipart upload (see [`part`]): small
 /// enough that the default memory bound holds 8 of them, being filled and
 /// sent at once (at 1 Gbit/s and 50 ms, 4 × 1 GiB went up in 47 s with
-/// 8 MiB parts, in 82 s with 16 MiB ones, whose 4 in the bound were all
-/// being sent while none filled).
+/// 8 MiB parts, in 82 s with 16 MiB ones: the bound held 4 of those, the
+/// parts being filled took most of it, and one part was sent at a time).
 const FIRST_PART: u64 = 8 << 20;
 /// Parts of each size: each next [`PARTS_PER_SIZE`] parts are twice as
 /// large as the last, up to [`MAX_PARTS`] (so objects up to 15.6 GiB have
