@@ -95,7 +95,8 @@ pub(super) struct HostQueue {
     pub finished: AtomicBool,
     /// Readers wait on `room_freed` while the queue holds
     /// [`AHEAD_PER_STREAM`] blocks per open stream; a stream signals it each
-    /// time it takes a block. The lock guards nothing but that wait.
+    /// time it takes a block, and when it starts. The lock guards nothing
+    /// but that wait.
     room: Mutex<()>,
     room_freed: Condvar,
 }
@@ -126,8 +127,17 @@ impl HostQueue {
         }
     }
 
-    /// Wakes the readers waiting for room (a stream took a block).
+    /// Wakes a reader waiting for room: a stream took a block, which
+    /// makes room for one (waking them all, most would find none).
     fn took_one(&self) {
+        drop(self.room.lock().expect("room lock"));
+        self.room_freed.notify_one();
+    }
+
+    /// Counts a stream that starts, and wakes the readers waiting: its
+    /// share of the queue is room for several.
+    fn stream_opened(&self) {
+        self.open.fetch_add(1, Ordering::SeqCst);
         drop(self.room.lock().expect("room lock"));
         self.room_freed.notify_all();
     }
@@ -284,7 +294,7 @@ impl Shared {
             if sh.stopped() && q.rx.is_empty() {
                 conn.close();
             } else {
-                q.open.fetch_add(1, Ordering::SeqCst);
+                q.stream_opened();
                 sh.progress.streams.fetch_add(1, Ordering::Relaxed);
                 data_stream(&sh, host, conn, &retire);
                 sh.progress.streams.fetch_sub(1, Ordering::Relaxed);
