@@ -46,13 +46,17 @@
 //! while a part is read back from a file (below). A writer whose part
 //! needs more waits while parts being sent will free some (back-pressure
 //! on the engine's writer, and through it on the network). Blocks from
-//! several streams arrive out of order, so several parts of a file fill
-//! at once; a writer never waits for those to complete (they may need its
-//! own later blocks): when the parts being filled alone take the bound, a
+//! several streams and readers arrive out of order, so several parts of a
+//! file fill at once, each slowly; a writer never waits for those to
+//! complete (they may need its own later blocks). Parts being filled take
+//! at most a quarter of the bound in memory, so that most of it holds
+//! parts being sent, many at once (each waits a round trip for the
+//! server's answer); beyond that share, or when the bound is taken, a
 //! part fills in an unnamed file of the state directory instead, and is
 //! read back to be sent (where no such file can be made, the part stays
-//! in memory, beyond the bound, with a warning). Each part's buffer is made at its final capacity
-//! and handed to the SDK as it is, never copied.
+//! in memory, beyond the bound, with a warning). Each part's buffer is
+//! made at its final capacity and handed to the SDK as it is, never
+//! copied.
 //!
 //! Listings carry no metadata, so each object listed takes a request for
 //! its mode and mtime: a HEAD, or, where every object listed is to be read
@@ -979,6 +983,8 @@ struct Budget {
 #[derive(Default)]
 struct Held {
     bytes: u64,
+    /// Of those, the bytes of parts being filled in memory.
+    filling: u64,
     /// Parts being sent.
     sending: usize,
 }
@@ -991,7 +997,13 @@ impl Budget {
 
     /// A lease of no memory yet.
     fn lease(self: &Arc<Self>) -> Lease {
-        Lease { budget: self.clone(), bytes: 0, sending: false }
+        Lease { budget: self.clone(), bytes: 0, filling: false, sending: false }
+    }
+
+    /// The most parts being filled may hold in memory: a quarter of the
+    /// bound (one first part at least); see the module's comment.
+    fn filling_share(&self) -> u64 {
+        (self.bound / 4).max(FIRST_PART)
     }
 
     /// Waits until `n` more bytes fit or no part is being sent; the held
@@ -1010,7 +1022,7 @@ impl Budget {
         let mut h = self.held.lock().expect("budget lock");
         (h.bytes + n <= self.bound).then(|| {
             h.bytes += n;
-            Lease { budget: self.clone(), bytes: n, sending: false }
+            Lease { budget: self.clone(), bytes: n, filling: false, sending: false }
         })
     }
 
@@ -1020,7 +1032,7 @@ impl Budget {
         let (mut h, _) = self.wait_for(len);
         h.bytes += len;
         h.sending += 1;
-        Lease { budget: self.clone(), bytes: len, sending: true }
+        Lease { budget: self.clone(), bytes: len, filling: false, sending: true }
     }
 }
 
@@ -1028,20 +1040,34 @@ impl Budget {
 struct Lease {
     budget: Arc<Budget>,
     bytes: u64,
+    /// Whether it holds a part being filled.
+    filling: bool,
     /// Whether it holds a part being sent.
     sending: bool,
 }
 
 impl Lease {
-    /// Takes `n` more bytes if they fit, waiting while parts being sent
-    /// may make room; false if they do not fit and nothing is being sent.
+    /// Takes `n` more bytes for a part being filled if they fit, waiting
+    /// while parts being sent may make room; false if the parts being
+    /// filled would take more than their share, or if the bytes do not fit
+    /// and nothing is being sent.
     fn grow(&mut self, n: u64) -> bool {
-        let (mut h, fits) = self.budget.wait_for(n);
+        let b = self.budget.clone();
+        if b.held.lock().expect("budget lock").filling + n > b.filling_share() {
+            return false;
+        }
+        let (mut h, fits) = b.wait_for(n);
         if fits {
-            h.bytes += n;
-            self.bytes += n;
+            self.take_filling(&mut h, n);
         }
         fits
+    }
+
+    fn take_filling(&mut self, h: &mut Held, n: u64) {
+        h.bytes += n;
+        h.filling += n;
+        self.bytes += n;
+        self.filling = true;
     }
 
     /// Gives back what it holds beyond `n` bytes.
@@ -1056,14 +1082,17 @@ impl Lease {
 
     /// Takes `n` more bytes, beyond the bound if need be.
     fn force(&mut self, n: u64) {
-        self.budget.held.lock().expect("budget lock").bytes += n;
-        self.bytes += n;
+        let budget = self.budget.clone();
+        self.take_filling(&mut budget.held.lock().expect("budget lock"), n);
     }
 
     /// Gives back all it holds.
     fn release(&mut self) {
         let mut h = self.budget.held.lock().expect("budget lock");
         h.bytes -= self.bytes;
+        if std::mem::take(&mut self.filling) {
+            h.filling -= self.bytes;
+        }
         self.bytes = 0;
         if std::mem::take(&mut self.sending) {
             h.sending -= 1;
@@ -1074,7 +1103,11 @@ impl Lease {
     /// Counts its part as being sent.
     fn sending(&mut self) {
         if !self.sending {
-            self.budget.held.lock().expect("budget lock").sending += 1;
+            let mut h = self.budget.held.lock().expect("budget lock");
+            h.sending += 1;
+            if std::mem::take(&mut self.filling) {
+                h.filling -= self.bytes;
+            }
             self.sending = true;
         }
     }
@@ -1718,6 +1751,30 @@ impl Storage for S3 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parts_being_filled_keep_to_their_share_of_memory() {
+        let budget = Arc::new(Budget::new(8 * FIRST_PART));
+        let held = || {
+            let h = budget.held.lock().unwrap();
+            (h.bytes / FIRST_PART, h.filling / FIRST_PART, h.sending)
+        };
+        let (mut a, mut b, mut c) = (budget.lease(), budget.lease(), budget.lease());
+        // A quarter of the bound: two first parts fill in memory, not a third.
+        assert!(a.grow(FIRST_PART) && b.grow(FIRST_PART));
+        assert!(!c.grow(1), "a third part filled in memory");
+        assert_eq!(held(), (2, 2, 0));
+        // One is sent: the third fills, and the sent one still counts in the bound.
+        a.sending();
+        assert_eq!(held(), (2, 1, 1));
+        assert!(c.grow(FIRST_PART));
+        assert_eq!(held(), (3, 2, 1));
+        drop((a, b, c));
+        assert_eq!(held(), (0, 0, 0));
+        // A small bound still fills one first part in memory.
+        let small = Arc::new(Budget::new(FIRST_PART));
+        assert!(small.lease().grow(FIRST_PART));
+    }
 
     #[test]
     fn parts_tile_an_object_and_grow() {
