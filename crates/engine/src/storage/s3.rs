@@ -1006,17 +1006,6 @@ impl Budget {
         (self.bound / 4).max(FIRST_PART)
     }
 
-    /// Waits until `n` more bytes fit or no part is being sent; the held
-    /// counts, and whether `n` fits.
-    fn wait_for(&self, n: u64) -> (std::sync::MutexGuard<'_, Held>, bool) {
-        let mut h = self.held.lock().expect("budget lock");
-        while h.bytes + n > self.bound && h.sending > 0 {
-            h = self.freed.wait(h).expect("budget lock");
-        }
-        let fits = h.bytes + n <= self.bound;
-        (h, fits)
-    }
-
     /// Takes `n` bytes if they fit now (a window of an object being read).
     fn try_take(self: &Arc<Self>, n: u64) -> Option<Lease> {
         let mut h = self.held.lock().expect("budget lock");
@@ -1029,7 +1018,10 @@ impl Budget {
     /// Takes `len` bytes to send a part read back from a file: once they
     /// fit, or nothing else is being sent.
     fn take_to_send(self: &Arc<Self>, len: u64) -> Lease {
-        let (mut h, _) = self.wait_for(len);
+        let mut h = self.held.lock().expect("budget lock");
+        while h.bytes + len > self.bound && h.sending > 0 {
+            h = self.freed.wait(h).expect("budget lock");
+        }
         h.bytes += len;
         h.sending += 1;
         Lease { budget: self.clone(), bytes: len, filling: false, sending: true }
@@ -1053,14 +1045,20 @@ impl Lease {
     /// and nothing is being sent.
     fn grow(&mut self, n: u64) -> bool {
         let b = self.budget.clone();
-        if b.held.lock().expect("budget lock").filling + n > b.filling_share() {
-            return false;
+        let mut h = b.held.lock().expect("budget lock");
+        loop {
+            if h.filling + n > b.filling_share() {
+                return false;
+            }
+            if h.bytes + n <= b.bound {
+                self.take_filling(&mut h, n);
+                return true;
+            }
+            if h.sending == 0 {
+                return false;
+            }
+            h = b.freed.wait(h).expect("budget lock");
         }
-        let (mut h, fits) = b.wait_for(n);
-        if fits {
-            self.take_filling(&mut h, n);
-        }
-        fits
     }
 
     fn take_filling(&mut self, h: &mut Held, n: u64) {
