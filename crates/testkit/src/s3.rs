@@ -119,33 +119,16 @@ impl S3Server {
         xml.split("<Upload>").skip(1).map(|u| (tag(u, "Key"), tag(u, "UploadId"))).collect()
     }
 
-    /// How many parts the server holds of upload `id` of `key` (none once
-    /// the upload is gone: completed or aborted since it was listed).
-    pub fn parts(&self, bucket: &str, key: &str, id: &str) -> usize {
-        match self.fetch(&format!("/{bucket}/{key}?uploadId={id}")) {
-            Ok(xml) => xml.matches("<PartNumber>").count(),
-            Err(e) if e.contains("404") => 0,
-            Err(e) => panic!("{e}"),
-        }
-    }
-
     /// The body of a signed GET of `path` (with its query); panics on failure.
     fn get(&self, path: &str) -> String {
-        self.fetch(path).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// The body of a signed GET of `path` (with its query), or what failed.
-    fn fetch(&self, path: &str) -> Result<String, String> {
         let out = Command::new("curl")
             .args(["-sSf", "--aws-sigv4", "aws:amz:us-east-1:s3", "-H", &format!("x-amz-content-sha256: {EMPTY_SHA256}"), "--user"])
             .arg(format!("{}:{}", self.access_key, self.secret_key))
             .arg(format!("{}{path}", self.endpoint()))
             .output()
             .expect("run curl");
-        if !out.status.success() {
-            return Err(format!("GET {path}: {}", String::from_utf8_lossy(&out.stderr)));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        assert!(out.status.success(), "GET {path}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     pub fn log(&self) -> String {

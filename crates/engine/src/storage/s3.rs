@@ -997,7 +997,7 @@ impl Budget {
 
     /// A lease of no memory yet.
     fn lease(self: &Arc<Self>) -> Lease {
-        Lease { budget: self.clone(), bytes: 0, filling: false, sending: false }
+        Lease { budget: self.clone(), bytes: 0, holds: Holds::Window }
     }
 
     /// The most parts being filled may hold in memory: a quarter of the
@@ -1011,7 +1011,7 @@ impl Budget {
         let mut h = self.held.lock().expect("budget lock");
         (h.bytes + n <= self.bound).then(|| {
             h.bytes += n;
-            Lease { budget: self.clone(), bytes: n, filling: false, sending: false }
+            Lease { budget: self.clone(), bytes: n, holds: Holds::Window }
         })
     }
 
@@ -1024,7 +1024,7 @@ impl Budget {
         }
         h.bytes += len;
         h.sending += 1;
-        Lease { budget: self.clone(), bytes: len, filling: false, sending: true }
+        Lease { budget: self.clone(), bytes: len, holds: Holds::Sending }
     }
 }
 
@@ -1032,10 +1032,18 @@ impl Budget {
 struct Lease {
     budget: Arc<Budget>,
     bytes: u64,
-    /// Whether it holds a part being filled.
-    filling: bool,
-    /// Whether it holds a part being sent.
-    sending: bool,
+    holds: Holds,
+}
+
+/// What a [`Lease`]'s memory holds, as its budget counts it.
+#[derive(Clone, Copy, PartialEq)]
+enum Holds {
+    /// A window of an object being read, or nothing yet.
+    Window,
+    /// A part being filled.
+    Filling,
+    /// A part being sent.
+    Sending,
 }
 
 impl Lease {
@@ -1065,7 +1073,7 @@ impl Lease {
         h.bytes += n;
         h.filling += n;
         self.bytes += n;
-        self.filling = true;
+        self.holds = Holds::Filling;
     }
 
     /// Gives back what it holds beyond `n` bytes.
@@ -1080,33 +1088,32 @@ impl Lease {
 
     /// Takes `n` more bytes, beyond the bound if need be.
     fn force(&mut self, n: u64) {
-        let budget = self.budget.clone();
-        self.take_filling(&mut budget.held.lock().expect("budget lock"), n);
+        let b = self.budget.clone();
+        self.take_filling(&mut b.held.lock().expect("budget lock"), n);
     }
 
     /// Gives back all it holds.
     fn release(&mut self) {
         let mut h = self.budget.held.lock().expect("budget lock");
         h.bytes -= self.bytes;
-        if std::mem::take(&mut self.filling) {
-            h.filling -= self.bytes;
+        match std::mem::replace(&mut self.holds, Holds::Window) {
+            Holds::Filling => h.filling -= self.bytes,
+            Holds::Sending => h.sending -= 1,
+            Holds::Window => {}
         }
         self.bytes = 0;
-        if std::mem::take(&mut self.sending) {
-            h.sending -= 1;
-        }
         self.budget.freed.notify_all();
     }
 
     /// Counts its part as being sent.
     fn sending(&mut self) {
-        if !self.sending {
+        if self.holds != Holds::Sending {
             let mut h = self.budget.held.lock().expect("budget lock");
             h.sending += 1;
-            if std::mem::take(&mut self.filling) {
+            if self.holds == Holds::Filling {
                 h.filling -= self.bytes;
             }
-            self.sending = true;
+            self.holds = Holds::Sending;
         }
     }
 }
