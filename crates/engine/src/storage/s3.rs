@@ -58,6 +58,13 @@
 //! made at its final capacity and handed to the SDK as it is, never
 //! copied.
 //!
+//! Reads: each range a reader opens (a chunk of a large file, or a file)
+//! is asked for with one GET, and its body is read as it arrives, a batch
+//! at a time; a few batches wait for the reader, within the same bound
+//! (one block per GET where it has no room), and the connection's flow
+//! control holds the server back beyond them. Bytes in flight thus keep
+//! flowing while the reader is busy, with no round trip between pieces.
+//!
 //! Listings carry no metadata, so each object listed takes a request for
 //! its mode and mtime: a HEAD, or, where every object listed is to be read
 //! ([`Options::fetch_listed`]), the GET of a small object whole, kept in
@@ -99,16 +106,20 @@ const FIRST_PART: u64 = 8 << 20;
 const PARTS_PER_SIZE: u64 = 2_000;
 /// The most parts S3 takes in one upload.
 const MAX_PARTS: u64 = 10_000;
-/// Memory the parts and read windows take at most, in first parts, however
+/// Memory the parts and reads take at most, in first parts, however
 /// large [`Options::staging`] is.
 const MAX_PARTS_IN_FLIGHT: u64 = 16;
-/// Bytes one GET fetches at least: the pieces a block is read in, and the
-/// next blocks of a file read in order, come from one request. A reader
-/// holds two such windows, the one it reads and the next on its way, as
-/// far as the storage's memory bound has room (see [`Budget`]).
-const READ_AHEAD: u64 = 4 << 20;
-/// The bytes a GET fetches when the memory bound has no room for a window:
-/// a block, as the reader asks for it.
+/// Bytes a read's GET hands its reader at once (see [`Stream`]): the
+/// pieces its body arrives in, gathered, so that the reader is woken once
+/// per batch rather than per piece.
+const BATCH: u64 = 1 << 20;
+/// Batches a GET holds for its reader at most.
+const BATCHES_AHEAD: usize = 2;
+/// The memory a read's GET takes of the storage's bound: the batches
+/// waiting, the one being gathered and the one being read.
+const STREAM_MEMORY: u64 = (BATCHES_AHEAD as u64 + 2) * BATCH;
+/// The bytes a GET asks for when the memory bound has no room for a
+/// stream's batches: a block, as the reader asks for it.
 const BLOCK_WINDOW: u64 = 1 << 20;
 /// Requests for the objects of listings at once, all listings together
 /// (HEADs, or GETs of small ones). A listing's requests queue behind
@@ -192,7 +203,7 @@ pub struct Options {
     /// for `cp`; a served bucket's is named after its export).
     pub state_dir: PathBuf,
     /// Memory for the parts of uploads, being filled and being sent, and the
-    /// windows of objects being read (see [`Budget`]): at least one part, at
+    /// bytes of objects being read (see [`Budget`]): at least one part, at
     /// most [`MAX_PARTS_IN_FLIGHT`].
     pub staging: u64,
     /// Whether every object listed is to be read (a copy of all of it, not
@@ -235,7 +246,7 @@ struct Inner {
     /// How messages name the root.
     label: String,
     rt: Runtime,
-    /// The memory the parts of uploads and the windows of reads hold,
+    /// The memory the parts of uploads and the bytes of reads hold,
     /// within [`Options::staging`].
     budget: Arc<Budget>,
     /// The local directory of the records of uploads in progress.
@@ -552,87 +563,95 @@ impl Inner {
     }
 }
 
-/// An object open for reading: ranged GETs of the version seen when opened,
-/// each next one on its way while the bytes of the last are read.
+/// An object open for reading: a ranged GET of the version seen when
+/// opened, its body handed to the reader as it arrives.
 struct S3Read {
     inner: Arc<Inner>,
     key: String,
     stat: Stat,
     etag: Option<String>,
     digest: Option<Digest>,
-    /// Where reading is meant to end: no GET fetches ahead past it.
+    /// Where reading is meant to end: no GET asks for bytes past it.
     end: u64,
     window: Mutex<Window>,
 }
 
-/// The bytes the last GET fetched, and the GET of those after them, each
-/// with the memory it holds of the storage's bound. Where the bound has no
-/// room, a window holds only what the read asked for (a block), outside
-/// it, and nothing is fetched ahead.
+/// The bytes the reader was last handed, and the GET under way that
+/// hands it the bytes after them.
 struct Window {
     /// The offset of the first byte of `data`.
     start: u64,
     data: Body,
+    /// The memory `data` takes, where it is an object a listing fetched.
     held: Option<Lease>,
-    /// The offset the GET under way starts at, the GET, and its memory.
-    ahead: Option<(u64, JoinHandle<io::Result<Body>>, Lease)>,
+    stream: Option<Stream>,
 }
 
-impl Drop for Window {
+/// The body of a GET, as it arrives: a task of the runtime gathers its
+/// pieces into batches of [`BATCH`] bytes and hands them over, at most
+/// [`BATCHES_AHEAD`] waiting; past those the socket's flow control holds
+/// the server back while the reader is busy.
+struct Stream {
+    /// The offset of the first byte of the next batch.
+    at: u64,
+    batches: tokio::sync::mpsc::Receiver<io::Result<Body>>,
+    task: JoinHandle<()>,
+    /// The memory the batches take ([`STREAM_MEMORY`]), where the bound had room.
+    _held: Option<Lease>,
+}
+
+impl Drop for Stream {
     fn drop(&mut self) {
-        if let Some((_, task, _)) = self.ahead.take() {
-            task.abort();
-        }
+        self.task.abort();
+    }
+}
+
+/// The `Range` header of bytes `off..end` (to the object's end for `u64::MAX`).
+fn byte_range(off: u64, end: u64) -> String {
+    if end == u64::MAX {
+        format!("bytes={off}-")
+    } else {
+        format!("bytes={off}-{}", end - 1)
     }
 }
 
 impl S3Read {
-    /// Opens object `k` to read `range` of it, with one GET of up to
-    /// [`READ_AHEAD`] bytes from its start: the answer carries the object's
-    /// size, ETag and metadata as a HEAD's would, and a small object whole
-    /// (one with nothing at the start, an empty one say, takes a HEAD: that
-    /// range of it cannot be asked for). The next GET starts at once.
+    /// Opens object `k` to read `range` of it with one GET of the range:
+    /// its answer carries the object's size, ETag and metadata as a HEAD's
+    /// would (one with nothing at the start, an empty one say, takes a
+    /// HEAD: that range of it cannot be asked for). Where the memory bound
+    /// has no room for a stream's batches, the GET asks for one block.
     fn open(inner: &Arc<Inner>, k: &str, range: std::ops::Range<u64>) -> io::Result<S3Read> {
         if let Some(f) = inner.listed.take(k) {
             return Ok(S3Read::fetched(inner, k, range, f));
         }
         let off = range.start;
-        let want = range.end.saturating_sub(off).clamp(1, READ_AHEAD);
-        let mut held = inner.budget.try_take(want);
-        let first_end = off + if held.is_some() { want } else { want.min(BLOCK_WINDOW) };
-        let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(format!("bytes={off}-{}", first_end - 1));
+        let held = inner.budget.try_take(STREAM_MEMORY);
+        let asked = if held.is_some() { range.end.max(off + 1) } else { range.end.min(off + BLOCK_WINDOW).max(off + 1) };
+        let get = inner.client.get_object().bucket(&inner.bucket).key(k).range(byte_range(off, asked));
         let first = inner.rt.block_on(async {
             match get.send().await {
                 Ok(r) => {
                     let (stat, etag, digest) = answered(total_size(&r), r.last_modified(), r.metadata(), r.e_tag());
-                    let data = collect(k, r.body).await?;
-                    Ok(Some((stat, etag, digest, data)))
+                    Ok(Some((stat, etag, digest, r.body)))
                 }
                 Err(e) if status(&e) == Some(416) => Ok(None),
                 Err(e) => Err(io_error(k, e)),
             }
         })?;
-        let (stat, etag, digest, data) = match first {
-            Some(f) => f,
+        let (stat, etag, digest, body) = match first {
+            Some((stat, etag, digest, body)) => (stat, etag, digest, Some(body)),
             None => {
                 let (stat, etag, digest) = inner.head(k)?;
-                (stat, etag, digest, Body::default())
+                (stat, etag, digest, None)
             }
         };
-        let want = stat.size.min(first_end).saturating_sub(off);
-        if !data.is_empty() && data.len() != want {
-            return Err(io::Error::other(format!("{k}: asked for {want} bytes, got {}", data.len())));
-        }
         let end = range.end.min(stat.size);
-        if let Some(h) = held.as_mut() {
-            h.keep(data.len());
-        }
-        let window = Mutex::new(Window { start: off, data, held, ahead: None });
-        let read = S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, end, window };
-        {
-            let mut w = read.window.lock().expect("read window lock");
-            let next = w.start + w.data.len();
-            read.fetch_ahead(&mut w, next, READ_AHEAD);
+        let window = Window { start: off, data: Body::default(), held: None, stream: None };
+        let read = S3Read { inner: inner.clone(), key: k.to_string(), stat, etag, digest, end, window: Mutex::new(window) };
+        if let Some(body) = body {
+            let len = asked.min(stat.size).saturating_sub(off);
+            read.window.lock().expect("read window lock").stream = Some(read.pump(off, len, body, held));
         }
         Ok(read)
     }
@@ -645,56 +664,74 @@ impl S3Read {
         let data = f.data.slice(start..end);
         let mut held = f.held;
         held.keep(data.len());
-        let window = Mutex::new(Window { start, data, held: Some(held), ahead: None });
+        let window = Mutex::new(Window { start, data, held: Some(held), stream: None });
         S3Read { inner: inner.clone(), key: k.to_string(), stat: f.stat, etag: f.etag, digest: f.digest, end, window }
     }
 
-    /// Fetches `off..end` (in a task of the runtime).
-    fn get(&self, off: u64, end: u64) -> JoinHandle<io::Result<Body>> {
+    /// Starts the GET of the bytes from `off` for a read of `want` bytes:
+    /// to where reading is meant to end (to the read's end for a read past
+    /// it, or where the memory bound has no room for a stream's batches).
+    fn stream_from(&self, off: u64, want: u64) -> io::Result<Stream> {
         let i = &self.inner;
-        let get = i.client.get_object().bucket(&i.bucket).key(&self.key).range(format!("bytes={off}-{}", end - 1));
-        let (get, key) = (get.set_if_match(self.etag.clone()), self.key.clone());
-        i.rt.spawn(async move {
-            let r = get.send().await.map_err(|e| match status(&e) {
-                Some(412) => io::Error::other(format!("{key}: the object was replaced while it was read")),
-                _ => io_error(&key, e),
-            })?;
-            let data = collect(&key, r.body).await?;
-            if data.len() != end - off {
-                return Err(io::Error::other(format!("{key}: asked for {} bytes, got {}", end - off, data.len())));
-            }
-            Ok(data)
-        })
+        let read_end = (off + want).min(self.stat.size);
+        let held = i.budget.try_take(STREAM_MEMORY);
+        let end = if held.is_some() && off < self.end { self.end } else { read_end };
+        let get = i.client.get_object().bucket(&i.bucket).key(&self.key).range(byte_range(off, end));
+        let get = get.set_if_match(self.etag.clone());
+        let r = i.rt.block_on(get.send()).map_err(|e| match status(&e) {
+            Some(412) => io::Error::other(format!("{}: the object was replaced while it was read", self.key)),
+            _ => io_error(&self.key, e),
+        })?;
+        Ok(self.pump(off, end - off, r.body, held))
     }
 
-    /// Starts the GET of up to `len` bytes from `off`, unless reading is
-    /// meant to end before or the memory bound has no room for them.
-    fn fetch_ahead(&self, w: &mut Window, off: u64, len: u64) {
-        let end = (off + len).min(self.end);
-        if off < end {
-            if let Some(lease) = self.inner.budget.try_take(end - off) {
-                w.ahead = Some((off, self.get(off, end), lease));
-            }
-        }
-    }
-
-    /// Waits for a GET's bytes.
-    fn wait(&self, task: JoinHandle<io::Result<Body>>) -> io::Result<Body> {
-        self.inner.rt.block_on(task).unwrap_or_else(|e| Err(io::Error::other(format!("{}: {e}", self.key))))
+    /// Hands the `len` bytes of `body`, from offset `at`, to the reader in
+    /// batches (see [`Stream`]); a body longer or shorter fails the read.
+    fn pump(&self, at: u64, len: u64, mut body: ByteStream, held: Option<Lease>) -> Stream {
+        let (tx, batches) = tokio::sync::mpsc::channel(BATCHES_AHEAD);
+        let key = self.key.clone();
+        let task = self.inner.rt.spawn(async move {
+            let (mut got, mut batched, mut batch) = (0, 0, Vec::new());
+            let outcome = loop {
+                match body.try_next().await {
+                    Ok(Some(piece)) => {
+                        (got, batched) = (got + piece.len() as u64, batched + piece.len() as u64);
+                        batch.push(piece);
+                        if got > len {
+                            break Err(io::Error::other(format!("{key}: asked for {len} bytes, got more")));
+                        }
+                        if batched >= BATCH {
+                            if tx.send(Ok(Body::of(batch.drain(..)))).await.is_err() {
+                                return;
+                            }
+                            batched = 0;
+                        }
+                    }
+                    Ok(None) if got < len => break Err(io::Error::other(format!("{key}: asked for {len} bytes, got {got}"))),
+                    Ok(None) => break Ok(Body::of(batch.drain(..))),
+                    Err(e) => break Err(body_error(&key, e)),
+                }
+            };
+            let _ = tx.send(outcome).await;
+        });
+        Stream { at, batches, task, _held: held }
     }
 }
 
-/// The body of a GET of `key`, checked against the checksum the server
-/// keeps for the object where it sent one.
-async fn collect(key: &str, body: aws_sdk_s3::primitives::ByteStream) -> io::Result<Body> {
-    body.collect().await.map(|b| Body::of(b.into_segments())).map_err(|e| {
-        if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
-            let msg =
-                format!("{key}: what was read differs from the checksum the server keeps for the object ({})", DisplayErrorContext(&e));
-            return io::Error::other(Damaged(msg));
-        }
-        io::Error::new(io::ErrorKind::ConnectionReset, format!("{key}: {}", DisplayErrorContext(&e)))
-    })
+/// The body of a GET of `key` whole, checked against the checksum the
+/// server keeps for the object where it sent one.
+async fn collect(key: &str, body: ByteStream) -> io::Result<Body> {
+    body.collect().await.map(|b| Body::of(b.into_segments())).map_err(|e| body_error(key, e))
+}
+
+/// What went wrong with the body of a GET of `key`: it differs from the
+/// checksum the server keeps for the object, or the connection failed.
+fn body_error(key: &str, e: aws_sdk_s3::primitives::ByteStreamError) -> io::Error {
+    if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
+        let msg = format!("{key}: what was read differs from the checksum the server keeps for the object ({})", DisplayErrorContext(&e));
+        return io::Error::other(Damaged(msg));
+    }
+    io::Error::new(io::ErrorKind::ConnectionReset, format!("{key}: {}", DisplayErrorContext(&e)))
 }
 
 /// The body of a GET as the chunks it came in, never joined: reading it
@@ -762,27 +799,31 @@ impl ReadFile for S3Read {
             return Ok(0);
         }
         let mut w = self.window.lock().expect("read window lock");
-        if !(w.start..w.start + w.data.len()).contains(&off) {
-            let len = READ_AHEAD.max(buf.len() as u64);
-            (w.data, w.held) = (Body::default(), None);
-            let (data, held) = match w.ahead.take() {
-                Some((start, task, lease)) if start == off => (self.wait(task)?, Some(lease)),
-                other => {
-                    if let Some((_, task, _)) = other {
-                        task.abort();
-                    }
-                    // A read elsewhere than where the last ended.
-                    let end = (off + len).min(self.stat.size);
-                    let held = self.inner.budget.try_take(end - off);
-                    let end = if held.is_some() { end } else { (off + buf.len() as u64).min(self.stat.size) };
-                    (self.wait(self.get(off, end))?, held)
+        loop {
+            if (w.start..w.start + w.data.len()).contains(&off) {
+                return Ok(w.data.copy_at(off - w.start, buf));
+            }
+            // The bytes from `off` come next from the GET under way, or from a new one.
+            if w.stream.as_ref().is_none_or(|s| s.at != off) {
+                (w.data, w.held, w.stream) = (Body::default(), None, None);
+                w.stream = Some(self.stream_from(off, buf.len() as u64)?);
+            }
+            let s = w.stream.as_mut().expect("a stream from off");
+            let batch = s.batches.blocking_recv();
+            let at = s.at;
+            match batch {
+                Some(Ok(data)) if !data.is_empty() => {
+                    s.at += data.len();
+                    (w.start, w.data) = (at, data);
                 }
-            };
-            let next = off + data.len();
-            (w.start, w.data, w.held) = (off, data, held);
-            self.fetch_ahead(&mut w, next, len);
+                Some(Err(e)) => {
+                    w.stream = None;
+                    return Err(e);
+                }
+                // The GET is over: the bytes from `off` take a new one.
+                Some(Ok(_)) | None => w.stream = None,
+            }
         }
-        Ok(w.data.copy_at(off - w.start, buf))
     }
 
     fn stat(&self) -> io::Result<Stat> {
@@ -960,9 +1001,9 @@ fn spill_file(i: &Inner, k: &str, index: u64) -> io::Result<std::fs::File> {
 }
 
 /// The memory the parts of a storage's uploads hold in memory (being
-/// filled or being sent), and the windows of the objects it reads, kept
-/// within a bound. A read takes a window only if it fits at once (see
-/// [`Window`]).
+/// filled or being sent), and the bytes of the objects it reads, kept
+/// within a bound. A read takes its memory only if it fits at once (see
+/// [`Stream`]).
 ///
 /// A writer that needs more waits while parts are being sent: each send
 /// ends (taken, failed or timed out) and frees its part. It never waits
@@ -1006,7 +1047,7 @@ impl Budget {
         (self.bound / 4).max(FIRST_PART)
     }
 
-    /// Takes `n` bytes if they fit now (a window of an object being read).
+    /// Takes `n` bytes if they fit now (for an object being read).
     fn try_take(self: &Arc<Self>, n: u64) -> Option<Lease> {
         let mut h = self.held.lock().expect("budget lock");
         (h.bytes + n <= self.bound).then(|| {
@@ -1038,7 +1079,7 @@ struct Lease {
 /// What a [`Lease`]'s memory holds, as its budget counts it.
 #[derive(Clone, Copy, PartialEq)]
 enum Holds {
-    /// A window of an object being read, or nothing yet.
+    /// Bytes of an object being read, or nothing yet.
     Window,
     /// A part being filled.
     Filling,
