@@ -263,12 +263,12 @@ fn an_upload_whose_source_changed_is_started_afresh_and_the_old_one_aborted() {
     assert_eq!(t.s3.uploads("data"), [], "the old upload was not aborted");
 }
 
-/// A download reads many objects at once and fetches ahead in each, but
-/// the windows it holds stay within its staging: with 32 readers its peak
+/// A download reads many objects at once and streams ahead in each, but
+/// the bytes it holds stay within its staging: with 32 readers its peak
 /// RSS stays within that of a small download plus three times the staging
-/// (the copy's own staging at each end, the windows) and, per reader, a
-/// block fetched outside the bound (twice, while its pieces are joined) and
-/// its HTTP connection's buffers.
+/// (the copy's own staging at each end, the GETs' batches) and, per reader,
+/// a block fetched outside the bound (twice, while its batch is copied out)
+/// and its HTTP connection's buffers.
 #[test]
 fn a_downloads_memory_stays_within_its_staging() {
     let Some(t) = Setup::new() else { return };
