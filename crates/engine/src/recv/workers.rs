@@ -459,12 +459,6 @@ const SYNC_THREADS: usize = 4;
 /// wait together the fewer commits they take.
 const METADATA_SYNC_THREADS: usize = 32;
 
-/// Files of a batch one committer prepares at once, at most: an empty
-/// file is created then (see [`Slot::finished`]), and creating files is
-/// the file system's work on the processor, which a second thread shares
-/// between two cores.
-const PREPARE_THREADS: usize = 2;
-
 /// Empty files in a batch from which one sync of each file system they
 /// are on ([`Storage::sync_file_systems`](crate::storage::Storage::sync_file_systems))
 /// makes them and the batch's directories durable, instead of a sync
@@ -570,6 +564,10 @@ impl DurableNames {
 /// block already on disk; afresh only if it is fresh, so a resumed file
 /// keeps its blocks). Returns the files ready for their data to be made
 /// durable.
+///
+/// One thread does the whole batch: making an empty file is the file
+/// system's work under its directory's lock, and a second thread on it
+/// mostly spun on that lock (bench/DURABILITY.md).
 fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
     let prepare = |(s, sum): &(Arc<Slot>, Sum)| {
         let meta = s.paths.meta.as_ref()?;
@@ -593,7 +591,7 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
             }
         }
     };
-    at_once(&batch, PREPARE_THREADS, prepare).into_iter().flatten().collect()
+    batch.iter().filter_map(prepare).collect()
 }
 
 /// Renames each file of a batch into place (an empty file made under its
