@@ -569,12 +569,12 @@ impl DurableNames {
 /// system's work under its directory's lock, and a second thread on it
 /// mostly spun on that lock (bench/DURABILITY.md).
 fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
-    let prepare = |(s, sum): &(Arc<Slot>, Sum)| {
+    let prepare = |(s, sum): (Arc<Slot>, Sum)| {
         let meta = s.paths.meta.as_ref()?;
         let attrs = Attrs {
             mode: dmover_proto::frame::permission_bits(meta.mode),
             mtime: Some((meta.mtime_s, meta.mtime_ns)),
-            digest: Some(Digest { block_size: sh.block_size, sum: *sum }),
+            digest: Some(Digest { block_size: sh.block_size, sum }),
         };
         let opened = {
             let mut io = s.io.lock().expect("file lock");
@@ -584,14 +584,14 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
             s.finished(sh, &mut io, &attrs)
         };
         match opened {
-            Ok(f) => Some((s.clone(), f)),
+            Ok(f) => Some((s, f)),
             Err(e) => {
                 sh.failed(s.id, &e);
                 None
             }
         }
     };
-    batch.iter().filter_map(prepare).collect()
+    batch.into_iter().filter_map(prepare).collect()
 }
 
 /// Renames each file of a batch into place (an empty file made under its
