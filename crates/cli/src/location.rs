@@ -18,6 +18,7 @@ pub const SCHEME: &str = "dmover://";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Location {
+    /// A local path, spelled as names travel (`dmover_proto::path`).
     Local(String),
     Remote {
         /// `host:port` of each server.
@@ -27,15 +28,9 @@ pub enum Location {
     },
     /// Hosts reached over ssh; `path` as their remote ends export it
     /// (`home/...` or `root/...`). Becomes `Remote` once the remote ends run.
-    Ssh {
-        targets: Vec<SshTarget>,
-        path: String,
-    },
+    Ssh { targets: Vec<SshTarget>, path: String },
     /// Objects of an S3 bucket; `path` is the key prefix (a trailing `/` kept).
-    S3 {
-        bucket: String,
-        path: String,
-    },
+    S3 { bucket: String, path: String },
 }
 
 /// Where and how to reach S3 buckets.
@@ -119,7 +114,8 @@ impl Location {
             if s.contains("://") {
                 return Err(bad(s, "unknown scheme"));
             }
-            return Ok(Location::Local(s.to_string()));
+            // Spelled as names travel (a backslash doubled), as the engine reads them.
+            return Ok(Location::Local(dmover_proto::path::from_bytes(s.as_bytes()).into_owned()));
         };
         let (hosts, path) = rest.split_once('/').ok_or_else(|| bad(s, "no export named"))?;
         let hosts = hosts.split(',').map(|h| parse_host(s, h)).collect::<Result<Vec<_>, _>>()?;

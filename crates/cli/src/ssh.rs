@@ -87,8 +87,10 @@ fn parse_authority(s: &str, a: &str, with_port: bool) -> Result<SshTarget> {
 }
 
 /// The path as the remote end exports it: `home/...` for a path relative
-/// to the home directory, `root/...` for an absolute one.
+/// to the home directory, `root/...` for an absolute one, spelled as names
+/// travel (a path typed here is a file's path, as a local one is).
 fn export_path(s: &str, path: &str) -> Result<String> {
+    let path = dmover_proto::path::from_bytes(path.as_bytes());
     let exported = match path.strip_prefix('/') {
         Some(abs) => format!("root/{abs}"),
         None if path.is_empty() => "home/".to_string(),

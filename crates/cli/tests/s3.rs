@@ -690,3 +690,31 @@ fn a_bucket_export_that_cannot_be_served_stops_the_server_at_start() {
         t.serve_fails(bad, &[]).assert_fails(ErrorKind::Usage as i32, &["malformed URL", "s3://BUCKET/prefix"]);
     }
 }
+
+/// A name that is not UTF-8 cannot be an S3 key: that file fails with an
+/// error that says why, never under a changed name, and the others arrive;
+/// a backslash in a name goes up and comes back as it was.
+#[test]
+fn a_name_no_key_can_hold_fails_clearly_and_a_backslash_goes_and_comes_back() {
+    use std::os::unix::ffi::OsStrExt;
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    fs::write(src.join(std::ffi::OsStr::from_bytes(b"bad\xff.bin")), "not a key").unwrap();
+    fs::write(src.join("back\\slash.txt"), "kept").unwrap();
+    fs::write(src.join("plain.txt"), "plain").unwrap();
+    let r = t.cp([format!("{}/", src.display()), "s3://data/n/".into()]).run();
+    assert_ne!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let j = r.json();
+    let errors = j["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), 1, "{j:#}");
+    assert!(errors[0]["path"].as_str().unwrap().contains("bad\\xff.bin"), "{j:#}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("UTF-8"), "{j:#}");
+    let keys: Vec<String> = list_files(&bucket.join("n")).into_keys().collect();
+    assert_eq!(keys, ["back\\\\slash.txt", "plain.txt"], "objects written");
+    let dst = t.env.mkdir("dst");
+    let j = t.cp(["s3://data/n/", dst.to_str().unwrap()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 2, "{j:#}");
+    assert_eq!(fs::read_to_string(dst.join("back\\slash.txt")).unwrap(), "kept");
+    assert_eq!(fs::read_to_string(dst.join("plain.txt")).unwrap(), "plain");
+}

@@ -10,11 +10,14 @@
 
 use crate::error::Error;
 use crate::storage::{self, DirEntry, Kind, Stat, Storage};
+use dmover_proto::digest::{block_sum, Sum};
 use dmover_proto::frame::FileMeta;
 use dmover_proto::ErrorKind;
 use globset::{GlobBuilder, GlobMatcher};
+use std::collections::hash_map::Entry as Slot;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
 use std::thread::ScopedJoinHandle;
 
 /// Suffix of a file being received; never sent.
@@ -68,7 +71,7 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
             emit(e.meta)
         }
         Event::Error(e) => {
-            log::info!("listing {}: {e}", store.display(Path::new(spec)));
+            log::info!("listing {}: {e}", storage::display_spelled(store, spec));
             first_error.get_or_insert(e);
             true
         }
@@ -82,9 +85,37 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
 
 /// Walks every source in `store`, calling `emit` for each event; stops
 /// early if `emit` returns false.
+///
+/// One source's walk never names two files alike (a directory holds a
+/// name once, and names are kept as bytes). Several sources may: `a/` and
+/// `b/` both holding `x`. The second file to take a name is then an error,
+/// never sent over the first (the same file listed twice, by overlapping
+/// sources, is sent once). Only then are names remembered: 32 bytes each.
 pub fn walk(store: &dyn Storage, specs: &[String], emit: &mut dyn FnMut(Event) -> bool) {
+    let mut names: Option<HashMap<Sum, Sum>> = (specs.len() > 1).then(HashMap::new);
+    let mut emit = |ev: Event| match (&mut names, ev) {
+        (Some(names), Event::File(e)) if e.meta.mode & FileMeta::TYPE != FileMeta::DIR => {
+            let from = block_sum(e.path.as_os_str().as_bytes());
+            match names.entry(block_sum(e.meta.path.as_bytes())) {
+                Slot::Vacant(v) => {
+                    v.insert(from);
+                    emit(Event::File(e))
+                }
+                Slot::Occupied(o) if *o.get() == from => true,
+                Slot::Occupied(_) => emit(Event::Error(Error::new(
+                    ErrorKind::Usage,
+                    store.display(&e.path),
+                    format!(
+                        "another source has a file named {} too, and both would land on one destination file: the first is copied, this one is not (copy them to different destinations)",
+                        dmover_proto::path::printable(&e.meta.path)
+                    ),
+                ))),
+            }
+        }
+        (_, ev) => emit(ev),
+    };
     for spec in specs {
-        if !walk_spec(store, spec, emit) {
+        if !walk_spec(store, spec, &mut emit) {
             return;
         }
     }
@@ -102,28 +133,33 @@ fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> boo
             Err(e) => return emit(Event::Error(Error::new(ErrorKind::Usage, spec, format!("bad glob: {e}")))),
         };
         let depth = if pattern.contains("**") { usize::MAX } else { comps.len() - g };
-        if let Err(e) = storage::check_path(store, &base) {
-            return emit(Event::Error(e));
-        }
+        let base = match storage::checked_path(store, &base) {
+            Ok(p) => p,
+            Err(e) => return emit(Event::Error(e)),
+        };
         let mut matched = false;
-        let ok = walk_dir(store, PathBuf::from(base), String::new(), Some((&glob, depth)), &mut |ev| {
+        let ok = walk_dir(store, base, String::new(), Some((&glob, depth)), &mut |ev| {
             matched |= matches!(ev, Event::File(_));
             emit(ev)
         });
         if ok && !matched {
-            return emit(Event::Error(Error::new(ErrorKind::NotFound, store.display(Path::new(spec)), "no file matches this pattern")));
+            return emit(Event::Error(Error::new(
+                ErrorKind::NotFound,
+                storage::display_spelled(store, spec),
+                "no file matches this pattern",
+            )));
         }
         return ok;
     }
-    if let Err(e) = storage::check_path(store, trimmed) {
-        return emit(Event::Error(e));
-    }
-    let path = PathBuf::from(trimmed);
+    let path = match storage::checked_path(store, trimmed) {
+        Ok(p) => p,
+        Err(e) => return emit(Event::Error(e)),
+    };
     let m = match store.stat(&path) {
         Ok(m) => m,
         Err(e) => return emit(Event::Error(Error::io(store.display(&path), &e))),
     };
-    let base_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let base_name = path.file_name().map(|n| dmover_proto::path::from_bytes(n.as_bytes()).into_owned()).unwrap_or_default();
     match m.kind {
         Kind::Dir => {
             let prefix = if contents_only { String::new() } else { base_name };
@@ -174,7 +210,7 @@ fn walk_dir(
             };
             let empty = entries.is_empty();
             for ent in entries {
-                let fname = ent.name.to_string_lossy().into_owned();
+                let fname = dmover_proto::path::from_bytes(ent.name.as_bytes());
                 let child = dmover_proto::path::join(&name, &fname);
                 let path = dir.join(&ent.name);
                 let st = match ent.stat {

@@ -202,7 +202,8 @@ pub fn finish_transfer(plan: &Plan, transfer_id: [u8; 16]) -> Result<()> {
 
 fn entry(plan: &Plan, w: &WorkItem) -> Entry {
     Entry {
-        path: plan.source_root.join(&w.path),
+        // A spelling the manager made (a bad one names no file, and fails).
+        path: plan.source_root.join(dmover_proto::path::to_path(&w.path).unwrap_or_else(|_| w.path.clone().into())),
         meta: FileMeta { path: w.path.clone(), size: w.size, mtime_s: w.mtime_s, mtime_ns: w.mtime_ns, mode: w.mode },
         ctime: w.ctime,
     }

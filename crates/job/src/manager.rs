@@ -432,7 +432,7 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
     let hosts = mgr.plan.hosts.len().max(1) as u128;
     source::walk(mgr.plan.source.as_ref(), &specs, &mut |ev| match ev {
         Event::File(e) => {
-            let rel = e.path.strip_prefix(root).map(|p| p.to_string_lossy().into_owned()).unwrap_or(e.meta.path.clone());
+            let rel = e.path.strip_prefix(root).map(|p| dmover_proto::path::from_path(p).into_owned()).unwrap_or(e.meta.path.clone());
             if overlap && !seen.insert(rel.clone()) {
                 return true;
             }

@@ -570,7 +570,7 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
         Request::Receive { dest, options } => {
             blocks_fit(srv, options.block_size, 0)?;
             let (root, rest) = locate(srv, &dest)?;
-            storage::check_path(root.as_ref(), rest)?;
+            storage::checked_path(root.as_ref(), rest)?;
             // An export's name (it was found above): a bounded label.
             let export = dest.split('/').next().unwrap_or_default();
             Action::Receive { root: root.clone(), dest: rest.to_string(), options, write_errors: srv.cfg.metrics.write_errors(export) }
@@ -585,7 +585,7 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
         }
         Request::Grant { dest } => {
             let (root, rest) = locate(srv, &dest)?;
-            storage::check_path(root.as_ref(), rest)?;
+            storage::checked_path(root.as_ref(), rest)?;
             let (key_id, secret) = srv.tickets.issue(&dest);
             let lifetime = srv.tickets.lifetime().as_secs() as u32;
             Action::Reply(Reply::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret), lifetime })
@@ -674,7 +674,7 @@ fn control(
             Ok(Action::Nothing) => {}
             Ok(Action::Reply(m)) => w.send(m)?,
             Ok(Action::Receive { root, dest, options, write_errors }) => {
-                let label = root.display(std::path::Path::new(&dest));
+                let label = storage::display_spelled(root.as_ref(), &dest);
                 let cfg = RecvConfig {
                     store: root,
                     dest,

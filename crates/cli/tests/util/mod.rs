@@ -38,6 +38,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Read, Seek, Write};
 use std::net::TcpStream;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -1083,6 +1084,8 @@ pub enum Node {
 }
 
 /// Every entry below `root` (relative path → node), not following symlinks.
+/// Paths are spelled as dmover spells names on the wire (bytes that are not
+/// UTF-8 as `\xHH`, a backslash doubled): no two names share a key.
 pub fn list_tree(root: &Path) -> BTreeMap<String, Node> {
     let mut out = BTreeMap::new();
     let mut stack = vec![(root.to_path_buf(), String::new())];
@@ -1095,7 +1098,7 @@ pub fn list_tree(root: &Path) -> BTreeMap<String, Node> {
         };
         for e in rd {
             let Ok(e) = e else { continue };
-            let name = e.file_name().to_string_lossy().into_owned();
+            let name = dmover_proto::path::from_bytes(e.file_name().as_bytes()).into_owned();
             let r = if rel.is_empty() { name } else { format!("{rel}/{name}") };
             // Entries can vanish between readdir and lstat (a temporary file renamed).
             let Ok(m) = fs::symlink_metadata(e.path()) else { continue };
@@ -1179,7 +1182,8 @@ pub fn assert_same_tree(src: &Path, dst: &Path) {
             }
             (Node::File { size: sa, mode: ma, mtime: ta }, Node::File { size: sb, mode: mb, mtime: tb }) => {
                 assert_eq!(sa, sb, "{k}: size");
-                assert!(same_content(&src.join(k), &dst.join(k)), "{k}: content differs");
+                let rel = dmover_proto::path::to_path(k).unwrap();
+                assert!(same_content(&src.join(&rel), &dst.join(&rel)), "{k}: content differs");
                 assert_eq!(format!("{ma:o}"), format!("{mb:o}"), "{k}: mode");
                 assert_eq!(ta, tb, "{k}: mtime (s, ns)");
             }

@@ -437,9 +437,12 @@ impl Owner {
     /// export path at a server, the local path at a client.
     fn name(&self, rel: &str) -> String {
         if self.sh.store.is_confined() {
-            self.sh.store.display(Path::new(&dmover_proto::path::join(&self.dest_label, rel)))
+            crate::storage::display_spelled(self.sh.store.as_ref(), &dmover_proto::path::join(&self.dest_label, rel))
         } else {
-            self.sh.dest_dir.join(rel).display().to_string()
+            match dmover_proto::path::to_path(rel) {
+                Ok(p) => self.sh.store.display(&self.sh.dest_dir.join(p)),
+                Err(_) => dmover_proto::path::printable(rel).into_owned(),
+            }
         }
     }
 
@@ -532,7 +535,8 @@ impl Owner {
     /// later operation resolves its path beneath the export afresh, so a
     /// directory swapped for a symlink since then is refused, never followed.
     fn prepare_parent(&mut self, rel: &str) -> Result<PathBuf> {
-        let final_path = self.sh.dest_dir.join(rel);
+        let rel_path = dmover_proto::path::to_path(rel).map_err(|e| Error::new(ErrorKind::Refused, self.name(rel), e.to_string()))?;
+        let final_path = self.sh.dest_dir.join(rel_path);
         let parent = final_path.parent().expect("a joined path has a parent").to_path_buf();
         if parent != self.sh.dest_dir && !self.dirs.contains(&parent) {
             self.sh.store.make_dirs(&parent).map_err(|e| Error::io(self.name(rel), &e))?;
@@ -557,6 +561,8 @@ fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
 }
 
 fn temp_name(final_path: &Path) -> PathBuf {
-    let name = final_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    final_path.with_file_name(format!(".{name}{PART_SUFFIX}"))
+    let mut name = std::ffi::OsString::from(".");
+    name.push(final_path.file_name().unwrap_or_default());
+    name.push(PART_SUFFIX);
+    final_path.with_file_name(name)
 }

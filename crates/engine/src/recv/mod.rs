@@ -284,8 +284,7 @@ pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
     if block_size == 0 || block_size > dmover_proto::frame::MAX_BLOCK as u64 {
         return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
     }
-    crate::storage::check_path(cfg.store.as_ref(), &cfg.dest)?;
-    let dest_dir = PathBuf::from(&cfg.dest);
+    let dest_dir = crate::storage::checked_path(cfg.store.as_ref(), &cfg.dest)?;
     let label = cfg.store.display(&dest_dir);
     let may_be_file =
         cfg.options.flags.contains(TransferFlags::DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());

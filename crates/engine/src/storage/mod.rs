@@ -32,10 +32,11 @@ pub mod s3;
 use crate::error::{Error, Result};
 use crate::wire::PIECE;
 use dmover_proto::digest::{file_digest, BlockHasher, Sum};
+use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use std::ffi::OsString;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// A storage shared by the threads of a transfer.
@@ -280,22 +281,35 @@ pub fn export(label: &str, dir: &Path) -> io::Result<Store> {
     Ok(Arc::new(posix::Posix::export(label, dir)?))
 }
 
-/// Checks that `path` may be used in `store`: in a confined storage, a
-/// path that is not a plain relative path, or that meets a symlink on the
-/// way, is refused; a path that does not exist yet is fine.
-pub fn check_path(store: &dyn Storage, path: &str) -> Result<()> {
-    let refuse = |why: String| Err(Error::new(ErrorKind::Refused, store.display(Path::new(path)), format!("path refused: {why}")));
+/// The path that `spelled` (a path as it travels, see
+/// [`dmover_proto::path`]) names in `store`, checked: in a confined
+/// storage, a path that is not a plain relative path, or that meets a
+/// symlink on the way, is refused; a path that does not exist yet is fine.
+pub fn checked_path(store: &dyn Storage, spelled: &str) -> Result<PathBuf> {
+    let refuse = |why: String| Err(Error::new(ErrorKind::Refused, display_spelled(store, spelled), format!("path refused: {why}")));
+    let path = match dmover_proto::path::to_path(spelled) {
+        Ok(p) => p,
+        Err(e) => return Err(Error::new(ErrorKind::Usage, printable(spelled), e.to_string())),
+    };
     if !store.is_confined() {
-        return Ok(());
+        return Ok(path);
     }
-    if let Err(e) = dmover_proto::path::check_relative(path) {
+    if let Err(e) = dmover_proto::path::check_relative(spelled) {
         return refuse(e.to_string());
     }
-    match store.stat(Path::new(path)) {
+    match store.stat(&path) {
         Ok(s) if s.kind == Kind::Symlink => refuse("symlinks are not followed inside an export".into()),
-        Ok(_) => Ok(()),
-        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Ok(()),
-        Err(e) => Err(Error::io(store.display(Path::new(path)), &e)),
+        Ok(_) => Ok(path),
+        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Ok(path),
+        Err(e) => Err(Error::io(store.display(&path), &e)),
+    }
+}
+
+/// How to name `spelled` (a path as it travels) of `store` in messages.
+pub fn display_spelled(store: &dyn Storage, spelled: &str) -> String {
+    match dmover_proto::path::to_path(spelled) {
+        Ok(p) => store.display(&p),
+        Err(_) => printable(spelled).into_owned(),
     }
 }
 

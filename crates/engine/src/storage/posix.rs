@@ -254,10 +254,10 @@ impl Storage for Posix {
     }
 
     fn display(&self, path: &Path) -> String {
+        let rel = dmover_proto::path::from_path(path);
         if self.root.is_none() {
-            return path.display().to_string();
+            return rel.into_owned();
         }
-        let rel = path.to_string_lossy();
         dmover_proto::path::join(&self.label, rel.trim_start_matches("./"))
     }
 

@@ -391,9 +391,9 @@ fn unsupported(what: &str) -> io::Error {
 /// The key of `path` below the key `root` (`root` itself for the empty
 /// path): `path` must be a plain relative path, or it is refused.
 fn key(root: &str, path: &Path) -> io::Result<String> {
-    let p = path.to_str().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "an S3 key must be UTF-8"))?;
+    let p = path.to_str().ok_or_else(|| Refused::io("the name is not UTF-8, which an S3 key must be; the file is not copied"))?;
     let p = p.trim_start_matches("./").trim_end_matches('/');
-    dmover_proto::path::check_relative(p)
+    dmover_proto::path::check_relative(&dmover_proto::path::from_bytes(p.as_bytes()))
         .map_err(|_| Refused::io("an S3 key is a plain relative path, without '.', '..' or empty names"))?;
     Ok(dmover_proto::path::join(root, p))
 }
@@ -1613,7 +1613,7 @@ impl Storage for S3 {
     }
 
     fn display(&self, path: &Path) -> String {
-        let p = path.to_string_lossy();
+        let p = dmover_proto::path::from_path(path);
         dmover_proto::path::join(&self.inner.label, p.trim_start_matches("./"))
     }
 
@@ -1892,15 +1892,23 @@ mod tests {
 
     #[test]
     fn keys_stay_below_the_prefix() {
-        for (root, path, want) in
-            [("run/1", "x/y", "run/1/x/y"), ("run/1", "", "run/1"), ("run/1", "./x/", "run/1/x"), ("", "x", "x"), ("", "", "")]
-        {
+        for (root, path, want) in [
+            ("run/1", "x/y", "run/1/x/y"),
+            ("run/1", "", "run/1"),
+            ("run/1", "./x/", "run/1/x"),
+            ("", "x", "x"),
+            ("", "", ""),
+            ("", "a\\b", "a\\b"),
+        ] {
             assert_eq!(key(root, Path::new(path)).unwrap(), want, "{root} {path}");
         }
-        for path in ["..", "../x", "x/../../y", "/x", ".//x", "x//y", "x/./y", "x/..", "a\\b", "x\0y"] {
+        for path in ["..", "../x", "x/../../y", "/x", ".//x", "x//y", "x/./y", "x/..", "x\0y"] {
             let e = key("run/1", Path::new(path)).unwrap_err();
             assert!(Refused::is(&e), "{path:?}: {e}");
         }
+        use std::os::unix::ffi::OsStrExt;
+        let e = key("run/1", Path::new(std::ffi::OsStr::from_bytes(b"bad\xff"))).unwrap_err();
+        assert!(Refused::is(&e) && e.to_string().contains("UTF-8"), "{e}");
     }
 
     #[test]

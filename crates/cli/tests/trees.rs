@@ -1,0 +1,140 @@
+//! Trees moved whole: every name arrives as the source file system holds
+//! it, byte for byte, through every path a copy can take (local, upload,
+//! download, third party, ssh), and two files never land on one name.
+
+mod util;
+
+use std::ffi::OsStr;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use util::*;
+
+/// Names a file system holds that are easy to lose: two that differ only
+/// in a byte that is not UTF-8 (a lossy conversion makes them one), a
+/// newline, backslashes (one followed by what looks like an escape), a
+/// right-to-left override, and a directory whose name is not UTF-8.
+const NAMES: [&[u8]; 8] = [
+    b"bad\xff.bin",
+    b"bad\xfe.bin",
+    b"new\nline.txt",
+    b"back\\slash",
+    b"looks\\xffescaped",
+    "\u{202e}gpj.exe".as_bytes(),
+    b"d\xe9j\xe0/inner.dat",
+    b"plain/\xc3(.dat",
+];
+
+/// A tree holding each of [`NAMES`], each file with content of its own.
+fn odd_names(root: &Path) -> PathBuf {
+    for (i, name) in NAMES.iter().enumerate() {
+        let p = root.join(OsStr::from_bytes(name));
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        fs::write(&p, format!("file {i}: {}", name.escape_ascii()).repeat(i + 1)).unwrap();
+    }
+    root.to_path_buf()
+}
+
+/// Asserts that `dst` holds every name of [`NAMES`] as bytes, each with its
+/// own content, and nothing else (the report's count agrees).
+#[track_caller]
+fn assert_names_kept(src: &Path, dst: &Path, report: &serde_json::Value) {
+    assert_same_tree(src, dst);
+    for name in NAMES {
+        let (a, b) = (src.join(OsStr::from_bytes(name)), dst.join(OsStr::from_bytes(name)));
+        assert_eq!(fs::read(&a).unwrap(), fs::read(&b).unwrap_or_default(), "{}", name.escape_ascii());
+    }
+    assert_eq!(u(&report["files"]), NAMES.len() as u64, "{report:#}");
+}
+
+#[test]
+fn names_that_are_not_utf8_arrive_byte_for_byte_locally_and_to_and_from_a_server() {
+    let env = Env::new();
+    let src = odd_names(&env.mkdir("src"));
+    let local = env.mkdir("local");
+    let j = dmover(["cp", "--json", "-q"]).arg(format!("{}/", src.display())).arg(&local).run().assert_ok();
+    assert_names_kept(&src, &local, &j);
+
+    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
+    let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
+    let j = env.cp([format!("{}/", src.display()), a.url("ea/up/")]).run().assert_ok();
+    assert_names_kept(&src, &ea.join("up"), &j);
+
+    // What an upload took, a download gives back: the newline too.
+    let down = env.mkdir("down");
+    let j = env.cp([a.url("ea/up/"), down.display().to_string()]).run().assert_ok();
+    assert_names_kept(&src, &down, &j);
+
+    let j = env.cp([a.url("ea/up/"), b.url("eb/third/")]).run().assert_ok();
+    assert_names_kept(&src, &eb.join("third"), &j);
+
+    // A glob matches names that are not UTF-8 as it does any other.
+    let some = env.mkdir("some");
+    let j = env.cp([a.url("ea/up/bad*.bin"), some.display().to_string()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 2, "{j:#}");
+    assert_eq!(
+        fs::read(some.join(OsStr::from_bytes(b"bad\xfe.bin"))).unwrap(),
+        fs::read(src.join(OsStr::from_bytes(b"bad\xfe.bin"))).unwrap()
+    );
+
+    // Listings show a name that is not UTF-8 by its escape, and a newline escaped.
+    let l = dmover(["ls", "--token-file"]).arg(&env.token).arg(a.url("ea/up/")).run();
+    assert_eq!(l.code, 0, "{}", l.stderr);
+    assert!(l.stdout.contains("bad\\xff.bin") && l.stdout.contains("bad\\xfe.bin"), "{}", l.stdout);
+    assert!(l.stdout.contains("new\\nline.txt") && !l.stdout.contains("new\nline"), "{}", l.stdout);
+    assert!(l.stdout.contains("\\u{202e}gpj.exe"), "{}", l.stdout);
+}
+
+#[test]
+fn names_that_are_not_utf8_arrive_byte_for_byte_over_ssh() {
+    let env = Env::new();
+    let sshd = Sshd::start(&env.path("sshd"));
+    let src = odd_names(&env.mkdir("src"));
+    let far = env.mkdir("far");
+    let ssh = |from: String, to: String| {
+        let mut c = dmover(["cp", "--json", "-q", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
+        c.args([from, to]);
+        c.run()
+    };
+    let j = ssh(format!("{}/", src.display()), format!("127.0.0.1:{}/", far.display())).assert_ok();
+    assert_names_kept(&src, &far, &j);
+    let back = env.mkdir("back");
+    let j = ssh(format!("127.0.0.1:{}/", far.display()), format!("{}/", back.display())).assert_ok();
+    assert_names_kept(&src, &back, &j);
+}
+
+/// Two sources holding one name would land on one destination file: the
+/// second is refused, the copy fails and says so, and the completion check
+/// does not pass. (With the first file committed before the second came,
+/// the second used to replace it: exit 0, check passed, a file lost.)
+#[test]
+fn two_sources_with_one_name_are_refused_and_the_check_fails() {
+    let env = Env::new();
+    let (a, b) = (env.mkdir("a"), env.mkdir("b"));
+    fs::write(a.join("same.dat"), "from a").unwrap();
+    for i in 0..300 {
+        fs::write(b.join(format!("f{i}")), format!("{i}")).unwrap();
+    }
+    fs::write(b.join("same.dat"), "from b, longer").unwrap();
+    fs::write(b.join("other.dat"), "only in b").unwrap();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let local = env.mkdir("local");
+    for (dest, at) in [(local.display().to_string(), local.clone()), (srv.url("e/"), export.clone())] {
+        let r = env.cp([format!("{}/", a.display()), format!("{}/", b.display()), dest]).run();
+        assert_ne!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+        let j = r.json();
+        assert_eq!(j["ok"], false, "{j:#}");
+        assert_eq!(j["check"]["passed"], false, "{j:#}");
+        let errors = j["errors"].as_array().unwrap();
+        assert_eq!(errors.len(), 1, "{j:#}");
+        assert!(errors[0]["path"].as_str().unwrap().ends_with("b/same.dat"), "{j:#}");
+        assert!(errors[0]["message"].as_str().unwrap().contains("one destination file"), "{j:#}");
+        assert_eq!(fs::read_to_string(at.join("same.dat")).unwrap(), "from a");
+        assert_eq!(fs::read_to_string(at.join("other.dat")).unwrap(), "only in b");
+    }
+    // The same file named twice (overlapping sources) is one file, sent once.
+    let twice = env.mkdir("twice");
+    let j = env.cp([format!("{}/", b.display()), b.join("other.dat").display().to_string(), twice.display().to_string()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 302, "{j:#}");
+}
