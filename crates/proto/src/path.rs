@@ -22,7 +22,7 @@ pub enum PathError {
     DotDot,
     #[error("empty or '.' path component")]
     Empty,
-    #[error("a backslash in a path must be written \\\\, and a byte that is not UTF-8 as \\xHH (80 to FF)")]
+    #[error("a backslash in a path must be written \\\\, and a byte that is not UTF-8 as \\x and two lower-case hex digits (80 to ff)")]
     Backslash,
     #[error("path too long")]
     TooLong,

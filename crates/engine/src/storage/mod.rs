@@ -287,15 +287,17 @@ pub fn export(label: &str, dir: &Path) -> io::Result<Store> {
 /// symlink on the way, is refused; a path that does not exist yet is fine.
 pub fn checked_path(store: &dyn Storage, spelled: &str) -> Result<PathBuf> {
     let refuse = |why: String| Err(Error::new(ErrorKind::Refused, display_spelled(store, spelled), format!("path refused: {why}")));
+    if store.is_confined() {
+        if let Err(e) = dmover_proto::path::check_relative(spelled) {
+            return refuse(e.to_string());
+        }
+    }
     let path = match dmover_proto::path::to_path(spelled) {
         Ok(p) => p,
         Err(e) => return Err(Error::new(ErrorKind::Usage, printable(spelled), e.to_string())),
     };
     if !store.is_confined() {
         return Ok(path);
-    }
-    if let Err(e) = dmover_proto::path::check_relative(spelled) {
-        return refuse(e.to_string());
     }
     match store.stat(&path) {
         Ok(s) if s.kind == Kind::Symlink => refuse("symlinks are not followed inside an export".into()),
