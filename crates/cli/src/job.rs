@@ -44,7 +44,8 @@ pub struct SubmitArgs {
     #[arg(short = 'A', long)]
     pub account: Option<String>,
     /// Have the manager serve the job's metrics and status page on ADDR
-    /// (as `dmover run --metrics`).
+    /// (as `dmover run --metrics`; off loopback they need the job file's
+    /// metrics_token_file).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
 }
@@ -58,7 +59,7 @@ pub struct RunArgs {
     pub json: bool,
     /// Serve the job's Prometheus metrics at http://ADDR/metrics and its
     /// status page at http://ADDR/ while it runs: a port (on loopback), or
-    /// HOST:PORT (off loopback both need the job's token).
+    /// HOST:PORT (off loopback both need the job file's metrics_token_file).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
 }
@@ -72,11 +73,13 @@ pub struct StatusArgs {
     pub json: bool,
     /// Serve a live status page of the job at http://ADDR/ (its metrics at
     /// /metrics) until interrupted: a port (on loopback), or HOST:PORT (off
-    /// loopback it needs the job's token: open it as /?token=TOKEN).
+    /// loopback it needs a page token: open it as /#token=TOKEN).
     #[arg(long, value_name = "ADDR", conflicts_with = "json")]
     pub web: Option<String>,
-    #[command(flatten)]
-    pub token: TokenArgs,
+    /// File holding the page token the page asks for (else the job file's
+    /// metrics_token_file): a token of its own, never the servers'.
+    #[arg(long, value_name = "FILE", requires = "web")]
+    pub web_token_file: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -262,10 +265,15 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;
     if let Some(m) = &a.metrics {
-        // Checked here (its form, and that its host name resolves): a bad
-        // address would only show in the batch job's output.
-        std::net::ToSocketAddrs::to_socket_addrs(&crate::web::address(m))
-            .map_err(|e| usage(format!("--metrics {m}"), format!("not PORT or HOST:PORT: {e}")))?;
+        // Checked here (its form, that its host name resolves, and the page
+        // token off loopback): a mistake would only show in the batch job's
+        // output.
+        let off_loopback = std::net::ToSocketAddrs::to_socket_addrs(&crate::web::address(m))
+            .map_err(|e| usage(format!("--metrics {m}"), format!("not PORT or HOST:PORT: {e}")))?
+            .any(|a| !a.ip().is_loopback());
+        if page_token(Some(&job), None)?.is_none() && off_loopback {
+            return Err(crate::web::no_page_token(&format!("--metrics {m}"), JOB_PAGE_TOKEN));
+        }
     }
     let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm, a.metrics.as_deref());
     if a.dry_run {
@@ -281,25 +289,35 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// The token a job's pages ask for off loopback: `--token-file` or
-/// DMOVER_TOKEN, else the job file's `token_file`.
-fn page_token(job: Option<&JobFile>, t: &TokenArgs) -> Option<Vec<u8>> {
-    t.token().ok().or_else(|| dmover_engine::session::read_token(Path::new(job?.token_file.as_ref()?)).ok())
+/// Where a job's pages take their token from (`dmover run`, `submit`).
+const JOB_PAGE_TOKEN: &str = "metrics_token_file in the job file";
+
+/// The page token a job's pages ask for: from `file` if given, else the
+/// job file's `metrics_token_file`. Refused if it is the job's data token
+/// (the job file's `token_file`, else DMOVER_TOKEN).
+fn page_token(job: Option<&JobFile>, file: Option<&Path>) -> Result<Option<Vec<u8>>> {
+    let Some(file) = file.or_else(|| job?.metrics_token_file.as_deref().map(Path::new)) else { return Ok(None) };
+    let data = match job.and_then(|j| j.token_file.as_deref()) {
+        Some(f) => dmover_engine::session::read_token(Path::new(f)).ok(),
+        None => TokenArgs { token_file: None }.token().ok(),
+    };
+    crate::web::page_token(file, data.as_deref()).map(Some)
 }
 
-/// Serves the pages of the job whose state directory is `dir` on `addr`;
-/// returns the line that says where.
-fn serve_pages(flag: &str, addr: &str, dir: &Path, job: Option<&JobFile>, t: &TokenArgs) -> Result<String> {
-    let listener = crate::web::listen(flag, addr)?;
-    let page = dmover_job::page::JobPage::new(StateDir::new(dir));
-    crate::web::start(flag, listener, std::sync::Arc::new(page), page_token(job, t).as_deref())
+/// Serves the pages of the job whose state directory is `dir` on `addr`,
+/// asking for `token` (`token_flag` says how to give one); returns the
+/// line that says where.
+fn serve_pages(flag: &str, addr: &str, dir: &Path, token: Option<Vec<u8>>, token_flag: &str) -> Result<String> {
+    let pages = crate::web::bind(flag, addr, token.as_deref(), token_flag)?;
+    pages.serve(std::sync::Arc::new(dmover_job::page::JobPage::new(StateDir::new(dir))))
 }
 
 pub fn run(a: RunArgs) -> Result<i32> {
     let (job, plan, _reach) = load_checked(&a.job)?;
     if let Some(m) = &a.metrics {
         // On stderr: stdout is the report's (--json).
-        errln!("{}", serve_pages("--metrics", m, &plan.state_dir, Some(&job), &TokenArgs { token_file: None })?);
+        let token = page_token(Some(&job), None)?;
+        errln!("{}", serve_pages("--metrics", m, &plan.state_dir, token, JOB_PAGE_TOKEN)?);
     }
     let launch = if std::env::var_os("SLURM_JOB_ID").is_some() {
         Launch::Srun { exe: std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))? }
@@ -318,7 +336,8 @@ pub fn status(a: StatusArgs) -> Result<i32> {
     let dir = if a.job.is_dir() { a.job.clone() } else { jobfile::state_dir(&a.job) };
     if let Some(addr) = &a.web {
         let job = if a.job.is_dir() { None } else { Some(JobFile::load(&a.job)?) };
-        outln!("{}", serve_pages("--web", addr, &dir, job.as_ref(), &a.token)?);
+        let token = page_token(job.as_ref(), a.web_token_file.as_deref())?;
+        outln!("{}", serve_pages("--web", addr, &dir, token, &format!("--web-token-file FILE or {JOB_PAGE_TOKEN}"))?);
         let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
             .map_err(|e| Error::io("signals", &e))?;
         signals.forever().next();

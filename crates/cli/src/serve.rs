@@ -58,9 +58,16 @@ pub struct DaemonArgs {
     pub grace: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics and a status page
     /// of the running sessions at http://ADDR/: a port (on loopback), or
-    /// HOST:PORT (e.g. 0.0.0.0:9464; off loopback both need the token).
+    /// HOST:PORT (e.g. 0.0.0.0:9464; off loopback both need
+    /// --metrics-token-file).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
+    /// File holding the page token: the read-only credential the metrics
+    /// and the status page ask for (as `Authorization: Bearer TOKEN`), on
+    /// any address if given, and needed off loopback. A token of its own
+    /// (`dmover token FILE`), never --token-file's.
+    #[arg(long, value_name = "FILE", requires = "metrics")]
+    pub metrics_token_file: Option<PathBuf>,
 }
 
 impl DaemonArgs {
@@ -85,9 +92,12 @@ impl DaemonArgs {
         })
     }
 
-    /// The socket `--metrics` asks for, bound (None without the flag).
-    pub fn metrics_listener(&self) -> Result<Option<std::net::TcpListener>> {
-        self.metrics.as_deref().map(|addr| crate::web::listen("--metrics", addr)).transpose()
+    /// The address `--metrics` asks for, bound with the page token (None
+    /// without the flag); `data` is the server's token.
+    pub fn pages(&self, data: &[u8]) -> Result<Option<crate::web::Pages>> {
+        let Some(addr) = &self.metrics else { return Ok(None) };
+        let token = self.metrics_token_file.as_deref().map(|f| crate::web::page_token(f, Some(data))).transpose()?;
+        crate::web::bind("--metrics", addr, token.as_deref(), "--metrics-token-file FILE").map(Some)
     }
 }
 
@@ -110,9 +120,9 @@ pub fn run(a: ServeArgs) -> Result<i32> {
     let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ticket_lifetime, ..a.daemon.config()? };
     let names: Vec<String> = cfg.exports.keys().cloned().collect();
     let listener = bind(&a.listen)?;
-    let metrics = a.daemon.metrics_listener()?;
+    let pages = a.daemon.pages(&cfg.token)?;
     log::info!("serving {names:?} on {}", listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?);
-    run_server(listener, metrics, cfg)
+    run_server(listener, pages, cfg)
 }
 
 /// The export `name` of directory `dir`.
@@ -141,8 +151,8 @@ pub fn bind(listen: &str) -> Result<std::net::TcpListener> {
 }
 
 /// Runs a server on `listener` until SIGTERM or SIGINT, with its metrics
-/// on `metrics` if given.
-pub fn run_server(listener: std::net::TcpListener, metrics: Option<std::net::TcpListener>, cfg: dmover_server::Config) -> Result<i32> {
+/// and status page on `pages` if given.
+pub fn run_server(listener: std::net::TcpListener, pages: Option<crate::web::Pages>, cfg: dmover_server::Config) -> Result<i32> {
     let addr = listener.local_addr().map_err(|e| Error::io("listener", &e))?;
     let (shutdown, signal) = dmover_server::shutdown_pair().map_err(|e| Error::io("signal pipe", &e))?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
@@ -154,8 +164,8 @@ pub fn run_server(listener: std::net::TcpListener, metrics: Option<std::net::Tcp
         }
     });
     outln!("dmover: listening on {addr}");
-    if let Some(m) = metrics {
-        outln!("{}", crate::web::start("--metrics", m, cfg.metrics.clone(), Some(&cfg.token))?);
+    if let Some(p) = pages {
+        outln!("{}", p.serve(cfg.metrics.clone())?);
     }
     dmover_server::run(listener, cfg, signal, None).map_err(|e| Error::io("server", &e))?;
     log::info!("stopped");

@@ -37,7 +37,7 @@ pub fn run(a: SinkArgs) -> Result<i32> {
         return Err(Error::new(ErrorKind::Usage, dir.display().to_string(), "not a directory"));
     }
     let listener = crate::serve::bind(&a.listen)?;
-    let metrics = a.daemon.metrics_listener()?;
+    let pages = a.daemon.pages(&cfg.token)?;
     let addr = listener.local_addr().map_err(|e| Error::io(&a.listen, &e))?;
     // Listening on every interface, the address names no one sink: the
     // host's name does.
@@ -53,5 +53,5 @@ pub fn run(a: SinkArgs) -> Result<i32> {
         }
     }
     let cfg = dmover_server::Config { sink: Some(Arc::new(SinkConfig { dir, store, hooks, name })), ..cfg };
-    crate::serve::run_server(listener, metrics, cfg)
+    crate::serve::run_server(listener, pages, cfg)
 }

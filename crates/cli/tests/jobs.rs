@@ -660,7 +660,8 @@ const STATUS_KEYS: [&str; 28] = [
 /// manager serve the job's metrics while it runs (Prometheus' linter
 /// accepts them), and `dmover status --web` serves them and the page's
 /// data from the state directory once it has ended; off loopback it will
-/// not serve without a token to ask for.
+/// not serve without a page token to ask for, and never takes the job's
+/// token.
 #[test]
 fn a_jobs_metrics_follow_it_and_its_page_outlives_it() {
     let env = Env::new();
@@ -731,6 +732,38 @@ fn a_jobs_metrics_follow_it_and_its_page_outlives_it() {
     let r = dmover(["status", "--web", "0.0.0.0:0"]).arg(&job.state).run();
     r.assert_fails(2, &["--web"]);
     assert!(r.stderr.contains("not a loopback address"), "{}", r.stderr);
+    for r in [
+        dmover(["run", "--metrics", "0.0.0.0:0"]).arg(&job.path).run(),
+        dmover(["submit", "--dry-run", "--metrics", "0.0.0.0:9464"]).arg(&job.path).run(),
+    ] {
+        r.assert_fails(2, &["--metrics", "not a loopback address", "metrics_token_file in the job file", "dmover token FILE"]);
+    }
+
+    // Off loopback with a page token of its own: the data needs it, and
+    // the job's token (which must never cross the wire) is refused.
+    let pages = env.path("pages-token");
+    assert_eq!(dmover(["token".as_ref(), pages.as_os_str()]).run().code, 0);
+    let page_token = std::fs::read_to_string(&pages).unwrap().trim().to_string();
+    let bearer = |t: &str| format!("Authorization: Bearer {t}\r\n");
+    let port = closed_port();
+    let _web = dmover(["status", "--web", &format!("0.0.0.0:{port}"), "--web-token-file", pages.to_str().unwrap()]).arg(&job.state).spawn();
+    let addr = format!("127.0.0.1:{port}");
+    let served =
+        wait_until(Duration::from_secs(10), || http_get_with(&addr, "/metrics", &bearer(&page_token)).is_some_and(|(c, _)| c == 200));
+    assert!(served, "the page token does not open the job's metrics");
+    for shown in [bearer(&env.token_str()), String::new()] {
+        for target in ["/metrics", "/status.json"] {
+            let (code, body) = http_get_with(&addr, target, &shown).unwrap();
+            assert_eq!(code, 401, "{target} with {shown:?} was let in: {body}");
+        }
+    }
+    let r = dmover(["status", "--web", "0.0.0.0:0", "--web-token-file", env.token.to_str().unwrap()]).arg(&job.path).run();
+    r.assert_fails(2, &["holds the data token"]);
+    // The job file's metrics_token_file: what `run` and `submit` use.
+    let paged = write_job(&env, "paged", &src, &[&srv], &format!("metrics_token_file = \"{}\"\n", pages.display()));
+    let r = dmover(["submit", "--dry-run", "--metrics", "0.0.0.0:9464"]).arg(&paged.path).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains(&format!("run --metrics 0.0.0.0:9464 {}", paged.path.display())), "{}", r.stdout);
 }
 
 /// CLI.md "status": `dmover status --json` prints the job's report with

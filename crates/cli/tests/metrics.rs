@@ -1,31 +1,39 @@
 //! `dmover serve --metrics`: a real Prometheus scrapes a real server
-//! while files go up and down, and what it stored (read back through its
-//! own HTTP API) matches what moved; `promtool check metrics` accepts the
-//! page; a refused connection is counted with its reason.
+//! (off loopback, with the page token) while files go up and down, and
+//! what it stored (read back through its own HTTP API) matches what moved;
+//! `promtool check metrics` accepts the page; a refused connection is
+//! counted with its reason. The pages take a token of their own, never the
+//! server's; slow clients cannot keep others out; a loopback page answers
+//! only requests addressed to loopback.
 
 mod util;
 
 use serde_json::Value;
 use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::path::Path;
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use util::*;
 
-/// A Prometheus server scraping `target` every second; killed when dropped.
+/// A Prometheus server scraping `target` every second, sending the token
+/// in `credentials` as a bearer credential; killed when dropped.
 struct Prometheus {
     child: Child,
     addr: String,
 }
 
 impl Prometheus {
-    fn start(dir: &Path, target: &str) -> Prometheus {
+    fn start(dir: &Path, target: &str, credentials: &Path) -> Prometheus {
         let config = dir.join("prometheus.yml");
         std::fs::write(
             &config,
             format!(
-                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: dmover\n    static_configs:\n      - targets: ['{target}']\n"
+                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: dmover\n    \
+                 authorization:\n      credentials_file: {}\n    static_configs:\n      - targets: ['{target}']\n",
+                credentials.display()
             ),
         )
         .unwrap();
@@ -77,17 +85,21 @@ fn prometheus_reads_what_moved() {
         bytes += size;
     }
     let export = env.mkdir("export");
-    let metrics = format!("127.0.0.1:{}", closed_port());
+    // Off loopback: Prometheus shows the page token, as it is told to.
+    let port = closed_port();
+    let pages = page_token(&env, "pages-token");
     let mut spec = ServerSpec::new(&env.path("token"), &[("data", &export)], &env.path("server.log"));
-    spec.extra = vec!["--metrics".into(), metrics.clone().into()];
+    spec.extra = vec!["--metrics".into(), format!("0.0.0.0:{port}").into(), "--metrics-token-file".into(), pages.clone().into()];
     let server = Server::start(spec);
-    let prometheus = Prometheus::start(&env.mkdir("prometheus"), &metrics);
+    let metrics = format!("127.0.0.1:{port}");
+    let bearer = format!("Authorization: Bearer {}\r\n", token_text(&pages));
+    let prometheus = Prometheus::start(&env.mkdir("prometheus"), &metrics, &pages);
 
     // Up, slowly (3 MB/s): the page shows the bytes of a running session.
     let up = env.slow_cp(src.display().to_string(), server.url("data/")).spawn();
     let mut seen_running = false;
     let done = wait_until(Duration::from_secs(60), || {
-        let (_, page) = http_get(&metrics, "/metrics").expect("the metrics page answers");
+        let (_, page) = http_get_with(&metrics, "/metrics", &bearer).expect("the metrics page answers");
         let got = sample(&page, "dmover_received_bytes_total").expect("received bytes on the page");
         let active = sample(&page, "dmover_sessions_active{kind=\"receive\"}").expect("running receive sessions on the page");
         seen_running |= got > 0.0 && (got as u64) < bytes && active == 1.0;
@@ -125,20 +137,34 @@ fn prometheus_reads_what_moved() {
     assert_eq!(prometheus.value("up"), Some(1.0), "the scrapes failed");
 
     // The page is well-formed, by Prometheus' own linter.
-    let (code, page) = http_get(&metrics, "/metrics").unwrap();
+    let (code, page) = http_get_with(&metrics, "/metrics", &bearer).unwrap();
     assert_eq!(code, 200);
     promtool_check(&page);
     drop(server);
 }
 
-/// Sends `request` as it is; the status code of the answer.
-fn raw_status(addr: &str, request: &[u8]) -> Option<u16> {
+/// A new page token in `name`, made by `dmover token`.
+fn page_token(env: &Env, name: &str) -> PathBuf {
+    let file = env.path(name);
+    let r = dmover(["token".as_ref(), file.as_os_str()]).run();
+    assert_eq!(r.code, 0, "dmover token: {}", r.stderr);
+    file
+}
+
+/// The token in `file`.
+fn token_text(file: &Path) -> String {
+    std::fs::read_to_string(file).unwrap().trim().to_string()
+}
+
+/// Sends `request` as it is; the status code and body of the answer.
+fn raw(addr: &str, request: &[u8]) -> Option<(u16, String)> {
     let mut c = TcpStream::connect(addr).ok()?;
     c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     c.write_all(request).ok()?;
     let mut answer = String::new();
     c.read_to_string(&mut answer).ok()?;
-    answer.split_whitespace().nth(1)?.parse().ok()
+    let (head, body) = answer.split_once("\r\n\r\n")?;
+    Some((head.split_whitespace().nth(1)?.parse().ok()?, body.to_string()))
 }
 
 #[test]
@@ -152,12 +178,12 @@ fn the_metrics_page_answers_nothing_but_get() {
     assert!(wait_until(Duration::from_secs(10), || http_get(&metrics, "/metrics").is_some_and(|a| a.0 == 200)));
     assert_eq!(http_get(&metrics, "/nothing").map(|a| a.0), Some(404));
     assert_eq!(http_get(&metrics, "/metrics/../etc/passwd").map(|a| a.0), Some(404));
-    assert_eq!(raw_status(&metrics, b"POST /metrics HTTP/1.0\r\n\r\n"), Some(405));
+    assert_eq!(raw(&metrics, b"POST /metrics HTTP/1.0\r\n\r\n").map(|a| a.0), Some(405));
     // Just past the 8 KiB a request head may take (so that the server has
     // read all of it when it answers).
     let mut long = b"GET /metrics HTTP/1.0\r\nX-Filler: ".to_vec();
     long.resize((8 << 10) + 8, b'a');
-    assert_eq!(raw_status(&metrics, &long), Some(431));
+    assert_eq!(raw(&metrics, &long).map(|a| a.0), Some(431));
     // A client that connects and says nothing, many times over, does not
     // stop the page from answering, nor the server from serving.
     let silent: Vec<TcpStream> = (0..32).filter_map(|_| TcpStream::connect(&metrics).ok()).collect();
@@ -171,18 +197,19 @@ fn the_metrics_page_answers_nothing_but_get() {
 
 /// CLI.md `serve --metrics`: the status page of a server lists its running
 /// sessions; on an address other than loopback its data and the metrics
-/// are given only to a request that shows the server's token (the page
-/// itself holds none).
+/// are given only to a request that shows the page token (the page itself
+/// holds none).
 #[test]
-fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
+fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_page_token() {
     let env = Env::new();
     let export = env.mkdir("export");
     let port = closed_port();
+    let pages = page_token(&env, "pages-token");
     let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("server.log"));
-    spec.extra = vec!["--metrics".into(), format!("0.0.0.0:{port}").into()];
+    spec.extra = vec!["--metrics".into(), format!("0.0.0.0:{port}").into(), "--metrics-token-file".into(), pages.clone().into()];
     let server = Server::start(spec);
     let addr = format!("127.0.0.1:{port}");
-    let token = env.token_str();
+    let token = token_text(&pages);
     let bearer = format!("Authorization: Bearer {token}\r\n");
     assert!(wait_until(Duration::from_secs(10), || http_get_with(&addr, "/", "").is_some_and(|(c, _)| c == 200)), "no page");
     let (_, html) = http_get_with(&addr, "/", "").unwrap();
@@ -194,8 +221,10 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
         ("/status.json", ""),
         ("/metrics", ""),
         ("/metrics", "Authorization: Bearer not-the-token\r\n"),
-        ("/status.json?token=not-the-token", ""),
         ("/metrics", &format!("Authorization: Basic {token}\r\n")),
+        // The token in the address: the page reads it from the fragment,
+        // which browsers never send; the server takes it from the header only.
+        (&format!("/metrics?token={token}"), ""),
     ] {
         let (code, body) = http_get_with(&addr, target, header).unwrap();
         assert_eq!(code, 401, "{target} with {header:?} was let in: {body}");
@@ -211,7 +240,7 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_token() {
     let up = env.slow_cp(src.display().to_string(), server.url("data/")).spawn();
     let mut seen = None;
     let listed = wait_until(Duration::from_secs(30), || {
-        let (code, body) = http_get_with(&addr, &format!("/status.json?token={token}"), "").unwrap();
+        let (code, body) = http_get_with(&addr, "/status.json", &bearer).unwrap();
         assert_eq!(code, 200, "{body}");
         let j: Value = serde_json::from_str(&body).unwrap();
         let receiving = j["sessions"].as_array().unwrap().iter().any(|s| s["kind"] == "receive" && s["seconds"].as_f64() > Some(0.0));
@@ -315,4 +344,253 @@ fn metrics_address_in_use_is_refused_clearly() {
     ])
     .run();
     run.assert_fails(2, &["--metrics", &port]);
+}
+
+/// CLI.md `serve --metrics-token-file`: off loopback the pages take a
+/// token of their own (made by `dmover token`), which travels in the
+/// clear; the server's token, which must never cross the wire, is refused
+/// there, in the header as in the address; and the page token opens no
+/// data connection: it downloads nothing.
+#[test]
+fn the_pages_take_a_token_of_their_own_which_opens_nothing_else() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("f"), 1000, 9);
+    let port = closed_port();
+    let pages = page_token(&env, "pages-token");
+    let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), format!("0.0.0.0:{port}").into(), "--metrics-token-file".into(), pages.clone().into()];
+    let server = Server::start(spec);
+    let addr = format!("127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(10), || http_get(&addr, "/").is_some_and(|(c, _)| c == 200)), "no page");
+    let data = env.token_str();
+    for (target, header) in [
+        ("/metrics".to_string(), format!("Authorization: Bearer {data}\r\n")),
+        ("/status.json".into(), format!("Authorization: Bearer {data}\r\n")),
+        (format!("/metrics?token={data}"), String::new()),
+        (format!("/status.json?token={data}"), String::new()),
+    ] {
+        let (code, body) = http_get_with(&addr, &target, &header).unwrap();
+        assert_eq!(code, 401, "{target} with the server's token {header:?} was let in: {body}");
+        assert!(body.contains("page token (not the data token)"), "{body}");
+    }
+    let bearer = format!("Authorization: Bearer {}\r\n", token_text(&pages));
+    let (code, page) = http_get_with(&addr, "/metrics", &bearer).unwrap();
+    assert_eq!(code, 200, "{page}");
+    assert_eq!(sample(&page, "dmover_sent_files_total"), Some(0.0), "{page}");
+    let (code, body) = http_get_with(&addr, "/status.json", &bearer).unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["kind"], "server", "{body}");
+
+    // The page token as a client's token: refused at the handshake.
+    let back = env.mkdir("back");
+    let down = dmover(["cp".as_ref(), "--json".as_ref(), "--token-file".as_ref(), pages.as_os_str()])
+        .args([server.url("data/f"), back.display().to_string()])
+        .run();
+    assert_eq!(down.code, 7, "a download with the page token was not refused for its credential: {}", down.stderr);
+    assert!(!back.join("f").exists(), "a download with the page token wrote the file");
+    let ls = dmover(["ls".as_ref(), "--token-file".as_ref(), pages.as_os_str(), server.url("data/").as_ref()]).run();
+    assert_eq!(ls.code, 7, "a listing with the page token was not refused for its credential: {}{}", ls.stdout, ls.stderr);
+    assert!(!ls.stdout.contains('f'), "{}", ls.stdout);
+    let (_, page) = http_get_with(&addr, "/metrics", &bearer).unwrap();
+    assert_eq!(sample(&page, "dmover_connections_total{outcome=\"authenticated\"}"), Some(0.0), "{page}");
+    assert!(sample(&page, "dmover_connections_total{outcome=\"bad_credential\"}") >= Some(2.0), "{page}");
+    drop(server);
+}
+
+/// CLI.md `serve --metrics`: off loopback without a page token, or with
+/// the server's own token as one, the server refuses to start, and says
+/// what to do.
+#[test]
+fn pages_off_loopback_need_a_token_of_their_own() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let serve = |extra: &[&std::ffi::OsStr]| {
+        let mut c = dmover(["serve", "--listen", "127.0.0.1:0", "--export", &format!("data={}", export.display())]);
+        c.arg("--token-file").arg(&env.token).args(extra).timeout(Duration::from_secs(20));
+        c.run()
+    };
+    let r = serve(&["--metrics".as_ref(), "0.0.0.0:0".as_ref()]);
+    r.assert_fails(2, &["--metrics 0.0.0.0:0", "not a loopback address", "--metrics-token-file FILE", "dmover token FILE"]);
+    let copy = env.path("copy-of-the-token");
+    std::fs::copy(&env.token, &copy).unwrap();
+    for same in [&env.token, &copy] {
+        let r = serve(&["--metrics".as_ref(), "0.0.0.0:0".as_ref(), "--metrics-token-file".as_ref(), same.as_os_str()]);
+        r.assert_fails(2, &[same.to_str().unwrap(), "holds the data token", "dmover token FILE"]);
+    }
+    // And on loopback too: the server's token is never a page token.
+    let r = serve(&["--metrics".as_ref(), "0".as_ref(), "--metrics-token-file".as_ref(), copy.as_os_str()]);
+    r.assert_fails(2, &["holds the data token"]);
+}
+
+/// A connection to `to` from `from`, another loopback address: another
+/// client, as far as the server can tell.
+fn connect_from(from: Ipv4Addr, to: SocketAddrV4) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let sockaddr = |a: SocketAddrV4| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let (src, dst) = (sockaddr(SocketAddrV4::new(from, 0)), sockaddr(to));
+    // SAFETY: a new socket, owned by the stream from here on (closed on
+    // every path); the addresses are sockaddr_in of the length given.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let stream = TcpStream::from_raw_fd(fd);
+        if libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len) != 0
+            || libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(stream)
+    }
+}
+
+/// CLI.md `serve --metrics`: clients that send their request a byte every
+/// two seconds, more of them than the page serves at once and connecting
+/// again whenever cut off, hold no connection past the request's
+/// deadline and keep no one else out: a scrape from another address is
+/// answered at once throughout.
+#[test]
+fn slow_clients_do_not_keep_a_scrape_out() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), metrics.clone().into()];
+    let mut server = Server::start(spec);
+    assert!(wait_until(Duration::from_secs(10), || http_get(&metrics, "/metrics").is_some_and(|a| a.0 == 200)));
+    let to: SocketAddrV4 = metrics.parse().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    // How long each slow connection was kept open by the server.
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let slow: Vec<_> = (0..40)
+        .map(|_| {
+            let (stop, kept) = (stop.clone(), kept.clone());
+            std::thread::spawn(move || {
+                let request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(mut c) = connect_from(Ipv4Addr::new(127, 0, 0, 2), to) else {
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    };
+                    let start = Instant::now();
+                    c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                    // A byte every two seconds (the head never ends), until
+                    // the server answers or closes.
+                    for i in 0.. {
+                        let byte = request.get(i).copied().unwrap_or(b'a');
+                        if stop.load(Ordering::Relaxed) || c.write_all(&[byte]).is_err() {
+                            break;
+                        }
+                        match c.read(&mut [0; 512]) {
+                            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                            _ => break,
+                        }
+                    }
+                    kept.lock().unwrap().push(start.elapsed());
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    // Scrapes for 10 s: across the slow connections' deadline.
+    let scrapes_end = Instant::now() + Duration::from_secs(10);
+    let mut scrapes = 0;
+    while Instant::now() < scrapes_end {
+        let start = Instant::now();
+        let got = http_get(&metrics, "/metrics");
+        let took = start.elapsed();
+        assert_eq!(got.as_ref().map(|a| a.0), Some(200), "a scrape among slow clients was not answered (after {took:?}): {got:?}");
+        assert!(took < Duration::from_secs(3), "a scrape among slow clients took {took:?}");
+        scrapes += 1;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in slow {
+        t.join().unwrap();
+    }
+    let kept = kept.lock().unwrap();
+    let longest = kept.iter().max().copied().unwrap_or_default();
+    assert!(longest >= Duration::from_secs(4), "no slow connection was ever held (longest {longest:?}): the test proves nothing");
+    assert!(longest < Duration::from_secs(8), "a slow connection was kept {longest:?}, past the request's deadline");
+    assert!(scrapes >= 10, "{scrapes} scrapes");
+    assert!(server.running(), "the server died; log:\n{}", server.log());
+}
+
+/// CLI.md `serve --metrics`: a page on loopback answers only requests
+/// addressed to a loopback name or address, so that a web site whose name
+/// a browser was made to resolve to 127.0.0.1 (DNS rebinding) cannot read
+/// it.
+#[test]
+fn a_loopback_page_answers_only_requests_addressed_to_loopback() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let port = closed_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), metrics.clone().into()];
+    let server = Server::start(spec);
+    assert!(wait_until(Duration::from_secs(10), || http_get(&metrics, "/metrics").is_some_and(|a| a.0 == 200)));
+    for host in
+        ["evil.example".to_string(), format!("evil.example:{port}"), format!("127.0.0.1.nip.io:{port}"), "localhost.evil.example".into()]
+    {
+        for target in ["/metrics", "/status.json", "/"] {
+            let got = raw(&metrics, format!("GET {target} HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes());
+            let (code, body) = got.unwrap_or_else(|| panic!("no answer to {target} for Host: {host}"));
+            assert_eq!(code, 421, "{target} for Host: {host} was answered: {body}");
+            assert!(body.contains("DNS rebinding") && body.contains(&format!("http://localhost:{port}/")), "{body}");
+        }
+    }
+    for host in [format!("localhost:{port}"), format!("127.0.0.1:{port}"), format!("[::1]:{port}"), "LocalHost".into()] {
+        let got = raw(&metrics, format!("GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes());
+        assert_eq!(got.as_ref().map(|a| a.0), Some(200), "Host: {host}: {got:?}");
+    }
+    drop(server);
+}
+
+/// CLI.md `serve --metrics`: opened in a browser as `/#token=TOKEN`, the
+/// server's page off loopback reads the page token from the fragment (the
+/// browser never sends it) and shows its data: it sends the token in the
+/// header of its own requests.
+#[test]
+fn a_browser_reads_the_servers_page_with_the_token_in_its_fragment() {
+    if !on_path("chromium") {
+        let _ = dmover_testkit::skip("needs chromium (Debian's `chromium` package; ./test installs it)");
+        return;
+    }
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let port = closed_port();
+    let pages = page_token(&env, "pages-token");
+    let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), format!("0.0.0.0:{port}").into(), "--metrics-token-file".into(), pages.clone().into()];
+    let server = Server::start(spec);
+    let addr = format!("127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(10), || http_get(&addr, "/").is_some_and(|(c, _)| c == 200)), "no page");
+    let view = r#"({ state: document.getElementById("state").textContent,
+        problem: document.getElementById("problem").hidden ? null : document.getElementById("problem").textContent,
+        updates: Number(document.getElementById("updates").dataset.updates) })"#;
+    let mut browser = browser::Browser::open(&format!("http://{addr}/#token={}", token_text(&pages)), &env.path("chromium"));
+    let mut last = Value::Null;
+    let shown = wait_until(Duration::from_secs(30), || {
+        last = browser.eval(view);
+        last["state"] == "idle" && last["problem"].is_null() && last["updates"].as_u64() >= Some(2)
+    });
+    assert!(shown, "the page did not show the server's data with the token in its fragment: {last}");
+    drop(browser);
+    let mut browser = browser::Browser::open(&format!("http://{addr}/"), &env.path("chromium-without"));
+    let refused = wait_until(Duration::from_secs(30), || {
+        last = browser.eval(view);
+        last["problem"].as_str().is_some_and(|p| p.contains("401") && p.contains("page token"))
+    });
+    assert!(refused, "without the token the page does not say it needs one: {last}");
+    drop(server);
 }

@@ -37,6 +37,10 @@ pub struct JobFile {
     pub dest_root: String,
     /// File with the servers' token (else the DMOVER_TOKEN environment variable).
     pub token_file: Option<String>,
+    /// File with the page token the job's metrics and status page ask for
+    /// (`dmover run --metrics`, `dmover status --web`): needed off
+    /// loopback, and never the servers' token.
+    pub metrics_token_file: Option<String>,
     /// Reach `dest_hosts` over ssh (`[user@]host` each; `dest_root` a path
     /// there, absolute or relative to the home directory) instead of
     /// `dmover serve` on them.
