@@ -971,6 +971,50 @@ fn tickets_are_single_use_and_join_only_the_session_they_opened() {
     assert!(srv.log().contains("a ticket is used once"), "{}", srv.log());
 }
 
+/// A third-party ticket allows one thing: receiving into the destination it
+/// was issued for. Another destination in its export, another export,
+/// sending, listing and another ticket are refused, and none of them uses
+/// the ticket up: it still opens its own session afterwards.
+#[test]
+fn a_ticket_allows_receiving_into_its_own_destination_only() {
+    let env = Env::new();
+    let (e, f) = (env.mkdir("e"), env.mkdir("f"));
+    fs::write(e.join("secret.dat"), "not for a ticket holder").unwrap();
+    let srv = env.serve(&[("e", &e), ("f", &f)]);
+    let addr = srv.addr();
+    let mut owner = Raw::control(&addr, env.token_str().as_bytes());
+    let Some(Msg::Ticket { key_id, wrapped_secret, .. }) = owner.read_after(&Msg::Grant { dest: "e/in".into() }) else {
+        panic!("no ticket")
+    };
+    let secret = owner.session_key.as_ref().unwrap().wrap(&key_id, &wrapped_secret);
+    let options = TransferOptions { transfer_id: [9; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    let params = EngineParams { streams: 1, ..EngineParams::default() };
+    for m in [
+        Msg::Receive { dest: "e/elsewhere".into(), options },
+        Msg::Receive { dest: "e".into(), options },
+        Msg::Receive { dest: "f/in".into(), options },
+        Msg::Receive { dest: "e/in/sub".into(), options },
+        Msg::Send { sources: vec!["e/secret.dat".into()], options, params },
+        Msg::List { path: "e/".into() },
+        Msg::Grant { dest: "e/in".into() },
+    ] {
+        let (mut c, _, _) = Raw::handshake_with(&addr, key_id, &secret);
+        assert_eq!(c.read(), Some(Msg::Welcome), "the ticket was not welcomed");
+        c.send(&Msg::OpenControl);
+        c.send(&m);
+        match c.read() {
+            Some(Msg::Error { kind: ErrorKind::Refused, message }) => {
+                assert!(message.contains("only allows receiving into its destination"), "{m:?}: {message}")
+            }
+            other => panic!("a ticket for e/in was allowed {m:?}: {other:?}"),
+        }
+    }
+    let (mut c, _, _) = Raw::handshake_with(&addr, key_id, &secret);
+    assert_eq!(c.read(), Some(Msg::Welcome));
+    c.send(&Msg::OpenControl);
+    assert!(matches!(c.read_after(&Msg::Receive { dest: "e/in".into(), options }), Some(Msg::SessionOpened { .. })));
+}
+
 /// Regression (10): the session a ticket opened outlived the ticket, for as
 /// long as its holder kept it going. Now it ends when the ticket expires,
 /// unless the client that asked for the ticket (a token holder) renews it;

@@ -13,12 +13,15 @@
 //! * [`storage::run`]: the conformance suite every `Storage` implementation
 //!   of the engine must pass;
 //! * [`s3::S3Server`]: a real S3 server (versitygw) on loopback, stopped
-//!   when dropped.
+//!   when dropped;
+//! * [`tree`]: snapshots of a tree with everything `rsync -aHAX` keeps,
+//!   compared field by field (the oracle of whole-tree copies).
 //!
 //! This crate is the one place that knows where the tools are.
 
 pub mod s3;
 pub mod storage;
+pub mod tree;
 
 /// Has the child killed when this process dies.
 fn die_with_parent(c: &mut Command) {
