@@ -14,7 +14,7 @@
 
 use dmover_proto::digest::{BlockHasher, Sum};
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{CString, OsStr};
+use std::ffi::CString;
 use std::fs::{self, File};
 use std::io::{self, Read};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
@@ -329,6 +329,7 @@ pub fn rsync(args: &[&str], src: &Path, dst: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::OsStr;
     use std::os::unix::fs::{symlink, PermissionsExt};
 
     /// A tree with one of several kinds of things, for the tests below.
