@@ -365,7 +365,8 @@ mod tests {
         let (a, b) = (t.path().join("a"), t.path().join("b"));
         tree(&a);
         let reference = snapshot(&a).unwrap();
-        let changes: [(&str, Field, &dyn Fn(&Path)); 8] = [
+        type Change<'a> = &'a dyn Fn(&Path);
+        let changes: [(&str, Field, Change); 8] = [
             ("content", Field::Content, &|p| fs::write(p.join(OsStr::from_bytes(b"d/bad\xff")), "y").unwrap()),
             ("permissions", Field::Perm, &|p| fs::set_permissions(p.join("d/e"), fs::Permissions::from_mode(0o700)).unwrap()),
             ("mtime", Field::Mtime, &|p| {
