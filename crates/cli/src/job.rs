@@ -254,6 +254,7 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
         return Err(usage("--nodes/--ntasks-per-node", "must be at least 1"));
     }
     if let Some(p) = a.partition {
+        sbatch::check_line(&p).map_err(|m| usage("--partition", m))?;
         slurm.partition = Some(p);
     }
     if let Some(t) = a.time {
@@ -261,6 +262,7 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
         slurm.time = Some(t);
     }
     if let Some(acc) = a.account {
+        sbatch::check_line(&acc).map_err(|m| usage("--account", m))?;
         slurm.account = Some(acc);
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;
@@ -275,7 +277,7 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
             return Err(crate::web::no_page_token(&format!("--metrics {m}"), JOB_PAGE_TOKEN));
         }
     }
-    let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm, a.metrics.as_deref());
+    let script = sbatch::render(&plan.job, &exe, &plan.state_dir, &slurm, a.metrics.as_deref())?;
     if a.dry_run {
         out!("{script}");
         return Ok(0);

@@ -148,6 +148,49 @@ fn dry_run_prints_the_batch_script_with_overrides() {
     r.assert_fails(2, &["--metrics localhost", "not PORT or HOST:PORT"]);
 }
 
+/// Regression: a newline in `slurm.partition`, `slurm.account`,
+/// `--partition`, `--account` or the job file's name was written raw into
+/// the batch script, and the line after it ran as a command in the batch
+/// job. Now each is refused, naming the key, before any script is written
+/// or submitted (here to an sbatch that keeps what it is given).
+#[test]
+fn values_that_would_inject_lines_into_the_batch_script_are_refused() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    std::fs::write(src.join("a.dat"), b"data").unwrap();
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let submitted = env.path("submitted");
+    let bin = env.mkdir("bin");
+    let sbatch = bin.join("sbatch");
+    std::fs::write(&sbatch, format!("#!/bin/sh\ncat >>'{}'\necho 4242\n", submitted.display())).unwrap();
+    chmod(&sbatch, 0o755);
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let owned = env.path("owned");
+    let line = format!("touch {}", owned.display());
+    let submit = |job: &Job, flags: &[&str]| dmover(["submit"]).args(flags).arg(&job.path).env("PATH", &path).run();
+    let cases: Vec<(Job, Vec<String>, &str)> = vec![
+        (write_job(&env, "partition", &src, &[&srv], &format!("[slurm]\npartition = \"debug\\n{line}\"\n")), vec![], "slurm.partition"),
+        (write_job(&env, "account", &src, &[&srv], &format!("[slurm]\naccount = \"proj\\n{line}\"\n")), vec![], "slurm.account"),
+        (write_job(&env, "flag-p", &src, &[&srv], ""), vec!["--partition".into(), format!("debug\n{line}")], "--partition"),
+        (write_job(&env, "flag-a", &src, &[&srv], ""), vec!["--account".into(), format!("proj\n{line}")], "--account"),
+        // A file name holds no '/': the command runs in the job's directory.
+        (write_job(&env, "named\ntouch owned\n", &src, &[&srv], ""), vec![], "the job file's path"),
+    ];
+    for (job, flags, key) in &cases {
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let r = submit(job, &flags);
+        r.assert_fails(2, &[key, "control character (\\n)"]);
+        assert!(!job.state.exists(), "{key}: a state directory was made for a refused job");
+    }
+    assert!(!submitted.exists(), "a script was submitted:\n{}", std::fs::read_to_string(&submitted).unwrap_or_default());
+    assert!(!owned.exists());
+    // The same job without the newline is submitted.
+    let r = submit(&cases[2].0, &["--partition", "debug"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(std::fs::read_to_string(&submitted).unwrap().lines().any(|l| l == "#SBATCH --partition=debug"));
+}
+
 #[test]
 fn run_without_slurm_uses_local_agents_and_a_rerun_sends_nothing() {
     let env = Env::new();

@@ -246,6 +246,11 @@ impl JobFile {
         if s.nodes == 0 || s.tasks_per_node == 0 {
             return Err("slurm.nodes and slurm.tasks_per_node must be at least 1".into());
         }
+        for (key, value) in [("slurm.partition", &s.partition), ("slurm.account", &s.account)] {
+            if let Some(v) = value {
+                crate::sbatch::check_line(v).map_err(|m| format!("{key} = {m}"))?;
+            }
+        }
         let limit = match &s.time {
             Some(time) => Some(parse_time(time).map_err(|m| format!("slurm.time = {time:?}: {m}"))?),
             None => None,
@@ -504,6 +509,17 @@ dest_root = "scratch/in"
         let e = JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"10:00\"\n")).unwrap_err();
         assert!(e.contains("not shorter than slurm.time"), "{e}");
         JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"2:00\"\nresubmit = true\n")).unwrap();
+    }
+
+    /// Regression: a newline in slurm.partition or slurm.account went raw
+    /// into the batch script (the line after it ran as a command).
+    #[test]
+    fn slurm_values_with_control_characters_are_refused_naming_the_key() {
+        for key in ["partition", "account"] {
+            let e = JobFile::parse(&format!("{MINIMAL}[slurm]\n{key} = \"debug\\ntouch /tmp/owned\"\n")).unwrap_err();
+            assert!(e.starts_with(&format!("slurm.{key} = ")) && e.contains("control character (\\n)"), "{e}");
+            JobFile::parse(&format!("{MINIMAL}[slurm]\n{key} = \"gpu a100\"\n")).unwrap();
+        }
     }
 
     #[test]

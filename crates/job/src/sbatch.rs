@@ -20,8 +20,24 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
+/// Checks that `s` can go on one line of the script: a control character
+/// (a newline above all) would end its `#SBATCH` or comment line and start
+/// another, which the batch job's shell would run as a command. No quoting
+/// helps there, so such a value is refused.
+pub fn check_line(s: &str) -> Result<(), String> {
+    match s.chars().find(|c| c.is_control()) {
+        Some(c) => Err(format!(
+            "{:?} holds a control character ({}), which would end its line of the batch script; remove it",
+            s,
+            c.escape_debug()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Quotes `s` for an `#SBATCH` line: sbatch splits those at white space
-/// and understands double quotes and backslashes (not single quotes).
+/// and understands double quotes and backslashes (not single quotes). The
+/// value must have passed [`check_line`].
 pub fn sbatch_quote(s: &str) -> String {
     if !s.is_empty() && !s.contains(|c: char| c.is_whitespace() || c == '"' || c == '\\') {
         return s.to_string();
@@ -31,8 +47,19 @@ pub fn sbatch_quote(s: &str) -> String {
 
 /// Renders the batch script for the job file at `job` (absolute), run by
 /// the `dmover` binary at `exe`, with the state directory `state`; the
-/// manager serves its pages on `metrics` if given.
-pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm, metrics: Option<&str>) -> String {
+/// manager serves its pages on `metrics` if given. Every value that goes
+/// on a line of its own is checked with [`check_line`] (the Slurm values
+/// were checked where they were read, naming their key or flag; the job
+/// file's path is checked here); the `exec` line's words are quoted.
+pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm, metrics: Option<&str>) -> Result<String> {
+    check_line(&job.display().to_string()).map_err(|m| {
+        Error::new(ErrorKind::Usage, "the job file's path", m).advised("rename the job file (or its directory) without control characters")
+    })?;
+    for (key, value) in [("slurm.partition", &slurm.partition), ("slurm.time", &slurm.time), ("slurm.account", &slurm.account)] {
+        if let Some(v) = value {
+            check_line(v).map_err(|m| Error::new(ErrorKind::Usage, key, m))?;
+        }
+    }
     let name = job.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "job".into());
     let mut s = String::from("#!/bin/bash\n");
     s += &format!("#SBATCH --job-name={}\n", sbatch_quote(&format!("dmover-{name}")));
@@ -53,7 +80,7 @@ pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm, metrics: Opti
     s += "# on every node with srun; `dmover status` shows its progress.\n";
     let metrics = metrics.map(|m| format!(" --metrics {}", shell_quote(m))).unwrap_or_default();
     s += &format!("exec {} run{metrics} {}\n", shell_quote(&exe.display().to_string()), shell_quote(&job.display().to_string()));
-    s
+    Ok(s)
 }
 
 /// The batch script as submitted, kept in the state directory so that a
@@ -107,7 +134,8 @@ mod tests {
     fn script_has_the_resources_and_runs_the_manager() {
         let slurm =
             Slurm { nodes: 3, tasks_per_node: 2, partition: Some("debug".into()), time: Some("00:10:00".into()), ..Slurm::default() };
-        let s = render(Path::new("/w/my job.toml"), Path::new("/bin/dmover"), Path::new("/w/my job.dmover"), &slurm, Some("0.0.0.0:9464"));
+        let s = render(Path::new("/w/my job.toml"), Path::new("/bin/dmover"), Path::new("/w/my job.dmover"), &slurm, Some("0.0.0.0:9464"))
+            .unwrap();
         assert!(s.starts_with("#!/bin/bash\n#SBATCH --job-name=\"dmover-my job\"\n"), "{s}");
         for line in ["#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=debug", "#SBATCH --time=00:10:00"] {
             assert!(s.lines().any(|l| l == line), "{line} missing in\n{s}");
@@ -115,5 +143,29 @@ mod tests {
         assert!(s.lines().any(|l| l == "#SBATCH --output=\"/w/my job.dmover/slurm-%j.out\""), "{s}");
         assert!(s.ends_with("exec /bin/dmover run --metrics 0.0.0.0:9464 '/w/my job.toml'\n"), "{s}");
         assert!(!s.contains("--account"));
+    }
+
+    /// Regression: a newline in a partition, an account or the job file's
+    /// name was written raw into the script, and the line after it ran as
+    /// a command in the batch job. Now each is refused, naming what holds it.
+    #[test]
+    fn values_with_newlines_are_refused_naming_their_key() {
+        let injected = "debug\ntouch /tmp/owned";
+        let (job, exe, state) = (Path::new("/w/j.toml"), Path::new("/bin/dmover"), Path::new("/w/j.dmover"));
+        for key in ["slurm.partition", "slurm.time", "slurm.account"] {
+            let mut slurm = Slurm::default();
+            match key {
+                "slurm.partition" => slurm.partition = Some(injected.into()),
+                "slurm.time" => slurm.time = Some(injected.into()),
+                _ => slurm.account = Some(injected.into()),
+            }
+            let e = render(job, exe, state, &slurm, None).expect_err(key);
+            assert_eq!((e.kind, e.subject.as_str()), (ErrorKind::Usage, key), "{e}");
+            assert!(e.message.contains("control character (\\n)"), "{e}");
+        }
+        let named = Path::new("/w/a\ntouch /tmp/owned\n.toml");
+        let e = render(named, exe, &named.with_extension("dmover"), &Slurm::default(), None).expect_err("job name");
+        assert_eq!((e.kind, e.subject.as_str()), (ErrorKind::Usage, "the job file's path"), "{e}");
+        assert!(check_line("debug\r").is_err() && check_line("a\x1b[2J").is_err() && check_line("gpu a100").is_ok());
     }
 }
