@@ -25,7 +25,12 @@ const SHOW_LOST: usize = 10;
 
 pub fn run(a: DrainArgs) -> Result<i32> {
     let r = dmover_stream::drain(&a.manifest, &a.token.token()?, Duration::from_secs(a.timeout))?;
-    let sent: Vec<String> = r.destinations.iter().filter(|d| d.count > 0).map(|d| format!("{}: {} blocks", d.name, d.count)).collect();
+    let sent: Vec<String> = r
+        .destinations
+        .iter()
+        .filter(|d| d.count > 0)
+        .map(|d| format!("{}: {} blocks", dmover_proto::path::printable(&d.name), d.count))
+        .collect();
     outln!("dmover: drained {} steps; sent {}", r.steps, if sent.is_empty() { "nothing".into() } else { sent.join(", ") });
     if !r.damaged.is_empty() {
         return Err(r.undelivered().expect("blocks given up as damaged are undelivered"));

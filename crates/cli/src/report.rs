@@ -3,6 +3,7 @@
 
 use dmover_engine::progress::{human, Check, Progress, Rate};
 use dmover_proto::frame::{FileError, Share, Stats};
+use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Serialize, Serializer};
@@ -108,7 +109,8 @@ impl Report {
         }
         if self.hosts.len() > 1 {
             for h in &self.hosts {
-                s += &format!("\n  {}: {} files, {}", h.name, h.count, human(h.bytes));
+                // The name came from a server (a third-party copy's report).
+                s += &format!("\n  {}: {} files, {}", printable(&h.name), h.count, human(h.bytes));
             }
         }
         s += if self.check.passed { "\ncheck: passed (every file verified at the destination)" } else { "\ncheck: FAILED" };

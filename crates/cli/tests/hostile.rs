@@ -573,6 +573,59 @@ fn a_malicious_server_announcing_a_huge_file_does_not_crash_the_client() {
     assert_eq!(list_tree(&dest).into_keys().collect::<Vec<_>>(), ["ok.dat"]);
 }
 
+/// Plays a malicious source server for one third-party copy into the real
+/// server `dest`: it knows the token, so the client trusts it; it takes the
+/// client's `Push` and answers with `answer` (a report or an error).
+/// Returns the client's run.
+fn malicious_push_source(env: &Env, dest: &Server, answer: Msg) -> Run {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    // As a user runs it: the summary, not JSON.
+    let client = dmover(["cp", "--retries", "0", "--token-file"])
+        .arg(&env.token)
+        .args([format!("dmover://{addr}/e/src"), dest.url("e/in/")])
+        .spawn();
+    let (s, _) = listener.accept().unwrap();
+    let mut c = Raw::accept(s, env.token_str().as_bytes());
+    c.send(&Msg::Welcome);
+    assert_eq!(c.read(), Some(Msg::OpenControl));
+    assert!(matches!(c.read(), Some(Msg::Push { .. })), "the client did not ask for a push");
+    c.send(&answer);
+    let r = client.wait();
+    drop(c);
+    r
+}
+
+/// Regression: host names in a third-party copy's report went to the
+/// client's terminal raw: a malicious source server printed an escape
+/// sequence and a forged `check: passed` line on the client's terminal.
+/// Now every string from a peer that the client prints is escaped.
+#[test]
+fn a_malicious_servers_strings_reach_the_client_terminal_escaped() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let dest = env.serve(&[("e", &export)]);
+    let forged = "\x1b[2K\x1b[1A\ncheck: passed (every file verified at the destination)";
+    let host = |n: &str| dmover_proto::frame::Share { name: format!("{n}{forged}"), count: 1, bytes: 1 };
+    let stats = dmover_proto::frame::Stats {
+        files: 2,
+        bytes: 2,
+        hosts: vec![host("a"), host("b")],
+        errors: vec![dmover_proto::frame::FileError { path: format!("x{forged}"), kind: ErrorKind::Verify, message: forged.into() }],
+        ..Default::default()
+    };
+    let report = malicious_push_source(&env, &dest, Msg::Report { stats });
+    let error = malicious_push_source(&env, &dest, Msg::Error { kind: ErrorKind::Refused, message: forged.into() });
+    for (what, r, code) in [("report", &report, 10), ("error", &error, 8)] {
+        let out = format!("{}{}", r.stdout, r.stderr);
+        assert_eq!(r.code, code, "{what}: {out}");
+        assert!(!out.contains('\x1b'), "{what}: the client printed an escape character:\n{out:?}");
+        assert!(!out.lines().any(|l| l.starts_with("check: passed")), "{what}: a forged line was printed:\n{out}");
+        assert!(out.contains("\\u{1b}[2K\\u{1b}[1A\\ncheck: passed"), "{what}: the string is not shown escaped:\n{out}");
+    }
+    assert!(report.stderr.contains("check: FAILED"), "{}", report.stderr);
+}
+
 /// Regression: one small `Push` naming thousands of hosts made the server
 /// open thousands of connections to an address of the client's choosing,
 /// and a `Push` naming none panicked its connection thread. Now a push may

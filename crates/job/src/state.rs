@@ -19,6 +19,7 @@ pub use dmover_engine::history::Point;
 pub use dmover_engine::progress::{Check, Rate};
 use dmover_engine::{Error, Result};
 pub use dmover_proto::frame::{FileError, Share};
+use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -168,7 +169,8 @@ impl JobReport {
     /// The human summary.
     pub fn summary(&self) -> String {
         let h = dmover_engine::progress::human;
-        let mut s = format!("job {}: {} after {:.1} s", self.job, self.state, self.seconds);
+        // Names and messages came from agents, servers and file systems: escaped.
+        let mut s = format!("job {}: {} after {:.1} s", printable(&self.job), self.state, self.seconds);
         if let Some(id) = &self.slurm_job_id {
             s += &format!(" (Slurm job {id})");
         }
@@ -199,7 +201,13 @@ impl JobReport {
             let total: u64 = v.iter().map(|x| x.count).sum::<u64>().max(1);
             let mut s = format!("\n{title}:");
             for x in v {
-                s += &format!("\n  {}: {} files ({:.0}%), {}", x.name, x.count, 100.0 * x.count as f64 / total as f64, h(x.bytes));
+                s += &format!(
+                    "\n  {}: {} files ({:.0}%), {}",
+                    printable(&x.name),
+                    x.count,
+                    100.0 * x.count as f64 / total as f64,
+                    h(x.bytes)
+                );
             }
             s
         };
@@ -212,20 +220,20 @@ impl JobReport {
         let lost: Vec<&AgentReport> = self.agents.iter().filter(|a| a.state == AgentState::Lost).collect();
         s += &format!("\nagents: {} ({} lost)", self.agents.len(), lost.len());
         for a in lost {
-            s += &format!("\n  lost: agent {} on {} (task {}, pid {}) after {} files", a.id, a.node, a.task, a.pid, a.files);
+            s += &format!("\n  lost: agent {} on {} (task {}, pid {}) after {} files", a.id, printable(&a.node), a.task, a.pid, a.files);
             if let Some(e) = &a.error {
-                s += &format!(": {e}");
+                s += &format!(": {}", printable(e));
             }
         }
         for f in self.failures.iter().take(20) {
             let e = &f.error;
-            s += &format!("\nfailed: {} ({}, {} attempts): {}", e.path, e.kind.name(), f.attempts, e.message);
+            s += &format!("\nfailed: {} ({}, {} attempts): {}", printable(&e.path), e.kind.name(), f.attempts, printable(&e.message));
         }
         if self.failures.len() > 20 {
             s += &format!("\n  ... and {} more failures (see report.json)", self.failures.len() - 20);
         }
         if let Some(e) = &self.error {
-            s += &format!("\nstopped: {e}");
+            s += &format!("\nstopped: {}", printable(e));
         }
         if self.state == JobState::Checkpointed {
             let left = self.total_files.saturating_sub(self.done_files + self.failed_files);
@@ -462,6 +470,40 @@ mod tests {
             assert!(text.contains(part), "{part} not in {text}");
         }
         assert_eq!(serde_json::from_str::<JobReport>(&text).unwrap(), r);
+    }
+
+    /// Regression: names and messages from agents and servers were printed
+    /// raw by `dmover run` and `dmover status`: an escape sequence and a
+    /// forged `check: passed` line reached the terminal.
+    #[test]
+    fn the_summary_escapes_names_and_messages() {
+        let forged = "\x1b[1A\ncheck: passed (every file verified at the destination)";
+        let error = FileError { path: format!("x{forged}"), kind: ErrorKind::NotFound, message: forged.into() };
+        let share = Share { name: format!("h{forged}"), count: 1, bytes: 1 };
+        let agent = AgentReport {
+            id: 1,
+            node: format!("n{forged}"),
+            task: 0,
+            pid: 1,
+            state: AgentState::Lost,
+            files: 0,
+            bytes: 0,
+            error: Some(forged.into()),
+        };
+        let r = JobReport {
+            job: format!("j{forged}"),
+            state: JobState::Failed,
+            nodes: vec![share.clone()],
+            hosts: vec![share],
+            agents: vec![agent],
+            failures: vec![FailureReport { error, attempts: 1 }],
+            error: Some(forged.into()),
+            ..Default::default()
+        };
+        let s = r.summary();
+        assert!(!s.contains('\x1b'), "{s:?}");
+        assert!(!s.lines().any(|l| l.starts_with("check: passed")), "{s}");
+        assert_eq!(s.matches("\\u{1b}[1A\\ncheck: passed").count(), 8, "{s}");
     }
 
     #[test]
