@@ -39,6 +39,13 @@ pub struct ServeArgs {
     /// unless the client renews it; the transfer it opened ends with it.
     #[arg(long, value_name = "SECS", default_value_t = dmover_server::TICKET_LIFETIME.as_secs(), value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub ticket_lifetime: u64,
+    /// Where third-party copies from this server may go (repeatable): a
+    /// host, an address or a network (ADDR/BITS), each with :PORT or any
+    /// port ([ADDR]:PORT, [ADDR/BITS]:PORT for IPv6). Without it: any address but loopback,
+    /// link-local, unspecified, multicast and broadcast ones; with it, only
+    /// those listed.
+    #[arg(long, value_name = "HOST[:PORT]|ADDR/BITS[:PORT]")]
+    pub push_to: Vec<String>,
 }
 
 /// The flags every daemon (`serve`, `sink`) takes.
@@ -88,6 +95,7 @@ impl DaemonArgs {
             writers: 1,
             sink: None,
             ticket_lifetime: dmover_server::TICKET_LIFETIME,
+            push_to: Default::default(),
             metrics: Arc::default(),
         })
     }
@@ -117,7 +125,8 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         exports.insert(name.to_string(), root);
     }
     let ticket_lifetime = Duration::from_secs(a.ticket_lifetime);
-    let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ticket_lifetime, ..a.daemon.config()? };
+    let push_to = dmover_server::push_to::PushTo::parse(&a.push_to).map_err(|m| usage("", m))?;
+    let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ticket_lifetime, push_to, ..a.daemon.config()? };
     let names: Vec<String> = cfg.exports.keys().cloned().collect();
     let listener = bind(&a.listen)?;
     let pages = a.daemon.pages(&cfg.token)?;

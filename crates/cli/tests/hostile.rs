@@ -675,6 +675,110 @@ fn a_push_naming_thousands_of_hosts_makes_the_server_open_no_connections() {
     assert!(!srv.log().contains("panicked"), "{}", srv.log());
 }
 
+/// A plain TCP service on loopback that greets each connection with an SSH
+/// banner, as sshd does. Returns its address and the count of connections
+/// it took.
+fn banner_service() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::Read;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let taken = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        for mut s in l.incoming().flatten() {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::thread::spawn(move || {
+                let _ = s.write_all(b"SSH-2.0-x\r\n");
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let _ = s.read(&mut [0u8; 1024]);
+            });
+        }
+    });
+    (addr, taken)
+}
+
+/// Asks `srv` to push `e/src` to `host` with a made-up ticket; returns the
+/// error it answers with (kind and message).
+fn push_answer(env: &Env, srv: &Server, host: &str) -> (ErrorKind, String) {
+    let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
+    let options = TransferOptions { transfer_id: [31; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    let params = EngineParams { streams: 2, concurrency: 2, staging: 8 << 20, retries: 0, bwlimit: 0, ..EngineParams::default() };
+    let hosts = vec![TicketedHost { addr: host.into(), key_id: [7; 16], wrapped_secret: [1; 32] }];
+    c.send(&Msg::Push { sources: vec!["e/src".into()], dest: "x/in".into(), hosts, options, params });
+    loop {
+        match c.read() {
+            Some(Msg::Progress { .. }) => continue,
+            Some(Msg::Error { kind, message }) => return (kind, message),
+            m => panic!("a push to {host} was not refused: {m:?}\n{}", srv.log()),
+        }
+    }
+}
+
+/// Regression: a token holder could make the server connect to any
+/// host:port, loopback included, and the refusal told whether the port was
+/// open and the first bytes of what answered there (an SSH banner). Now a
+/// push goes by default nowhere on the server's own loopback, link-local,
+/// unspecified or multicast addresses (`--push-to` allows destinations),
+/// and a refused or failed push says only that, the same for an open port
+/// with a banner as for a closed one.
+#[test]
+fn push_goes_only_where_allowed_and_never_tells_what_answered() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/a.dat"), 1000, 1);
+    let (banner, taken) = banner_service();
+    let banner_port = banner.rsplit_once(':').unwrap().1.to_string();
+    let closed = format!("127.0.0.1:{}", closed_port());
+    let same = |(kind, message): &(ErrorKind, String), port: &str| (*kind, message.replace(port, "PORT"));
+
+    // By default: refused before any connection, whatever the name or form.
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("default.log"));
+    spec.push_to = Vec::new();
+    let default = Server::start(spec);
+    let open = push_answer(&env, &default, &banner);
+    assert_eq!(open.0, ErrorKind::Refused, "{open:?}");
+    assert!(open.1.starts_with(&format!("push to {banner} refused")), "{open:?}");
+    let shut = push_answer(&env, &default, &closed);
+    assert_eq!(same(&open, &banner_port), same(&shut, closed.rsplit_once(':').unwrap().1), "an open port and a closed one differ");
+    for host in [format!("localhost:{banner_port}"), format!("0.0.0.0:{banner_port}"), format!("[::ffff:127.0.0.1]:{banner_port}")] {
+        let (kind, message) = push_answer(&env, &default, &host);
+        assert!(kind == ErrorKind::Refused && message.starts_with(&format!("push to {host} refused")), "{host}: {message}");
+    }
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 0, "the server connected to a loopback service");
+
+    // Allowed (`--push-to 127.0.0.1`, as every test server here): the server
+    // connects, and what answered stays in its log.
+    let allowed = env.serve(&[("e", &export)]);
+    let open = push_answer(&env, &allowed, &banner);
+    assert!(taken.load(std::sync::atomic::Ordering::SeqCst) > 0, "the server did not connect where it was allowed to");
+    assert!(open.1.starts_with(&format!("push to {banner} failed")), "{open:?}");
+    let shut = push_answer(&env, &allowed, &closed);
+    assert_eq!(same(&open, &banner_port), same(&shut, closed.rsplit_once(':').unwrap().1), "an open port and a closed one differ");
+    // Not a byte of the banner, in any spelling: no "SSH", and no number
+    // but the host's own (a frame header read from "SSH-2.0-" is kind 83,
+    // 841887789 bytes).
+    for (told, host) in [(&open.1, &banner), (&shut.1, &closed)] {
+        let rest = told.replace(host.as_str(), "");
+        assert!(!rest.contains("SSH") && !rest.contains(|c: char| c.is_ascii_digit()), "{told}");
+    }
+    assert!(wait_until(Duration::from_secs(5), || allowed.log().contains(&format!("push to {banner} failed: "))), "{}", allowed.log());
+
+    // An honest third-party copy between two allowed servers.
+    let other = env.mkdir("other");
+    let dest = env.serve(&[("e", &other)]);
+    env.cp([allowed.url("e/src"), dest.url("e/in/")]).run().assert_ok();
+    assert_same_tree(&export.join("src"), &other.join("in/src"));
+    // The same copy from the server that allows no loopback destination.
+    let r = env.cp([default.url("e/src"), dest.url("e/again/"), "--retries".into(), "0".into()]).run();
+    r.assert_fails(8, &[&format!("push to {} refused", dest.addr()), "--push-to"]);
+    let r = dmover(["serve", "--listen", "127.0.0.1:0", "--push-to", "10.0.0.0/33", "--token-file"])
+        .arg(&env.token)
+        .arg("--export")
+        .arg(format!("e={}", export.display()))
+        .run();
+    r.assert_fails(2, &["--push-to 10.0.0.0/33", "0 to 32 bits"]);
+}
+
 /// Regression: a download asking for 1 GiB of staging and 64 MiB blocks,
 /// whose data was never read, made the server hold as much as it asked
 /// for. Now a request gets at most the server's own staging (`--staging`,

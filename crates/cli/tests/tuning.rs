@@ -60,6 +60,8 @@ fn server_in(env: &Env, export: &std::path::Path, ns: &str, ip: &str) -> Server 
     let mut spec = ServerSpec::new(&env.token, &[("x", export)], &env.path(&format!("server-{ns}.log")));
     spec.listen = format!("{ip}:0");
     spec.prefix = ["ip", "netns", "exec", ns].iter().map(Into::into).collect();
+    // Third-party copies go from A to B, across the link.
+    spec.push_to = vec![IP_B.into()];
     Server::start(spec)
 }
 

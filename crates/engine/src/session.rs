@@ -32,6 +32,13 @@ pub trait Dialer: Send + Sync {
     fn direct(&self) -> bool {
         false
     }
+    /// What a failure to reach `host` and authenticate there says: `e`
+    /// itself, unless the dialer must not tell what answered (a server
+    /// pushing for a client, which would otherwise learn what listens at
+    /// addresses only the server can reach).
+    fn unreached(&self, _host: &str, e: Error) -> Error {
+        e
+    }
 }
 
 /// A control connection to a host reached over ssh: a channel of its pipe.
@@ -119,13 +126,20 @@ impl Conn {
     }
 
     fn connect_via(host: &str, cred: &Credential, via: Option<&Arc<dyn Dialer>>, socket: &SocketOptions, setup: Duration) -> Result<Conn> {
-        let t: Box<dyn Transport> = match via {
-            Some(d) => d.dial(host).map_err(|e| Error::network(host, &e))?,
-            None => Box::new(connect_tcp(host).map_err(|e| Error::network(host, &e))?),
+        // Until the handshake has succeeded, what answered is unknown.
+        let reach = || {
+            let t: Box<dyn Transport> = match via {
+                Some(d) => d.dial(host).map_err(|e| Error::network(host, &e))?,
+                None => Box::new(connect_tcp(host).map_err(|e| Error::network(host, &e))?),
+            };
+            t.set_options(socket).map_err(|e| Error::new(ErrorKind::Usage, host, e.to_string()))?;
+            t.set_read_timeout(Some(setup)).map_err(|e| Error::network(host, &e))?;
+            handshake::client(t, cred.key_id, &cred.secret, socket.protection).map_err(|e| Error { subject: host.to_string(), ..e })
         };
-        t.set_options(socket).map_err(|e| Error::new(ErrorKind::Usage, host, e.to_string()))?;
-        t.set_read_timeout(Some(setup)).map_err(|e| Error::network(host, &e))?;
-        let a = handshake::client(t, cred.key_id, &cred.secret, socket.protection).map_err(|e| Error { subject: host.to_string(), ..e })?;
+        let a = reach().map_err(|e| match via {
+            Some(d) => d.unreached(host, e),
+            None => e,
+        })?;
         Ok(Conn {
             host: host.to_string(),
             reader: a.reader,

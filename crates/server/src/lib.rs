@@ -11,6 +11,7 @@
 //! the grace period for running connections, then returns.
 
 pub mod metrics;
+pub mod push_to;
 pub mod sink;
 mod tickets;
 
@@ -19,7 +20,7 @@ use dmover_engine::handshake::{self, random};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{self, RecvConfig, WriteErrors};
 use dmover_engine::send::{self, Attaching, Files, HostLink, MoreStreams, SendConfig};
-use dmover_engine::session::{self, Credential};
+use dmover_engine::session::{self, Credential, Dialer};
 use dmover_engine::storage::{self, Store};
 use dmover_engine::transport::{SocketOptions, Transport};
 use dmover_engine::wire::{FrameReader, FrameWriter};
@@ -57,6 +58,8 @@ pub struct Config {
     pub sink: Option<Arc<sink::SinkConfig>>,
     /// How long a ticket (and the session it opens) lives unless renewed.
     pub ticket_lifetime: Duration,
+    /// Where pushes (third-party copies) may go.
+    pub push_to: push_to::PushTo,
     /// What the server counts (see [`metrics`]).
     pub metrics: Arc<Metrics>,
 }
@@ -523,12 +526,13 @@ enum Action {
         root: Store,
         spec: String,
     },
-    /// Send to other servers on this client's behalf.
+    /// Send to other servers on this client's behalf, each host reached
+    /// by its dialer (at the addresses `--push-to` allows).
     Push {
         root: Store,
         specs: Vec<String>,
         dest: String,
-        hosts: Vec<TicketedHost>,
+        hosts: Vec<(TicketedHost, Arc<dyn Dialer>)>,
         options: TransferOptions,
         params: EngineParams,
     },
@@ -604,6 +608,8 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
             let streams = hosts.len() as u64 * params.streams.clamp(1, MAX_STREAMS as u32) as u64;
             let params = limit(srv, options.block_size, streams, params)?;
             let (root, specs) = resolve_sources(srv, &sources)?;
+            // Every destination checked (and its name resolved) before any is dialed.
+            let hosts = hosts.into_iter().map(|h| srv.cfg.push_to.dialer(&h.addr).map(|d| (h, d))).collect::<Result<_>>()?;
             Action::Push { root, specs, dest, hosts, options, params }
         }
         Request::List { path } => {
@@ -845,18 +851,16 @@ fn push(
     root: Store,
     specs: Vec<String>,
     dest: &str,
-    hosts: &[TicketedHost],
+    hosts: &[(TicketedHost, Arc<dyn Dialer>)],
     skey: &dmover_proto::auth::SessionKey,
     options: TransferOptions,
     params: EngineParams,
 ) -> Result<Stats> {
     let creds: Vec<(String, Credential)> = hosts
         .iter()
-        .map(|h| {
-            (
-                h.addr.clone(),
-                Credential { key_id: h.key_id, secret: skey.wrap(&h.key_id, &h.wrapped_secret).to_vec(), via: None, control: None },
-            )
+        .map(|(h, dialer)| {
+            let secret = skey.wrap(&h.key_id, &h.wrapped_secret).to_vec();
+            (h.addr.clone(), Credential { key_id: h.key_id, secret, via: Some(dialer.clone()), control: None })
         })
         .collect();
     let progress = Arc::new(Progress::default());

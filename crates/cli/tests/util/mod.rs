@@ -179,6 +179,9 @@ pub struct ServerSpec {
     pub prefix: Vec<OsString>,
     /// Environment variables for the server process: set, or (None) removed.
     pub envs: Vec<(OsString, Option<OsString>)>,
+    /// `serve --push-to` values: where its third-party copies may go
+    /// (loopback, where the tests' other servers listen, unless told).
+    pub push_to: Vec<String>,
 }
 
 impl ServerSpec {
@@ -193,6 +196,7 @@ impl ServerSpec {
             extra: Vec::new(),
             prefix: Vec::new(),
             envs: Vec::new(),
+            push_to: vec!["127.0.0.1".into()],
         }
     }
 }
@@ -248,6 +252,9 @@ impl Server {
             cmd.arg("--export").arg(e);
         }
         cmd.arg("--token-file").arg(&self.spec.token).args(&self.spec.extra);
+        for p in self.spec.push_to.iter().filter(|_| self.spec.command == "serve") {
+            cmd.arg("--push-to").arg(p);
+        }
         for (k, v) in &self.spec.envs {
             match v {
                 Some(v) => cmd.env(k, v),

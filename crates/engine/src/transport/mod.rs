@@ -28,7 +28,7 @@
 //! on each of its data connections: the rate limit ([`Paced`]).
 
 use std::io::{self, IoSlice, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::unix::io::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -341,9 +341,19 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Opens a TCP connection to `addr` (`host:port`) with the options data
 /// transfer wants: no Nagle delay.
 pub fn connect_tcp(addr: &str) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to no address"));
-    for a in addr.to_socket_addrs()? {
-        match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    if addrs.is_empty() {
+        return Err(io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to no address")));
+    }
+    connect_any(&addrs)
+}
+
+/// Opens a TCP connection, as [`connect_tcp`] does, to the first of
+/// `addrs` that accepts one.
+pub fn connect_any(addrs: &[SocketAddr]) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address to connect to");
+    for a in addrs {
+        match TcpStream::connect_timeout(a, CONNECT_TIMEOUT) {
             Ok(s) => {
                 s.set_nodelay(true)?;
                 return Ok(s);
