@@ -13,6 +13,7 @@
 pub mod metrics;
 pub mod push_to;
 pub mod sink;
+mod throttle;
 mod tickets;
 
 use dmover_engine::error::{Error, Result};
@@ -37,6 +38,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use throttle::Throttle;
 use tickets::Tickets;
 pub use tickets::TICKET_LIFETIME;
 
@@ -80,6 +82,9 @@ const MAX_HANDSHAKES_PER_ADDR: usize = 128;
 const MAX_STREAMS: u64 = 64;
 /// How long a data connection may wait for its session to appear.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Tickets one control connection may ask for (a client asks for one per
+/// connection); beyond, `Grant` is refused.
+const MAX_GRANTS_PER_CONNECTION: usize = 16;
 /// How often a third-party copy tells its client how far it got.
 const PUSH_PROGRESS_EVERY: Duration = Duration::from_millis(500);
 
@@ -129,6 +134,8 @@ struct Server {
     active: AtomicUsize,
     /// Connections still authenticating, oldest first.
     handshakes: Mutex<VecDeque<Handshaking>>,
+    /// The log lines about connections refused before they authenticated.
+    throttle: Throttle,
 }
 
 /// Serves connections from `listener`, and those `carried` hands over
@@ -151,6 +158,7 @@ pub fn run(
         sessions: Mutex::new(HashMap::new()),
         active: AtomicUsize::new(0),
         handshakes: Mutex::new(VecDeque::new()),
+        throttle: Throttle::default(),
     });
     if let Some(carried) = carried {
         // The pipe bounds its channels; they are not counted among the
@@ -169,8 +177,13 @@ pub fn run(
         libc::pollfd { fd: shutdown.rx.as_raw_fd(), events: libc::POLLIN, revents: 0 },
     ];
     loop {
+        // Woken at least once a second, to summarise refusals held back.
+        srv.throttle.summarise();
         // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, throttle::EVERY.as_millis() as i32) };
+        if r == 0 {
+            continue;
+        }
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -232,7 +245,8 @@ impl Server {
                 format!("{MAX_HANDSHAKES} connections are authenticating")
             };
             if let Some(old) = hs.iter().position(|h| !per_addr || h.addr == addr).and_then(|i| hs.remove(i)) {
-                log::warn!("closed {}: not authenticated after {:?}, and {budget}", old.conn.peer(), old.since.elapsed());
+                let line = format!("closed {}: not authenticated after {:?}, and {budget}", old.conn.peer(), old.since.elapsed());
+                self.throttle.log(log::Level::Warn, "closed to make room for new ones", line);
                 old.conn.close();
             }
         }
@@ -335,37 +349,48 @@ fn serve_logged(handshake: &HandshakeGuard, t: Box<dyn Transport>) {
     }
 }
 
+/// Serves one connection. A connection refused before it is served (not
+/// authenticated, or beyond `--max-connections`) is logged here, through
+/// the [`Throttle`]; an error once it is served is returned.
 fn serve(handshake: &HandshakeGuard, t: Box<dyn Transport>) -> Result<()> {
     let srv = &handshake.srv;
     let peer = t.peer();
+    let refused = |outcome: Outcome, cause: &'static str, level: log::Level, why: &str| {
+        srv.cfg.metrics.connection(outcome);
+        srv.throttle.log(level, cause, format!("refused {peer}: {why}"));
+    };
     let net = |e: std::io::Error| Error::network(&peer, &e);
     let watchdog = Watchdog::arm(t.split().map_err(net)?, HANDSHAKE_TIMEOUT);
     let authenticated = handshake::server(t, |id| Some(secret(srv, id)));
     if watchdog.disarm() {
-        srv.cfg.metrics.connection(Outcome::Timeout);
-        let message = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
-        return Err(Error::new(ErrorKind::Refused, &peer, message));
+        let why = format!("did not authenticate within {} s", HANDSHAKE_TIMEOUT.as_secs());
+        refused(Outcome::Timeout, "refused: not authenticated in time", log::Level::Warn, &why);
+        return Ok(());
     }
     srv.handshakes.lock().expect("handshakes lock").retain(|h| h.id != handshake.id);
     let (key_id, a) = match authenticated {
         // A client that went away during the handshake (killed, or giving
         // up on a connection it no longer needs) is not a refusal.
         Err(e) if e.kind == ErrorKind::Unreachable => {
-            log::info!("{e}");
+            srv.throttle.log(log::Level::Info, "gone during the handshake", e.to_string());
+            return Ok(());
+        }
+        Err(e) if e.kind == ErrorKind::Auth => {
+            refused(Outcome::BadCredential, "refused: no credential this server knows", log::Level::Warn, &e.message);
             return Ok(());
         }
         Err(e) => {
-            srv.cfg.metrics.connection(if e.kind == ErrorKind::Auth { Outcome::BadCredential } else { Outcome::Malformed });
-            return Err(e);
+            refused(Outcome::Malformed, "refused: not the handshake", log::Level::Warn, &e.message);
+            return Ok(());
         }
         Ok(a) => a,
     };
     let (t, mut r, mut w, skey) = (a.transport, a.reader, a.writer, a.session_key);
     let Some(_slot) = ConnectionSlot::take(srv) else {
-        srv.cfg.metrics.connection(Outcome::Busy);
-        let max = srv.cfg.max_connections;
         let _ = w.send(Reply::Error { kind: ErrorKind::Unreachable, message: "server busy: too many connections".into() });
-        return Err(Error::new(ErrorKind::Refused, &peer, format!("too many connections (--max-connections {max})")));
+        let why = format!("too many connections (--max-connections {})", srv.cfg.max_connections);
+        refused(Outcome::Busy, "refused: over --max-connections", log::Level::Warn, &why);
+        return Ok(());
     };
     srv.cfg.metrics.connection(Outcome::Authenticated);
     // An authenticated client may take a while to say what the connection
@@ -448,18 +473,27 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
 }
 
 /// Ends the session a ticket opened when the ticket expires unrenewed, by
-/// closing the session's control connection; stops watching when dropped.
+/// closing the session's control connection; when dropped (the session
+/// has ended), stops watching and forgets the ticket.
 struct EndAtExpiry {
     /// Dropped to stop; the watching thread waits on the other end.
     _stop: crossbeam_channel::Sender<()>,
+    srv: Arc<Server>,
+    id: KeyId,
+}
+
+impl Drop for EndAtExpiry {
+    fn drop(&mut self) {
+        self.srv.tickets.end(&self.id);
+    }
 }
 
 impl EndAtExpiry {
     fn watch(srv: &Arc<Server>, id: KeyId, control: Box<dyn Transport>) -> EndAtExpiry {
         let (stop, stopped) = crossbeam_channel::bounded::<()>(0);
-        let srv = srv.clone();
+        let watching = srv.clone();
         std::thread::spawn(move || loop {
-            let Some(left) = srv.tickets.left(&id) else {
+            let Some(left) = watching.tickets.left(&id) else {
                 log::warn!("{}: its ticket expired without being renewed: the session it opened ends", control.peer());
                 control.close();
                 return;
@@ -468,7 +502,7 @@ impl EndAtExpiry {
                 return;
             }
         });
-        EndAtExpiry { _stop: stop }
+        EndAtExpiry { _stop: stop, srv: srv.clone(), id }
     }
 }
 
@@ -547,7 +581,8 @@ enum Action {
 }
 
 /// Checks a request; an error here is a refusal the client is told about.
-fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::SessionKey) -> Result<Action> {
+/// `granted` counts the tickets given on this connection so far.
+fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::SessionKey, granted: &mut usize) -> Result<Action> {
     if let Grant::Ticket(id, dest) = grant {
         if srv.tickets.session(id).is_some() {
             return Err(Error::new(
@@ -588,9 +623,24 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
             Action::Send { root, specs, options, params }
         }
         Request::Grant { dest } => {
+            if *granted >= MAX_GRANTS_PER_CONNECTION {
+                let message = format!(
+                    "{granted} tickets were given on this connection already, the most one connection may ask for: ask for more on another"
+                );
+                return Err(Error::new(ErrorKind::Refused, dest, message));
+            }
             let (root, rest) = locate(srv, &dest)?;
             storage::checked_path(root.as_ref(), rest)?;
-            let (key_id, secret) = srv.tickets.issue(&dest);
+            let Some((key_id, secret)) = srv.tickets.issue(&dest) else {
+                let message = format!(
+                    "this server holds {} live tickets, the most it issues: try again once third-party copies into it have ended \
+                     or their unused tickets expired ({} s after issue)",
+                    tickets::MAX_TICKETS,
+                    srv.tickets.lifetime().as_secs()
+                );
+                return Err(Error::new(ErrorKind::Refused, dest, message));
+            };
+            *granted += 1;
             let lifetime = srv.tickets.lifetime().as_secs() as u32;
             Action::Reply(Reply::Ticket { key_id, wrapped_secret: skey.wrap(&key_id, &secret), lifetime })
         }
@@ -669,13 +719,14 @@ fn control(
     grant: &Grant,
     skey: &dmover_proto::auth::SessionKey,
 ) -> Result<()> {
+    let mut granted = 0;
     loop {
         let m = match r.read_msg() {
             Ok(m) => m,
             Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()), // the client went away
             Err(e) => return Err(e),
         };
-        match prepare(srv, m, grant, skey) {
+        match prepare(srv, m, grant, skey, &mut granted) {
             Err(e) => refuse(srv, &mut w, &e)?,
             Ok(Action::Nothing) => {}
             Ok(Action::Reply(m)) => w.send(m)?,

@@ -366,6 +366,19 @@ impl Drop for Server {
     }
 }
 
+/// Lines of a server's log that contain `what`, a summary line of
+/// refusals held back ("N more connections ...; the last: ...") counted as
+/// N: how many connections the log tells of (`" WARN "`: all it warned of).
+pub fn logged_connections(log: &str, what: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains(what))
+        .map(|l| {
+            let summary = l.split_once("] ").and_then(|(_, m)| m.split_once(" more connections ")).and_then(|(n, _)| n.parse().ok());
+            summary.unwrap_or(1)
+        })
+        .sum()
+}
+
 /// A loopback port nobody listens on (bound, then released).
 pub fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
