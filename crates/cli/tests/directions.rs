@@ -502,6 +502,59 @@ fn sigterm_lets_an_upload_go_on_for_the_grace_then_the_server_exits_0() {
     assert!(!export.join("in/.dmover-partial").exists(), "resume state left after the copy completed");
 }
 
+/// CLI.md "dmover serve": on SIGTERM the server stops accepting. A client
+/// that connects during the grace is not served (its connection is refused,
+/// or never answered), while the upload running at the signal goes on to
+/// its end; then the server exits 0 at once, well within its grace.
+#[test]
+fn during_the_grace_no_new_client_is_served_and_the_running_upload_completes() {
+    const GRACE: u64 = 30;
+    let env = Env::new();
+    let src = env.path("data");
+    write_random(&src.join("big.bin"), 24 << 20, 52);
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--grace".into(), GRACE.to_string().into()];
+    let mut srv = Server::start(spec);
+    // 3 MB/s: about 8 s, no retries.
+    let mut up = env.slow_cp(src.display().to_string(), srv.url("e")).arg("--retries").arg("0").spawn();
+    assert!(wait_until(Duration::from_secs(60), || written_bytes(&export) >= 1 << 20 || !up.running()), "the upload did not start");
+    assert!(up.running(), "the upload ended before the signal");
+
+    srv.signal(libc::SIGTERM);
+    let signalled = std::time::Instant::now();
+    let stopped = wait_until(Duration::from_secs(10), || srv.log().contains("shutting down"));
+    assert!(stopped, "the server did not say it was shutting down:\n{}", srv.log());
+    // A new client, during the grace: a connection refused, or one whose
+    // hello is never answered (nobody accepts it), or closed unanswered.
+    let answer = match std::net::TcpStream::connect(srv.addr()) {
+        Err(e) => {
+            assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "connecting during the grace: {e}");
+            None
+        }
+        Ok(s) => {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut c = Raw::over(s);
+            let (_, hello) = Raw::hello(dmover_proto::auth::TOKEN_KEY_ID, env.token_str().as_bytes());
+            c.read_after(&hello)
+        }
+    };
+    assert_eq!(answer, None, "a client that connected {:?} after SIGTERM was served", signalled.elapsed());
+    assert!(up.running(), "the upload ended before the new client was tried: the test proves nothing");
+
+    up.wait().assert_ok();
+    let ended = std::time::Instant::now();
+    assert_same_tree(&src, &export.join("data"));
+    let status = srv.wait_exit(Duration::from_secs(GRACE + 5)).expect("the server did not exit within its grace");
+    assert!(status.success(), "the server exited with {status:?} after SIGTERM:\n{}", srv.log());
+    let (after_end, after_signal) = (ended.elapsed(), signalled.elapsed());
+    assert!(
+        after_end < Duration::from_secs(5) && after_signal < Duration::from_secs(GRACE),
+        "the server exited {after_end:?} after the upload ended, {after_signal:?} after SIGTERM with a {GRACE} s grace: \
+         it waited out the grace with nothing left to finish"
+    );
+}
+
 /// Regression: the client pinged its server only every 30 s (a quarter of
 /// its own idle timeout), so a server started with a short
 /// `--idle-timeout` dropped healthy transfers whose control connection
