@@ -8,6 +8,7 @@
 
 mod util;
 
+use dmover_proto::{ErrorKind, Msg};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
@@ -323,6 +324,129 @@ fn write_errors_are_counted_by_export() {
         promtool_check(&page);
     }
     drop(server);
+}
+
+/// Waits (up to 10 s) for each series in `wanted` to show its value on
+/// the metrics page at `addr` (the counters go up as the server's threads
+/// finish with a connection, which may be just after its client saw the
+/// end); fails naming those that differ, and how, in `whose` page.
+#[track_caller]
+fn assert_series(addr: &str, wanted: &[(&str, f64)], whose: &str) {
+    let (mut page, mut wrong) = (String::new(), Vec::new());
+    let shown = wait_until(Duration::from_secs(10), || {
+        page = http_get(addr, "/metrics").expect("the metrics page answers").1;
+        wrong = wanted.iter().map(|&(series, want)| (series, want, sample(&page, series))).filter(|(_, w, got)| *got != Some(*w)).collect();
+        wrong.is_empty()
+    });
+    assert!(shown, "{whose}'s series (wanted, on the page): {wrong:?}\n{page}");
+}
+
+/// CLI.md `serve --metrics`: each connection is counted once, by how its
+/// handshake ended — authenticated, a wrong token, bytes that are no
+/// handshake, silence past the 10 s to authenticate, or authenticated
+/// beyond `--max-connections` (busy) — and each refused request is counted.
+#[test]
+fn connections_are_counted_by_outcome_and_refused_requests_too() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), metrics.clone().into(), "--max-connections".into(), "1".into()];
+    let server = Server::start(spec);
+    let token = env.token_str();
+
+    // Silent from the start: closed when its time to authenticate is up.
+    let mut silent = Raw::connect(&server.addr());
+    // Bytes that are no handshake.
+    let mut garbage = Raw::connect(&server.addr());
+    garbage.raw(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+    assert!(garbage.wait_closed() < Duration::from_secs(5), "bytes that are no handshake were not refused at once");
+    // A wrong token.
+    let wrong = env.path("wrong-token");
+    std::fs::write(&wrong, "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef").unwrap();
+    chmod(&wrong, 0o600);
+    let ls = dmover(["ls", "--token-file", wrong.to_str().unwrap(), &server.url("data/")]).run();
+    assert_eq!(ls.code, 7, "a wrong token was not refused for its credential: {}{}", ls.stdout, ls.stderr);
+    // The one connection `--max-connections 1` allows, and a request it
+    // makes that is refused.
+    let mut control = Raw::control(&server.addr(), token.as_bytes());
+    control.refused(&Msg::List { path: "no-such-export/x".into() }, ErrorKind::Refused);
+    // One more, with the right token: busy.
+    let (mut busy, _, _) = Raw::handshake(&server.addr(), token.as_bytes());
+    assert_eq!(busy.read(), Some(Msg::Welcome), "the right token was not welcomed");
+    match busy.read() {
+        Some(Msg::Error { message, .. }) => assert!(message.contains("busy"), "{message}"),
+        other => panic!("a connection beyond --max-connections 1 was not told the server is busy: {other:?}"),
+    }
+    let waited = silent.wait_closed();
+    assert!(waited < Duration::from_secs(15), "a silent connection was kept {waited:?}");
+
+    assert_series(
+        &metrics,
+        &[
+            ("dmover_connections_total{outcome=\"authenticated\"}", 1.0),
+            ("dmover_connections_total{outcome=\"bad_credential\"}", 1.0),
+            ("dmover_connections_total{outcome=\"malformed\"}", 1.0),
+            ("dmover_connections_total{outcome=\"timeout\"}", 1.0),
+            ("dmover_connections_total{outcome=\"busy\"}", 1.0),
+            ("dmover_refused_requests_total", 1.0),
+        ],
+        "the server",
+    );
+    drop(control);
+}
+
+/// CLI.md `serve --metrics`: a third-party copy is a `push` session of the
+/// source server (a `receive` session of the destination), and the blocks
+/// the source sends again, after the destination found them damaged, are
+/// counted: as many as the copy's report says.
+#[test]
+fn push_sessions_and_the_blocks_they_send_again_are_counted() {
+    let env = Env::new();
+    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
+    let src = ea.join("data");
+    make_tree(&src, 53, 10);
+    write_random(&src.join("big.bin"), 4 << 20, 53);
+    let (ma, mb) = (format!("127.0.0.1:{}", closed_port()), format!("127.0.0.1:{}", closed_port()));
+    // The source damages every 5th block it sends.
+    let mut spec = ServerSpec::new(&env.token, &[("ea", &ea)], &env.path("server-a.log"));
+    spec.extra = vec!["--metrics".into(), ma.clone().into()];
+    spec.bin = BIN_FAULTY;
+    spec.envs.push(("DMOVER_FAULT_CORRUPT_EVERY".into(), Some("5".into())));
+    let a = Server::start(spec);
+    let mut spec = ServerSpec::new(&env.token, &[("eb", &eb)], &env.path("server-b.log"));
+    spec.extra = vec!["--metrics".into(), mb.clone().into()];
+    let b = Server::start(spec);
+
+    let j = env.cp([a.url("ea/data"), b.url("eb/copy"), "--block-size".into(), "256K".into()]).run().assert_ok();
+    assert_same_tree(&src, &eb.join("copy/data"));
+    let resent = u(&j["resent_blocks"]);
+    assert!(resent > 0, "no block was sent again, though every 5th was damaged: {j:#}");
+    let files = list_files(&src).len() as f64;
+
+    assert_series(
+        &ma,
+        &[
+            ("dmover_sessions_total{kind=\"push\"}", 1.0),
+            ("dmover_sessions_total{kind=\"send\"}", 0.0),
+            ("dmover_sessions_total{kind=\"receive\"}", 0.0),
+            ("dmover_sessions_active{kind=\"push\"}", 0.0),
+            ("dmover_sent_files_total", files),
+            ("dmover_resent_blocks_total", resent as f64),
+        ],
+        "the source",
+    );
+    assert_series(
+        &mb,
+        &[
+            ("dmover_sessions_total{kind=\"receive\"}", 1.0),
+            ("dmover_sessions_total{kind=\"push\"}", 0.0),
+            ("dmover_received_files_total", files),
+            ("dmover_resent_blocks_total", 0.0),
+        ],
+        "the destination",
+    );
+    drop((a, b));
 }
 
 #[test]
