@@ -1,8 +1,9 @@
 //! `dmover serve --metrics`: a real Prometheus scrapes a real server
 //! (off loopback, with the page token) while files go up and down, and
 //! what it stored (read back through its own HTTP API) matches what moved;
-//! `promtool check metrics` accepts the page; a refused connection is
-//! counted with its reason. The pages take a token of their own, never the
+//! `promtool check metrics` accepts the page; each connection is counted
+//! by how its handshake ended, and refused requests, push sessions and the
+//! blocks sent again are counted. The pages take a token of their own, never the
 //! server's; slow clients cannot keep others out; a loopback page answers
 //! only requests addressed to loopback.
 

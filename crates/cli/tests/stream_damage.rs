@@ -1,6 +1,6 @@
 //! Blocks of a stream damaged on their way to a real `dmover sink`: the
-//! sink notices (checksum), asks again (`Nack`), and acknowledges only
-//! what it verified; a block damaged every time it is sent ends in a clear
+//! sink notices (checksum), asks again (`Nack`), counts it on its metrics
+//! page, and acknowledges only what it verified; a block damaged every time it is sent ends in a clear
 //! error, kept in the spill file for `dmover drain`.
 //!
 //! The producers here are the library in this process, with the engine's
@@ -78,12 +78,15 @@ fn assert_delivered(out: &Path, written: &[Vec<u8>]) {
     }
 }
 
+/// CLI.md `sink --metrics`: the sink counts each damaged block it asked
+/// for again, as many as the producer sent again.
 #[test]
 fn blocks_damaged_on_the_way_to_the_sink_are_sent_again_and_arrive_intact() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let env = Env::new();
     let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
-    let sink = env.sink(&out, [] as [&str; 0]);
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let sink = env.sink(&out, ["--metrics", &metrics]);
     damage_every(4);
     let (written, report) = stream(&env, &[&sink.addr()], &spill, 6);
     damage_every(0);
@@ -97,6 +100,9 @@ fn blocks_damaged_on_the_way_to_the_sink_are_sent_again_and_arrive_intact() {
     );
     assert!(sink.log().contains("arrived damaged"), "the sink did not notice the damage:\n{}", sink.log());
     assert_delivered(&out, &written);
+    let (_, page) = http_get(&metrics, "/metrics").expect("the sink's metrics page answers");
+    let counted = sample(&page, "dmover_sink_damaged_blocks_total");
+    assert_eq!(counted, Some(report.resent_blocks as f64), "damaged blocks on the sink's page, vs sent again: {report:?}\n{page}");
 }
 
 #[test]
