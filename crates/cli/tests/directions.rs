@@ -444,6 +444,84 @@ fn concurrency_is_the_number_of_source_files_read_at_once() {
     assert!(max <= 2 * N + 2, "{max} source files open at once with --concurrency {N}: {counts:?}");
 }
 
+/// A network namespace of its own, with loopback up (and nothing else):
+/// its ports are free whatever other tests listen on. Deleted when dropped.
+struct Netns(String);
+
+impl Netns {
+    fn new(tag: &str) -> Netns {
+        let name = format!("dm{tag}{}", std::process::id());
+        let ip = |args: &[&str]| {
+            let out = std::process::Command::new("ip").args(args).output().expect("run ip");
+            assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        let _ = std::process::Command::new("ip").args(["netns", "del", &name]).output();
+        ip(&["netns", "add", &name]);
+        let ns = Netns(name);
+        ip(&["-n", &ns.0, "link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// `ip netns exec NAME`: what runs a command in it.
+    fn exec(&self) -> Vec<String> {
+        ["ip", "netns", "exec", &self.0].map(String::from).to_vec()
+    }
+
+    /// The local addresses of the TCP sockets listening in it, as `ss` shows them.
+    fn listening(&self) -> BTreeSet<String> {
+        let out = in_netns(Some(&self.0), "ss").arg("-Hltn").output().expect("run ss");
+        assert!(out.status.success(), "ss: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.split_whitespace().nth(3).map(String::from)).collect()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// CLI.md "dmover serve", "dmover sink": without `--listen` a server
+/// listens on loopback only, `serve` on port 7450 and `sink` on 7460, and
+/// `--metrics` given a port alone serves on loopback; a `dmover://HOST/`
+/// location without a port reaches 7450, both ways. The servers run in a
+/// network namespace of their own, where these ports are free and no other
+/// test races for them.
+#[test]
+fn servers_listen_on_loopback_at_their_default_ports_which_locations_without_one_reach() {
+    if !dmover_testkit::needs_root("a network namespace of its own, where the default ports are free") {
+        return;
+    }
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let ns = Netns::new("defaults");
+    let mut spec = ServerSpec::new(&env.token, &[("data", &export)], &env.path("serve.log"));
+    spec.listen = String::new();
+    spec.prefix = ns.exec().into_iter().map(Into::into).collect();
+    spec.extra = vec!["--metrics".into(), "9464".into()];
+    let serve = Server::start(spec.clone());
+    assert_eq!(serve.port, 7450, "dmover serve's port without --listen:\n{}", serve.log());
+    spec.command = "sink";
+    spec.exports.clear();
+    spec.log = env.path("sink.log");
+    spec.extra = vec!["--dir".into(), env.mkdir("sink").into()];
+    let sink = Server::start(spec);
+    assert_eq!(sink.port, 7460, "dmover sink's port without --listen:\n{}", sink.log());
+    let want: BTreeSet<String> = ["127.0.0.1:7450", "127.0.0.1:7460", "127.0.0.1:9464"].map(String::from).into();
+    assert_eq!(ns.listening(), want, "what listens in the namespace, by ss (local addresses)");
+
+    let src = env.path("src");
+    write_random(&src.join("f.dat"), 300_000, 54);
+    let mut up = env.cp([src.display().to_string(), "dmover://127.0.0.1/data/".into(), "--retries".into(), "0".into()]);
+    up.prefix(ns.exec()).run().assert_ok();
+    assert_same_tree(&src, &export.join("src"));
+    let back = env.mkdir("back");
+    let mut down = env.cp(["dmover://127.0.0.1/data/src".into(), back.display().to_string(), "--retries".into(), "0".into()]);
+    down.prefix(ns.exec()).run().assert_ok();
+    assert_same_tree(&src, &back.join("src"));
+    drop((serve, sink));
+}
+
 /// CLI.md "dmover serve": on SIGTERM the server stops accepting, lets
 /// running transfers go on for up to `--grace` seconds, and exits 0. An
 /// upload that needs longer keeps arriving during the grace; then the

@@ -172,6 +172,7 @@ pub struct ServerSpec {
     pub command: &'static str,
     pub token: PathBuf,
     pub exports: Vec<(String, PathBuf)>,
+    /// `--listen`'s address; empty: no `--listen`, the command's default.
     pub listen: String,
     pub log: PathBuf,
     pub extra: Vec<OsString>,
@@ -245,7 +246,10 @@ impl Server {
             c.args(&self.spec.prefix[1..]).arg(self.spec.bin);
             c
         };
-        cmd.arg(self.spec.command).arg("--listen").arg(&self.spec.listen);
+        cmd.arg(self.spec.command);
+        if !self.spec.listen.is_empty() {
+            cmd.arg("--listen").arg(&self.spec.listen);
+        }
         for (n, d) in &self.spec.exports {
             let mut e = OsString::from(format!("{n}="));
             e.push(d.as_os_str());
