@@ -378,6 +378,134 @@ fn malformed_url_exits_2() {
     assert_eq!(r.code, 2, "no token: {}", r.stderr);
 }
 
+/// CLI.md "dmover serve", "dmover sink": `--idle-timeout` is at least 2
+/// seconds (peers ping every second); below that the server does not start
+/// and says what the bound is; 2 starts.
+#[test]
+fn an_idle_timeout_below_2_seconds_is_refused_exits_2() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let sink = env.path("sink");
+    for command in ["serve", "sink"] {
+        for secs in ["0", "1"] {
+            let mut c = dmover([command, "--listen", "127.0.0.1:0", "--idle-timeout", secs, "--token-file"]);
+            c.arg(&env.token).timeout(Duration::from_secs(20));
+            if command == "serve" {
+                c.arg("--export").arg(format!("e={}", export.display()));
+            } else {
+                c.arg("--dir").arg(&sink);
+            }
+            let r = c.run();
+            assert_eq!(r.code, 2, "{command} --idle-timeout {secs}: exit code; stderr:\n{}\nstdout:\n{}", r.stderr, r.stdout);
+            assert!(
+                r.stderr.contains("'--idle-timeout") && r.stderr.contains("not in 2.."),
+                "{command} --idle-timeout {secs}:\n{}",
+                r.stderr
+            );
+        }
+    }
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--idle-timeout".into(), "2".into()];
+    let mut srv = Server::start(spec);
+    assert!(srv.running(), "{}", srv.log());
+}
+
+/// The level of `line` and its time (ms since the epoch) if it is a message
+/// stamped as CLI.md "Messages" says: `[2026-11-25T16:44:55.376Z WARN ] ...`
+/// (the time in UTC, to the millisecond).
+fn stamped(line: &str) -> Option<(&str, i64)> {
+    let rest = line.strip_prefix('[')?;
+    let (time, rest) = (rest.get(..24)?, rest.get(24..)?);
+    let (level, text) = (rest.strip_prefix(' ')?.get(..5)?, rest.get(6..)?.strip_prefix("] ")?);
+    if !["ERROR", "WARN ", "INFO ", "DEBUG", "TRACE"].contains(&level) || text.is_empty() {
+        return None;
+    }
+    let b = time.as_bytes();
+    let shape = b"dddd-dd-ddTdd:dd:dd.dddZ";
+    if !b.iter().zip(shape).all(|(c, s)| if *s == b'd' { c.is_ascii_digit() } else { c == s }) {
+        return None;
+    }
+    let n = |r: std::ops::Range<usize>| time[r].parse::<i64>().unwrap();
+    let (y, m, d) = (n(0..4), n(5..7), n(8..10));
+    // Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's days_from_civil).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * if m > 2 { m - 3 } else { m + 9 } + 2) / 5 + d - 1;
+    let days = era * 146_097 + yoe * 365 + yoe / 4 - yoe / 100 + doy - 719_468;
+    Some((level.trim_end(), ((days * 24 + n(11..13)) * 60 + n(14..16)) * 60_000 + n(17..19) * 1000 + n(20..23)))
+}
+
+/// Asserts that every line of `log` but a command's error lines (`dmover:
+/// error: ...`, unstamped) is a stamped message of a time within a minute
+/// of now; returns their levels.
+#[track_caller]
+fn assert_stamped(log: &str, whose: &str) -> Vec<String> {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    log.lines()
+        .filter(|l| !l.starts_with("dmover: error: "))
+        .map(|l| {
+            let (level, t) = stamped(l).unwrap_or_else(|| panic!("{whose}: a line not stamped [UTC-TIME LEVEL]: {l:?}\n{log}"));
+            assert!((now - t).abs() < 60_000, "{whose}: a line stamped {} s from now (not UTC?): {l:?}", (t - now) / 1000);
+            level.to_string()
+        })
+        .collect()
+}
+
+/// CLI.md "Messages": each message on stderr is one line stamped with the
+/// time (UTC, whatever the time zone) and its level; servers show `info`
+/// and above, other commands `warn` and above, and `DMOVER_LOG` sets the
+/// level: `debug` shows each file as it is committed, `warn` keeps a
+/// server's `info` out.
+#[test]
+fn messages_are_stamped_lines_at_the_level_dmover_log_sets() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("f.dat"), 100_000, 55);
+    let zone = ("TZ".into(), Some("Asia/Kolkata".into()));
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.envs = vec![("DMOVER_LOG".into(), None), zone.clone()];
+    let srv = Server::start(spec.clone());
+    let levels = assert_stamped(&srv.log(), "a server by default");
+    assert!(levels.iter().any(|l| l == "INFO"), "a server shows no info by default:\n{}", srv.log());
+
+    // A client: warnings and above by default. A source it cannot find is
+    // logged at info, besides its error line: shown with DMOVER_LOG=info.
+    let mut missing = dmover(["cp", "-q"]);
+    missing.arg(env.path("no/such/file")).arg(env.path("nowhere")).env_remove("DMOVER_LOG").env("TZ", "Asia/Kolkata");
+    let r = missing.run();
+    r.assert_fails(3, &["no/such/file"]);
+    let levels = assert_stamped(&r.stderr, "a client by default");
+    assert!(levels.iter().all(|l| l == "WARN" || l == "ERROR"), "a client shows below warn by default:\n{}", r.stderr);
+    let r = missing.env("DMOVER_LOG", "info").run();
+    r.assert_fails(3, &["no/such/file"]);
+    assert_stamped(&r.stderr, "a client with DMOVER_LOG=info");
+    let logged = r.stderr.lines().any(|l| l.contains(" INFO ] ") && l.contains("no/such/file"));
+    assert!(logged, "DMOVER_LOG=info does not show the missing source at info:\n{}", r.stderr);
+    // With DMOVER_LOG=debug, each file as it is committed.
+    let down = env.mkdir("down");
+    let mut cp = env.cp([srv.url("e/f.dat"), down.display().to_string()]);
+    cp.env("DMOVER_LOG", "debug").env("TZ", "Asia/Kolkata");
+    let r = cp.run();
+    r.assert_ok();
+    let levels = assert_stamped(&r.stderr, "a client with DMOVER_LOG=debug");
+    assert!(levels.iter().any(|l| l == "DEBUG"), "DMOVER_LOG=debug shows no debug message:\n{}", r.stderr);
+    let committed = down.join("f.dat").display().to_string() + ": committed";
+    assert!(r.stderr.lines().any(|l| l.contains("DEBUG") && l.contains(&committed)), "no {committed:?} message:\n{}", r.stderr);
+
+    // A server with DMOVER_LOG=warn: a refused client is logged, and nothing at info.
+    spec.log = env.path("server-warn.log");
+    spec.envs.push(("DMOVER_LOG".into(), Some("warn".into())));
+    let quiet = Server::start(spec);
+    let other = env.path("other-token");
+    assert_eq!(dmover(["token".as_ref(), other.as_os_str()]).run().code, 0);
+    let r = dmover(["ls", "--token-file", other.to_str().unwrap(), &quiet.url("e/")]).run();
+    assert_eq!(r.code, 7, "a wrong token was let in: {}{}", r.stdout, r.stderr);
+    assert!(wait_until(Duration::from_secs(10), || quiet.log().contains("WARN")), "the refused client was not logged:\n{}", quiet.log());
+    let levels = assert_stamped(&quiet.log(), "a server with DMOVER_LOG=warn");
+    assert!(levels.iter().all(|l| l == "WARN" || l == "ERROR"), "DMOVER_LOG=warn shows below warn:\n{}", quiet.log());
+}
+
 /// Appends to `path` once `dst` has received at least `after` bytes, while
 /// `proc` is still running. Returns false if the transfer finished first.
 fn append_while_sending(proc: &mut Proc, path: &std::path::Path, dst: &std::path::Path, after: u64) -> bool {
