@@ -3,9 +3,9 @@
 //! what it stored (read back through its own HTTP API) matches what moved;
 //! `promtool check metrics` accepts the page; each connection is counted
 //! by how its handshake ended, and refused requests, push sessions and the
-//! blocks sent again are counted. The pages take a token of their own, never the
-//! server's; slow clients cannot keep others out; a loopback page answers
-//! only requests addressed to loopback.
+//! blocks sent again are counted. The pages take a token of their own,
+//! never the server's; slow clients cannot keep others out; a loopback
+//! page answers only requests addressed to loopback.
 
 mod util;
 
