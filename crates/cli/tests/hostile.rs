@@ -363,6 +363,108 @@ fn planted_hard_links_in_the_destination_are_not_written_through() {
     assert_same_tree(&src, &export.join("in/src"));
 }
 
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    let r = unsafe { libc::mkfifo(c.as_ptr(), 0o666) };
+    assert_eq!(r, 0, "mkfifo {}: {}", path.display(), std::io::Error::last_os_error());
+}
+
+/// Regression: a FIFO that a local user with write access to an export
+/// made at a journal's name (the name is predictable) held the upload's
+/// session in open() for good, with its connections: a few such uploads
+/// took every connection a server allows. Now an existing file is opened
+/// without waiting and refused unless it is a regular file; the journal is
+/// created afresh in its place.
+#[test]
+fn a_fifo_planted_at_a_journals_name_holds_up_neither_the_upload_nor_others() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = ["--max-connections", "3"].map(Into::into).to_vec();
+    let srv = Server::start(spec);
+    let src = env.path("src");
+    write_random(&src.join("big.dat"), 3 << 20, 41); // three blocks: journaled
+    let state_dir = Path::new("in").join(dmover_engine::source::STATE_DIR);
+    fs::create_dir_all(export.join(&state_dir)).unwrap();
+    let fifo = export.join(dmover_engine::journal::path_for(&state_dir, "src/big.dat"));
+    mkfifo(&fifo);
+    let timeout = Duration::from_secs(20);
+    env.cp([src.display().to_string(), srv.url("e/in"), "-p".into(), "1".into()]).timeout(timeout).run().assert_ok();
+    assert_same_tree(&src, &export.join("in/src"));
+    assert!(!fifo.exists(), "the FIFO at the journal's name is still there");
+    // The upload's connections were given back: another is served.
+    let other = env.path("other");
+    make_tree(&other, 42, 5);
+    env.cp([other.display().to_string(), srv.url("e/elsewhere"), "-p".into(), "1".into()]).timeout(timeout).run().assert_ok();
+    assert_same_tree(&other, &export.join("elsewhere/other"));
+}
+
+/// Regression: a file swapped for a FIFO after it was listed held the
+/// server's reading thread in open() for good, after the client had gone.
+/// Now the file fails at once as not a regular file, the others are sent,
+/// and the session's threads and connections are given back.
+#[test]
+fn a_file_swapped_for_a_fifo_after_its_listing_fails_at_once_and_holds_nothing() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/a.dat"), 3 << 20, 43);
+    write_random(&export.join("src/b.dat"), 1000, 44);
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = ["--max-connections", "2"].map(Into::into).to_vec();
+    let srv = Server::start(spec);
+    let (addr, token) = (srv.addr(), env.token_str());
+    let threads_before = proc_status(srv.pid(), "Threads:");
+    let mut c = Raw::control(&addr, token.as_bytes());
+    let options = TransferOptions { transfer_id: [43; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    let params = EngineParams { streams: 1, retries: 0, bwlimit: 0, ..EngineParams::default() };
+    let Some(Msg::SessionOpened { session }) = c.read_after(&Msg::Send { sources: vec!["e/src/".into()], options, params }) else {
+        panic!("no session:\n{}", srv.log())
+    };
+    let (mut d, _, _) = Raw::handshake(&addr, token.as_bytes());
+    assert_eq!(d.read(), Some(Msg::Welcome));
+    assert!(matches!(d.read_after(&Msg::OpenData { session, index: 0 }), Some(Msg::SessionOpened { .. })));
+    // Both files are listed and announced; a.dat is then swapped for a
+    // FIFO before its blocks are asked for.
+    let mut announced = std::collections::BTreeMap::new();
+    while announced.len() < 2 {
+        match next_but_pings(&mut c) {
+            Some(Msg::Announce { id, meta, .. }) => announced.insert(meta.path, (id, meta.size)),
+            m => panic!("expected the files' announcements, got {m:?}"),
+        };
+    }
+    fs::remove_file(export.join("src/a.dat")).unwrap();
+    mkfifo(&export.join("src/a.dat"));
+    for (id, size) in announced.values() {
+        c.send(&Msg::Plan { id: *id, skip: false, ranges: vec![(0, size.div_ceil(1 << 20))] });
+    }
+    let (a, b) = (announced["a.dat"].0, announced["b.dat"].0);
+    let (mut a_failed, mut b_ended) = (false, false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(a_failed && b_ended) {
+        assert!(Instant::now() < deadline, "a.dat, now a FIFO, was not given up within 10 s:\n{}", srv.log());
+        match c.read() {
+            Some(Msg::Ping) => {}
+            Some(Msg::Abort { id, kind, message }) if id == a => {
+                assert_eq!(kind, ErrorKind::Refused, "{message}");
+                assert!(message.contains("not a regular file"), "{message}");
+                a_failed = true;
+            }
+            Some(Msg::FileEnd { id, .. }) if id == b => b_ended = true,
+            m => panic!("a.dat, now a FIFO, was not given up at once (a_failed {a_failed}, b_ended {b_ended}): {m:?}\n{}", srv.log()),
+        }
+    }
+    drop((c, d));
+    let settled = wait_until(Duration::from_secs(10), || proc_status(srv.pid(), "Threads:") <= threads_before);
+    assert!(settled, "the server holds {} threads, {threads_before} before the download", proc_status(srv.pid(), "Threads:"));
+    fs::remove_file(export.join("src/a.dat")).unwrap();
+    let down = env.mkdir("down");
+    env.cp([srv.url("e/src"), down.display().to_string()]).run().assert_ok();
+    assert_same_tree(&export.join("src"), &down.join("src"));
+}
+
 /// Regression: an `Announce` of 2^60 bytes made the server abort while
 /// allocating the file's block map, and one of 2^64-1 bytes in 1-byte
 /// blocks panicked the connection thread, which then kept its connection
