@@ -4,11 +4,15 @@
 //! (prepared, written, damaged, committed, failed) about any file, in any
 //! order. Every action is checked by the session's audit, every data frame
 //! the driver admits through a file's gate must lie inside the file's
-//! announced size, and the session's state must stay bounded.
+//! announced size, and the session's state must stay bounded: files are
+//! announced at sizes up to and past the most blocks a file may have
+//! ([`MAX_FILE_BLOCKS`]), which must cost the session nothing until their
+//! blocks arrive (libFuzzer's memory limit catches one that sizes anything
+//! from them), and blocks arrive at the ends of such files.
 #![no_main]
 
 use dmover_proto::digest::Sum;
-use dmover_proto::frame::FileMeta;
+use dmover_proto::frame::{FileMeta, MAX_FILE_BLOCKS};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::audit::Audit;
 use dmover_proto::session::receive::{check_header, Action, Config, Event, Gate, Outcome, Receive, MAX_OPEN_FILES};
@@ -37,9 +41,12 @@ fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, G
     Ok(Some(match u.int_in_range(0..=13)? {
         0 | 1 => {
             let path = if u.ratio(7, 8)? { format!("d/{id}") } else { u.arbitrary()? };
-            // Small, or past any limit (a file of up to the most blocks a
-            // file may have would cost this process its memory, not test more).
-            let size = if u.ratio(3, 4)? { u.int_in_range(0..=64)? } else { u.arbitrary::<u64>()? | 1 << 63 };
+            // Small, around the most blocks a file may have, or past any limit.
+            let size = match u.int_in_range(0..=7)? {
+                0..=5 => u.int_in_range(0..=64)?,
+                6 => MAX_FILE_BLOCKS * block_size - block_size + u.int_in_range(0..=2 * block_size)?,
+                _ => u.arbitrary::<u64>()? | 1 << 63,
+            };
             let meta = FileMeta { path, size, mtime_s: 0, mtime_ns: 0, mode: u.arbitrary()? };
             let digest = if u.arbitrary()? { Some(sum(u)?) } else { None };
             Event::Control(ToReceiver::Announce { id, meta, digest })
@@ -67,7 +74,15 @@ fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, G
         // A data frame with any header, admitted by the file's gate as the
         // engine's data connections do.
         8..=10 => {
-            let offset = if u.ratio(3, 4)? { small(u)?.wrapping_mul(block_size) } else { u.arbitrary()? };
+            let offset = match u.int_in_range(0..=7)? {
+                0..=5 => small(u)?.wrapping_mul(block_size),
+                // The last block of the file, or one near it.
+                6 => sizes
+                    .get(&id)
+                    .map_or(0, |s| s.saturating_sub(1) / block_size * block_size)
+                    .saturating_sub(small(u)?.saturating_mul(block_size)),
+                _ => u.arbitrary()?,
+            };
             let len: u32 = if u.ratio(3, 4)? { u.int_in_range(0..=block_size as u32)? } else { u.arbitrary()? };
             if check_header(block_size, offset, len).is_err() {
                 return Ok(None);

@@ -9,7 +9,7 @@
 mod util;
 
 use dmover_proto::auth::{KeyId, TOKEN_KEY_ID};
-use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferFlags, TransferOptions};
+use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferFlags, TransferOptions, MAX_FILE_BLOCKS};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::io::Write;
@@ -363,6 +363,108 @@ fn planted_hard_links_in_the_destination_are_not_written_through() {
     assert_same_tree(&src, &export.join("in/src"));
 }
 
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    let r = unsafe { libc::mkfifo(c.as_ptr(), 0o666) };
+    assert_eq!(r, 0, "mkfifo {}: {}", path.display(), std::io::Error::last_os_error());
+}
+
+/// Regression: a FIFO that a local user with write access to an export
+/// made at a journal's name (the name is predictable) held the upload's
+/// session in open() for good, with its connections: a few such uploads
+/// took every connection a server allows. Now an existing file is opened
+/// without waiting and refused unless it is a regular file; the journal is
+/// created afresh in its place.
+#[test]
+fn a_fifo_planted_at_a_journals_name_holds_up_neither_the_upload_nor_others() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = ["--max-connections", "3"].map(Into::into).to_vec();
+    let srv = Server::start(spec);
+    let src = env.path("src");
+    write_random(&src.join("big.dat"), 3 << 20, 41); // three blocks: journaled
+    let state_dir = Path::new("in").join(dmover_engine::source::STATE_DIR);
+    fs::create_dir_all(export.join(&state_dir)).unwrap();
+    let fifo = export.join(dmover_engine::journal::path_for(&state_dir, "src/big.dat"));
+    mkfifo(&fifo);
+    let timeout = Duration::from_secs(20);
+    env.cp([src.display().to_string(), srv.url("e/in"), "-p".into(), "1".into()]).timeout(timeout).run().assert_ok();
+    assert_same_tree(&src, &export.join("in/src"));
+    assert!(!fifo.exists(), "the FIFO at the journal's name is still there");
+    // The upload's connections were given back: another is served.
+    let other = env.path("other");
+    make_tree(&other, 42, 5);
+    env.cp([other.display().to_string(), srv.url("e/elsewhere"), "-p".into(), "1".into()]).timeout(timeout).run().assert_ok();
+    assert_same_tree(&other, &export.join("elsewhere/other"));
+}
+
+/// Regression: a file swapped for a FIFO after it was listed held the
+/// server's reading thread in open() for good, after the client had gone.
+/// Now the file fails at once as not a regular file, the others are sent,
+/// and the session's threads and connections are given back.
+#[test]
+fn a_file_swapped_for_a_fifo_after_its_listing_fails_at_once_and_holds_nothing() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/a.dat"), 3 << 20, 43);
+    write_random(&export.join("src/b.dat"), 1000, 44);
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = ["--max-connections", "2"].map(Into::into).to_vec();
+    let srv = Server::start(spec);
+    let (addr, token) = (srv.addr(), env.token_str());
+    let threads_before = proc_status(srv.pid(), "Threads:");
+    let mut c = Raw::control(&addr, token.as_bytes());
+    let options = TransferOptions { transfer_id: [43; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    let params = EngineParams { streams: 1, retries: 0, bwlimit: 0, ..EngineParams::default() };
+    let Some(Msg::SessionOpened { session }) = c.read_after(&Msg::Send { sources: vec!["e/src/".into()], options, params }) else {
+        panic!("no session:\n{}", srv.log())
+    };
+    let (mut d, _, _) = Raw::handshake(&addr, token.as_bytes());
+    assert_eq!(d.read(), Some(Msg::Welcome));
+    assert!(matches!(d.read_after(&Msg::OpenData { session, index: 0 }), Some(Msg::SessionOpened { .. })));
+    // Both files are listed and announced; a.dat is then swapped for a
+    // FIFO before its blocks are asked for.
+    let mut announced = std::collections::BTreeMap::new();
+    while announced.len() < 2 {
+        match next_but_pings(&mut c) {
+            Some(Msg::Announce { id, meta, .. }) => announced.insert(meta.path, (id, meta.size)),
+            m => panic!("expected the files' announcements, got {m:?}"),
+        };
+    }
+    fs::remove_file(export.join("src/a.dat")).unwrap();
+    mkfifo(&export.join("src/a.dat"));
+    for (id, size) in announced.values() {
+        c.send(&Msg::Plan { id: *id, skip: false, ranges: vec![(0, size.div_ceil(1 << 20))] });
+    }
+    let (a, b) = (announced["a.dat"].0, announced["b.dat"].0);
+    let (mut a_failed, mut b_ended) = (false, false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(a_failed && b_ended) {
+        assert!(Instant::now() < deadline, "a.dat, now a FIFO, was not given up within 10 s:\n{}", srv.log());
+        match c.read() {
+            Some(Msg::Ping) => {}
+            Some(Msg::Abort { id, kind, message }) if id == a => {
+                assert_eq!(kind, ErrorKind::Refused, "{message}");
+                assert!(message.contains("not a regular file"), "{message}");
+                a_failed = true;
+            }
+            Some(Msg::FileEnd { id, .. }) if id == b => b_ended = true,
+            m => panic!("a.dat, now a FIFO, was not given up at once (a_failed {a_failed}, b_ended {b_ended}): {m:?}\n{}", srv.log()),
+        }
+    }
+    drop((c, d));
+    let settled = wait_until(Duration::from_secs(10), || proc_status(srv.pid(), "Threads:") <= threads_before);
+    assert!(settled, "the server holds {} threads, {threads_before} before the download", proc_status(srv.pid(), "Threads:"));
+    fs::remove_file(export.join("src/a.dat")).unwrap();
+    let down = env.mkdir("down");
+    env.cp([srv.url("e/src"), down.display().to_string()]).run().assert_ok();
+    assert_same_tree(&export.join("src"), &down.join("src"));
+}
+
 /// Regression: an `Announce` of 2^60 bytes made the server abort while
 /// allocating the file's block map, and one of 2^64-1 bytes in 1-byte
 /// blocks panicked the connection thread, which then kept its connection
@@ -401,6 +503,48 @@ fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost
     env.cp([src.display().to_string(), srv.url("e"), "-p".into(), "2".into()]).run().assert_ok();
     assert_same_tree(&src, &export.join("src"));
     assert!(!srv.log().contains("panicked"), "{}", srv.log());
+}
+
+/// Regression: a receiving end kept a checksum slot for every block of an
+/// announced file before any block came: 20 announcements of 4 TiB files
+/// (the most blocks a file may have) took a server 1.4 GB, enough for a
+/// memory limit to abort it with every user's sessions. Now a file's state
+/// grows with the blocks that arrive.
+#[test]
+fn announcing_files_of_four_terabytes_costs_the_server_no_memory_until_their_blocks_come() {
+    const FILES: u64 = 20;
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut srv = env.serve(&[("e", &export)]);
+    let token = env.token_str();
+    let mut c = Raw::control(&srv.addr(), token.as_bytes());
+    let options = TransferOptions { transfer_id: [40; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    let opened = c.read_after(&Msg::Receive { dest: "e/in".into(), options });
+    assert!(matches!(opened, Some(Msg::SessionOpened { .. })), "no session: {opened:?}\n{}", srv.log());
+    let before = proc_status(srv.pid(), "VmRSS:");
+    for id in 0..FILES {
+        let meta = FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        c.send(&Msg::Announce { id, meta, digest: None });
+    }
+    for _ in 0..FILES {
+        match next_but_pings(&mut c) {
+            Some(Msg::Plan { skip: false, ranges, .. }) => assert_eq!(ranges, [(0, MAX_FILE_BLOCKS)]),
+            m => panic!("a file of 4 TiB was not planned: {m:?}\n{}", srv.log()),
+        }
+    }
+    let during = proc_status(srv.pid(), "VmRSS:");
+    eprintln!("server RSS: {before} KiB before, {during} KiB with {FILES} files of 4 TiB announced");
+    assert!(during < before + 64 * 1024, "the server's memory grew from {before} to {during} KiB for {FILES} announcements");
+    for id in 0..FILES {
+        c.send(&Msg::Abort { id, kind: ErrorKind::SourceChanged, message: "given up".into() });
+    }
+    assert!(matches!(c.read_after(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 }), Some(Msg::Finished { files: 0, .. })));
+    assert!(srv.running(), "{}", srv.log());
+    assert!(!export.join("in").read_dir().unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains("huge")));
+    let src = env.path("src");
+    make_tree(&src, 9, 5);
+    env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
+    assert_same_tree(&src, &export.join("src"));
 }
 
 /// Regression: connections that never authenticate counted against
@@ -448,11 +592,9 @@ fn three_hundred_idle_unauthenticated_connections_do_not_lock_out_an_honest_clie
 
 /// Plays a malicious server for one download of `spec` (`EXPORT/path`)
 /// into `dest`: it knows the token, so the client trusts it; it answers
-/// `Send` with a session, takes one data connection and announces `files`
-/// (name, size, mode), all empty whatever size they claim, whatever was
-/// asked. Returns the client's run and its last word on each file (`Done`,
-/// `Failed`, or nothing if it hung up).
-fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u32)]) -> (Run, Vec<Option<Msg>>) {
+/// `Send` with a session and takes one data connection. Returns the
+/// client's process and the two connections, control first.
+fn malicious_server(env: &Env, spec: &str, dest: &Path) -> (Proc, Raw, Raw) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let token = env.token_str();
@@ -483,15 +625,29 @@ fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u
             tx.send((control, c)).unwrap();
         });
     }
-    let (mut controls, data): (Vec<_>, Vec<_>) =
+    let (mut controls, mut data): (Vec<_>, Vec<_>) =
         (0..2).map(|_| rx.recv_timeout(Duration::from_secs(20)).expect("the client did not connect")).partition(|(control, _)| *control);
-    let mut ctl = controls.pop().expect("no control connection").1;
-    let next = |c: &mut Raw| loop {
+    let ctl = controls.pop().expect("no control connection").1;
+    (client, ctl, data.pop().expect("no data connection").1)
+}
+
+/// The next message on `c` but pings.
+fn next_but_pings(c: &mut Raw) -> Option<Msg> {
+    loop {
         match c.read() {
             Some(Msg::Ping) => continue,
             m => return m,
         }
-    };
+    }
+}
+
+/// Plays a malicious server for one download of `spec` into `dest` (see
+/// [`malicious_server`]) that announces `files` (name, size, mode), all
+/// empty whatever size they claim, whatever was asked. Returns the client's
+/// run and its last word on each file (`Done`, `Failed`, or nothing if it
+/// hung up).
+fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u32)]) -> (Run, Vec<Option<Msg>>) {
+    let (client, mut ctl, data) = malicious_server(env, spec, dest);
     for (i, (name, size, mode)) in files.iter().enumerate() {
         let meta = FileMeta { path: name.to_string(), size: *size, mtime_s: 0, mtime_ns: 0, mode: *mode };
         ctl.send(&Msg::Announce { id: i as u64, meta, digest: None });
@@ -499,7 +655,7 @@ fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u
     let mut last: Vec<Option<Msg>> = vec![None; files.len()];
     let mut open = files.len();
     while open > 0 {
-        match next(&mut ctl) {
+        match next_but_pings(&mut ctl) {
             Some(Msg::Plan { id, .. }) => ctl.send(&Msg::FileEnd { id, digest: dmover_proto::digest::file_digest(&[]) }),
             Some(m @ (Msg::Done { .. } | Msg::Failed { .. })) => {
                 let (Msg::Done { id, .. } | Msg::Failed { id, .. }) = m else { unreachable!() };
@@ -510,7 +666,7 @@ fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u
         }
     }
     ctl.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
-    if let Some(Msg::Finished { .. }) = next(&mut ctl) {
+    if let Some(Msg::Finished { .. }) = next_but_pings(&mut ctl) {
         ctl.send(&Msg::Report { stats: Default::default() });
     }
     // Hang up, as a server does after its report.
@@ -627,6 +783,37 @@ fn a_malicious_servers_strings_reach_the_client_terminal_escaped() {
         assert!(out.contains("\\u{1b}[2K\\u{1b}[1A\\ncheck: passed"), "{what}: the string is not shown escaped:\n{out}");
     }
     assert!(report.stderr.contains("check: FAILED"), "{}", report.stderr);
+}
+
+/// Regression: a downloading client kept a checksum slot for every block
+/// of each file a server announced before any block came: a malicious
+/// server announcing 20 files of 4 TiB made it take 1.4 GB. Now a file's
+/// state grows with the blocks that arrive.
+#[test]
+fn a_malicious_server_announcing_files_of_four_terabytes_costs_the_client_no_memory() {
+    const FILES: u64 = 20;
+    let env = Env::new();
+    let dest = env.mkdir("down");
+    let (client, mut ctl, data) = malicious_server(&env, "e/data/", &dest);
+    let before = proc_status(client.pid(), "VmRSS:");
+    for id in 0..FILES {
+        let meta = FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        ctl.send(&Msg::Announce { id, meta, digest: None });
+    }
+    for _ in 0..FILES {
+        match next_but_pings(&mut ctl) {
+            Some(Msg::Plan { skip: false, .. }) => {}
+            m => panic!("a file of 4 TiB was not planned: {m:?}"),
+        }
+    }
+    let during = proc_status(client.pid(), "VmRSS:");
+    eprintln!("client RSS: {before} KiB before, {during} KiB with {FILES} files of 4 TiB announced");
+    assert!(during < before + 64 * 1024, "the client's memory grew from {before} to {during} KiB for {FILES} announcements");
+    drop((ctl, data));
+    let r = client.wait();
+    assert!(r.code > 0 && r.code < 128, "the client did not fail cleanly when the server hung up: {}\n{}", r.code, r.stderr);
+    let got = list_tree(&dest);
+    assert!(!got.keys().any(|k| k.contains("huge")), "{got:?}");
 }
 
 /// Regression: one small `Push` naming thousands of hosts made the server

@@ -95,7 +95,8 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 /// Why a path was refused: it leaves a confined storage or meets a symlink
-/// on the way. Carried inside an `io::Error`; [`crate::error::classify`]
+/// on the way, or names a FIFO, socket or device where a file is read.
+/// Carried inside an `io::Error`; [`crate::error::classify`]
 /// makes it [`ErrorKind::Refused`].
 #[derive(Debug)]
 pub struct Refused(pub &'static str);

@@ -20,11 +20,11 @@ pub const MAX_CONTROL_BODY: u32 = 1 << 20;
 /// Largest block a data frame may carry.
 pub const MAX_BLOCK: u32 = 64 << 20;
 
-/// Most blocks one file may have. A receiver keeps a flag and a 16-byte
-/// checksum per block of each file it receives (70 MiB for a file this
-/// large), so an announced size is checked against this before anything is
-/// sized from it: 4 TiB files at the default 1 MiB blocks, 256 TiB at
-/// [`MAX_BLOCK`].
+/// Most blocks one file may have. A receiver keeps the 16-byte checksum of
+/// each block of a file that has arrived until the file is verified (about
+/// 70 MiB once every block of a file this large has come; nothing for the
+/// blocks that have not), so this bounds what one file can cost it: 4 TiB
+/// files at the default 1 MiB blocks, 256 TiB at [`MAX_BLOCK`].
 pub const MAX_FILE_BLOCKS: u64 = 1 << 22;
 
 /// The number of blocks of `block_size` bytes in a file of `size` bytes, or

@@ -74,6 +74,7 @@ pub fn run(make: &dyn Fn() -> Subject) {
         ("confined: a directory symlink leads nowhere", dir_symlink_leads_nowhere),
         ("confined: a file symlink is never read or written through", file_symlink_not_followed),
         ("confined: a hard link is not taken up as our own", hard_link_not_reopened),
+        ("a FIFO is never waited for, read or taken up as a file", fifo_not_waited_for),
     ];
     let mut failed = Vec::new();
     for (name, check) in checks {
@@ -402,4 +403,27 @@ fn hard_link_not_reopened(t: &Subject) {
     let f = t.s().create(Path::new("hl")).unwrap();
     f.write_all_at(b"mine", 0).unwrap();
     assert_eq!(std::fs::read(&target).unwrap(), b"other file", "written through a hard link");
+}
+
+/// A FIFO planted at a name (by anyone who can write the directory) is
+/// refused at once: a plain open of it waits for a writer that never comes.
+fn fifo_not_waited_for(t: &Subject) {
+    use std::os::unix::ffi::OsStrExt;
+    let Some(disk) = &t.disk else { return };
+    let fifo = std::ffi::CString::new(disk.join("fifo").as_os_str().as_bytes()).unwrap();
+    // SAFETY: `fifo` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0, "mkfifo: {}", io::Error::last_os_error());
+    let (store, p) = (t.store.clone(), t.p("fifo"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let s = store.as_ref();
+        let _ = tx.send((s.open(&p).map(drop), s.read_all(&p, 1 << 20).map(drop), s.reopen(&p).map(|f| f.is_some())));
+    });
+    let (open, read_all, reopen) = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("a FIFO was waited for");
+    refused(open, "open a FIFO");
+    refused(read_all, "read_all of a FIFO");
+    assert!(!reopen.unwrap(), "a FIFO was taken up as a file of ours");
+    let f = t.s().create(&t.p("fifo")).unwrap();
+    f.write_all_at(b"mine", 0).unwrap();
+    assert_eq!(t.s().stat(&t.p("fifo")).unwrap().kind, Kind::File, "create replaces the FIFO");
 }

@@ -42,6 +42,8 @@ const NEW_FILE: OFlags = OFlags::RDWR.union(OFlags::CREATE).union(OFlags::EXCL).
 
 const NOT_BENEATH: &str = "symlinks are not followed inside an export, and paths may not leave it";
 
+const NOT_REGULAR: &str = "not a regular file (FIFOs, sockets and devices are never read or written)";
+
 /// Files and directories on a POSIX file system.
 #[derive(Debug)]
 pub struct Posix {
@@ -197,6 +199,19 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
     }
 }
 
+/// `fd` as a file if it is a regular one, with its attributes; None if it
+/// is anything else. Existing files are opened with `O_NONBLOCK`, so that a
+/// FIFO (or a device) planted at the name cannot hold the open until a
+/// writer comes; it is cleared here once the file is known to be regular.
+fn regular(fd: OwnedFd) -> io::Result<Option<(File, Stat)>> {
+    let s = stat_of(&rustix::fs::fstat(&fd)?);
+    if !s.is_file() {
+        return Ok(None);
+    }
+    rustix::fs::fcntl_setfl(&fd, OFlags::empty())?;
+    Ok(Some((File::from(fd), s)))
+}
+
 /// An open file of a [`Posix`] storage.
 struct PosixFile(File);
 
@@ -286,8 +301,9 @@ impl Storage for Posix {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
-        let fd = self.open_at(path, OFlags::RDONLY, Mode::empty())?;
-        Ok(Box::new(PosixFile(File::from(fd))))
+        let fd = self.open_at(path, OFlags::RDONLY | OFlags::NONBLOCK, Mode::empty())?;
+        let (f, _) = regular(fd)?.ok_or_else(|| Refused::io(NOT_REGULAR))?;
+        Ok(Box::new(PosixFile(f)))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
@@ -346,20 +362,13 @@ impl Storage for Posix {
 
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>> {
         let (parent, name) = self.parent(path)?;
-        // Non-blocking, so that a FIFO planted there cannot hold us; it is
-        // then refused as not a regular file.
         let flags = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
         let fd = match rustix::fs::openat(&parent, name, flags, Mode::empty()) {
             Ok(fd) => fd,
             Err(Errno::NOENT | Errno::LOOP) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let s = stat_of(&rustix::fs::fstat(&fd)?);
-        if !s.is_file() || s.nlink != 1 {
-            return Ok(None);
-        }
-        rustix::fs::fcntl_setfl(&fd, OFlags::empty())?;
-        Ok(Some(Box::new(PosixFile(File::from(fd)))))
+        Ok(regular(fd)?.filter(|(_, s)| s.nlink == 1).map(|(f, _)| Box::new(PosixFile(f)) as Box<dyn WriteFile>))
     }
 
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {

@@ -17,7 +17,11 @@
 //! file, a file announced twice, more files in flight than any sender keeps
 //! ([`MAX_OPEN_FILES`]), an end before its plan, are protocol violations
 //! that end the session; a path or a size this end will not take fails
-//! that file alone.
+//! that file alone. What the session keeps of a file grows with the blocks
+//! that arrive (their checksums, until the file is verified), never with
+//! the size the sender announced: announcing files of the most blocks a
+//! file may have ([`MAX_FILE_BLOCKS`](crate::frame::MAX_FILE_BLOCKS)) costs
+//! this end a few hundred bytes each.
 //!
 //! The sender says `Finish` as soon as every file it announced has ended
 //! (its last blocks may still be on their way), not once every file is
@@ -30,8 +34,11 @@ use crate::digest::{file_digest, SetDigest, Sum};
 use crate::frame::{file_blocks, FileMeta};
 use crate::phase::{ToReceiver, ToSender};
 use crate::ErrorKind;
+use held::Held;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+
+mod held;
 
 /// Says why an announced name is not taken, if it is not.
 pub type NameCheck = Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
@@ -218,9 +225,9 @@ struct File {
     meta: FileMeta,
     blocks: u64,
     stage: Stage,
-    /// Each block's checksum, once it is written (empty until planned).
-    sums: Vec<Option<Sum>>,
-    missing: u64,
+    /// The blocks written, with their checksums: kept by what has arrived,
+    /// never sized from the announced size.
+    held: Held,
     /// Blocks taken from an earlier run's journal, suspect if the digest
     /// does not match (asked for again once).
     journaled: Vec<u64>,
@@ -228,6 +235,13 @@ struct File {
     damaged: HashMap<u64, u32>,
     /// The sender's digest, once it sent `FileEnd`.
     end: Option<Sum>,
+}
+
+impl File {
+    /// Whether every block is held.
+    fn complete(&self) -> bool {
+        self.held.count() == self.blocks
+    }
 }
 
 /// The receiving end of one transfer. See the module's documentation.
@@ -303,7 +317,7 @@ impl Receive {
                     Stage::Receiving if f.end.is_some() => return self.violate(format!("file {id} ended twice")),
                     Stage::Receiving => f.end = Some(digest),
                 }
-                if f.missing == 0 {
+                if f.complete() {
                     self.verify(id);
                 }
             }
@@ -358,8 +372,7 @@ impl Receive {
             meta,
             blocks,
             stage: Stage::Preparing,
-            sums: Vec::new(),
-            missing: blocks,
+            held: Held::default(),
             journaled: Vec::new(),
             damaged: HashMap::new(),
             end: None,
@@ -401,16 +414,13 @@ impl Receive {
     fn plan(&mut self, id: u64, held: Vec<(u64, Sum)>) {
         let f = self.files.get_mut(&id).expect("planned files are in flight");
         f.stage = Stage::Receiving;
-        f.sums = vec![None; f.blocks as usize];
         for (b, s) in held {
-            if let Some(slot @ None) = f.sums.get_mut(b as usize) {
-                *slot = Some(s);
+            if b < f.blocks && f.held.insert(b, s) {
                 f.journaled.push(b);
-                f.missing -= 1;
             }
         }
         let gate = Gate { size: f.meta.size, block_size: self.cfg.block_size };
-        let ranges = missing_ranges(&f.sums);
+        let ranges = f.held.missing(f.blocks);
         self.out.push_back(Action::Open { id, gate });
         self.out.push_back(Action::Send(ToSender::Plan { id, skip: false, ranges }));
     }
@@ -437,15 +447,13 @@ impl Receive {
         if !matches!(f.stage, Stage::Receiving) {
             return;
         }
-        let Some(slot) = f.sums.get_mut(block as usize) else {
+        if block >= f.blocks {
             return self.violate(format!("block {block} of file {id} is past its end"));
-        };
-        if slot.is_some() {
+        }
+        if !f.held.insert(block, sum) {
             return; // sent again (it was asked for again, or its sender resent it)
         }
-        *slot = Some(sum);
-        f.missing -= 1;
-        if f.missing == 0 && f.end.is_some() {
+        if f.complete() && f.end.is_some() {
             self.verify(id);
         }
     }
@@ -454,7 +462,7 @@ impl Receive {
     /// asks again for blocks an earlier run left (once), or fails the file.
     fn verify(&mut self, id: u64) {
         let f = self.files.get_mut(&id).expect("verified files are in flight");
-        let digest = file_digest(f.sums.iter().map(|s| s.as_ref().expect("a complete file holds every block")));
+        let digest = file_digest(f.held.iter().map(|(_, s)| s));
         if Some(digest) == f.end {
             if self.cfg.discard {
                 return self.confirm(id, digest);
@@ -468,10 +476,9 @@ impl Receive {
         // Blocks kept from an earlier run disagree with the source.
         let suspects = std::mem::take(&mut f.journaled);
         for b in &suspects {
-            f.sums[*b as usize] = None;
+            f.held.remove(*b);
         }
-        f.missing += suspects.len() as u64;
-        let held = f.sums.iter().enumerate().filter_map(|(b, s)| s.map(|s| (b as u64, s))).collect();
+        let held = f.held.iter().map(|(b, s)| (b, *s)).collect();
         self.out.push_back(Action::Rejournal { id, held });
         for block in suspects {
             self.out.push_back(Action::Send(ToSender::Nack { id, block }));
@@ -507,21 +514,6 @@ impl Receive {
         self.files.clear();
         self.over = true;
     }
-}
-
-/// Coalesces the blocks not held into ranges of block numbers.
-fn missing_ranges(sums: &[Option<Sum>]) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    for (i, s) in sums.iter().enumerate() {
-        let i = i as u64;
-        if s.is_none() {
-            match out.last_mut() {
-                Some((_, e)) if *e == i => *e += 1,
-                _ => out.push((i, i + 1)),
-            }
-        }
-    }
-    out
 }
 
 #[cfg(test)]

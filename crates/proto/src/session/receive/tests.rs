@@ -403,13 +403,6 @@ proptest! {
 }
 
 #[test]
-fn ranges_coalesce() {
-    let h = Some([0; 16]);
-    assert_eq!(missing_ranges(&[h, None, None, h, None]), vec![(1, 3), (4, 5)]);
-    assert_eq!(missing_ranges(&[]), vec![]);
-}
-
-#[test]
 fn more_files_in_flight_than_any_sender_keeps_end_the_session() {
     let mut d = Driver::new(true);
     for id in 0..MAX_OPEN_FILES as u64 {
