@@ -47,6 +47,10 @@ pub struct CpArgs {
     /// Skip files whose size and modification time match at the destination.
     #[arg(long)]
     pub sync: bool,
+    /// Copy symlinks as symlinks, their targets as they are (without it,
+    /// symlinks inside a directory are skipped with a warning).
+    #[arg(short = 'l', long)]
+    pub links: bool,
     /// With --sync: compare content checksums instead of modification times.
     #[arg(short = 'c', long, requires = "sync")]
     pub checksum: bool,
@@ -182,6 +186,9 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     }
     if a.no_fsync {
         flags |= TransferFlags::NO_FSYNC;
+    }
+    if a.links {
+        flags |= TransferFlags::LINKS;
     }
     if a.net.no_encrypt {
         flags |= TransferFlags::NO_ENCRYPT;

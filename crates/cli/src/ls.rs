@@ -53,16 +53,29 @@ pub fn run(a: LsArgs) -> Result<i32> {
     if a.json {
         let v: Vec<_> = all
             .iter()
-            .map(|m| serde_json::json!({ "path": m.path, "size": m.size, "mtime": m.mtime_s, "mode": format!("{:o}", m.mode) }))
+            .map(|m| {
+                let mut e = serde_json::json!({ "path": m.path, "size": m.size, "mtime": m.mtime_s, "mode": format!("{:o}", m.mode) });
+                if let Some(t) = &m.target {
+                    e["target"] = t.as_str().into();
+                }
+                e
+            })
             .collect();
         outln!("{}", serde_json::to_string_pretty(&v).expect("a listing serializes"));
     }
     Ok(0)
 }
 
-/// `drwxr-xr-x` style permissions, size and path (control characters escaped).
+/// `drwxr-xr-x` style permissions, size and path, and a symlink's target
+/// after ` -> ` (control characters escaped).
 fn line(m: &FileMeta) -> String {
-    let kind = if m.is_dir() { 'd' } else { '-' };
+    let kind = if m.is_dir() {
+        'd'
+    } else if m.is_link() {
+        'l'
+    } else {
+        '-'
+    };
     let mut perms = String::from(kind);
     for shift in [6, 3, 0] {
         let b = (m.mode >> shift) & 7;
@@ -70,5 +83,7 @@ fn line(m: &FileMeta) -> String {
         perms.push(if b & 2 != 0 { 'w' } else { '-' });
         perms.push(if b & 1 != 0 { 'x' } else { '-' });
     }
-    format!("{perms} {:>14} {:>12} {}", m.size, m.mtime_s, dmover_proto::path::printable(&m.path))
+    let printable = dmover_proto::path::printable;
+    let target = m.target.as_deref().map(|t| format!(" -> {}", printable(t))).unwrap_or_default();
+    format!("{perms} {:>14} {:>12} {}{target}", m.size, m.mtime_s, printable(&m.path))
 }

@@ -485,7 +485,7 @@ fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost
         let opts = TransferOptions { transfer_id: [20 + i as u8; 16], block_size, flags: TransferFlags::empty(), tcp_buffer: 0 };
         c.send(&Msg::Receive { dest: "e/in".into(), options: opts });
         assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })), "case {i}: no session:\n{}", srv.log());
-        let meta = FileMeta { path: "huge.dat".into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        let meta = FileMeta { path: "huge.dat".into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
         c.send(&Msg::Announce { id: 1, meta, digest: None });
         match c.read() {
             Some(Msg::Failed { id: 1, kind: ErrorKind::Refused, message, .. }) => {
@@ -523,7 +523,8 @@ fn announcing_files_of_four_terabytes_costs_the_server_no_memory_until_their_blo
     assert!(matches!(opened, Some(Msg::SessionOpened { .. })), "no session: {opened:?}\n{}", srv.log());
     let before = proc_status(srv.pid(), "VmRSS:");
     for id in 0..FILES {
-        let meta = FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        let meta =
+            FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
         c.send(&Msg::Announce { id, meta, digest: None });
     }
     for _ in 0..FILES {
@@ -649,7 +650,7 @@ fn next_but_pings(c: &mut Raw) -> Option<Msg> {
 fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u32)]) -> (Run, Vec<Option<Msg>>) {
     let (client, mut ctl, data) = malicious_server(env, spec, dest);
     for (i, (name, size, mode)) in files.iter().enumerate() {
-        let meta = FileMeta { path: name.to_string(), size: *size, mtime_s: 0, mtime_ns: 0, mode: *mode };
+        let meta = FileMeta { path: name.to_string(), size: *size, mtime_s: 0, mtime_ns: 0, mode: *mode, target: None };
         ctl.send(&Msg::Announce { id: i as u64, meta, digest: None });
     }
     let mut last: Vec<Option<Msg>> = vec![None; files.len()];
@@ -797,7 +798,8 @@ fn a_malicious_server_announcing_files_of_four_terabytes_costs_the_client_no_mem
     let (client, mut ctl, data) = malicious_server(&env, "e/data/", &dest);
     let before = proc_status(client.pid(), "VmRSS:");
     for id in 0..FILES {
-        let meta = FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+        let meta =
+            FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
         ctl.send(&Msg::Announce { id, meta, digest: None });
     }
     for _ in 0..FILES {
@@ -1418,6 +1420,44 @@ fn tickets_are_single_use_and_join_only_the_session_they_opened() {
     with_ticket().refused(&Msg::OpenData { session: theirs, index: 0 }, ErrorKind::Refused);
     assert_eq!(with_ticket().read_after(&Msg::OpenData { session: mine, index: 0 }), Some(Msg::SessionOpened { session: mine }));
     assert!(srv.log().contains("a ticket is used once"), "{}", srv.log());
+}
+
+/// A symlink a sender announces is data: the server makes it as sent, and
+/// a file announced through it afterwards is refused, never written where
+/// the link leads (outside the export, or anywhere).
+#[test]
+fn a_symlink_announced_then_a_file_through_it_writes_nothing_where_it_leads() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let outside = env.mkdir("outside");
+    let srv = env.serve(&[("e", &export)]);
+    let target = outside.display().to_string();
+    let link = FileMeta { path: "l".into(), size: 0, mtime_s: 0, mtime_ns: 0, mode: FileMeta::LINK | 0o777, target: Some(target.clone()) };
+    // A transfer that did not ask for symlinks takes none.
+    let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
+    let options = TransferOptions { transfer_id: [11; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    c.send(&Msg::Receive { dest: "e/in".into(), options });
+    assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
+    c.send(&Msg::Announce { id: 1, meta: link.clone(), digest: None });
+    assert!(matches!(c.read(), Some(Msg::Failed { kind: ErrorKind::Refused, .. })), "a symlink was taken without --links");
+    assert!(fs::symlink_metadata(export.join("in/l")).is_err());
+
+    let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
+    let options = TransferOptions { transfer_id: [12; 16], flags: TransferFlags::LINKS, ..options };
+    c.send(&Msg::Receive { dest: "e/in".into(), options });
+    assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
+    c.send(&Msg::Announce { id: 1, meta: link, digest: None });
+    assert!(matches!(c.read(), Some(Msg::Done { id: 1, .. })), "the symlink was not made");
+    assert_eq!(fs::read_link(export.join("in/l")).unwrap(), outside, "the symlink's target is kept as sent");
+    for (id, path) in [(2, "l/x"), (3, "l/deeper/x")] {
+        let meta = FileMeta { path: path.into(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
+        c.send(&Msg::Announce { id, meta, digest: None });
+        match c.read() {
+            Some(Msg::Failed { kind: ErrorKind::Refused, .. }) => {}
+            m => panic!("a file announced through a symlink was not refused: {m:?}"),
+        }
+    }
+    assert_eq!(fs::read_dir(&outside).unwrap().count(), 0, "something was written where the symlink leads");
 }
 
 /// A third-party ticket allows one thing: receiving into the destination it

@@ -429,7 +429,14 @@ fn names_with_escapes_and_newlines_are_escaped_by_ls_and_in_logs() {
     let options = TransferOptions { transfer_id: [40; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
     c.send(&Msg::Receive { dest: "e/in".into(), options });
     assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
-    let meta = FileMeta { path: "../\x1b[2J\n[2026-01-01T00:00:00Z INFO ] forged".into(), size: 1, mtime_s: 0, mtime_ns: 0, mode: 0o644 };
+    let meta = FileMeta {
+        path: "../\x1b[2J\n[2026-01-01T00:00:00Z INFO ] forged".into(),
+        size: 1,
+        mtime_s: 0,
+        mtime_ns: 0,
+        mode: 0o644,
+        target: None,
+    };
     c.send(&Msg::Announce { id: 1, meta, digest: None });
     assert!(matches!(c.read(), Some(Msg::Failed { .. })));
     let log = srv.log();

@@ -149,3 +149,60 @@ fn two_sources_with_one_name_are_refused_and_the_check_fails() {
     let j = env.cp([format!("{}/", b.display()), b.join("other.dat").display().to_string(), twice.display().to_string()]).run().assert_ok();
     assert_eq!(u(&j["files"]), 302, "{j:#}");
 }
+
+/// A tree with symlinks of every sort: relative, absolute, dangling, to a
+/// directory, with a target that is not UTF-8, and one in a subdirectory.
+fn links(root: &Path) -> PathBuf {
+    fs::create_dir_all(root.join("dir/sub")).unwrap();
+    fs::write(root.join("dir/f.txt"), "content").unwrap();
+    let link = |target: &[u8], at: &str| std::os::unix::fs::symlink(OsStr::from_bytes(target), root.join(at)).unwrap();
+    link(b"dir/f.txt", "relative");
+    link(b"/etc/hostname", "absolute");
+    link(b"no/such/file", "dangling");
+    link(b"dir", "to-dir");
+    link(b"../f.txt\xff", "dir/sub/odd-target");
+    root.to_path_buf()
+}
+
+/// What `dmover cp -l` keeps of symlinks, rsync -a keeps too: each arrives
+/// as a symlink with its target byte for byte and its mtime, through every
+/// path; a second run with --sync finds them there. Without -l they are
+/// skipped, with a warning, as rsync -r does.
+#[test]
+fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
+    let env = Env::new();
+    let src = links(&env.mkdir("src"));
+    let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
+    let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::Target];
+    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
+    let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
+    let local = env.mkdir("local");
+    let down = env.mkdir("down");
+    for (from, to, at) in [
+        (format!("{}/", src.display()), local.display().to_string(), local.clone()),
+        (format!("{}/", src.display()), a.url("ea/up/"), ea.join("up")),
+        (a.url("ea/up/"), format!("{}/", down.display()), down.clone()),
+        (a.url("ea/up/"), b.url("eb/third/"), eb.join("third")),
+    ] {
+        let j = env.cp([from.clone(), to.clone(), "-l".into()]).run().assert_ok();
+        assert_eq!(u(&j["files"]), 6, "{from} -> {to}: {j:#}");
+        tree::assert_same(&reference, &at, &with_links);
+        let again = env.cp([from.clone(), to.clone(), "-l".into(), "--sync".into()]).run().assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 6, "{from} -> {to} with --sync: {again:#}");
+    }
+
+    let sshd = Sshd::start(&env.path("sshd"));
+    let far = env.mkdir("far");
+    let mut c = dmover(["cp", "--json", "-q", "-l", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
+    c.args([format!("{}/", src.display()), format!("127.0.0.1:{}/", far.display())]);
+    c.run().assert_ok();
+    tree::assert_same(&reference, &far, &with_links);
+
+    // Without -l: skipped, with a warning naming each.
+    let plain = env.mkdir("plain");
+    let r = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run();
+    let j = r.assert_ok();
+    assert_eq!(u(&j["files"]), 1, "{j:#}");
+    assert_eq!(r.stderr.matches("symbolic link skipped").count(), 5, "{}", r.stderr);
+    assert!(fs::symlink_metadata(plain.join("relative")).is_err());
+}

@@ -5,8 +5,9 @@
 //! and each match keeps its path below it. Names follow rsync: `dir` is sent
 //! as `dir/...`, `dir/` as its contents. The walk streams entries to a
 //! callback as it finds them, so sending starts at once and memory does not
-//! grow with the tree. Symlinks are not followed (they are reported and
-//! skipped), and dmover's own partial files are never sent.
+//! grow with the tree. Symlinks are not followed: each is reported with its
+//! target, for a copy to keep as a link (`--links`) or skip. dmover's own
+//! partial files are never sent.
 
 use crate::error::Error;
 use crate::storage::{self, DirEntry, Kind, Stat, Storage};
@@ -43,8 +44,9 @@ pub enum Event {
     File(Entry),
     /// A source or a file that could not be listed.
     Error(Error),
-    /// A symlink that was skipped.
-    SkippedLink(String),
+    /// A symlink, with its target: copied as one where links are kept,
+    /// else skipped.
+    Link(Entry),
 }
 
 /// Whether a source names files by a pattern.
@@ -54,8 +56,20 @@ pub fn is_glob(s: &str) -> bool {
 
 /// The entry for the file at `path` with attributes `s`, named `name`.
 pub fn entry(path: PathBuf, name: String, s: &Stat) -> Entry {
-    let meta = FileMeta { path: name, size: s.size, mtime_s: s.mtime.0, mtime_ns: s.mtime.1, mode: s.mode };
+    let meta = FileMeta { path: name, size: s.size, mtime_s: s.mtime.0, mtime_ns: s.mtime.1, mode: s.mode, target: None };
     Entry { path, meta, ctime: s.ctime }
+}
+
+/// The entry of the symlink at `path`, named `name`, with its target.
+fn link(store: &dyn Storage, path: PathBuf, name: String, s: &Stat) -> Event {
+    match store.read_link(&path) {
+        Ok(target) => {
+            let e = entry(path, name, s);
+            let target = Some(dmover_proto::path::from_bytes(&target).into_owned());
+            Event::Link(Entry { meta: FileMeta { size: 0, mode: FileMeta::LINK | s.mode & 0o7777, target, ..e.meta }, ..e })
+        }
+        Err(e) => Event::Error(Error::io(store.display(&path), &e)),
+    }
 }
 
 /// Lists what `spec` names in `store`, as a copy of it would send it:
@@ -75,7 +89,10 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
             first_error.get_or_insert(e);
             true
         }
-        Event::SkippedLink(_) => true,
+        Event::Link(e) => {
+            listed = true;
+            emit(e.meta)
+        }
     });
     match first_error {
         Some(e) if !listed => Err(e),
@@ -94,12 +111,12 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
 pub fn walk(store: &dyn Storage, specs: &[String], emit: &mut dyn FnMut(Event) -> bool) {
     let mut names: Option<HashMap<Sum, Sum>> = (specs.len() > 1).then(HashMap::new);
     let mut emit = |ev: Event| match (&mut names, ev) {
-        (Some(names), Event::File(e)) if e.meta.mode & FileMeta::TYPE != FileMeta::DIR => {
+        (Some(names), Event::File(e) | Event::Link(e)) if !e.meta.is_dir() => {
             let from = block_sum(e.path.as_os_str().as_bytes());
             match names.entry(block_sum(e.meta.path.as_bytes())) {
                 Slot::Vacant(v) => {
                     v.insert(from);
-                    emit(Event::File(e))
+                    emit(if e.meta.is_link() { Event::Link(e) } else { Event::File(e) })
                 }
                 Slot::Occupied(o) if *o.get() == from => true,
                 Slot::Occupied(_) => emit(Event::Error(Error::new(
@@ -224,7 +241,7 @@ fn walk_dir(
                 };
                 let matched = take_all || glob.is_some_and(|(g, _)| g.is_match(&child));
                 let go_on = match st.kind {
-                    Kind::Symlink => !matched || emit(Event::SkippedLink(child)),
+                    Kind::Symlink if matched && !fname.ends_with(PART_SUFFIX) => emit(link(store, path, child, &st)),
                     Kind::Dir if fname == STATE_DIR => true,
                     Kind::Dir => {
                         let deeper = glob.is_some_and(|(_, d)| depth + 1 < d);
@@ -277,7 +294,7 @@ mod tests {
             match ev {
                 Event::File(e) => out.push(e),
                 Event::Error(e) => err = Some(e),
-                Event::SkippedLink(_) => {}
+                Event::Link(_) => {}
             }
             err.is_none()
         });

@@ -468,8 +468,8 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
             b.report.failures.push(FailureReport { error, attempts: 0 });
             true
         }
-        Event::SkippedLink(p) => {
-            log::warn!("{p}: symbolic link skipped");
+        Event::Link(e) => {
+            log::warn!("{}: symbolic link skipped", dmover_proto::path::printable(&e.meta.path));
             true
         }
     });

@@ -12,7 +12,7 @@ use crate::digest::Sum;
 use crate::record::Protection;
 
 /// First bytes of a `Hello`: protocol name and version.
-pub const MAGIC: [u8; 8] = *b"DMOVER\0\x04";
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x05";
 pub const HEADER_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = 32;
 /// Largest control message body. Big enough for a plan of 64k ranges.
@@ -168,6 +168,9 @@ bitflags::bitflags! {
         /// (`--no-encrypt`): a server opening them for a third-party copy
         /// asks for that protection.
         const NO_ENCRYPT = 64;
+        /// Symlinks are copied as symlinks (`--links`): the sender
+        /// announces each with its target; without it they are skipped.
+        const LINKS = 128;
     }
 }
 
@@ -214,8 +217,12 @@ pub struct FileMeta {
     pub size: u64,
     pub mtime_s: i64,
     pub mtime_ns: u32,
-    /// Permission bits, and [`FileMeta::DIR`] for an empty directory.
+    /// Permission bits, and [`FileMeta::DIR`] for a directory or
+    /// [`FileMeta::LINK`] for a symlink.
     pub mode: u32,
+    /// A symlink's target, spelled as paths are ([`crate::path`]): present
+    /// exactly when the mode says symlink. It is data, never followed.
+    pub target: Option<String>,
 }
 
 impl FileMeta {
@@ -223,10 +230,36 @@ impl FileMeta {
     pub const TYPE: u32 = 0o170000;
     /// The type of a directory: an announced empty directory carries it.
     pub const DIR: u32 = 0o040000;
+    /// The type of a symlink.
+    pub const LINK: u32 = 0o120000;
 
-    /// Whether this announces an (empty) directory rather than a file.
+    /// Whether this announces a directory rather than a file.
     pub fn is_dir(&self) -> bool {
         self.mode & Self::TYPE == Self::DIR
+    }
+
+    /// Whether this announces a symlink (its target in [`FileMeta::target`]).
+    pub fn is_link(&self) -> bool {
+        self.mode & Self::TYPE == Self::LINK
+    }
+
+    fn write(&self, w: &mut W) {
+        w.str(&self.path);
+        w.u64(self.size);
+        w.i64(self.mtime_s);
+        w.u32(self.mtime_ns);
+        w.u32(self.mode);
+        if self.is_link() {
+            w.str(self.target.as_deref().unwrap_or_default());
+        }
+    }
+
+    fn read(r: &mut R) -> Result<FileMeta, DecodeError> {
+        let mut m = FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()?, target: None };
+        if m.is_link() {
+            m.target = Some(r.str()?);
+        }
+        Ok(m)
     }
 }
 
@@ -708,11 +741,7 @@ impl Msg {
             Listing { entries, done } => {
                 w.u32(entries.len() as u32);
                 for m in entries {
-                    w.str(&m.path);
-                    w.u64(m.size);
-                    w.i64(m.mtime_s);
-                    w.u32(m.mtime_ns);
-                    w.u32(m.mode);
+                    m.write(&mut w);
                 }
                 w.u8(*done as u8);
             }
@@ -841,11 +870,7 @@ impl Msg {
             }
             Announce { id, meta, digest } => {
                 w.u64(*id);
-                w.str(&meta.path);
-                w.u64(meta.size);
-                w.i64(meta.mtime_s);
-                w.u32(meta.mtime_ns);
-                w.u32(meta.mode);
+                meta.write(&mut w);
                 match digest {
                     Some(d) => {
                         w.u8(1);
@@ -964,7 +989,7 @@ impl Msg {
             }
             kind::ANNOUNCE => {
                 let id = r.u64()?;
-                let meta = FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()? };
+                let meta = FileMeta::read(&mut r)?;
                 let digest = if r.bool()? { Some(r.arr()?) } else { None };
                 Announce { id, meta, digest }
             }
@@ -998,7 +1023,7 @@ impl Msg {
                 let n = r.count(4 + 8 + 8 + 4 + 4)?;
                 let mut entries = Vec::with_capacity(n);
                 for _ in 0..n {
-                    entries.push(FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()? });
+                    entries.push(FileMeta::read(&mut r)?);
                 }
                 Listing { entries, done: r.bool()? }
             }
@@ -1152,7 +1177,7 @@ mod tests {
     }
 
     fn samples() -> Vec<Msg> {
-        let meta = FileMeta { path: "d/ü.dat".into(), size: 5, mtime_s: -3, mtime_ns: 7, mode: 0o644 };
+        let meta = FileMeta { path: "d/ü.dat".into(), size: 5, mtime_s: -3, mtime_ns: 7, mode: 0o644, target: None };
         vec![
             Msg::Hello { key_id: [1; 16], protection: Protection::Authenticated, hello: [2; 48] },
             Msg::Challenge { challenge: [3; 48] },
@@ -1221,7 +1246,20 @@ mod tests {
             Msg::StreamEnd,
             Msg::Dial,
             Msg::List { path: "e/*.h5".into() },
-            Msg::Listing { entries: vec![FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644 }], done: true },
+            Msg::Listing {
+                entries: vec![
+                    FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644, target: None },
+                    FileMeta {
+                        path: "l".into(),
+                        size: 0,
+                        mtime_s: 2,
+                        mtime_ns: 3,
+                        mode: FileMeta::LINK | 0o777,
+                        target: Some("../a\\xff".into()),
+                    },
+                ],
+                done: true,
+            },
             Msg::Stream { producer: "gtc-0".into(), block_size: 1 << 20 },
             Msg::Acked { blocks: vec![(1, 0), (1, 1 << 20)] },
             Msg::StepEnd {

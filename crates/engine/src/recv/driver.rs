@@ -482,6 +482,9 @@ impl Owner {
         if meta.is_dir() {
             return Some(make_dir(&sh, meta, &final_path, look));
         }
+        if meta.is_link() {
+            return Some(make_link(&sh, meta, &final_path, look));
+        }
         // Already there?
         if look {
             if let Ok(m) = sh.store.stat(&final_path) {
@@ -555,6 +558,31 @@ fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
         return Outcome::Present;
     }
     match sh.store.make_dir(path, mode) {
+        Ok(()) => Outcome::Made,
+        Err(e) => Outcome::Refused { kind: crate::error::classify(&e), message: e.to_string() },
+    }
+}
+
+/// Makes a symlink with its target (data: stored as sent, never followed)
+/// and modification time, replacing whatever had the name. When `look`
+/// and a symlink with that target is there already, it is skipped like an
+/// unchanged file, untouched. (The session checked the target's spelling.)
+/// Only a transfer that asked for symlinks (`--links`) takes any.
+fn make_link(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
+    if !sh.options.flags.contains(TransferFlags::LINKS) {
+        return Outcome::Refused {
+            kind: ErrorKind::Refused,
+            message: "a symlink, and this transfer does not copy symlinks (--links)".into(),
+        };
+    }
+    let target = match meta.target.as_deref().map(dmover_proto::path::to_bytes) {
+        Some(Ok(t)) => t,
+        _ => return Outcome::Refused { kind: ErrorKind::Refused, message: "a symlink without a target".into() },
+    };
+    if look && sh.store.read_link(path).is_ok_and(|t| t == *target) {
+        return Outcome::Present;
+    }
+    match sh.store.make_link(path, &target, Some((meta.mtime_s, meta.mtime_ns))) {
         Ok(()) => Outcome::Made,
         Err(e) => Outcome::Refused { kind: crate::error::classify(&e), message: e.to_string() },
     }

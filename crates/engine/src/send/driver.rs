@@ -99,7 +99,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     });
     let (walk_tx, walk_rx) = crossbeam_channel::bounded::<Walked>(WALK_AHEAD);
     let with_digest = cfg.options.flags.contains(TransferFlags::CHECKSUM) && !generate;
-    let walker = std::thread::spawn(move || workers::walk(files, store, with_digest, block_size, &walk_tx));
+    let links = cfg.options.flags.contains(TransferFlags::LINKS);
+    let walker = std::thread::spawn(move || workers::walk(files, store, with_digest, links, block_size, &walk_tx));
 
     let session = Send::new(send::Config { hosts: n, block_size, window: WINDOW, chunk_blocks: CHUNK_BLOCKS });
     let mut owner = Owner {

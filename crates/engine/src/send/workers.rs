@@ -443,10 +443,11 @@ impl Tunable for Arc<Shared> {
 }
 
 /// Lists the files to send into `tx` (in its own thread), each with its
-/// digest when `--checksum` asks for one. Ends when the sources are listed
-/// (or the feed is closed), or when the owner stops taking files.
-pub(super) fn walk(files: Files, store: Store, with_digest: bool, block_size: u64, tx: &Sender<Walked>) {
-    let digest = |e: &Entry| if with_digest { digest_of(store.as_ref(), &e.path, block_size).ok() } else { None };
+/// digest when `--checksum` asks for one, and symlinks where `links` keeps
+/// them. Ends when the sources are listed (or the feed is closed), or when
+/// the owner stops taking files.
+pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, block_size: u64, tx: &Sender<Walked>) {
+    let digest = |e: &Entry| if with_digest && !e.meta.is_link() { digest_of(store.as_ref(), &e.path, block_size).ok() } else { None };
     let file = |entry: Entry, pinned| {
         let digest = digest(&entry);
         tx.send(Walked::File { entry, pinned, digest }).is_ok()
@@ -458,8 +459,9 @@ pub(super) fn walk(files: Files, store: Store, with_digest: bool, block_size: u6
                 log::info!("{e}");
                 tx.send(Walked::Error(e)).is_ok()
             }
-            source::Event::SkippedLink(p) => {
-                log::warn!("{p}: symbolic link skipped");
+            source::Event::Link(e) if links => file(e, None),
+            source::Event::Link(e) => {
+                log::warn!("{}: symbolic link skipped (--links copies it as one)", dmover_proto::path::printable(&e.meta.path));
                 true
             }
         }),
@@ -472,7 +474,7 @@ pub(super) fn walk(files: Files, store: Store, with_digest: bool, block_size: u6
         }
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644 };
+            let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644, target: None };
             let _ = tx.send(Walked::File { entry: Entry { path: PathBuf::new(), meta, ctime: (0, 0) }, pinned: None, digest: None });
         }
     }

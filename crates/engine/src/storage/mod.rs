@@ -237,6 +237,17 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn sync_file_systems(&self, _dirs: &[&Path]) -> io::Result<bool> {
         Ok(false)
     }
+    /// The target of the symlink `path`, as bytes (never followed).
+    fn read_link(&self, _path: &Path) -> io::Result<Vec<u8>> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this storage holds no symlinks"))
+    }
+    /// Makes `path` a symlink to `target` (bytes, never followed or
+    /// checked: a target is data), with modification time `mtime`. What had
+    /// the name is replaced, never written through: the link is made under
+    /// a temporary name and renamed into place.
+    fn make_link(&self, _path: &Path, _target: &[u8], _mtime: Option<(i64, u32)>) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no symlinks"))
+    }
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// Removes an empty directory.

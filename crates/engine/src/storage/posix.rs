@@ -23,6 +23,7 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -399,6 +400,35 @@ impl Storage for Posix {
             }
         }
         Ok(true)
+    }
+
+    fn read_link(&self, path: &Path) -> io::Result<Vec<u8>> {
+        let (dir, name) = self.parent(path)?;
+        Ok(rustix::fs::readlinkat(&dir, name, Vec::new())?.into_bytes())
+    }
+
+    fn make_link(&self, path: &Path, target: &[u8], mtime: Option<(i64, u32)>) -> io::Result<()> {
+        let (dir, name) = self.parent(path)?;
+        let mut temp = std::ffi::OsString::from(".");
+        temp.push(name);
+        temp.push(crate::source::PART_SUFFIX);
+        match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+        rustix::fs::symlinkat(OsStr::from_bytes(target), &dir, &temp)?;
+        let placed = mtime
+            .map_or(Ok(()), |(s, ns)| {
+                let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
+                let times = Timestamps { last_access: omit, last_modification: Timespec { tv_sec: s, tv_nsec: ns as _ } };
+                rustix::fs::utimensat(&dir, &temp, &times, AtFlags::SYMLINK_NOFOLLOW)
+            })
+            .and_then(|()| rustix::fs::renameat(&dir, &temp, &dir, name));
+        if let Err(e) = placed {
+            let _ = rustix::fs::unlinkat(&dir, &temp, AtFlags::empty());
+            return Err(e.into());
+        }
+        Ok(())
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {

@@ -256,6 +256,23 @@ pub struct Receive {
     over: bool,
 }
 
+/// Refuses an announced directory or symlink that claims data, and a
+/// symlink whose target is empty, longer than a path may be, holds a NUL
+/// or is badly spelled (the target itself is data: never checked for
+/// where it leads).
+fn check_kind(meta: &FileMeta) -> Result<(), &'static str> {
+    if (meta.is_dir() || meta.is_link()) && meta.size != 0 {
+        return Err("a directory or symlink carries no data");
+    }
+    if meta.is_link() {
+        match meta.target.as_deref().map(crate::path::to_bytes) {
+            Some(Ok(t)) if !t.is_empty() && t.len() <= crate::path::MAX_PATH && !t.contains(&0) => {}
+            _ => return Err("a symlink's target must be 1 to 4,096 bytes, without NUL, spelled as paths are"),
+        }
+    }
+    Ok(())
+}
+
 impl Receive {
     pub fn new(cfg: Config) -> Receive {
         assert!(cfg.block_size > 0, "a block size of zero");
@@ -363,6 +380,9 @@ impl Receive {
         }
         if let Some(Err(e)) = self.cfg.accept.as_ref().map(|accept| accept(&meta.path)) {
             return self.out.push_back(refuse(Subject::Said(meta.path.escape_debug().to_string()), e));
+        }
+        if let Err(e) = check_kind(&meta) {
+            return self.out.push_back(refuse(Subject::Path(meta.path), e.into()));
         }
         let blocks = match file_blocks(meta.size, self.cfg.block_size) {
             Ok(b) => b,

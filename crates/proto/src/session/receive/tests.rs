@@ -20,7 +20,7 @@ fn sum(id: u64, b: u64) -> Sum {
 }
 
 fn meta(path: &str, size: u64) -> FileMeta {
-    FileMeta { path: path.into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644 }
+    FileMeta { path: path.into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None }
 }
 
 fn session(discard: bool) -> Receive {
@@ -430,6 +430,29 @@ fn a_file_refused_by_name_or_size_fails_alone() {
     assert!(matches!(&out[2], Action::Refuse { id: 3, subject: Subject::Path(_), .. }));
     assert_eq!(out.len(), 3);
     assert!(!rx.is_over());
+}
+
+#[test]
+fn a_symlink_or_directory_claiming_data_or_a_bad_target_fails_alone() {
+    let mut rx = session(false);
+    let link = |target: Option<&str>, size| FileMeta { mode: FileMeta::LINK | 0o777, target: target.map(Into::into), ..meta("l", size) };
+    let bad = [
+        link(Some("t"), 1),
+        link(Some(""), 0),
+        link(None, 0),
+        link(Some("a\\q"), 0),
+        link(Some("a\0b"), 0),
+        link(Some(&"x".repeat(4097)), 0),
+        FileMeta { mode: FileMeta::DIR | 0o755, ..meta("d", 3) },
+    ];
+    for (id, m) in bad.into_iter().enumerate() {
+        rx.handle(Event::Control(ToReceiver::Announce { id: id as u64, meta: m, digest: None }));
+    }
+    let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+    assert_eq!(out.len(), 7, "{out:?}");
+    assert!(out.iter().all(|a| matches!(a, Action::Refuse { kind: ErrorKind::Refused, .. })), "{out:?}");
+    rx.handle(Event::Control(ToReceiver::Announce { id: 9, meta: link(Some("../a\\xff"), 0), digest: None }));
+    assert!(!matches!(rx.poll(), Some(Action::Refuse { .. })), "a good symlink was refused");
 }
 
 #[test]
