@@ -867,6 +867,81 @@ fn a_push_naming_thousands_of_hosts_makes_the_server_open_no_connections() {
     assert!(!srv.log().contains("panicked"), "{}", srv.log());
 }
 
+/// Regression: data connections attached to a running session were not
+/// counted: a token holder could attach any number to one `Receive`, and
+/// the server ran a thread for each. Now a session holds at most 64 at
+/// once; one beyond is refused, saying so, and counted among refused
+/// requests; a place comes back when a stream ends.
+#[test]
+fn a_session_holds_at_most_64_data_connections_at_once() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.extra = vec!["--metrics".into(), metrics.clone().into()];
+    let srv = Server::start(spec);
+    let (addr, token) = (srv.addr(), env.token_str());
+    let refused = || {
+        let (_, page) = http_get(&metrics, "/metrics").expect("the metrics page answers");
+        sample(&page, "dmover_refused_requests_total").expect("no refused requests on the metrics page")
+    };
+    let options = TransferOptions { transfer_id: [40; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    let mut c = Raw::control(&addr, token.as_bytes());
+    let Some(Msg::SessionOpened { session }) = c.read_after(&Msg::Receive { dest: "e/in".into(), options }) else {
+        panic!("no session:\n{}", srv.log())
+    };
+    let threads_before = proc_status(srv.pid(), "Threads:");
+    let refused_before = refused();
+    let attach = || {
+        let (mut d, _, _) = Raw::handshake(&addr, token.as_bytes());
+        assert_eq!(d.read(), Some(Msg::Welcome));
+        let answer = d.read_after(&Msg::OpenData { session, index: 0 });
+        (d, answer)
+    };
+    let mut held: Vec<Raw> = (0..64)
+        .map(|i| match attach() {
+            (d, Some(Msg::SessionOpened { .. })) => d,
+            (_, m) => panic!("data connection {i} of 64 was not attached: {m:?}\n{}", srv.log()),
+        })
+        .collect();
+    let beyond = 100;
+    for i in 0..beyond {
+        match attach() {
+            (mut d, Some(Msg::Error { kind, message })) => {
+                assert_eq!(kind, ErrorKind::Usage, "{message}");
+                assert!(message.contains("64 data connections already"), "{message}");
+                assert!(d.wait_closed() < Duration::from_secs(5), "a refused data connection was kept open");
+            }
+            (_, m) => panic!("data connection {} was attached to a session holding 64: {m:?}", 65 + i),
+        }
+    }
+    // One thread per connection held, none for those refused.
+    let bound = threads_before + 64 + 8;
+    let bounded = wait_until(Duration::from_secs(10), || proc_status(srv.pid(), "Threads:") <= bound);
+    let threads = proc_status(srv.pid(), "Threads:");
+    assert!(bounded, "the server runs {threads} threads for one session of {} data connections, from {threads_before}", 64 + beyond);
+    assert_eq!(refused() - refused_before, beyond as f64, "refused attachments are not counted as refused requests");
+
+    // A stream that ends gives its place back: a tuner may open another.
+    held.pop().unwrap().send(&Msg::StreamEnd);
+    let mut attached = None;
+    let again = wait_until(Duration::from_secs(10), || {
+        let (d, answer) = attach();
+        attached = matches!(answer, Some(Msg::SessionOpened { .. })).then_some(d);
+        attached.is_some()
+    });
+    assert!(again, "no data connection could attach after one of the 64 ended:\n{}", srv.log());
+    c.send(&Msg::Finish { files: 0, bytes: 0, set_digest: 0 });
+    let finished = loop {
+        match c.read() {
+            Some(Msg::Ping) => continue,
+            m => break m,
+        }
+    };
+    assert!(matches!(finished, Some(Msg::Finished { files: 0, .. })), "the session did not finish: {finished:?}\n{}", srv.log());
+    assert!(!srv.log().contains("panicked"), "{}", srv.log());
+}
+
 /// A plain TCP service on loopback that greets each connection with an SSH
 /// banner, as sshd does. Returns its address and the count of connections
 /// it took.

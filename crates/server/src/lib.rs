@@ -78,7 +78,8 @@ const MAX_HANDSHAKES: usize = 256;
 /// one beyond it closes the oldest from the same address.
 const MAX_HANDSHAKES_PER_ADDR: usize = 128;
 /// Data connections one request may have this server hold or open, in all
-/// (a `Send`'s streams; a `Push`'s hosts times its streams per host).
+/// (a `Send`'s streams; a `Push`'s hosts times its streams per host; those
+/// attached to one session at once).
 const MAX_STREAMS: u64 = 64;
 /// How long a data connection may wait for its session to appear.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -119,10 +120,83 @@ type Attach = crossbeam_channel::Sender<Box<dyn Transport>>;
 /// a stream the client's tuner added as the transfer finished, is refused
 /// at once instead of waiting for a session that will not appear).
 enum Slot {
-    /// Open, with the key id of the credential that opened it: only
-    /// connections authenticated by the same credential may join.
-    Open(Attach, KeyId),
+    /// Open, with the key id of the credential that opened it (only
+    /// connections authenticated by the same credential may join) and the
+    /// count of data connections it holds (see [`Held`]).
+    Open(Attach, KeyId, Arc<AtomicUsize>),
     Ended(Instant),
+}
+
+/// A data connection a session holds, counted in its slot until the
+/// session drops it (its stream ended), so that a session holds at most
+/// [`MAX_STREAMS`] at once: each costs the session a thread. Handles split
+/// from it (a session keeps one to close the connection when it ends) are
+/// not counted.
+struct Held {
+    inner: Box<dyn Transport>,
+    count: Arc<AtomicUsize>,
+}
+
+impl Held {
+    /// `t`, counted in `count`, or `t` back if the session holds its most.
+    fn take(t: Box<dyn Transport>, count: &Arc<AtomicUsize>) -> std::result::Result<Held, Box<dyn Transport>> {
+        let most = MAX_STREAMS as usize;
+        match count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < most).then_some(n + 1)) {
+            Ok(_) => Ok(Held { inner: t, count: count.clone() }),
+            Err(_) => Err(t),
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Read for Held {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl Write for Held {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.inner.write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        self.inner.write_vectored(bufs)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl Transport for Held {
+    fn split(&self) -> std::io::Result<Box<dyn Transport>> {
+        self.inner.split()
+    }
+    fn close(&self) {
+        self.inner.close()
+    }
+    fn close_write(&self) {
+        self.inner.close_write()
+    }
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.inner.set_read_timeout(t)
+    }
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+    fn set_options(&self, o: &SocketOptions) -> std::io::Result<()> {
+        self.inner.set_options(o)
+    }
+    fn send_window(&self) -> u64 {
+        self.inner.send_window()
+    }
+    fn write_consuming(&mut self, head: &[u8], data: &mut [u8]) -> std::io::Result<()> {
+        self.inner.write_consuming(head, data)
+    }
 }
 
 struct Server {
@@ -448,21 +522,31 @@ fn attach(srv: &Server, t: Box<dyn Transport>, mut w: FrameWriter, session: [u8;
     let deadline = Instant::now() + ATTACH_TIMEOUT;
     loop {
         let tx = match srv.sessions.lock().expect("sessions lock").get(&session) {
-            Some(Slot::Open(_, opener)) if *opener != grant.key_id() => {
+            Some(Slot::Open(_, opener, _)) if *opener != grant.key_id() => {
                 let e = Error::new(ErrorKind::Refused, t.peer(), "a connection may join only a session opened with the same credential");
                 return refuse(srv, &mut w, &e);
             }
-            Some(Slot::Open(tx, _)) => Some(tx.clone()),
+            Some(Slot::Open(tx, _, held)) => Some((tx.clone(), held.clone())),
             Some(Slot::Ended(_)) => return refuse(srv, &mut w, &Error::new(ErrorKind::Refused, t.peer(), "the session has ended")),
             None => None,
         };
-        if let Some(tx) = tx {
+        if let Some((tx, held)) = tx {
+            let t = match Held::take(t, &held) {
+                Ok(t) => t,
+                Err(t) => {
+                    let message = format!(
+                        "the session holds {MAX_STREAMS} data connections already, the most one session may hold at once: \
+                         end one (StreamEnd) before attaching another"
+                    );
+                    return refuse(srv, &mut w, &Error::new(ErrorKind::Usage, t.peer(), message));
+                }
+            };
             // Confirm first, then hand the connection over: a sending
             // session may write on it at once (a stream a download's tuner
             // asked for), and nothing may come before the confirmation.
             let _ = t.set_read_timeout(None);
             w.send(Reply::SessionOpened { session })?;
-            let _ = tx.send(t);
+            let _ = tx.send(Box::new(t));
             return Ok(());
         }
         if Instant::now() > deadline {
@@ -531,7 +615,7 @@ fn open_session<'a>(srv: &'a Server, grant: &Grant) -> (SessionGuard<'a>, crossb
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut sessions = srv.sessions.lock().expect("sessions lock");
     sessions.retain(|_, slot| !matches!(slot, Slot::Ended(at) if at.elapsed() > ATTACH_TIMEOUT));
-    sessions.insert(id, Slot::Open(tx, grant.key_id()));
+    sessions.insert(id, Slot::Open(tx, grant.key_id(), Arc::default()));
     drop(sessions);
     (SessionGuard { srv, id }, rx)
 }
