@@ -1,6 +1,6 @@
 //! The server under hostile or careless clients: wrong tokens, symlinks that
-//! lead out of an export, garbage on the port, late data connections, and
-//! signals.
+//! lead out of an export or are planted where a transfer or a sink is about
+//! to write, garbage on the port, late data connections, and signals.
 
 mod util;
 
@@ -235,6 +235,104 @@ fn planted_symlinks_in_the_destination_are_not_written_through() {
     assert_eq!(names, ["victim1", "victim2", "victim3"], "something was created outside the export");
     // The symlinks are gone: a.dat, b.dat and c.dat are the real files, nothing else is left.
     assert_same_tree(&src, &export.join("in/src"));
+}
+
+/// What a local user with write access to an export plants before a
+/// transfer, pointing out of it: a directory `outside` holding one file,
+/// `victim`. Returns `outside` and the victim's bytes.
+fn outside_target(env: &Env) -> (std::path::PathBuf, Vec<u8>) {
+    let outside = env.mkdir("outside");
+    write_random(&outside.join("victim"), 5000, 20);
+    let before = fs::read(outside.join("victim")).unwrap();
+    (outside, before)
+}
+
+/// Checks that nothing was written through a planted link: `outside`
+/// holds its victim alone, as it was.
+#[track_caller]
+fn assert_untouched(outside: &Path, before: &[u8]) {
+    assert_eq!(list_tree(outside).into_keys().collect::<Vec<_>>(), ["victim"], "something was created through a planted link");
+    assert!(fs::read(outside.join("victim")).unwrap() == before, "the victim outside the export was written through a planted link");
+}
+
+/// README, Security: the destination's state directory, `.dmover-partial`,
+/// planted as a symlink to a directory outside the export before an
+/// upload, is never followed: the upload is refused naming it (the user
+/// must remove it), and nothing is written outside.
+#[test]
+fn a_state_directory_planted_as_a_symlink_is_refused_not_followed() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let (outside, before) = outside_target(&env);
+    fs::create_dir_all(export.join("in")).unwrap();
+    symlink(&outside, export.join("in/.dmover-partial")).unwrap();
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    write_random(&src.join("big.dat"), 300_000, 21);
+    let r = env.cp([src.join("big.dat").display().to_string(), srv.url("e/in/"), "--block-size".into(), "64K".into()]).run();
+    r.assert_fails(8, &["e/in/.dmover-partial", "symlinks are not followed"]);
+    assert_untouched(&outside, &before);
+    assert!(!export.join("in/big.dat").exists(), "a file was received without its state directory");
+}
+
+/// README, Security: a symlink planted at the name of the journal an upload
+/// is about to write (`.dmover-partial/HASH.journal`, the XXH3-128 of the
+/// file's path, as `engine/src/journal.rs` names it) is replaced, never
+/// written through: the upload succeeds and the file it led to is intact.
+#[test]
+fn a_symlink_planted_at_a_journals_name_is_replaced_not_written_through() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let (outside, before) = outside_target(&env);
+    let state = export.join("in/.dmover-partial");
+    fs::create_dir_all(&state).unwrap();
+    let journal = state.join(format!("{:032x}.journal", u128::from_be_bytes(dmover_proto::digest::block_sum(b"big.dat"))));
+    symlink(outside.join("victim"), &journal).unwrap();
+    let srv = env.serve(&[("e", &export)]);
+    let src = env.path("src");
+    // Five blocks: a file of more than one has a journal.
+    write_random(&src.join("big.dat"), 300_000, 22);
+    env.cp([src.join("big.dat").display().to_string(), srv.url("e/in/"), "--block-size".into(), "64K".into()]).run().assert_ok();
+    assert_untouched(&outside, &before);
+    assert!(same_content(&src.join("big.dat"), &export.join("in/big.dat")), "big.dat arrived damaged");
+    assert!(fs::symlink_metadata(&journal).is_err(), "the journal's name still holds something after the upload finished");
+}
+
+/// README, Security: symlinks planted in a producer's directory at the
+/// names a sink is about to write for a step (its manifest `step-*.json`,
+/// the manifest's temporary name and the data file) are replaced, never
+/// written through: the step is saved complete and the files they led to
+/// are intact.
+#[test]
+fn symlinks_planted_at_a_sinks_step_names_are_replaced_not_written_through() {
+    use dmover_stream::{Config, Stream};
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let (outside, before) = outside_target(&env);
+    let dir = out.join("planted");
+    fs::create_dir_all(&dir).unwrap();
+    for name in ["step-000000.json", ".step-000000.json.tmp", "step-000000.dat"] {
+        symlink(outside.join("victim"), dir.join(name)).unwrap();
+    }
+    let sink = env.sink(&out, std::iter::empty::<&str>());
+    let mut c = Config::new("planted", &[&sink.addr()], env.token_str().as_bytes(), &spill);
+    c.block_size = 64 << 10;
+    c.max_wait = Duration::from_secs(30);
+    let mut data = vec![0u8; 200_000];
+    Rng::new(23).fill(&mut data);
+    let mut s = Stream::open(c).unwrap();
+    s.write(&data).unwrap();
+    s.end_step().unwrap();
+    let report = s.close().unwrap();
+    assert_eq!((report.steps, report.undelivered_blocks, report.unsaved_steps), (1, 0, 0), "{report:?}\n{}", sink.log());
+    assert_untouched(&outside, &before);
+    assert!(fs::read(dir.join("step-000000.dat")).unwrap() == data, "the step's data file does not hold the step");
+    let manifest: serde_json::Value = serde_json::from_slice(&fs::read(dir.join("step-000000.json")).unwrap()).unwrap();
+    assert_eq!(manifest["complete"], true, "{manifest:#}");
+    for name in ["step-000000.json", "step-000000.dat"] {
+        assert!(fs::symlink_metadata(dir.join(name)).unwrap().is_file(), "{name} is not the file the sink wrote");
+    }
+    assert!(!dir.join(".step-000000.json.tmp").exists(), "the manifest's temporary name was left behind");
 }
 
 /// Sends `bytes` on a fresh connection, then reads until the server closes

@@ -464,7 +464,7 @@ impl Owner {
                     self.layout = Some(l);
                 }
                 Err(e) => {
-                    self.fail(Error::io(self.name(""), &e));
+                    self.fail(e);
                     return None;
                 }
             }

@@ -194,15 +194,18 @@ struct Layout {
 impl Layout {
     /// Creates the state directory and marker under `parent`, once no
     /// earlier run of this transfer in this process is still writing there.
-    fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> std::io::Result<Layout> {
+    /// An error names the state directory (a symlink planted there is
+    /// refused, and the user must see which name is in the way).
+    fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> Result<Layout> {
         let state = state_store(store);
         let state_dir = parent.join(STATE_DIR);
         let marker = state_dir.join(format!("transfer-{}", hex::encode(transfer_id)));
-        let run = Running::enter(&state, &marker)?;
-        state.make_dirs(&state_dir)?;
+        let err = |e: std::io::Error| Error::io(state.display(&state_dir), &e);
+        let run = Running::enter(&state, &marker).map_err(err)?;
+        state.make_dirs(&state_dir).map_err(err)?;
         let resuming = state.stat(&marker).is_ok();
         if !resuming {
-            state.create(&marker)?;
+            state.create(&marker).map_err(err)?;
         }
         Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
     }
@@ -296,7 +299,7 @@ pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
             cfg.store.make_dirs(&parent).map_err(|e| Error::io(&label, &e))?;
         } else {
             cfg.store.make_dirs(&dest_dir).map_err(|e| Error::io(&label, &e))?;
-            layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id).map_err(|e| Error::io(&label, &e))?);
+            layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?);
         }
     }
     Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout })
