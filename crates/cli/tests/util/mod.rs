@@ -452,17 +452,35 @@ pub struct Sshd {
     child: Child,
 }
 
+/// How an [`Sshd`] differs from the plain one on loopback.
+#[derive(Default)]
+pub struct SshdOptions<'a> {
+    /// The network namespace it runs in (None: this one).
+    pub ns: Option<&'a str>,
+    /// `HOME` in the sessions it starts, where relative paths of a
+    /// `host:path` location lead (None: the user's own home directory).
+    pub home: Option<&'a Path>,
+    /// No ClientAlive probes: sshd never ends a session whose client went
+    /// silent, leaving that to dmover's remote end alone.
+    pub no_client_alive: bool,
+}
+
 impl Sshd {
     /// Starts sshd on a free loopback port, with its configuration, keys
     /// and logs under `dir`.
     pub fn start(dir: &Path) -> Sshd {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        Sshd::start_in(dir, None, "127.0.0.1", port)
+        Sshd::start_with(dir, SshdOptions::default())
     }
 
-    /// Starts sshd listening on `ip:port`, in the network namespace `ns`
-    /// if given.
-    pub fn start_in(dir: &Path, ns: Option<&str>, ip: &str, port: u16) -> Sshd {
+    /// Starts sshd on a free loopback port, as `o` says.
+    pub fn start_with(dir: &Path, o: SshdOptions) -> Sshd {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        Sshd::start_in(dir, "127.0.0.1", port, o)
+    }
+
+    /// Starts sshd listening on `ip:port`, as `o` says.
+    pub fn start_in(dir: &Path, ip: &str, port: u16, o: SshdOptions) -> Sshd {
+        let ns = o.ns;
         fs::create_dir_all(dir).unwrap();
         // sshd wants its privilege separation directory (made as root).
         let _ = fs::create_dir_all("/run/sshd");
@@ -484,10 +502,12 @@ impl Sshd {
             format!(
                 "Port {port}\nListenAddress {ip}\nHostKey {}\nAuthorizedKeysFile {}\nPidFile {}\nPermitRootLogin prohibit-password\n\
                  StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nLogLevel ERROR\n\
-                 ClientAliveInterval 1\nClientAliveCountMax 3\nMaxStartups 100\n",
+                 ClientAliveInterval {}\nClientAliveCountMax 3\nMaxStartups 100\n{}",
                 host_key.display(),
                 dir.join("authorized_keys").display(),
-                dir.join("sshd.pid").display()
+                dir.join("sshd.pid").display(),
+                if o.no_client_alive { 0 } else { 1 },
+                o.home.map(|h| format!("SetEnv HOME={}\n", h.display())).unwrap_or_default(),
             ),
         )
         .unwrap();
@@ -505,9 +525,13 @@ impl Sshd {
 
     /// The ssh command for `--ssh`: this server's port and key, no host checks.
     pub fn ssh(&self) -> String {
+        format!("ssh -p {} {}", self.port, self.ssh_without_port().trim_start_matches("ssh "))
+    }
+
+    /// The same without the port, for a location that names it.
+    pub fn ssh_without_port(&self) -> String {
         format!(
-            "ssh -p {} -i {} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR",
-            self.port,
+            "ssh -i {} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR",
             self.key.display()
         )
     }
