@@ -187,33 +187,49 @@ fn all_slots_taken_by_idle_peers_an_honest_client_gets_through_after_the_timeout
     drop(idle);
 }
 
-/// Half-open and idle connections are closed, at every stage.
+/// Half-open and idle connections are closed, at every stage: a half-open
+/// one as soon as its end of stream is seen, an idle one at the idle
+/// timeout. The idle timeout is long so that it cannot be what closes the
+/// half-open ones.
 #[test]
 fn half_open_and_idle_connections_are_closed() {
     let env = Env::new();
     let export = env.mkdir("export");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
-    spec.extra = vec!["--idle-timeout".into(), "2".into()];
+    spec.extra = vec!["--idle-timeout".into(), "10".into()];
     let srv = Server::start(spec);
     let addr = srv.addr();
     let token = env.token_str();
+    let half_open_closed = |stage: &str, c: &mut Raw| {
+        c.s.shutdown(Shutdown::Write).unwrap();
+        let t = c.wait_closed();
+        assert!(t < Duration::from_secs(1), "a connection half-closed {stage} was kept open {t:?} (idle timeout 10 s)");
+    };
 
-    // Hello, then the client stops sending: refused as soon as it is seen.
+    // Hello, then the client stops sending: closed as soon as it is seen.
     let mut c = Raw::connect(&addr);
     c.send(&Raw::hello(TOKEN_KEY_ID, token.as_bytes()).1);
     c.s.shutdown(Shutdown::Write).unwrap();
     assert!(matches!(c.read(), Some(Msg::Challenge { .. })));
-    assert!(c.wait_closed() < Duration::from_secs(3));
+    let t = c.wait_closed();
+    assert!(t < Duration::from_secs(1), "a connection half-closed during the handshake was kept open {t:?} (idle timeout 10 s)");
 
-    // Authenticated, then half-closed.
+    // Authenticated, then half-closed before saying what the connection is for.
+    let (mut c, _, _) = Raw::handshake(&addr, token.as_bytes());
+    assert_eq!(c.read(), Some(Msg::Welcome));
+    half_open_closed("after its handshake", &mut c);
+
+    // A control connection, then half-closed.
     let mut c = Raw::control(&addr, token.as_bytes());
-    c.s.shutdown(Shutdown::Write).unwrap();
-    assert!(c.wait_closed() < Duration::from_secs(3));
+    half_open_closed("on a control connection", &mut c);
 
     // Authenticated, then silent: closed after the idle timeout.
     let mut c = Raw::control(&addr, token.as_bytes());
     let t = c.wait_closed();
-    assert!(t >= Duration::from_secs(1) && t < Duration::from_secs(6), "an idle control connection was closed after {t:?}");
+    assert!(
+        t >= Duration::from_secs(9) && t < Duration::from_secs(13),
+        "an idle control connection was closed after {t:?} (idle timeout 10 s)"
+    );
     assert!(srv.log().contains("client hung up during the handshake"), "{}", srv.log());
 }
 
