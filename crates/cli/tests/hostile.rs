@@ -729,7 +729,19 @@ fn a_malicious_server_cannot_write_names_the_download_did_not_ask_for() {
         }
         let got: Vec<String> = list_tree(&dest).into_keys().collect();
         assert_eq!(got, asked, "{spec}: the destination holds other names");
-        assert!(r.code < 128, "{spec}: the client died: {}", r.stderr);
+        // The names refused are logged escaped: no control character
+        // reaches the terminal, and each line is one log line.
+        assert!(!r.stderr.contains(['\x1b', '\x07']), "{spec}: a raw control character reached stderr:\n{:?}", r.stderr);
+        for l in r.stderr.lines() {
+            assert!(l.starts_with('['), "{spec}: a name broke a log line on stderr: {l:?}\n{}", r.stderr);
+        }
+        for name in planted {
+            let line = format!("refused {}: ", name.escape_debug());
+            assert!(r.stderr.contains(&line), "{spec}: no {line:?} on stderr:\n{}", r.stderr);
+        }
+        // The server's report (nothing sent, check not passed) says the
+        // transfer failed: exit code 10, not a crash.
+        assert_eq!(r.code, 10, "{spec}: exit code (want 10, the check failed); stderr:\n{}", r.stderr);
     }
 }
 
