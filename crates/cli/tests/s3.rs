@@ -773,6 +773,12 @@ fn symlinks_go_up_and_come_back_with_links_as_rclone_keeps_them() {
         assert_eq!(fs::read(&obj).unwrap_or_default(), target.as_bytes(), "{}", obj.display());
         assert!(!bucket.join("up").join(name).exists(), "{name} is also a plain object");
     }
+    let ls = dmover(["ls", "s3://data/up/"]).s3(&t.s3, &t.env.path("home")).run();
+    assert_eq!(ls.code, 0, "{}", ls.stderr);
+    for (name, target) in links {
+        assert!(ls.stdout.lines().any(|l| l.starts_with('l') && l.ends_with(&format!("{name} -> {target}"))), "{name}: {}", ls.stdout);
+    }
+    assert!(!ls.stdout.contains(".rclonelink"), "{}", ls.stdout);
     let again = t.cp([up.as_str(), "s3://data/up/", "-l", "--sync"]).run().assert_ok();
     assert_eq!(u(&again["skipped_files"]), 4, "{again:#}");
 
