@@ -3,7 +3,8 @@
 //! midway and resumed (and a download), an upload's memory within its
 //! staging, from bucket to bucket, between a bucket and a server, globs (and ls), --sync, the digest kept with each object and checked on the way
 //! down, objects other tools wrote, credentials from a profile with
-//! --s3-endpoint, and what wrong credentials and a missing bucket say.
+//! --s3-endpoint, what wrong credentials and a missing bucket say, and
+//! symlinks kept as rclone's --links keeps them (read by rclone both ways).
 //! And a bucket served by `dmover serve --export NAME=s3://BUCKET/prefix`:
 //! up, down and listed as a directory export is, an upload into it cut
 //! short and resumed, third-party copies to and from a directory export,
@@ -717,4 +718,101 @@ fn a_name_no_key_can_hold_fails_clearly_and_a_backslash_goes_and_comes_back() {
     assert_eq!(u(&j["files"]), 2, "{j:#}");
     assert_eq!(fs::read_to_string(dst.join("back\\slash.txt")).unwrap(), "kept");
     assert_eq!(fs::read_to_string(dst.join("plain.txt")).unwrap(), "plain");
+}
+
+/// `rclone ARGS` reaching the test's S3 server as the remote `vgw:`, with
+/// no configuration or S3 settings of this environment's; panics unless
+/// it succeeds.
+fn rclone(t: &Setup, args: &[&str]) {
+    let mut c = std::process::Command::new("rclone");
+    for k in foreign_env() {
+        c.env_remove(k);
+    }
+    c.env("RCLONE_CONFIG", t.env.path("rclone.conf"))
+        .env("RCLONE_CONFIG_VGW_TYPE", "s3")
+        .env("RCLONE_CONFIG_VGW_PROVIDER", "Other")
+        .env("RCLONE_CONFIG_VGW_ENDPOINT", t.s3.endpoint())
+        .env("RCLONE_CONFIG_VGW_REGION", "us-east-1");
+    for (k, v) in t.s3.client_env() {
+        match k.as_str() {
+            "AWS_ACCESS_KEY_ID" => c.env("RCLONE_CONFIG_VGW_ACCESS_KEY_ID", v),
+            "AWS_SECRET_ACCESS_KEY" => c.env("RCLONE_CONFIG_VGW_SECRET_ACCESS_KEY", v),
+            _ => &mut c,
+        };
+    }
+    let out = c.args(args).output().expect("run rclone");
+    assert!(out.status.success(), "rclone {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Symlinks go up with -l as rclone's --links keeps them (the symlink NAME
+/// is the object NAME.rclonelink, its target the content) and come back
+/// down with -l as symlinks with their targets and mtimes, as rsync -a
+/// copies them; without -l a download skips them with a warning, as it
+/// skips a file system's. rclone reads dmover's upload back as symlinks,
+/// and dmover reads rclone's.
+#[test]
+fn symlinks_go_up_and_come_back_with_links_as_rclone_keeps_them() {
+    use dmover_testkit::tree::{self, Field};
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    fs::create_dir(src.join("dir")).unwrap();
+    fs::write(src.join("dir/f.txt"), "content").unwrap();
+    let links = [("relative", "dir/f.txt"), ("absolute", "/etc/hostname"), ("dir/dangling", "../no/such/file")];
+    for (name, target) in links {
+        std::os::unix::fs::symlink(target, src.join(name)).unwrap();
+    }
+    let reference = tree::rsync(&["-a"], &src, &t.env.path("src.rsync"));
+    let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::Target];
+    let up = format!("{}/", src.display());
+
+    let j = t.cp([up.as_str(), "s3://data/up/", "-l"]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 4, "{j:#}");
+    for (name, target) in links {
+        let obj = bucket.join(format!("up/{name}.rclonelink"));
+        assert_eq!(fs::read(&obj).unwrap_or_default(), target.as_bytes(), "{}", obj.display());
+        assert!(!bucket.join("up").join(name).exists(), "{name} is also a plain object");
+    }
+    let ls = dmover(["ls", "s3://data/up/"]).s3(&t.s3, &t.env.path("home")).run();
+    assert_eq!(ls.code, 0, "{}", ls.stderr);
+    for (name, target) in links {
+        assert!(ls.stdout.lines().any(|l| l.starts_with('l') && l.ends_with(&format!("{name} -> {target}"))), "{name}: {}", ls.stdout);
+    }
+    assert!(!ls.stdout.contains(".rclonelink"), "{}", ls.stdout);
+    let again = t.cp([up.as_str(), "s3://data/up/", "-l", "--sync"]).run().assert_ok();
+    assert_eq!(u(&again["skipped_files"]), 4, "{again:#}");
+
+    let down = t.env.mkdir("down");
+    let j = t.cp(["s3://data/up/", down.to_str().unwrap(), "-l"]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 4, "{j:#}");
+    tree::assert_same(&reference, &down, &with_links);
+
+    // Without -l: each skipped with a warning, and no .rclonelink file arrives.
+    let plain = t.env.mkdir("plain");
+    let r = t.cp(["s3://data/up/", plain.to_str().unwrap()]).run();
+    assert_eq!(u(&r.assert_ok()["files"]), 1, "{}", r.stdout);
+    assert_eq!(r.stderr.matches("symbolic link skipped").count(), 3, "{}", r.stderr);
+    assert_eq!(list_files(&plain).len(), 1, "{:?}", list_files(&plain));
+
+    if !on_path("rclone") {
+        return;
+    }
+    // rclone reads dmover's upload as symlinks...
+    let by_rclone = t.env.path("by-rclone");
+    rclone(&t, &["copy", "--links", "vgw:data/up", by_rclone.to_str().unwrap()]);
+    tree::assert_same(&reference, &by_rclone, &[Field::Kind, Field::Content, Field::Target]);
+    // The links' mtimes too (a file's is dmover's metadata, which rclone does not read).
+    let mtime = |p: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        let m = fs::symlink_metadata(p).unwrap();
+        (m.mtime(), m.mtime_nsec())
+    };
+    for (name, _) in links {
+        assert_eq!(mtime(&by_rclone.join(name)), mtime(&reference.join(name)), "{name}'s mtime through rclone");
+    }
+    // ...and dmover reads rclone's, mtimes included.
+    rclone(&t, &["copy", "--links", src.to_str().unwrap(), "vgw:data/rclone"]);
+    let from_rclone = t.env.mkdir("from-rclone");
+    t.cp(["s3://data/rclone/", from_rclone.to_str().unwrap(), "-l"]).run().assert_ok();
+    tree::assert_same(&reference, &from_rclone, &[Field::Kind, Field::Content, Field::Target, Field::Mtime]);
 }

@@ -70,6 +70,7 @@ pub fn run(make: &dyn Fn() -> Subject) {
         ("missing paths are NotFound", missing_is_not_found),
         ("writes from several threads at once", parallel_writes),
         ("digest_of reads the whole file", digests),
+        ("make_link keeps a target as data, replacing what had the name", links_round_trip),
         ("confined: '..' and absolute paths are refused", refuses_leaving_paths),
         ("confined: a directory symlink leads nowhere", dir_symlink_leads_nowhere),
         ("confined: a file symlink is never read or written through", file_symlink_not_followed),
@@ -335,6 +336,39 @@ fn digests(t: &Subject) {
     let sums: Vec<_> = data.chunks(65536).map(dmover_proto::digest::block_sum).collect();
     let want = dmover_proto::digest::file_digest(&sums);
     assert_eq!(storage::digest_of(t.s(), &t.p("f"), 65536).unwrap(), want);
+}
+
+/// A symlink's target is kept byte for byte and never followed: relative,
+/// absolute, dangling, not UTF-8. make_link replaces a file or a link at
+/// the name, never writing through either.
+fn links_round_trip(t: &Subject) {
+    t.s().make_dirs(&t.p("d")).unwrap();
+    write_file(t, "d/f", b"the file");
+    let mtime = (1_500_000_000, 123_456_789);
+    let targets: [(&str, &[u8]); 4] = [("rel", b"f"), ("abs", b"/etc/hostname"), ("dangling", b"no/such/file"), ("odd", b"../f\xff\n")];
+    for (name, target) in targets {
+        let p = t.p(&format!("d/{name}"));
+        t.s().make_link(&p, target, Some(mtime)).unwrap_or_else(|e| panic!("make_link {name}: {e}"));
+        assert_eq!(t.s().read_link(&p).unwrap(), target, "{name}'s target");
+        let s = t.s().stat(&p).unwrap();
+        assert_eq!((s.kind, s.mtime), (Kind::Symlink, mtime), "{name}");
+    }
+    let mut listed: Vec<(String, Kind)> =
+        t.s().list(&t.p("d")).unwrap().into_iter().map(|e| (e.name.to_string_lossy().into_owned(), e.stat.unwrap().kind)).collect();
+    listed.sort_by(|a, b| a.0.cmp(&b.0));
+    let want = [("abs", Kind::Symlink), ("dangling", Kind::Symlink), ("f", Kind::File), ("odd", Kind::Symlink), ("rel", Kind::Symlink)];
+    assert_eq!(listed, want.map(|(n, k)| (n.to_string(), k)), "the listing");
+    // Over the link to d/f: the link changes, d/f does not.
+    t.s().make_link(&t.p("d/rel"), b"elsewhere", None).unwrap();
+    assert_eq!(t.s().read_link(&t.p("d/rel")).unwrap(), b"elsewhere");
+    assert_eq!(read(t, "d/f"), b"the file", "written through a symlink");
+    // Over a file: the file is gone, the name is a link.
+    t.s().make_link(&t.p("d/f"), b"rel", None).unwrap();
+    assert_eq!(t.s().stat(&t.p("d/f")).unwrap().kind, Kind::Symlink, "the file is still there");
+    assert_eq!(t.s().read_link(&t.p("d/f")).unwrap(), b"rel");
+    let names = t.s().list(&t.p("d")).unwrap().into_iter().filter(|e| e.name == "f").count();
+    assert_eq!(names, 1, "the name listed twice");
+    assert!(t.s().read_link(&t.p("d/nope")).is_err(), "read_link of nothing");
 }
 
 /// The subject's disk directory, if the confinement checks apply to it.

@@ -40,6 +40,14 @@
 //! keys: one exists while an object is below it, so an empty directory is
 //! not kept and making one does nothing.
 //!
+//! Symlinks are kept as rclone keeps them with `--links`, so that each tool
+//! reads the other's: the symlink `NAME` is the object `NAME.rclonelink`,
+//! whose content is the link's target and whose metadata holds its mtime
+//! where rclone keeps it (`mtime`, seconds since the epoch as a decimal
+//! fraction) besides dmover's own. A listing names such an object `NAME`,
+//! a symlink as long as its target; where an object `NAME` is there too,
+//! that file is what the name holds (making a link removes it).
+//!
 //! Memory: the parts held in memory, being filled and being sent, of all
 //! the files being written here take at most [`Options::staging`] (at
 //! least one first part, at most [`MAX_PARTS_IN_FLIGHT`]), and one part more
@@ -156,6 +164,15 @@ const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 const META_DIGEST: &str = "dmover-digest";
 const META_MTIME: &str = "dmover-mtime";
 const META_MODE: &str = "dmover-mode";
+/// Where rclone keeps an object's mtime (`x-amz-meta-mtime`): seconds
+/// since the epoch, as a decimal fraction.
+const META_RCLONE_MTIME: &str = "mtime";
+/// What rclone's `--links` appends to the key of the object that holds a
+/// symlink's target.
+const LINK_SUFFIX: &str = ".rclonelink";
+/// The longest symlink target read back (Linux's `PATH_MAX`): an object
+/// holding more is no symlink's.
+const MAX_TARGET: u64 = 4096;
 
 /// How an object is cut into the parts of its multipart upload: part
 /// `index` (from 0) covers `start(index)..start(index) + len(index)`.
@@ -412,14 +429,50 @@ fn time_of(t: Option<&DateTime>) -> (i64, u32) {
 }
 
 /// A file's attributes from its object's size, time and metadata: mode and
-/// mtime as dmover stored them (0644 and the object's time otherwise); the
-/// object's time is its change time.
+/// mtime as dmover stored them (else the mtime rclone stored, else the
+/// object's time; else mode 0644); the object's time is its change time.
 fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<String, String>>) -> Stat {
     let changed = time_of(modified);
-    let get = |k: &str| meta.and_then(|m| m.get(k));
+    // Metadata names are HTTP headers': any case.
+    let get = |k: &str| meta.and_then(|m| m.iter().find(|(n, _)| n.eq_ignore_ascii_case(k))).map(|(_, v)| v.as_str());
     let mode = get(META_MODE).and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o644);
-    let mtime = get(META_MTIME).and_then(|m| parse_mtime(m)).unwrap_or(changed);
+    let mtime = get(META_MTIME).and_then(parse_mtime).or_else(|| get(META_RCLONE_MTIME).and_then(parse_decimal_time)).unwrap_or(changed);
     Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1 }
+}
+
+/// The attributes of the symlink kept in an object with attributes `st`
+/// (see [`LINK_SUFFIX`]): its size is its target's.
+fn link_stat(st: Stat) -> Stat {
+    Stat { kind: Kind::Symlink, mode: 0o777, ..st }
+}
+
+/// The name of the symlink an object named `name` keeps, if it keeps one.
+fn link_name(name: &str) -> Option<&str> {
+    name.strip_suffix(LINK_SUFFIX).filter(|n| !n.is_empty() && !n.ends_with('/'))
+}
+
+/// `(secs, nanos)` as a decimal fraction of seconds, as rclone writes an mtime.
+fn decimal_time((secs, nanos): (i64, u32)) -> String {
+    let t = secs as i128 * 1_000_000_000 + nanos as i128;
+    let sign = if t < 0 { "-" } else { "" };
+    format!("{sign}{}.{:09}", t.abs() / 1_000_000_000, t.abs() % 1_000_000_000)
+}
+
+/// A time written as a decimal fraction of seconds (any number of digits
+/// after the point; those past nanoseconds are dropped).
+fn parse_decimal_time(s: &str) -> Option<(i64, u32)> {
+    let (negative, digits) = match s.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, s),
+    };
+    let (whole, frac) = digits.split_once('.').unwrap_or((digits, ""));
+    if whole.is_empty() || !whole.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let nanos: i128 = format!("{:0<9}", &frac[..frac.len().min(9)]).parse().ok()?;
+    let t = whole.parse::<i128>().ok()? * 1_000_000_000 + nanos;
+    let t = if negative { -t } else { t };
+    Some((i64::try_from(t.div_euclid(1_000_000_000)).ok()?, t.rem_euclid(1_000_000_000) as u32))
 }
 
 /// The size of the whole object a GET of a range of it answered.
@@ -473,6 +526,17 @@ impl Inner {
         key(&self.root, path)
     }
 
+    /// The key of the file `path` names, and that of the object that keeps
+    /// a symlink of that name: not the root's.
+    fn entry_keys(&self, path: &Path) -> io::Result<(String, String)> {
+        let k = self.key(path)?;
+        if k == self.root {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "the root is a directory, not the name of a file"));
+        }
+        let link = format!("{k}{LINK_SUFFIX}");
+        Ok((k, link))
+    }
+
     /// The object at `k`: its attributes, ETag and stored digest.
     fn head(&self, k: &str) -> io::Result<(Stat, Option<String>, Option<Digest>)> {
         let h = self.rt.block_on(self.client.head_object().bucket(&self.bucket).key(k).send()).map_err(|e| io_error(k, e))?;
@@ -493,10 +557,21 @@ impl Inner {
         }
         match self.head(k) {
             Ok((st, _, _)) => Ok(st),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => match self.has_below(k)? {
-                true => Ok(dir_stat()),
-                false => Err(io::Error::new(io::ErrorKind::NotFound, format!("{k}: no such object"))),
-            },
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // A symlink kept as rclone keeps it, or a directory: both asked at once.
+                let link = format!("{k}{LINK_SUFFIX}");
+                let head = self.rt.spawn(self.client.head_object().bucket(&self.bucket).key(&link).send());
+                let below = self.has_below(k);
+                match self.rt.block_on(head).map_err(|e| io::Error::other(format!("{link}: {e}")))? {
+                    Ok(h) => return Ok(link_stat(object_stat(h.content_length().unwrap_or(0) as u64, h.last_modified(), h.metadata()))),
+                    Err(e) if status(&e) == Some(404) => {}
+                    Err(e) => return Err(io_error(&link, e)),
+                }
+                match below? {
+                    true => Ok(dir_stat()),
+                    false => Err(io::Error::new(io::ErrorKind::NotFound, format!("{k}: no such object"))),
+                }
+            }
             Err(e) => Err(e),
         }
     }
@@ -1713,8 +1788,17 @@ impl Storage for S3 {
             })
             .collect();
         i.listed.keep(fetched);
-        let mut out: Vec<DirEntry> =
-            names.into_iter().zip(stats).map(|((n, _), stat)| DirEntry { name: OsString::from(n), stat }).collect();
+        // An object NAME.rclonelink is the symlink NAME, unless a file has that name.
+        let files: std::collections::HashSet<&str> = names.iter().map(|(n, _)| n.as_str()).collect();
+        let mut out: Vec<DirEntry> = names
+            .iter()
+            .zip(stats)
+            .filter_map(|((n, _), stat)| match link_name(n) {
+                Some(link) if files.contains(link) => None,
+                Some(link) => Some(DirEntry { name: OsString::from(link), stat: stat.map(link_stat) }),
+                None => Some(DirEntry { name: OsString::from(n), stat }),
+            })
+            .collect();
         out.extend(dirs.into_iter().map(|n| DirEntry { name: OsString::from(n), stat: Ok(dir_stat()) }));
         Ok(out)
     }
@@ -1783,6 +1867,44 @@ impl Storage for S3 {
         let k = self.inner.key(path)?;
         self.inner.abandon(&k)?;
         self.inner.delete(&k)
+    }
+
+    /// Reads the object `NAME.rclonelink` (see [`LINK_SUFFIX`]).
+    fn read_link(&self, path: &Path) -> io::Result<Vec<u8>> {
+        let (_, link) = self.inner.entry_keys(path)?;
+        let r = S3Read::open(&self.inner, &link, 0..MAX_TARGET)?;
+        if r.stat.size > MAX_TARGET {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{link}: {} bytes, more than a symlink's target holds ({MAX_TARGET})", r.stat.size),
+            ));
+        }
+        let mut target = vec![0; r.stat.size as usize];
+        let mut n = 0;
+        while n < target.len() {
+            match r.read_at(&mut target[n..], n as u64)? {
+                0 => return Err(io::Error::other(format!("{link}: the object ended at {n} of {} bytes", target.len()))),
+                k => n += k,
+            }
+        }
+        Ok(target)
+    }
+
+    /// Puts the object `NAME.rclonelink` holding `target`, with the mtime
+    /// where rclone keeps it and dmover's metadata, then removes a file
+    /// `NAME` (which would hide the link). Nothing is followed: a target is
+    /// data.
+    fn make_link(&self, path: &Path, target: &[u8], mtime: Option<(i64, u32)>) -> io::Result<()> {
+        let (k, link) = self.inner.entry_keys(path)?;
+        let mut meta = Inner::metadata(&Attrs { mode: 0o777, mtime, digest: None });
+        if let Some(t) = mtime {
+            meta.insert(META_RCLONE_MTIME.into(), decimal_time(t));
+        }
+        let i = &self.inner;
+        let put = i.client.put_object().bucket(&i.bucket).key(&link).body(ByteStream::from(target.to_vec())).set_metadata(Some(meta));
+        i.rt.block_on(put.send()).map_err(|e| io_error(&link, e))?;
+        i.abandon(&k)?;
+        i.delete(&k)
     }
 
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
@@ -1920,5 +2042,30 @@ mod tests {
         assert_eq!((st.mode, st.mtime, st.size), (0o640, (1_700_000_000, 5), 9));
         assert_eq!(parse_digest(&m[META_DIGEST]), Some(d));
         assert_eq!(copy_source("b", "a dir/é+x"), "b/a%20dir/%C3%A9%2Bx");
+    }
+
+    #[test]
+    fn rclone_mtimes_read_and_write_as_decimal_fractions() {
+        for t in [(1_700_000_000, 5), (0, 0), (1, 999_999_999), (-3, 500_000_000), (-1, 0)] {
+            assert_eq!(parse_decimal_time(&decimal_time(t)), Some(t), "{}", decimal_time(t));
+        }
+        assert_eq!(decimal_time((-3, 500_000_000)), "-2.500000000");
+        for (s, t) in [
+            ("1700000000.5", (1_700_000_000, 500_000_000)),
+            ("1700000000", (1_700_000_000, 0)),
+            ("1700000000.1234567891", (1_700_000_000, 123_456_789)),
+            ("-0.25", (-1, 750_000_000)),
+        ] {
+            assert_eq!(parse_decimal_time(s), Some(t), "{s}");
+        }
+        for bad in ["", ".5", "1.2.3", "x", "1e9", "+1", "1.-5"] {
+            assert_eq!(parse_decimal_time(bad), None, "{bad}");
+        }
+        // rclone's metadata alone gives the mtime; dmover's wins where both are.
+        let rclone = HashMap::from([("Mtime".to_string(), "1600000000.25".to_string())]);
+        assert_eq!(object_stat(3, None, Some(&rclone)).mtime, (1_600_000_000, 250_000_000));
+        let both = HashMap::from([("mtime".to_string(), "1600000000.25".to_string()), (META_MTIME.to_string(), "7.000000001".to_string())]);
+        assert_eq!(object_stat(3, None, Some(&both)).mtime, (7, 1));
+        assert_eq!((link_name("a.rclonelink"), link_name(".rclonelink"), link_name("a")), (Some("a"), None, None));
     }
 }
