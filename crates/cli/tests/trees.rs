@@ -39,7 +39,7 @@ fn odd_names(root: &Path) -> PathBuf {
 }
 
 /// What dmover keeps of a tree of files and directories today.
-const KEPT: [Field; 4] = [Field::Kind, Field::Content, Field::Perm, Field::Mtime];
+const KEPT: [Field; 5] = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::DirMtime];
 
 /// Asserts that `dst` holds every name of [`NAMES`] as bytes, each with its
 /// own content, as `rsync -a` copied them, and nothing else (the report's
@@ -173,7 +173,7 @@ fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
     let env = Env::new();
     let src = links(&env.mkdir("src"));
     let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
-    let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::Target];
+    let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::DirMtime, Field::Target];
     let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
     let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
     let local = env.mkdir("local");
@@ -205,4 +205,64 @@ fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
     assert_eq!(u(&j["files"]), 1, "{j:#}");
     assert_eq!(r.stderr.matches("symbolic link skipped").count(), 5, "{}", r.stderr);
     assert!(fs::symlink_metadata(plain.join("relative")).is_err());
+}
+
+/// A tree of directories with modes of their own (none that the usual
+/// umask 022 would change), deep nesting, empty directories, empty files,
+/// a file of mode 000 and a name of 255 bytes, every time set apart from
+/// now.
+fn shapes(root: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let deep: PathBuf = (0..40).map(|i| format!("d{i}")).collect();
+    for (dir, mode) in [("private", 0o700), ("group", 0o750), ("readonly", 0o555), ("sealed", 0o511), ("empty", 0o710)] {
+        let d = root.join(dir);
+        fs::create_dir_all(d.join("inner")).unwrap();
+        if dir != "empty" {
+            fs::write(d.join("inner/f.dat"), dir).unwrap();
+            fs::write(d.join("zero"), "").unwrap();
+        }
+        fs::set_permissions(d.join("inner"), fs::Permissions::from_mode(0o751)).unwrap();
+        fs::set_permissions(&d, fs::Permissions::from_mode(mode)).unwrap();
+    }
+    fs::create_dir_all(root.join(&deep)).unwrap();
+    fs::write(root.join(&deep).join("bottom.dat"), "deep").unwrap();
+    fs::write(root.join("x".repeat(255)), "long name").unwrap();
+    fs::write(root.join("nobody-reads"), "mode 000").unwrap();
+    fs::set_permissions(root.join("nobody-reads"), fs::Permissions::from_mode(0o000)).unwrap();
+    // Every directory's and file's time a day and a bit back, to the nanosecond.
+    let out = std::process::Command::new("find")
+        .arg(root)
+        .args(["-mindepth", "1", "-exec", "touch", "-h", "-d", "2026-01-02 03:04:05.123456789", "{}", "+"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "touch: {}", String::from_utf8_lossy(&out.stderr));
+    root.to_path_buf()
+}
+
+/// Directories arrive with their permissions and modification times, as
+/// rsync -a gives them, through every path: dmover gives each its
+/// attributes once the files below it are in.
+#[test]
+fn directories_keep_their_modes_and_times_through_every_path() {
+    let env = Env::new();
+    let src = shapes(&env.mkdir("src"));
+    let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
+    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
+    let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
+    let (local, down) = (env.mkdir("local"), env.mkdir("down"));
+    for (from, to, at) in [
+        (format!("{}/", src.display()), local.display().to_string(), local.clone()),
+        (format!("{}/", src.display()), a.url("ea/up/"), ea.join("up")),
+        (a.url("ea/up/"), format!("{}/", down.display()), down.clone()),
+        (a.url("ea/up/"), b.url("eb/third/"), eb.join("third")),
+    ] {
+        env.cp([from.clone(), to.clone()]).run().assert_ok();
+        tree::assert_same(&reference, &at, &KEPT);
+    }
+    let sshd = Sshd::start(&env.path("sshd"));
+    let far = env.mkdir("far");
+    let mut c = dmover(["cp", "--json", "-q", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
+    c.args([format!("{}/", src.display()), format!("127.0.0.1:{}/", far.display())]);
+    c.run().assert_ok();
+    tree::assert_same(&reference, &far, &KEPT);
 }

@@ -161,8 +161,9 @@ pub fn classify(e: &io::Error) -> ErrorKind {
         _ => match e.raw_os_error() {
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorKind::NoSpace,
             Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => ErrorKind::Permission,
-            // O_NOFOLLOW met a symlink where dmover writes.
-            Some(libc::ELOOP) => ErrorKind::Refused,
+            // O_NOFOLLOW met a symlink where dmover writes; a name longer
+            // than the destination's file system takes.
+            Some(libc::ELOOP) | Some(libc::ENAMETOOLONG) => ErrorKind::Refused,
             _ => ErrorKind::Internal,
         },
     }

@@ -17,7 +17,7 @@ use dmover_proto::ErrorKind;
 use globset::{GlobBuilder, GlobMatcher};
 use std::collections::hash_map::Entry as Slot;
 use std::collections::HashMap;
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::PathBuf;
 use std::thread::ScopedJoinHandle;
 
@@ -25,6 +25,27 @@ use std::thread::ScopedJoinHandle;
 pub const PART_SUFFIX: &str = ".dmover-part";
 /// Directory of resume state in a destination; never sent.
 pub const STATE_DIR: &str = ".dmover-partial";
+
+/// The name a file (or symlink) named `name` is received under until it
+/// is complete: `.NAME.dmover-part`, or, where that would pass the 255
+/// bytes a name may have, the name cut short with a hash of the whole of
+/// it, so that a name of any length that fits has a temporary one that
+/// fits too, the same on every run (a resumed run finds it).
+pub fn part_name(name: &std::ffi::OsStr) -> std::ffi::OsString {
+    const NAME_MAX: usize = 255;
+    let name = name.as_bytes();
+    let mut part = Vec::with_capacity(NAME_MAX);
+    part.push(b'.');
+    if 1 + name.len() + PART_SUFFIX.len() <= NAME_MAX {
+        part.extend_from_slice(name);
+    } else {
+        let hash = format!("~{:016x}", u64::from_le_bytes(block_sum(name)[..8].try_into().expect("8 bytes")));
+        part.extend_from_slice(&name[..NAME_MAX - 1 - hash.len() - PART_SUFFIX.len()]);
+        part.extend_from_slice(hash.as_bytes());
+    }
+    part.extend_from_slice(PART_SUFFIX.as_bytes());
+    std::ffi::OsString::from_vec(part)
+}
 
 /// A file found by the walk (or an empty directory: its mode says so).
 #[derive(Debug, Clone)]
@@ -47,6 +68,9 @@ pub enum Event {
     /// A symlink, with its target: copied as one where links are kept,
     /// else skipped.
     Link(Entry),
+    /// A directory that is not empty, with its attributes (an empty one
+    /// comes as a [`Event::File`] whose mode says directory).
+    Dir(Entry),
 }
 
 /// Whether a source names files by a pattern.
@@ -93,6 +117,7 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
             listed = true;
             emit(e.meta)
         }
+        Event::Dir(_) => true,
     });
     match first_error {
         Some(e) if !listed => Err(e),
@@ -209,9 +234,10 @@ fn walk_dir(
     std::thread::scope(|scope| {
         // Directories being listed ahead, by path.
         let mut listing: HashMap<PathBuf, ScopedJoinHandle<std::io::Result<Vec<DirEntry>>>> = HashMap::new();
-        // (directory, its name, depth below the glob base, inside a matched directory)
-        let mut stack = vec![(dir, prefix, 0usize, glob.is_none())];
-        while let Some((dir, name, depth, take_all)) = stack.pop() {
+        // (directory, its name, depth below the glob base, inside a matched
+        // directory, its attributes as its parent's listing gave them)
+        let mut stack = vec![(dir, prefix, 0usize, glob.is_none(), None)];
+        while let Some((dir, name, depth, take_all, listed_stat)) = stack.pop() {
             let listed = match listing.remove(&dir) {
                 Some(lister) => lister.join().unwrap_or_else(|_| Err(std::io::Error::other("the listing thread panicked"))),
                 None => store.list(&dir),
@@ -246,7 +272,7 @@ fn walk_dir(
                     Kind::Dir => {
                         let deeper = glob.is_some_and(|(_, d)| depth + 1 < d);
                         if matched || deeper {
-                            stack.push((path, child, depth + 1, matched));
+                            stack.push((path, child, depth + 1, matched, Some(st)));
                         }
                         true
                     }
@@ -257,16 +283,21 @@ fn walk_dir(
                     return false;
                 }
             }
-            // An empty directory is sent as itself, so that it exists at the destination.
-            if empty && take_all && !name.is_empty() {
-                let ev = match store.stat(&dir) {
+            // A directory is sent as itself: an empty one as a file, so that
+            // it exists at the destination; any other as its attributes, for
+            // the receiver to give it once its files are in. (A directory an
+            // object store implies, a key prefix, has no attributes.)
+            if take_all && !name.is_empty() {
+                let ev = match listed_stat.map_or_else(|| store.stat(&dir), Ok) {
+                    Ok(m) if !empty && m.mtime == storage::NO_TIME => None,
                     Ok(m) => {
                         let e = entry(dir, name, &m);
-                        Event::File(Entry { meta: FileMeta { size: 0, mode: FileMeta::DIR | m.mode, ..e.meta }, ..e })
+                        let e = Entry { meta: FileMeta { size: 0, mode: FileMeta::DIR | m.mode, ..e.meta }, ..e };
+                        Some(if empty { Event::File(e) } else { Event::Dir(e) })
                     }
-                    Err(e) => Event::Error(Error::io(store.display(&dir), &e)),
+                    Err(e) => Some(Event::Error(Error::io(store.display(&dir), &e))),
                 };
-                if !emit(ev) {
+                if ev.is_some_and(|ev| !emit(ev)) {
                     return false;
                 }
             }
@@ -294,7 +325,7 @@ mod tests {
             match ev {
                 Event::File(e) => out.push(e),
                 Event::Error(e) => err = Some(e),
-                Event::Link(_) => {}
+                Event::Link(_) | Event::Dir(_) => {}
             }
             err.is_none()
         });
@@ -308,6 +339,18 @@ mod tests {
         let mut v: Vec<String> = collect(root, &[spec.to_string()]).unwrap().into_iter().map(|e| e.meta.path).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn a_partial_files_name_fits_whatever_the_name() {
+        use std::ffi::OsStr;
+        assert_eq!(part_name(OsStr::new("a.dat")), ".a.dat.dmover-part");
+        let (a, b) = ("x".repeat(254) + "a", "x".repeat(254) + "b");
+        let (pa, pb) = (part_name(OsStr::new(&a)), part_name(OsStr::new(&b)));
+        assert!(pa.len() <= 255 && pb.len() <= 255, "{} {}", pa.len(), pb.len());
+        assert_ne!(pa, pb, "two long names share a partial file");
+        assert!(pa.to_str().unwrap().ends_with(PART_SUFFIX) && pa.to_str().unwrap().starts_with('.'));
+        assert_eq!(pa, part_name(OsStr::new(&a)), "the same on every run");
     }
 
     #[test]

@@ -396,7 +396,7 @@ pub fn check_sources(store: &dyn Storage, root: &Path, sources: &[String]) -> Re
                 err = Some(e);
                 false
             }
-            Event::Link(_) => true,
+            Event::Link(_) | Event::Dir(_) => true,
         });
         let nothing = || {
             Error::new(ErrorKind::NotFound, label.clone(), format!("sources: {s:?} matches nothing below it"))

@@ -472,6 +472,8 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
             log::warn!("{}: symbolic link skipped", dmover_proto::path::printable(&e.meta.path));
             true
         }
+        // A job's agents make directories as their files need them.
+        Event::Dir(_) => true,
     });
     drop(tx);
     mgr.lock().walk_done = true;

@@ -421,6 +421,7 @@ pub mod kind {
     pub const IDENTITY: u8 = 47;
     pub const FETCH: u8 = 48;
     pub const DIAL: u8 = 49;
+    pub const DIR: u8 = 50;
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -465,6 +466,10 @@ pub enum Msg {
     Report { stats: Stats },
     /// Tx→Rx: a file will be sent; `digest` is set for content comparison.
     Announce { id: u64, meta: FileMeta, digest: Option<Sum> },
+    /// Tx→Rx: a directory of the transfer's and its mode and mtime, which
+    /// the receiver gives it once the transfer's files are in (every file
+    /// that arrives moves a directory's mtime). Not a file: not counted.
+    Dir { meta: FileMeta },
     /// Rx→Tx: which blocks of file `id` to send (none and `skip` if present).
     Plan { id: u64, skip: bool, ranges: Vec<(u64, u64)> },
     /// Tx→Rx: all blocks of `id` were sent; the file's digest.
@@ -673,6 +678,7 @@ impl Msg {
             Progress { .. } => kind::PROGRESS,
             Report { .. } => kind::REPORT,
             Announce { .. } => kind::ANNOUNCE,
+            Dir { .. } => kind::DIR,
             Plan { .. } => kind::PLAN,
             FileEnd { .. } => kind::FILE_END,
             Abort { .. } => kind::ABORT,
@@ -868,6 +874,7 @@ impl Msg {
                     w.u64(p.rtt_us);
                 }
             }
+            Dir { meta } => meta.write(&mut w),
             Announce { id, meta, digest } => {
                 w.u64(*id);
                 meta.write(&mut w);
@@ -987,6 +994,7 @@ impl Msg {
                 }
                 Report { stats: s }
             }
+            kind::DIR => Dir { meta: FileMeta::read(&mut r)? },
             kind::ANNOUNCE => {
                 let id = r.u64()?;
                 let meta = FileMeta::read(&mut r)?;
@@ -1245,6 +1253,7 @@ mod tests {
             Msg::Echo { stamp: 1 << 40, received: 3, staged: 99, server_received: 7, transfers: 2 },
             Msg::StreamEnd,
             Msg::Dial,
+            Msg::Dir { meta: FileMeta { path: "d/e".into(), size: 0, mtime_s: 9, mtime_ns: 8, mode: FileMeta::DIR | 0o750, target: None } },
             Msg::List { path: "e/*.h5".into() },
             Msg::Listing {
                 entries: vec![
@@ -1325,8 +1334,8 @@ mod tests {
         // The flags are the four bytes before the socket buffer size.
         let at = buf.len() - 8;
         assert_eq!(buf[at..at + 4], TransferFlags::all().bits().to_be_bytes());
-        buf[at + 3] |= 0x80;
-        assert_eq!(decode(&buf), Err(DecodeError::Invalid("transfer flags", u64::from(TransferFlags::all().bits() | 0x80))));
+        buf[at] |= 0x80;
+        assert_eq!(decode(&buf), Err(DecodeError::Invalid("transfer flags", u64::from(TransferFlags::all().bits() | 0x8000_0000))));
     }
 
     /// The fuzzer's seeds (`fuzz/corpus/frame_decode`) are well-formed

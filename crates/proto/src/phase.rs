@@ -142,6 +142,7 @@ phase! {
     /// Tx→Rx on the control connection of a transfer.
     ToReceiver = "a transfer, at its receiving end" {
         Announce { id: u64, meta: FileMeta, digest: Option<Sum> },
+        Dir { meta: FileMeta },
         FileEnd { id: u64, digest: Sum },
         Abort { id: u64, kind: ErrorKind, message: String },
         Finish { files: u64, bytes: u64, set_digest: u128 },

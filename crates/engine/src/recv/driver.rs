@@ -14,7 +14,6 @@ use crate::error::{Error, Result};
 use crate::halt::Halt;
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
-use crate::source::PART_SUFFIX;
 use crate::storage::digest_of;
 use crate::transport::{Connector, SocketOptions, Transport};
 use crate::wire::{ping_interval, FrameReader, FrameWriter, Incoming};
@@ -103,6 +102,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         may_be_file,
         layout,
         dirs: HashSet::new(),
+        dir_attrs: Vec::new(),
         preparing: HashMap::new(),
         queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
         dial,
@@ -183,6 +183,9 @@ struct Owner {
     layout: Option<Layout>,
     /// Directories known to exist below the destination.
     dirs: HashSet<PathBuf>,
+    /// The transfer's directories, to be given their modes and mtimes at
+    /// the end, when their files are in (one entry per directory).
+    dir_attrs: Vec<FileMeta>,
     /// Files looked at and to be received, until the session opens them.
     preparing: HashMap<u64, (Paths, FileIo)>,
     /// Blocks the writers' queues hold at most.
@@ -320,6 +323,7 @@ impl Owner {
                 });
             }
             Action::Dial => self.dial(),
+            Action::Dir { meta } => self.dir_attrs.push(meta),
             Action::Finish(t) => return Some(self.finish(t)),
             Action::Violation(why) => self.fail(Error::protocol(&self.peer, why)),
             Action::Fatal { kind, path, message } => {
@@ -339,12 +343,42 @@ impl Owner {
     /// totals are confirmed.
     fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
         self.sh.stop.raise();
+        self.give_dirs_their_attrs();
         if let Some(l) = &self.layout {
             let _ = self.sh.state.remove(&l.marker);
             let _ = self.sh.state.remove_dir(&l.state_dir);
         }
         self.ctl.send(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })?;
         Ok(t)
+    }
+
+    /// Gives the transfer's directories their modes and mtimes, now that
+    /// every file is in (each file that arrived moved its directory's
+    /// mtime), children before parents, and makes that durable. A
+    /// directory that is not here (its files went to another host) is
+    /// passed over; one that cannot be set is a warning.
+    fn give_dirs_their_attrs(&mut self) {
+        let dirs = std::mem::take(&mut self.dir_attrs);
+        let mut set = Vec::new();
+        for meta in dirs.iter().rev() {
+            let Ok(rel) = dmover_proto::path::to_path(&meta.path) else { continue };
+            let path = self.sh.dest_dir.join(rel);
+            let mode = dmover_proto::frame::permission_bits(meta.mode);
+            match self.sh.store.set_dir_attrs(&path, mode, (meta.mtime_s, meta.mtime_ns)) {
+                Ok(()) => set.push(path),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => log::warn!("{}: cannot set the directory's mode and time: {e}", self.name(&meta.path)),
+            }
+        }
+        if set.is_empty() || self.sh.options.flags.contains(TransferFlags::NO_FSYNC) {
+            return;
+        }
+        let synced = self.sh.store.sync_file_systems(&[self.sh.dest_dir.as_path()]).unwrap_or(false);
+        for dir in set.iter().filter(|_| !synced) {
+            if let Err(e) = self.sh.store.sync_dir(dir) {
+                log::warn!("{}: cannot make the directory's mode and time durable: {e}", self.sh.store.display(dir));
+            }
+        }
     }
 
     /// Takes a data connection that attached: its reader thread starts.
@@ -480,7 +514,12 @@ impl Owner {
         };
         let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
         if meta.is_dir() {
-            return Some(make_dir(&sh, meta, &final_path, look));
+            let made = make_dir(&sh, meta, &final_path, look);
+            if matches!(made, Outcome::Made | Outcome::Present) {
+                // Its mtime, once the directories below it are made.
+                self.dir_attrs.push(meta.clone());
+            }
+            return Some(made);
         }
         if meta.is_link() {
             return Some(make_link(&sh, meta, &final_path, look));
@@ -589,8 +628,5 @@ fn make_link(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
 }
 
 fn temp_name(final_path: &Path) -> PathBuf {
-    let mut name = std::ffi::OsString::from(".");
-    name.push(final_path.file_name().unwrap_or_default());
-    name.push(PART_SUFFIX);
-    final_path.with_file_name(name)
+    final_path.with_file_name(crate::source::part_name(final_path.file_name().unwrap_or_default()))
 }

@@ -216,6 +216,7 @@ impl Owner {
                     self.sources.insert(self.offered, Arc::new(source));
                     self.session_event(Event::Offer { meta: entry.meta, digest, pinned });
                 }
+                Next::Walked(Walked::Dir(meta)) => self.session_event(Event::Dir(meta)),
                 Next::Walked(Walked::Error(e)) => {
                     let e = FileError { path: e.subject, kind: e.kind, message: e.message };
                     self.session_event(Event::WalkError(e));

@@ -42,7 +42,13 @@ pub(super) enum Input {
 /// What the walker hands the owner: a file, the host it is pinned to, and
 /// its digest (with `--checksum`); or a source it could not list.
 pub(super) enum Walked {
-    File { entry: Entry, pinned: Option<usize>, digest: Option<Sum> },
+    File {
+        entry: Entry,
+        pinned: Option<usize>,
+        digest: Option<Sum>,
+    },
+    /// A directory's attributes, for every host.
+    Dir(FileMeta),
     Error(Error),
 }
 
@@ -459,6 +465,7 @@ pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, b
                 log::info!("{e}");
                 tx.send(Walked::Error(e)).is_ok()
             }
+            source::Event::Dir(e) => tx.send(Walked::Dir(e.meta)).is_ok(),
             source::Event::Link(e) if links => file(e, None),
             source::Event::Link(e) => {
                 log::warn!("{}: symbolic link skipped (--links copies it as one)", dmover_proto::path::printable(&e.meta.path));

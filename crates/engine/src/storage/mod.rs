@@ -52,6 +52,10 @@ pub enum Kind {
     Other,
 }
 
+/// The modification time of what a storage keeps no time for: a directory
+/// an object store implies (a key prefix).
+pub const NO_TIME: (i64, u32) = (0, 0);
+
 /// A file's attributes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {
@@ -183,6 +187,11 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn make_dirs(&self, dir: &Path) -> io::Result<()>;
     /// Makes `dir` exist as a directory (its parent must exist) with `mode`.
     fn make_dir(&self, dir: &Path, mode: u32) -> io::Result<()>;
+    /// Gives the directory `dir` its mode and modification time, never
+    /// through a symlink (a storage without directories has nothing to do).
+    fn set_dir_attrs(&self, _dir: &Path, _mode: u32, _mtime: (i64, u32)) -> io::Result<()> {
+        Ok(())
+    }
     /// Creates the file `path` afresh, readable and writable by its owner
     /// only: whatever had that name (a stale file, or a link planted to
     /// make us write elsewhere) is unlinked first, and the new file is

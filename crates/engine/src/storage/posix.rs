@@ -340,6 +340,14 @@ impl Storage for Posix {
         Ok(())
     }
 
+    fn set_dir_attrs(&self, dir: &Path, mode: u32, mtime: (i64, u32)) -> io::Result<()> {
+        let fd = self.open_at(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW, Mode::empty())?;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+        let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
+        let times = Timestamps { last_access: omit, last_modification: Timespec { tv_sec: mtime.0, tv_nsec: mtime.1 as _ } };
+        Ok(rustix::fs::futimens(&fd, &times)?)
+    }
+
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
         let (parent, name) = self.parent(path)?;
         match rustix::fs::unlinkat(&parent, name, AtFlags::empty()) {
@@ -409,9 +417,7 @@ impl Storage for Posix {
 
     fn make_link(&self, path: &Path, target: &[u8], mtime: Option<(i64, u32)>) -> io::Result<()> {
         let (dir, name) = self.parent(path)?;
-        let mut temp = std::ffi::OsString::from(".");
-        temp.push(name);
-        temp.push(crate::source::PART_SUFFIX);
+        let temp = crate::source::part_name(name);
         match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => {}
             Err(e) => return Err(e.into()),

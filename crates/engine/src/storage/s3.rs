@@ -505,7 +505,7 @@ fn parse_digest(s: &str) -> Option<Digest> {
 }
 
 fn dir_stat() -> Stat {
-    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: (0, 0), ctime: (0, 0), nlink: 1 }
+    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1 }
 }
 
 /// `bucket/key` for a copy's source, percent-encoded as S3 wants it.

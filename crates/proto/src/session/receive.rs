@@ -173,6 +173,10 @@ pub enum Action {
     Close { id: u64 },
     /// Stop writing this file and remove its partial file and journal.
     Remove { id: u64 },
+    /// Give this directory its mode and mtime once the transfer's files
+    /// are in (before answering [`Action::Finish`]); where it does not
+    /// exist (its files went to another host), nothing is to be done.
+    Dir { meta: FileMeta },
     /// Tell the sender that this file failed here.
     Refuse { id: u64, kind: ErrorKind, subject: Subject, message: String },
     /// Answer the sender's echo with this end's counters.
@@ -324,6 +328,7 @@ impl Receive {
     fn control(&mut self, m: ToReceiver) {
         match m {
             ToReceiver::Announce { id, meta, digest } => self.announce(id, meta, digest),
+            ToReceiver::Dir { meta } => self.dir(meta),
             ToReceiver::FileEnd { id, digest } => {
                 // An end for a file no longer here is late (the file was
                 // aborted or failed meanwhile).
@@ -362,6 +367,21 @@ impl Receive {
             return self.violate(format!("finished before file {id} ended"));
         }
         self.finishing = true;
+    }
+
+    /// A directory's attributes, for the driver to keep until the end. A
+    /// name that is refused is dropped: its files are refused on their own.
+    fn dir(&mut self, meta: FileMeta) {
+        if self.finishing {
+            return self.violate("a directory announced after the end".into());
+        }
+        if !meta.is_dir() || meta.size != 0 {
+            return self.violate(format!("{}: announced as a directory, with a mode or size of a file", meta.path.escape_debug()));
+        }
+        let taken = self.cfg.accept.as_ref().is_none_or(|accept| accept(&meta.path).is_ok());
+        if !meta.path.is_empty() && crate::path::check_relative(&meta.path).is_ok() && taken {
+            self.out.push_back(Action::Dir { meta });
+        }
     }
 
     fn announce(&mut self, id: u64, meta: FileMeta, digest: Option<Sum>) {

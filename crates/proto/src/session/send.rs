@@ -71,6 +71,10 @@ pub enum Event {
     Offer { meta: FileMeta, digest: Option<Sum>, pinned: Option<usize> },
     /// The walk could not list or read this source; it is counted as failed.
     WalkError(FileError),
+    /// A directory of the transfer (not empty: an empty one is offered as
+    /// a file), whose mode and mtime every host is told, to give it once
+    /// its files are in.
+    Dir(FileMeta),
     /// Nothing more will be offered.
     WalkDone,
     /// The chunk of file `id` starting at block `first` (of a
@@ -278,6 +282,12 @@ impl Send {
                 self.announce_waiting();
             }
             Event::WalkError(e) => self.summary.errors.push(e),
+            Event::Dir(meta) if !self.walk_done => {
+                for host in 0..self.cfg.hosts {
+                    self.out.push_back(Action::Send { host, msg: ToReceiver::Dir { meta: meta.clone() } });
+                }
+            }
+            Event::Dir(_) => {}
             Event::WalkDone => {
                 self.walk_done = true;
                 self.finish_if_ended();
