@@ -34,6 +34,7 @@ fn s3_storage_conforms() {
             outside: outside.path().to_path_buf(),
             keep: vec![Box::new(outside), Box::new(state)],
             objects: true,
+            export: true,
         }
     });
     parts_beyond_the_bound_go_up_intact(&server);

@@ -20,6 +20,7 @@ fn subject(store: impl Fn(&std::path::Path) -> Arc<dyn Storage>, local: bool) ->
         outside: outside.path().to_path_buf(),
         keep: vec![Box::new(dir), Box::new(outside)],
         objects: false,
+        export: !local,
     }
 }
 

@@ -2,9 +2,12 @@
 //!
 //! [`run`] gives each check a fresh, empty storage from the caller's
 //! factory and reports every check that failed, by name. The checks use
-//! the interface alone, except those on confinement: a storage backed by a
-//! directory on disk ([`Subject::disk`]) and confined to it is also tried
-//! with symlinks and hard links planted on the disk, leading out.
+//! the interface alone, except those on confinement: an export
+//! ([`Subject::export`]) must say it is confined and refuse paths leading
+//! out, and one backed by a directory on disk ([`Subject::disk`]) is also
+//! tried with symlinks and hard links planted on the disk, leading out.
+//! Whether the confinement checks run is the caller's word, never the
+//! storage's own: only the local file system skips them.
 //!
 //! An object store ([`Subject::objects`]) is held to what objects can do:
 //! a file exists once committed (nothing is kept of one dropped before),
@@ -36,6 +39,9 @@ pub struct Subject {
     pub keep: Vec<Box<dyn std::any::Any>>,
     /// An object store: see the module's documentation.
     pub objects: bool,
+    /// An export: it must be confined beneath its root, and every
+    /// confinement check applies. Only the local file system is not one.
+    pub export: bool,
 }
 
 impl Subject {
@@ -54,6 +60,7 @@ type Check = fn(&Subject);
 /// that failed and why.
 pub fn run(make: &dyn Fn() -> Subject) {
     let checks: &[(&str, Check)] = &[
+        ("an export is confined, the local file system is not", confined_if_export),
         ("the root is an empty directory", root_is_empty_dir),
         ("make_dirs makes every level and may run again", make_dirs_every_level),
         ("create, write at offsets, read back", write_and_read_back),
@@ -120,6 +127,11 @@ fn refused(r: io::Result<impl Sized>, what: &str) {
         Ok(_) => panic!("{what}: allowed, should be refused"),
         Err(e) => assert_eq!(classify(&e), ErrorKind::Refused, "{what}: {e}"),
     }
+}
+
+fn confined_if_export(t: &Subject) {
+    let what = if t.export { "an export" } else { "the local file system" };
+    assert_eq!(t.s().is_confined(), t.export, "{what} says is_confined() = {}", t.s().is_confined());
 }
 
 fn root_is_empty_dir(t: &Subject) {
@@ -371,13 +383,13 @@ fn links_round_trip(t: &Subject) {
     assert!(t.s().read_link(&t.p("d/nope")).is_err(), "read_link of nothing");
 }
 
-/// The subject's disk directory, if the confinement checks apply to it.
+/// The subject's disk directory, if it is an export on disk.
 fn confined_disk(t: &Subject) -> Option<&Path> {
-    t.disk.as_deref().filter(|_| t.s().is_confined())
+    t.disk.as_deref().filter(|_| t.export)
 }
 
 fn refuses_leaving_paths(t: &Subject) {
-    if !t.s().is_confined() {
+    if !t.export {
         return;
     }
     refused(t.s().stat(Path::new("../x")), "stat ../x");
