@@ -5,9 +5,11 @@
 mod util;
 
 use std::fs;
-use std::io::Write;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::symlink;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use util::*;
 
 const MIB: u64 = 1 << 20;
@@ -242,11 +244,69 @@ fn unreachable_host_exits_6() {
     }
 }
 
-/// `--retries 2`: two retries (0.5 s + 1 s of backoff) before giving up.
+/// A host that answers and then fails every try: it accepts each
+/// connection and resets it at once, noting when.
+struct ResettingHost {
+    addr: String,
+    accepts: Arc<Mutex<Vec<Instant>>>,
+}
+
+impl ResettingHost {
+    fn start() -> ResettingHost {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepts = Arc::new(Mutex::new(Vec::new()));
+        let noted = accepts.clone();
+        std::thread::spawn(move || {
+            for c in listener.incoming().flatten() {
+                noted.lock().unwrap().push(Instant::now());
+                reset(&c);
+            }
+        });
+        ResettingHost { addr, accepts }
+    }
+
+    fn url(&self, rel: &str) -> String {
+        format!("dmover://{}/{rel}", self.addr)
+    }
+
+    /// When each try made so far began. A try opens its connections at
+    /// once (control and data), so tries are bursts of accepts apart by
+    /// more than a quarter of a second; the shortest backoff is 0.5 s. A
+    /// connection of our own, made last, is reset only once every one
+    /// before it has been accepted and noted.
+    fn tries(&self) -> Vec<Instant> {
+        let mut last = TcpStream::connect(&self.addr).unwrap();
+        last.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let end = last.read(&mut [0u8; 1]);
+        assert!(
+            matches!(&end, Ok(0)) || end.as_ref().is_err_and(|e| e.kind() == ErrorKind::ConnectionReset),
+            "our own connection was not reset: {end:?}"
+        );
+        let mut accepts = self.accepts.lock().unwrap().clone();
+        accepts.pop();
+        accepts.dedup_by(|later, earlier| *later - *earlier < Duration::from_millis(250));
+        accepts
+    }
+}
+
+/// `--retries 2`: three tries at the host, each reset, the second 0.5 s
+/// after the first and the third 1 s after the second (the backoff), then
+/// exit 6 naming the host.
 #[track_caller]
-fn assert_retried(r: &Run, host: &str) {
-    r.assert_fails(6, &[host]);
-    assert!(r.elapsed >= Duration::from_millis(1400), "2 retries (0.5 s + 1 s backoff) took only {:?}; stderr:\n{}", r.elapsed, r.stderr);
+fn assert_retried(r: &Run, host: &ResettingHost) {
+    r.assert_fails(6, &[&host.addr]);
+    let tries = host.tries();
+    assert_eq!(tries.len(), 3, "--retries 2 tried a host that resets every connection {} times, not 3; stderr:\n{}", tries.len(), r.stderr);
+    for (n, pair) in tries.windows(2).enumerate() {
+        let (gap, backoff) = (pair[1] - pair[0], Duration::from_millis(500 << n));
+        assert!(
+            gap >= backoff,
+            "retry {} came {gap:?} after the try before it, within its {backoff:?} backoff; stderr:\n{}",
+            n + 1,
+            r.stderr
+        );
+    }
 }
 
 #[test]
@@ -254,10 +314,11 @@ fn unreachable_host_is_retried_directory_transfers() {
     let env = Env::new();
     let src = env.path("src");
     write_random(&src.join("a.dat"), 1000, 8);
-    let host = format!("127.0.0.1:{}", closed_port());
-    let r = env.cp([src.display().to_string(), format!("dmover://{host}/e/x"), "--retries".into(), "2".into()]).run();
+    let host = ResettingHost::start();
+    let r = env.cp([src.display().to_string(), host.url("e/x"), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
-    let r = env.cp([format!("dmover://{host}/e/x/"), env.path("down").display().to_string(), "--retries".into(), "2".into()]).run();
+    let host = ResettingHost::start();
+    let r = env.cp([host.url("e/x/"), env.path("down").display().to_string(), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
 }
 
@@ -268,10 +329,11 @@ fn unreachable_host_is_retried_single_file() {
     let env = Env::new();
     let src = env.path("src");
     write_random(&src.join("a.dat"), 1000, 8);
-    let host = format!("127.0.0.1:{}", closed_port());
-    let r = env.cp([src.join("a.dat").display().to_string(), format!("dmover://{host}/e/x"), "--retries".into(), "2".into()]).run();
+    let host = ResettingHost::start();
+    let r = env.cp([src.join("a.dat").display().to_string(), host.url("e/x"), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
-    let r = env.cp([format!("dmover://{host}/e/x"), env.path("down").display().to_string(), "--retries".into(), "2".into()]).run();
+    let host = ResettingHost::start();
+    let r = env.cp([host.url("e/x"), env.path("down").display().to_string(), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
 }
 
@@ -279,12 +341,13 @@ fn unreachable_host_is_retried_single_file() {
 #[test]
 fn unreachable_host_is_retried_third_party() {
     let env = Env::new();
-    let host = format!("127.0.0.1:{}", closed_port());
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
-    let r = env.cp([format!("dmover://{host}/e/x/"), srv.url("e/y"), "--retries".into(), "2".into()]).run();
+    let host = ResettingHost::start();
+    let r = env.cp([host.url("e/x/"), srv.url("e/y"), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
-    let r = env.cp([srv.url("e"), format!("dmover://{host}/e/y"), "--retries".into(), "2".into()]).run();
+    let host = ResettingHost::start();
+    let r = env.cp([srv.url("e"), host.url("e/y"), "--retries".into(), "2".into()]).run();
     assert_retried(&r, &host);
 }
 

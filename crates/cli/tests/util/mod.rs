@@ -657,7 +657,7 @@ impl Drop for Relay {
 }
 
 /// Makes closing `s` send a reset rather than an orderly end.
-fn reset(s: &TcpStream) {
+pub fn reset(s: &TcpStream) {
     use std::os::fd::AsRawFd;
     let linger = libc::linger { l_onoff: 1, l_linger: 0 };
     // SAFETY: a valid socket and a linger struct of the size given.
