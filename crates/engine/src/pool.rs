@@ -231,6 +231,23 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// Waits until `taker` is parked in `take`, waiting for the low water
+    /// mark (the pool drains: set under the lock just before the wait, so
+    /// seen only once the taker waits), or has returned: `true` if parked.
+    fn parked(p: &Pool, taker: &std::thread::JoinHandle<usize>) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if p.state.lock().unwrap().draining {
+                return true;
+            }
+            if taker.is_finished() {
+                return false;
+            }
+            assert!(Instant::now() < deadline, "a taker of an empty pool neither waited nor returned in 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     #[test]
     fn never_hands_out_more_than_its_blocks() {
         let p = Pool::new(8 * 1024, 1024, 0);
@@ -238,13 +255,15 @@ mod tests {
         let mut held: Vec<Block> = (0..8).map(|_| p.take(1024).unwrap()).collect();
         let p2 = p.clone();
         let t = std::thread::spawn(move || p2.take(10).unwrap().len());
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(!t.is_finished(), "a ninth block was handed out");
+        assert!(parked(&p, &t), "a ninth block was handed out with all 8 out");
         held.pop();
-        std::thread::sleep(Duration::from_millis(50));
+        let (draining, free) = p.state.lock().map(|s| (s.draining, s.free.len())).unwrap();
+        assert!(draining && free == 1, "with {free} block back, below the low water mark of 2, the pool stopped draining");
+        // Still draining, so the taker, even if woken, waits on.
         assert!(!t.is_finished(), "woke before the low water mark");
         held.pop();
         assert_eq!(t.join().unwrap(), 10);
+        assert_eq!(p.free() + held.len(), p.blocks(), "blocks free and held, the taker's back: more than the pool's {}", p.blocks());
     }
 
     #[test]
@@ -253,7 +272,7 @@ mod tests {
         let mut held: Vec<Block> = (0..8).map(|_| p.take(1024).unwrap()).collect();
         let p2 = p.clone();
         let t = std::thread::spawn(move || p2.take(10).unwrap().len());
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(parked(&p, &t), "a ninth block was handed out with all 8 out");
         held.truncate(6);
         assert_eq!(t.join().unwrap(), 10);
     }
