@@ -37,10 +37,12 @@ fn digest(id: u64, size: u64) -> Sum {
 #[derive(Debug, Clone)]
 enum Step {
     /// The sender announces file `f` (again, if it did), claiming `extra`
-    /// bytes more than it has.
+    /// bytes more than it has; as a directory if `dir` (a lie if it claims
+    /// any data).
     Announce {
         f: u8,
         extra: u8,
+        dir: bool,
     },
     /// Block `b` of file `f` arrives on a data connection.
     Block {
@@ -81,7 +83,7 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => (0..6u8, prop_oneof![4 => Just(0u8), 1 => 1..9u8]).prop_map(|(f, extra)| Step::Announce { f, extra }),
+        3 => (0..6u8, prop_oneof![4 => Just(0u8), 1 => 1..9u8], prop::bool::weighted(0.2)).prop_map(|(f, extra, dir)| Step::Announce { f, extra, dir }),
         8 => (0..6u8, 0..12u8, prop::bool::weighted(0.1)).prop_map(|(f, b, damaged)| Step::Block { f, b, damaged }),
         1 => (0..6u8, any::<u8>(), 0..9u8).prop_map(|(f, offset, len)| Step::Frame { f, offset, len }),
         3 => (0..6u8, prop::bool::weighted(0.9)).prop_map(|(f, true_digest)| Step::End { f, true_digest }),
@@ -106,6 +108,9 @@ struct Driver {
     audit: Audit,
     /// Announced sizes (the truth is `sizes`; an announcement may lie).
     announced: HashMap<u64, u64>,
+    /// Files in flight announced as directories: the destination makes
+    /// them (`Made`), as it makes nothing else.
+    dirs: HashSet<u64>,
     prepares: VecDeque<u64>,
     commits: VecDeque<u64>,
     gates: HashMap<u64, Gate>,
@@ -130,6 +135,7 @@ impl Driver {
             rx: session(discard),
             audit: Audit::new(discard),
             announced: HashMap::new(),
+            dirs: HashSet::new(),
             prepares: VecDeque::new(),
             commits: VecDeque::new(),
             gates: HashMap::new(),
@@ -215,15 +221,24 @@ impl Driver {
 
     fn step(&mut self, s: &Step, sizes: &[u64]) {
         match *s {
-            Step::Announce { f, extra } => {
+            Step::Announce { f, extra, dir } => {
                 let id = u64::from(f);
                 let size = sizes[f as usize] + u64::from(extra);
                 let live = !self.rx.is_over();
                 let again = self.flight.contains(&id);
-                let e = Event::Control(ToReceiver::Announce { id, meta: meta(&format!("d/f{f}"), size), digest: None });
+                let mut m = meta(&format!("d/f{f}"), size);
+                if dir {
+                    m.mode = FileMeta::DIR | 0o755;
+                }
+                let e = Event::Control(ToReceiver::Announce { id, meta: m, digest: None });
                 if !again {
                     self.announced.insert(id, size);
                     self.flight.insert(id);
+                    if dir {
+                        self.dirs.insert(id);
+                    } else {
+                        self.dirs.remove(&id);
+                    }
                 }
                 let out = self.feed(e);
                 let late = self.finished;
@@ -261,6 +276,7 @@ impl Driver {
                 let outcome = match how % 8 {
                     0 => Outcome::Present,
                     1 => Outcome::Refused { kind: ErrorKind::Permission, message: "no".into() },
+                    _ if self.dirs.contains(&id) => Outcome::Made,
                     // Blocks from an earlier run, some of them stale.
                     2 | 3 => Outcome::Receive {
                         held: (0..blocks)
@@ -281,7 +297,8 @@ impl Driver {
                 let id = u64::from(f);
                 let e = match what % 5 {
                     0 => Event::Committed { id },
-                    1 => Event::Prepared { id, outcome: Outcome::Made },
+                    // Made answers a file's preparation only if it is a directory.
+                    1 if !self.prepares.contains(&id) || self.dirs.contains(&id) => Event::Prepared { id, outcome: Outcome::Made },
                     2 => Event::Failed { id, kind: ErrorKind::Internal, message: "late".into() },
                     3 => Event::Prepared { id, outcome: Outcome::Receive { held: vec![(u64::from(what), [1; 16])] } },
                     _ => Event::Control(ToReceiver::Ping {}),
@@ -324,7 +341,7 @@ proptest! {
         }
         for (id, dg) in &d.done {
             let size = d.announced[id];
-            prop_assert!(*dg == digest(*id, size) || *dg == file_digest(&[]), "file {id} confirmed with a digest the sender does not have");
+            prop_assert_eq!(*dg, digest(*id, size), "file {} of {} bytes confirmed with a digest the sender does not have", id, size);
         }
     }
 
@@ -337,7 +354,7 @@ proptest! {
     fn a_faithful_sender_gets_every_file_confirmed(sizes in sizes(), order in prop::collection::vec(any::<prop::sample::Index>(), 200), damage in prop::collection::vec(prop::bool::weighted(0.1), 200)) {
         let mut d = Driver::new(false);
         for f in 0..sizes.len() {
-            d.step(&Step::Announce { f: f as u8, extra: 0 }, &sizes);
+            d.step(&Step::Announce { f: f as u8, extra: 0, dir: false }, &sizes);
             // Some resume with part of their blocks, some of those stale.
             let how = [2, 3, 4][f % 3];
             d.step(&Step::Prepare { how }, &sizes);
