@@ -630,7 +630,7 @@ fn resumed_file_with_every_block_already_on_disk_is_committed_whole() {
     d.send(&Msg::OpenData { session, index: 0 });
     assert!(matches!(d.read(), Some(Msg::SessionOpened { .. })));
     for (i, block) in data.chunks(BLOCK).enumerate() {
-        let h = DataHeader { file: 1, offset: (i * BLOCK) as u64, sum: sums[i], len: block.len() as u32 };
+        let h = DataHeader { file: 1, offset: (i * BLOCK) as u64, sum: sums[i], len: block.len() as u32, sparse: false };
         d.raw(&h.encode());
         d.raw(block);
     }

@@ -1357,7 +1357,13 @@ fn sink_producers_are_authenticated_by_name() {
 
 /// Sends block `offset` of `step` on a data connection.
 fn send_step_block(data: &mut Raw, step: u64, offset: u64, bytes: &[u8]) {
-    let h = dmover_proto::DataHeader { file: step, offset, sum: dmover_proto::digest::block_sum(bytes), len: bytes.len() as u32 };
+    let h = dmover_proto::DataHeader {
+        file: step,
+        offset,
+        sum: dmover_proto::digest::block_sum(bytes),
+        len: bytes.len() as u32,
+        sparse: false,
+    };
     data.raw(&h.encode());
     data.raw(bytes);
 }
@@ -1710,4 +1716,84 @@ fn a_ticket_session_ends_when_its_ticket_expires_unrenewed() {
     let stopped = Instant::now();
     renewed.wait_closed();
     assert!(stopped.elapsed() < LIFETIME + Duration::from_secs(3), "the session outlived its ticket by {:?}", stopped.elapsed());
+}
+
+/// A receiving session with a data connection, for a raw sender: the
+/// control connection, with `Receive` into `dest` answered, and the data
+/// connection attached.
+fn raw_upload(srv: &Server, token: &[u8], dest: &str, options: TransferOptions) -> (Raw, Raw) {
+    let mut c = Raw::control(&srv.addr(), token);
+    let Some(Msg::SessionOpened { session }) = c.read_after(&Msg::Receive { dest: dest.into(), options }) else {
+        panic!("no session:\n{}", srv.log())
+    };
+    let (mut d, _, _) = Raw::handshake(&srv.addr(), token);
+    assert_eq!(d.read(), Some(Msg::Welcome));
+    assert!(matches!(d.read_after(&Msg::OpenData { session, index: 0 }), Some(Msg::SessionOpened { .. })));
+    (c, d)
+}
+
+/// A hole (blocks sent without their bytes, as zeros) that is not whole
+/// blocks of its file — off a block boundary, ending inside a block, past
+/// the announced size, more blocks than one hole may stand for — ends the
+/// session with an error naming the hole, commits nothing, and the server
+/// goes on serving; a hole of whole blocks stands for zeros. A sink
+/// refuses a hole outright (it closes the data connection, as for any
+/// frame it does not take) and goes on serving.
+#[test]
+fn holes_that_are_not_whole_blocks_of_their_file_end_the_session() {
+    const BS: u64 = 16 * 1024;
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut srv = env.serve(&[("e", &export)]);
+    let token = env.token_str();
+    let size = 2000 * BS + 100;
+    let meta = |name: &str| FileMeta { path: name.into(), size, mtime_s: 1_000_000_000, mtime_ns: 0, mode: 0o644, target: None };
+    let options =
+        |i: u8| TransferOptions { transfer_id: [70 + i; 16], block_size: BS as u32, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    let cases = [(100, BS), (0, BS + 1), (1999 * BS, BS + 101), (0, 1025 * BS), (0, 0), (u64::MAX - BS + 1, BS)];
+    for (i, (offset, len)) in cases.into_iter().enumerate() {
+        let (mut c, mut d) = raw_upload(&srv, token.as_bytes(), "e/in", options(i as u8));
+        c.send(&Msg::Announce { id: 1, meta: meta(&format!("h{i}.dat")), digest: None });
+        assert!(matches!(next_but_pings(&mut c), Some(Msg::Plan { id: 1, .. })), "case {i}: not planned:\n{}", srv.log());
+        d.send(&Msg::Hole { id: 1, offset, len });
+        match next_but_pings(&mut c) {
+            Some(Msg::Error { message, .. }) => assert!(message.contains("hole"), "case {i}: the error does not name the hole: {message}"),
+            m => panic!("case {i}: a hole of {len} bytes at {offset} of a file of {size} bytes was not refused: {m:?}\n{}", srv.log()),
+        }
+    }
+    assert!(srv.running(), "{}", srv.log());
+    let left: Vec<String> =
+        fs::read_dir(export.join("in")).map_or(Vec::new(), |r| r.map(|e| e.unwrap().file_name().to_string_lossy().into()).collect());
+    assert!(left.iter().all(|n| !n.starts_with('h')), "a file of a refused session was committed: {left:?}");
+
+    // Whole blocks: a hole of the first 1,024, another of the rest but the
+    // last, which comes with its bytes.
+    let (mut c, mut d) = raw_upload(&srv, token.as_bytes(), "e/in", options(20));
+    c.send(&Msg::Announce { id: 1, meta: meta("zeros.dat"), digest: None });
+    assert!(matches!(next_but_pings(&mut c), Some(Msg::Plan { id: 1, .. })), "not planned:\n{}", srv.log());
+    d.send(&Msg::Hole { id: 1, offset: 0, len: 1024 * BS });
+    d.send(&Msg::Hole { id: 1, offset: 1024 * BS, len: 976 * BS });
+    let tail = [7u8; 100];
+    let sum = dmover_proto::digest::block_sum(&tail);
+    let h = dmover_proto::DataHeader { file: 1, offset: 2000 * BS, sum, len: 100, sparse: false };
+    d.raw(&h.encode());
+    d.raw(&tail);
+    let mut sums = vec![dmover_proto::digest::block_sum(&vec![0; BS as usize]); 2000];
+    sums.push(sum);
+    let digest = dmover_proto::digest::file_digest(&sums);
+    c.send(&Msg::FileEnd { id: 1, digest });
+    assert_eq!(next_but_pings(&mut c), Some(Msg::Done { id: 1, digest }), "{}", srv.log());
+    let got = fs::read(export.join("in/zeros.dat")).unwrap();
+    assert!(got.len() as u64 == size && got[..2000 * BS as usize].iter().all(|b| *b == 0) && got[2000 * BS as usize..] == tail);
+    assert!(fs::metadata(export.join("in/zeros.dat")).unwrap().blocks() * 512 <= 64 * 1024, "the holes were written");
+
+    let sink_dir = env.mkdir("sink");
+    let sink = env.sink(&sink_dir, Vec::<String>::new());
+    let (_ctl, mut data) = stream_session(&sink, token.as_bytes(), "sim");
+    data.send(&Msg::Hole { id: 1, offset: 0, len: 65536 });
+    data.wait_closed();
+    assert!(sink.log().lines().any(|l| l.contains("WARN") && l.contains("hole")), "the sink did not say why:\n{}", sink.log());
+    let (mut ctl, mut data) = stream_session(&sink, token.as_bytes(), "sim2");
+    send_step_block(&mut data, 0, 0, &[6; 4096]);
+    assert!(matches!(ctl.read(), Some(Msg::Acked { .. })), "the sink stopped serving:\n{}", sink.log());
 }

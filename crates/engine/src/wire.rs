@@ -92,7 +92,7 @@ impl FrameReader {
         if h.kind == KIND_DATA {
             let mut d = [0u8; DATA_HEADER_LEN];
             self.inner.read_exact(&mut d).map_err(|e| self.net(&e))?;
-            return Ok(Incoming::Data(DataHeader::decode(h.len, &d)));
+            return Ok(Incoming::Data(DataHeader::decode(&h, &d)));
         }
         if h.len > self.max_body {
             let e = DecodeError::TooLong { kind: h.kind, len: h.len, max: self.max_body };

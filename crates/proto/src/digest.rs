@@ -15,6 +15,32 @@ pub fn block_sum(data: &[u8]) -> Sum {
     XxHash3_128::oneshot(data).to_be_bytes()
 }
 
+/// Checksum of a block of `len` zero bytes: what a block that lies in a
+/// hole of its file checksums to, without reading it. Blocks of one size
+/// are the rule, so each thread keeps the last one it computed.
+pub fn zeros_sum(len: usize) -> Sum {
+    use std::cell::Cell;
+    static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+    thread_local! {
+        static LAST: Cell<Option<(usize, Sum)>> = const { Cell::new(None) };
+    }
+    if let Some((l, sum)) = LAST.get() {
+        if l == len {
+            return sum;
+        }
+    }
+    let mut h = BlockHasher::new();
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(ZEROS.len());
+        h.update(&ZEROS[..n]);
+        left -= n;
+    }
+    let sum = h.finish();
+    LAST.set(Some((len, sum)));
+    sum
+}
+
 /// Checksum of one block fed in pieces as they are read, while each is
 /// still in the CPU's cache; equal to [`block_sum`] of the whole block.
 pub struct BlockHasher(XxHash3_128);
@@ -68,6 +94,13 @@ impl SetDigest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zeros_sum_is_the_checksum_of_zero_bytes() {
+        for len in [0, 1, 65536, 65537, 1 << 20, 1 << 20, 3] {
+            assert_eq!(zeros_sum(len), block_sum(&vec![0; len]), "{len} bytes");
+        }
+    }
 
     #[test]
     fn set_digest_is_order_independent() {

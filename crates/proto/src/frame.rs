@@ -1,10 +1,10 @@
 //! Frames and messages.
 //!
-//! A frame is an 8-byte header — kind (u8), flags (u8, zero), reserved (u16,
-//! zero), body length (u32) — then the body. All integers are big-endian.
-//! Strings are a u32 length and UTF-8 bytes. A data frame's body is a 32-byte
-//! [`DataHeader`] followed by the block's bytes; every other kind carries one
-//! [`Msg`]. [`Msg::encode`] cannot fail; [`decode`] returns `Ok(None)` while
+//! A frame is an 8-byte header — kind (u8), flags (u8: zero, but for a data
+//! frame's [`DataHeader::sparse`]), reserved (u16, zero), body length (u32)
+//! — then the body. All integers are big-endian. Strings are a u32 length
+//! and UTF-8 bytes. A data frame's body is a 32-byte [`DataHeader`] followed
+//! by the block's bytes; every other kind carries one [`Msg`]. [`Msg::encode`] cannot fail; [`decode`] returns `Ok(None)` while
 //! the input is incomplete and an error for anything malformed.
 
 use crate::auth::{ChallengeBytes, HelloKey, KeyId, ProofTag};
@@ -12,7 +12,7 @@ use crate::digest::Sum;
 use crate::record::Protection;
 
 /// First bytes of a `Hello`: protocol name and version.
-pub const MAGIC: [u8; 8] = *b"DMOVER\0\x05";
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x06";
 pub const HEADER_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = 32;
 /// Largest control message body. Big enough for a plan of 64k ranges.
@@ -26,6 +26,10 @@ pub const MAX_BLOCK: u32 = 64 << 20;
 /// blocks that have not), so this bounds what one file can cost it: 4 TiB
 /// files at the default 1 MiB blocks, 256 TiB at [`MAX_BLOCK`].
 pub const MAX_FILE_BLOCKS: u64 = 1 << 22;
+
+/// Most blocks one `Hole` may stand for: a receiver takes a hole's blocks
+/// together, so this bounds what one message costs it.
+pub const MAX_HOLE_BLOCKS: u64 = 1024;
 
 /// The number of blocks of `block_size` bytes in a file of `size` bytes, or
 /// why a receiver refuses such a file (more than [`MAX_FILE_BLOCKS`]).
@@ -42,6 +46,9 @@ pub fn file_blocks(size: u64, block_size: u64) -> Result<u64, String> {
 
 /// Frame kind of a data frame.
 pub const KIND_DATA: u8 = 64;
+/// The flag of a data frame whose block lies partly in a hole
+/// ([`DataHeader::sparse`]); a data frame with any other flag is refused.
+pub const DATA_SPARSE: u8 = 1;
 
 /// Why a frame could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -422,6 +429,7 @@ pub mod kind {
     pub const FETCH: u8 = 48;
     pub const DIAL: u8 = 49;
     pub const DIR: u8 = 50;
+    pub const HOLE: u8 = 51;
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -525,6 +533,12 @@ pub enum Msg {
     /// the step back, as data frames on this connection (to gather a step
     /// that failover split to the sink that holds the rest).
     Fetch { step: u64, blocks: Vec<(u64, u32)> },
+    /// Tx→Rx on a data connection: the blocks of file `id` from `offset`
+    /// (a block boundary) over `len` bytes (whole blocks, the last one
+    /// possibly short at the file's end) lie wholly in a hole of the
+    /// source and read as zeros. It stands for their data frames, without
+    /// their bytes.
+    Hole { id: u64, offset: u64, len: u64 },
 }
 
 struct W<'a>(&'a mut Vec<u8>);
@@ -700,6 +714,7 @@ impl Msg {
             Identify => kind::IDENTIFY,
             Identity { .. } => kind::IDENTITY,
             Fetch { .. } => kind::FETCH,
+            Hole { .. } => kind::HOLE,
         }
     }
 
@@ -903,6 +918,11 @@ impl Msg {
                 w.u64(*id);
                 w.u64(*block);
             }
+            Hole { id, offset, len } => {
+                w.u64(*id);
+                w.u64(*offset);
+                w.u64(*len);
+            }
             Finish { files, bytes, set_digest } | Finished { files, bytes, set_digest } => {
                 w.u64(*files);
                 w.u64(*bytes);
@@ -1018,6 +1038,7 @@ impl Msg {
             kind::FILE_END => FileEnd { id: r.u64()?, digest: r.arr()? },
             kind::ABORT => Abort { id: r.u64()?, kind: r.kind()?, message: r.str()? },
             kind::NACK => Nack { id: r.u64()?, block: r.u64()? },
+            kind::HOLE => Hole { id: r.u64()?, offset: r.u64()?, len: r.u64()? },
             kind::DONE => Done { id: r.u64()?, digest: r.arr()? },
             kind::FAILED => Failed { id: r.u64()?, kind: r.kind()?, subject: r.str()?, message: r.str()? },
             kind::FINISH => Finish { files: r.u64()?, bytes: r.u64()?, set_digest: r.u128()? },
@@ -1090,6 +1111,9 @@ pub struct DataHeader {
     pub sum: Sum,
     /// Length of the block that follows.
     pub len: u32,
+    /// The block lies partly in a hole of its source: a receiver may leave
+    /// its pages of zeros holes.
+    pub sparse: bool,
 }
 
 impl DataHeader {
@@ -1097,6 +1121,7 @@ impl DataHeader {
     pub fn encode(&self) -> [u8; HEADER_LEN + DATA_HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN + DATA_HEADER_LEN];
         b[0] = KIND_DATA;
+        b[1] = if self.sparse { DATA_SPARSE } else { 0 };
         b[4..8].copy_from_slice(&(self.len + DATA_HEADER_LEN as u32).to_be_bytes());
         b[8..16].copy_from_slice(&self.file.to_be_bytes());
         b[16..24].copy_from_slice(&self.offset.to_be_bytes());
@@ -1104,14 +1129,14 @@ impl DataHeader {
         b
     }
 
-    /// Decodes the 32 bytes after a data frame's header; `body_len` is the
-    /// frame's body length.
-    pub fn decode(body_len: u32, b: &[u8; DATA_HEADER_LEN]) -> DataHeader {
+    /// Decodes the 32 bytes after a data frame's header `h`.
+    pub fn decode(h: &Header, b: &[u8; DATA_HEADER_LEN]) -> DataHeader {
         DataHeader {
             file: u64::from_be_bytes(b[0..8].try_into().expect("8 bytes")),
             offset: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
             sum: b[16..32].try_into().expect("16 bytes"),
-            len: body_len - DATA_HEADER_LEN as u32,
+            len: h.len - DATA_HEADER_LEN as u32,
+            sparse: h.flags & DATA_SPARSE != 0,
         }
     }
 }
@@ -1120,6 +1145,7 @@ impl DataHeader {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
     pub kind: u8,
+    pub flags: u8,
     pub len: u32,
 }
 
@@ -1135,7 +1161,11 @@ impl Header {
         if kind == KIND_DATA && len < DATA_HEADER_LEN as u32 {
             return Err(DecodeError::Truncated(kind));
         }
-        Ok(Header { kind, len })
+        let flags = b[1];
+        if kind == KIND_DATA && flags & !DATA_SPARSE != 0 {
+            return Err(DecodeError::Invalid("data frame flags", u64::from(flags)));
+        }
+        Ok(Header { kind, flags, len })
     }
 
     /// Decodes the body of a control frame.
@@ -1162,7 +1192,7 @@ pub fn decode(buf: &[u8]) -> Result<Option<(Frame<'_>, usize)>, DecodeError> {
     }
     let body = &buf[HEADER_LEN..end];
     let frame = if h.kind == KIND_DATA {
-        let dh = DataHeader::decode(h.len, body[..DATA_HEADER_LEN].try_into().expect("checked in parse"));
+        let dh = DataHeader::decode(&h, body[..DATA_HEADER_LEN].try_into().expect("checked in parse"));
         Frame::Data(dh, &body[DATA_HEADER_LEN..])
     } else {
         Frame::Msg(h.decode_msg(body)?)
@@ -1286,6 +1316,7 @@ mod tests {
             Msg::Identify,
             Msg::Identity { name: "ana-1".into() },
             Msg::Fetch { step: 4, blocks: vec![(0, 5), (1 << 20, 7)] },
+            Msg::Hole { id: 20, offset: 1 << 20, len: (16 << 20) + 4096 },
         ]
     }
 
@@ -1305,12 +1336,16 @@ mod tests {
 
     #[test]
     fn data_frame_round_trips() {
-        let h = DataHeader { file: 1, offset: 4096, sum: [7; 16], len: 3 };
-        let mut buf = h.encode().to_vec();
-        buf.extend_from_slice(b"abc");
-        let (f, used) = decode(&buf).unwrap().unwrap();
-        assert_eq!(used, buf.len());
-        assert_eq!(f, Frame::Data(h, b"abc"));
+        for sparse in [false, true] {
+            let h = DataHeader { file: 1, offset: 4096, sum: [7; 16], len: 3, sparse };
+            let mut buf = h.encode().to_vec();
+            buf.extend_from_slice(b"abc");
+            let (f, used) = decode(&buf).unwrap().unwrap();
+            assert_eq!(used, buf.len());
+            assert_eq!(f, Frame::Data(h, b"abc"));
+            buf[1] |= 2;
+            assert_eq!(decode(&buf), Err(DecodeError::Invalid("data frame flags", u64::from(buf[1]))), "an unknown flag");
+        }
     }
 
     #[test]
@@ -1406,7 +1441,7 @@ mod tests {
             bodies.entry(m.kind()).or_default().push(buf.split_off(HEADER_LEN));
         }
         for len in [0, 1, 100] {
-            let h = DataHeader { file: rng.next(), offset: rng.next(), sum: [3; 16], len };
+            let h = DataHeader { file: rng.next(), offset: rng.next(), sum: [3; 16], len, sparse: len == 1 };
             let mut buf = h.encode().to_vec();
             buf.extend(rng.bytes(len as usize));
             bodies.entry(KIND_DATA).or_default().push(buf.split_off(HEADER_LEN));

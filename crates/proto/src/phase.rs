@@ -173,6 +173,9 @@ phase! {
         Ping {},
         /// Nothing more comes on this connection.
         StreamEnd {},
+        /// Blocks of a transfer's file that read as zeros, sent without
+        /// their bytes (never part of a stream).
+        Hole { id: u64, offset: u64, len: u64 },
     }
 }
 

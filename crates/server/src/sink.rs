@@ -426,6 +426,12 @@ fn receive_blocks(shared: &Shared, t: Box<dyn Transport>) -> Result<()> {
             Ok(Incoming::Data(h)) => h,
             Ok(Incoming::Msg(OnData::StreamEnd {})) => return Ok(()),
             Ok(Incoming::Msg(OnData::Ping {})) => continue,
+            Ok(Incoming::Msg(OnData::Hole { .. })) => {
+                return Err(Error::protocol(
+                    &peer,
+                    "a hole (a block sent without its bytes) in a stream: a stream's blocks carry their data",
+                ));
+            }
             Err(e) if e.kind == ErrorKind::Unreachable => return Ok(()),
             Err(e) => return Err(e),
         };
@@ -477,7 +483,7 @@ fn send_back(shared: &Shared, step: u64, blocks: &[(u64, u32)]) -> Result<()> {
         if n != buf.len() {
             return Err(Error::new(ErrorKind::NotFound, named(), format!("step {step}: the block at offset {offset} is not here")));
         }
-        let h = DataHeader { file: step, offset, sum, len };
+        let h = DataHeader { file: step, offset, sum, len, sparse: false };
         shared.writer.lock().expect("writer lock").send_block(&h, &buf)?;
     }
     Ok(())

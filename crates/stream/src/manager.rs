@@ -1290,7 +1290,7 @@ impl StreamCtx {
         while !self.stop.load(Ordering::Relaxed) {
             match self.work.recv_timeout(WORK_WAIT) {
                 Ok(b) => {
-                    let h = DataHeader { file: b.step, offset: b.offset, sum: b.sum, len: b.data.len() as u32 };
+                    let h = DataHeader { file: b.step, offset: b.offset, sum: b.sum, len: b.data.len() as u32, sparse: false };
                     match dmover_engine::fault::damaged_copy(&b.data) {
                         Some(damaged) => w.send_block(&h, &damaged)?,
                         None => w.send_block(&h, &b.data)?,

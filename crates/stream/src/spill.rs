@@ -53,7 +53,7 @@ impl Spill {
             *g = Some((f, len));
         }
         let (f, len) = g.as_mut().expect("opened above");
-        let head = DataHeader { file: step, offset, sum, len: data.len() as u32 }.encode();
+        let head = DataHeader { file: step, offset, sum, len: data.len() as u32, sparse: false }.encode();
         f.write_all(&head)?;
         f.write_all(data)?;
         let at = *len + (HEADER_LEN + DATA_HEADER_LEN) as u64;

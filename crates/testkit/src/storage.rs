@@ -78,6 +78,8 @@ pub fn run(make: &dyn Fn() -> Subject) {
         ("writes from several threads at once", parallel_writes),
         ("digest_of reads the whole file", digests),
         ("make_link keeps a target as data, replacing what had the name", links_round_trip),
+        ("data_from names every byte of data, and the holes a disk keeps", data_runs),
+        ("write_zeros leaves zeros, a hole on a disk, and makes the file long enough", zeros_written),
         ("confined: '..' and absolute paths are refused", refuses_leaving_paths),
         ("confined: a directory symlink leads nowhere", dir_symlink_leads_nowhere),
         ("confined: a file symlink is never read or written through", file_symlink_not_followed),
@@ -381,6 +383,74 @@ fn links_round_trip(t: &Subject) {
     let names = t.s().list(&t.p("d")).unwrap().into_iter().filter(|e| e.name == "f").count();
     assert_eq!(names, 1, "the name listed twice");
     assert!(t.s().read_link(&t.p("d/nope")).is_err(), "read_link of nothing");
+}
+
+/// The runs of data `f` names ([`storage::ReadFile::data_from`]), cut at
+/// `size`, each checked to start where it was asked or after and to be
+/// longer than nothing.
+fn runs_of(f: &dyn storage::ReadFile, size: u64) -> Vec<std::ops::Range<u64>> {
+    let mut runs = Vec::new();
+    let mut off = 0;
+    while off < size {
+        let Some(run) = f.data_from(off).unwrap() else { break };
+        assert!(run.start >= off && run.end > run.start, "data_from({off}) named {run:?}");
+        if run.start >= size {
+            break;
+        }
+        runs.push(run.start..run.end.min(size));
+        off = run.end;
+    }
+    runs
+}
+
+/// Bytes the runs cover.
+fn covered(runs: &[std::ops::Range<u64>]) -> u64 {
+    runs.iter().map(|r| r.end - r.start).sum()
+}
+
+fn data_runs(t: &Subject) {
+    const MIB: u64 = 1 << 20;
+    let size = 8 * MIB + 4096;
+    let page = vec![7u8; 4096];
+    // A page of data at 1 MiB and one at the end; zeros between, written
+    // as a receiver writes the blocks of a hole.
+    let f = t.s().create(&t.p("f")).unwrap();
+    f.write_zeros(0, MIB, true).unwrap();
+    f.write_all_at(&page, MIB).unwrap();
+    f.write_zeros(MIB + 4096, size - 4096 - (MIB + 4096), true).unwrap();
+    f.write_all_at(&page, size - 4096).unwrap();
+    close(t, f, "f");
+    let mut want = vec![0u8; size as usize];
+    want[MIB as usize..][..4096].fill(7);
+    want[size as usize - 4096..].fill(7);
+    assert!(read(t, "f") == want, "the file does not read back as written");
+    let r = t.s().open(&t.p("f")).unwrap();
+    let runs = runs_of(r.as_ref(), size);
+    for data in [MIB..MIB + 4096, size - 4096..size] {
+        assert!(runs.iter().any(|r| r.start <= data.start && r.end >= data.end), "data at {data:?} is in no run of {runs:?}");
+    }
+    if t.disk.is_some() {
+        assert!(covered(&runs) <= 2 * MIB, "the file system holds holes, but {runs:?} names most of the file as data");
+    }
+}
+
+fn zeros_written(t: &Subject) {
+    const K: u64 = 1024;
+    // Zeros over bytes written before (a resumed file), and past the end.
+    let f = t.s().create(&t.p("f")).unwrap();
+    f.write_all_at(&vec![0xff; 256 * K as usize], 0).unwrap();
+    f.write_zeros(64 * K, 128 * K, false).unwrap();
+    f.write_zeros(256 * K, 100, true).unwrap();
+    close(t, f, "f");
+    let got = read(t, "f");
+    assert_eq!(got.len() as u64, 256 * K + 100, "write_zeros past the end does not make the file that long");
+    let want = |i: usize| if (64 * K..192 * K).contains(&(i as u64)) || i as u64 >= 256 * K { 0 } else { 0xff };
+    assert!(got.iter().enumerate().all(|(i, b)| *b == want(i)), "the zeros did not replace what was written");
+    if t.disk.is_some() {
+        let r = t.s().open(&t.p("f")).unwrap();
+        let runs = runs_of(r.as_ref(), 256 * K + 100);
+        assert!(covered(&runs) <= 136 * K, "no hole was punched where zeros replaced data: {runs:?}");
+    }
 }
 
 /// The subject's disk directory, if it is an export on disk.

@@ -8,11 +8,11 @@ use crate::error::{classify, Error};
 use crate::halt::Halt;
 use crate::journal::Journal;
 use crate::pool::{Block, Pool};
-use crate::storage::{Attrs, Digest, Store, WriteFile};
+use crate::storage::{write_sparse, Attrs, Digest, Store, WriteFile};
 use crate::transport::Transport;
 use crate::wire::{FrameReader, Incoming};
 use crossbeam_channel::{Receiver, Sender};
-use dmover_proto::digest::Sum;
+use dmover_proto::digest::{zeros_sum, Sum};
 use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
 use dmover_proto::phase::OnData;
 use dmover_proto::session::receive::{check_header, Event, Gate};
@@ -111,6 +111,9 @@ pub(super) struct FileIo {
     /// Create the temporary file afresh (and a new journal) when first
     /// opened; once opened (or for a resumed file), it is never created again.
     fresh: bool,
+    /// The temporary file was created by this run: where no block was
+    /// written, it holds nothing (a hole).
+    created: bool,
     /// Removed: nothing more is written.
     closed: bool,
     /// Created under its final name (an empty file): nothing to rename.
@@ -120,13 +123,13 @@ pub(super) struct FileIo {
 impl FileIo {
     /// A file to create afresh.
     pub fn fresh() -> FileIo {
-        FileIo { file: None, journal: None, fresh: true, closed: false, placed: false }
+        FileIo { file: None, journal: None, fresh: true, created: false, closed: false, placed: false }
     }
 
     /// The partial file of an earlier run, taken up again, with its journal
     /// if it could be opened.
     pub fn resumed(file: Box<dyn WriteFile>, journal: Option<Journal>) -> FileIo {
-        FileIo { file: Some(file.into()), journal, fresh: false, closed: false, placed: false }
+        FileIo { file: Some(file.into()), journal, fresh: false, created: false, closed: false, placed: false }
     }
 }
 
@@ -157,6 +160,7 @@ impl Slot {
             io.journal = Some(Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32)?);
         }
         io.fresh = false;
+        io.created = true;
         io.file = Some(f.clone());
         Ok(f)
     }
@@ -217,12 +221,34 @@ impl Slot {
     }
 }
 
-/// A block for a writer.
+/// Blocks for a writer.
 pub(super) struct WriteJob {
     slot: Arc<Slot>,
+    /// The first block.
     block: u64,
-    sum: Sum,
-    data: Block,
+    bytes: Bytes,
+}
+
+/// What the blocks of a [`WriteJob`] hold.
+enum Bytes {
+    /// One block, with its checksum; `sparse` if it lies partly in a hole
+    /// of its source, so that its pages of zeros are left holes.
+    Data { data: Block, sum: Sum, sparse: bool },
+    /// Zeros, this many bytes: whole blocks that lie in a hole of their
+    /// source (`Hole`).
+    Zeros(u64),
+}
+
+impl WriteJob {
+    /// Each block with its checksum.
+    fn sums(&self, block_size: u64) -> Vec<(u64, Sum)> {
+        match &self.bytes {
+            Bytes::Data { sum, .. } => vec![(self.block, *sum)],
+            Bytes::Zeros(len) => (0..len.div_ceil(block_size))
+                .map(|i| (self.block + i, zeros_sum((len - i * block_size).min(block_size) as usize)))
+                .collect(),
+        }
+    }
 }
 
 /// Reads blocks from one data connection until it ends, and queues them
@@ -237,6 +263,11 @@ pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<W
     loop {
         let h = match r.read::<OnData>() {
             Ok(Incoming::Data(h)) => h,
+            Ok(Incoming::Msg(OnData::Hole { id, offset, len })) => match hole(sh, id, offset, len, wtx) {
+                Ok(true) => continue,
+                Ok(false) => return,
+                Err(m) => return broken(Error::protocol(r.peer(), m)),
+            },
             Ok(Incoming::Msg(OnData::Ping {})) => continue,
             Ok(Incoming::Msg(OnData::StreamEnd {})) => return,
             Err(e) => return broken(e),
@@ -261,31 +292,51 @@ pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<W
             sh.report(Event::Damaged { id: h.file, block });
             continue;
         }
-        if sh.options.flags.contains(TransferFlags::DISCARD) {
-            drop(data);
-            sh.report(Event::Written { id: h.file, block, sum });
-            continue;
-        }
-        let w = &wtx[(h.file % wtx.len() as u64) as usize];
-        sh.queued.fetch_add(1, Ordering::Relaxed);
-        if w.send(WriteJob { slot, block, sum, data }).is_err() {
+        if !queue(sh, wtx, WriteJob { slot, block, bytes: Bytes::Data { data, sum, sparse: h.sparse } }) {
             return;
         }
     }
 }
 
-/// Writes queued blocks at their offsets and journals them.
+/// Takes a hole: blocks that read as zeros, whose checksums this end
+/// knows. False once the writers are gone; an error if the hole is not
+/// whole blocks of its file.
+fn hole(sh: &Shared, id: u64, offset: u64, len: u64, wtx: &[Sender<WriteJob>]) -> Result<bool, String> {
+    let Some(slot) = sh.slots.read().expect("slots lock").get(&id).cloned() else {
+        return Ok(true); // aborted or failed meanwhile
+    };
+    let blocks = slot.gate.admit_hole(id, offset, len)?;
+    Ok(queue(sh, wtx, WriteJob { slot, block: blocks.start, bytes: Bytes::Zeros(len) }))
+}
+
+/// Hands blocks to their file's writer (one writer takes all of a file's
+/// blocks), or reports them written at once where nothing is kept
+/// (`--discard`). False once the writers are gone.
+fn queue(sh: &Shared, wtx: &[Sender<WriteJob>], job: WriteJob) -> bool {
+    if sh.options.flags.contains(TransferFlags::DISCARD) {
+        let id = job.slot.id;
+        let written = job.sums(sh.block_size).into_iter().map(|(block, sum)| Event::Written { id, block, sum }).collect();
+        let _ = sh.events.send(Input::Batch(written));
+        return true;
+    }
+    let w = &wtx[(job.slot.id % wtx.len() as u64) as usize];
+    sh.queued.fetch_add(1, Ordering::Relaxed);
+    w.send(job).is_ok()
+}
+
+/// Writes queued blocks at their offsets and journals them; zeros are
+/// left (or made) a hole.
 pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
     for job in rx {
         sh.queued.fetch_sub(1, Ordering::Relaxed);
         let slot = &job.slot;
-        let handle = {
+        let (handle, created) = {
             let mut io = slot.io.lock().expect("file lock");
             if io.closed {
                 continue;
             }
             match slot.open(sh, &mut io) {
-                Ok(f) => f,
+                Ok(f) => (f, io.created),
                 Err(e) => {
                     sh.failed(slot.id, &e);
                     continue;
@@ -293,33 +344,45 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
             }
         };
         let off = job.block * sh.block_size;
-        let written = handle.write_all_at(&job.data, off).and_then(|()| {
-            // Durable files are synced before they are confirmed: have the
-            // kernel start on it now, while the rest of the data arrives.
-            if sh.options.flags.contains(TransferFlags::NO_FSYNC) {
-                Ok(())
-            } else {
-                handle.write_back(off, job.data.len() as u64)
+        let written = match &job.bytes {
+            Bytes::Data { data, sparse, .. } => {
+                if *sparse {
+                    write_sparse(handle.as_ref(), data, off, created)
+                } else {
+                    handle.write_all_at(data, off)
+                }
             }
-        });
+            .and_then(|()| {
+                // Durable files are synced before they are confirmed: have
+                // the kernel start on it now, while the rest of the data arrives.
+                if sh.options.flags.contains(TransferFlags::NO_FSYNC) {
+                    Ok(())
+                } else {
+                    handle.write_back(off, data.len() as u64)
+                }
+            }),
+            Bytes::Zeros(len) => handle.write_zeros(off, *len, created),
+        };
         if let Err(e) = written {
             sh.failed(slot.id, &e);
             continue;
         }
-        drop(job.data);
+        let sums = job.sums(sh.block_size);
+        drop(job.bytes);
         {
             let mut io = slot.io.lock().expect("file lock");
             if io.closed {
                 continue;
             }
             if let Some(j) = io.journal.as_mut() {
-                if let Err(e) = j.record(job.block, &job.sum) {
+                if let Err(e) = sums.iter().try_for_each(|(block, sum)| j.record(*block, sum)) {
                     log::warn!("cannot journal {}: {e}", slot.paths.temp.display());
                     io.journal = None;
                 }
             }
         }
-        sh.report(Event::Written { id: slot.id, block: job.block, sum: job.sum });
+        let written = sums.into_iter().map(|(block, sum)| Event::Written { id: slot.id, block, sum }).collect();
+        let _ = sh.events.send(Input::Batch(written));
     }
 }
 

@@ -53,8 +53,10 @@ use std::time::Duration;
 /// announcements ahead to hide the round trip.
 pub const WINDOW: usize = 1024;
 /// Blocks per read job: a large file is read by several readers at once in
-/// chunks of this many blocks.
+/// chunks of this many blocks. A chunk's blocks that lie in a hole go as
+/// one `Hole`, which may stand for no more than `MAX_HOLE_BLOCKS`.
 pub const CHUNK_BLOCKS: u64 = 16;
+const _: () = assert!(CHUNK_BLOCKS <= dmover_proto::frame::MAX_HOLE_BLOCKS);
 /// Blocks a host's queue may hold per open stream before readers wait:
 /// enough that a stream finds its next block waiting, few enough that the
 /// staging blocks in use are reused while still in the CPU's cache.

@@ -11,12 +11,12 @@ use crate::halt::Halt;
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
 use crate::source::{self, Entry};
-use crate::storage::{digest_of, read_block, ReadFile, Store};
+use crate::storage::{digest_of, read_block, DataMap, Extent, ReadFile, Store};
 use crate::transport::{Layers, Transport};
 use crate::tuning::{Meter, Tunable};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use dmover_proto::digest::{block_sum, Sum};
+use dmover_proto::digest::{block_sum, zeros_sum, Sum};
 use dmover_proto::frame::{DataHeader, FileMeta, TransferOptions};
 use dmover_proto::phase::{OnData, ToSender};
 use dmover_proto::session::send::{Event, Read};
@@ -81,12 +81,13 @@ pub(super) struct Job {
     pub read: Read,
 }
 
-/// A block read and checksummed, waiting for a data stream.
-struct Outgoing {
-    header: DataHeader,
-    /// The block as read; it also holds the block's place in the staging
-    /// budget until it is sent.
-    data: Block,
+/// What waits for a data stream.
+enum Outgoing {
+    /// A block read and checksummed; `data` also holds the block's place
+    /// in the staging budget until it is sent.
+    Block { header: DataHeader, data: Block },
+    /// Blocks that lie in a hole of their file: one `Hole`, without bytes.
+    Hole { id: u64, offset: u64, len: u64 },
 }
 
 /// The blocks queued for one host's data streams.
@@ -573,10 +574,34 @@ fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<ChunkRead>, 
         Some(file)
     };
     let q = &sh.hosts[r.host];
+    let mut holes = file.as_ref().map(|f| DataMap::new(f.as_ref()));
+    // Blocks to send that lie in a hole, not yet queued: (offset, bytes).
+    let mut hole: Option<(u64, u64)> = None;
+    let queue_hole = |hole: &mut Option<(u64, u64)>| {
+        let Some((offset, len)) = hole.take() else { return true };
+        q.wait_for_room(|| sh.stopped());
+        q.tx.send(Outgoing::Hole { id: s.id, offset, len }).is_ok()
+    };
     let mut sums = Vec::with_capacity((r.end - r.first) as usize);
     for b in r.first..r.end {
         let off = b * sh.block_size;
         let len = (s.meta.size - off).min(sh.block_size) as usize;
+        let extent = match holes.as_mut() {
+            Some(holes) => holes.extent(off, len as u64).map_err(|e| (classify(&e), e.to_string()))?,
+            None => Extent::Data,
+        };
+        let in_hole = extent == Extent::Hole;
+        // A hole goes as one message for as many blocks as follow each other.
+        if (!in_hole || !r.sends(b)) && !queue_hole(&mut hole) {
+            return Ok(None);
+        }
+        if in_hole {
+            sums.push(zeros_sum(len));
+            if r.sends(b) {
+                hole.get_or_insert((off, 0)).1 += len as u64;
+            }
+            continue;
+        }
         q.wait_for_room(|| sh.stopped());
         let Some(mut data) = sh.pool.take(len) else { return Ok(None) };
         let sum = match &file {
@@ -591,11 +616,14 @@ fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<ChunkRead>, 
         };
         sums.push(sum);
         if r.sends(b) {
-            let header = DataHeader { file: s.id, offset: off, sum, len: len as u32 };
-            if q.tx.send(Outgoing { header, data }).is_err() {
+            let header = DataHeader { file: s.id, offset: off, sum, len: len as u32, sparse: extent == Extent::Mixed };
+            if q.tx.send(Outgoing::Block { header, data }).is_err() {
                 return Ok(None);
             }
         }
+    }
+    if !queue_hole(&mut hole) {
+        return Ok(None);
     }
     if let Some(file) = &file {
         unchanged(file.as_ref(), s)?;
@@ -634,22 +662,30 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
             default(POLL) => Err(RecvTimeoutError::Timeout),
         };
         match next {
-            Ok(mut o) => {
+            Ok(o) => {
                 q.took_one();
-                crate::fault::corrupt_in_flight(&mut o.data);
-                if let Err(e) = w.send_block_consuming(&o.header, &mut o.data) {
-                    // After `Finish` the receiver's word on the control
-                    // connection settles the transfer: `Finished` once every
-                    // file is settled (it may close its data connections with
-                    // blocks of abandoned files still on their way), else
-                    // why it failed.
-                    if q.finished.load(Ordering::SeqCst) {
-                        log::debug!("a data connection to host {host} closed after Finish: {e}");
-                        return;
+                let sent = match o {
+                    Outgoing::Block { header, mut data } => {
+                        crate::fault::corrupt_in_flight(&mut data);
+                        w.send_block_consuming(&header, &mut data).map(|()| u64::from(header.len))
                     }
-                    return sh.broken(e);
-                }
-                let n = o.header.len as u64;
+                    Outgoing::Hole { id, offset, len } => w.send(OnData::Hole { id, offset, len }).map(|()| 0),
+                };
+                let n = match sent {
+                    Ok(n) => n,
+                    Err(e) => {
+                        // After `Finish` the receiver's word on the control
+                        // connection settles the transfer: `Finished` once
+                        // every file is settled (it may close its data
+                        // connections with blocks of abandoned files still
+                        // on their way), else why it failed.
+                        if q.finished.load(Ordering::SeqCst) {
+                            log::debug!("a data connection to host {host} closed after Finish: {e}");
+                            return;
+                        }
+                        return sh.broken(e);
+                    }
+                };
                 sh.sent.fetch_add(n, Ordering::Relaxed);
                 Progress::add(&sh.progress.sent_bytes, n);
             }

@@ -31,7 +31,7 @@ pub mod s3;
 
 use crate::error::{Error, Result};
 use crate::wire::PIECE;
-use dmover_proto::digest::{file_digest, BlockHasher, Sum};
+use dmover_proto::digest::{file_digest, zeros_sum, BlockHasher, Sum};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use std::ffi::OsString;
@@ -121,12 +121,31 @@ pub trait ReadFile: Send + Sync {
     fn digest(&self) -> Option<Digest> {
         None
     }
+    /// Where data lies from `off` on: the first run of bytes at or after
+    /// `off` that may hold data, from its start to the hole after it (or
+    /// the end of the file); None if only a hole lies from `off` to the
+    /// end. Bytes in no run read as zeros, unread. A storage that keeps no
+    /// holes says that everything is data (the default).
+    fn data_from(&self, off: u64) -> io::Result<Option<std::ops::Range<u64>>> {
+        Ok(Some(off..u64::MAX))
+    }
 }
 
 /// A file open for writing (and reading back what was written).
 pub trait WriteFile: ReadFile {
     fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
     fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Makes the bytes `off..off + len` read as zeros, storing as little
+    /// as the storage can (a hole, in a file system), and the file at
+    /// least `off + len` bytes long; nothing may write past `off + len`
+    /// meanwhile (a file system's file is made longer by setting its
+    /// length). `fresh`: nothing was ever written there (the file was
+    /// created by this run), so a file system has a hole there already.
+    /// The default writes the zeros.
+    fn write_zeros(&self, off: u64, len: u64, fresh: bool) -> io::Result<()> {
+        let _ = fresh;
+        write_zero_bytes(self, off, len)
+    }
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()>;
     /// Starts writing `len` bytes from `off` to stable storage without
     /// waiting, so that a later [`sync`](WriteFile::sync) finds little left
@@ -356,14 +375,103 @@ pub fn read_block(f: &dyn ReadFile, buf: &mut [u8], off: u64) -> io::Result<(usi
     Ok((n, sum.finish()))
 }
 
-/// The digest of a stored file (for `--checksum`), read in blocks of `block_size`.
+/// Writes `len` zero bytes at `off`, a piece at a time.
+pub fn write_zero_bytes<F: WriteFile + ?Sized>(f: &F, off: u64, len: u64) -> io::Result<()> {
+    let zeros = vec![0u8; len.min(PIECE as u64) as usize];
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(zeros.len() as u64);
+        f.write_all_at(&zeros[..n as usize], off + at)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Writes `data` at `off`, leaving each of its [`PAGE`]s of zeros a hole
+/// ([`WriteFile::write_zeros`]; `fresh` as there).
+pub fn write_sparse(f: &dyn WriteFile, data: &[u8], off: u64, fresh: bool) -> io::Result<()> {
+    let mut at = 0;
+    while at < data.len() {
+        let zeros = |p: &[u8]| p.iter().all(|b| *b == 0);
+        let kind = zeros(&data[at..data.len().min(at + PAGE)]);
+        let mut end = at;
+        while end < data.len() && zeros(&data[end..data.len().min(end + PAGE)]) == kind {
+            end = data.len().min(end + PAGE);
+        }
+        if kind {
+            f.write_zeros(off + at as u64, (end - at) as u64, fresh)?;
+        } else {
+            f.write_all_at(&data[at..end], off + at as u64)?;
+        }
+        at = end;
+    }
+    Ok(())
+}
+
+/// The unit in which [`write_sparse`] leaves zeros holes: a page, and a
+/// file system block.
+pub const PAGE: usize = 4096;
+
+/// Where a range of a file lies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    /// Wholly in a hole: it reads as zeros, unread.
+    Hole,
+    /// Wholly in data.
+    Data,
+    /// Partly in a hole.
+    Mixed,
+}
+
+/// Where data lies in a file whose blocks are read in order: the file is
+/// asked ([`ReadFile::data_from`]) only when a block lies past the run of
+/// data it last named, so a file with no holes is asked once per run.
+pub struct DataMap<'a> {
+    file: &'a dyn ReadFile,
+    /// Where it was last asked, and the first run of data from there.
+    known: Option<(u64, Option<std::ops::Range<u64>>)>,
+}
+
+impl<'a> DataMap<'a> {
+    pub fn new(file: &'a dyn ReadFile) -> DataMap<'a> {
+        DataMap { file, known: None }
+    }
+
+    /// Where the bytes `off..off + len` lie.
+    pub fn extent(&mut self, off: u64, len: u64) -> io::Result<Extent> {
+        let stale = match &self.known {
+            Some((asked, run)) => off < *asked || run.as_ref().is_some_and(|r| r.end <= off),
+            None => true,
+        };
+        if stale {
+            self.known = Some((off, self.file.data_from(off)?));
+        }
+        let end = off.saturating_add(len);
+        Ok(match self.known.as_ref().and_then(|k| k.1.as_ref()) {
+            None => Extent::Hole,
+            Some(r) if r.start >= end => Extent::Hole,
+            Some(r) if r.start <= off && r.end >= end => Extent::Data,
+            Some(_) => Extent::Mixed,
+        })
+    }
+}
+
+/// The digest of a stored file (for `--checksum`), read in blocks of
+/// `block_size`; blocks that lie in a hole are not read.
 pub fn digest_of(store: &dyn Storage, path: &Path, block_size: u64) -> io::Result<Sum> {
     let f = store.open(path)?;
+    let size = f.stat()?.size;
+    let mut map = DataMap::new(f.as_ref());
     let mut buf = vec![0u8; block_size as usize];
     let mut sums = Vec::new();
     let mut off = 0;
     loop {
-        let (n, sum) = read_block(f.as_ref(), &mut buf, off)?;
+        let len = size.saturating_sub(off).min(block_size);
+        let (n, sum) = if len > 0 && map.extent(off, len)? == Extent::Hole {
+            (len as usize, zeros_sum(len as usize))
+        } else {
+            read_block(f.as_ref(), &mut buf, off)?
+        };
         if n == 0 {
             break;
         }

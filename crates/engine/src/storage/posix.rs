@@ -16,7 +16,7 @@
 
 use super::{Attrs, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
 use crate::error::Refused;
-use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, Timespec, Timestamps, CWD};
+use rustix::fs::{AtFlags, FallocateFlags, Mode, OFlags, ResolveFlags, SeekFrom, Timespec, Timestamps, CWD};
 use rustix::io::Errno;
 use std::collections::HashSet;
 use std::ffi::OsStr;
@@ -224,6 +224,18 @@ impl ReadFile for PosixFile {
     fn stat(&self) -> io::Result<Stat> {
         Ok(stat_of(&rustix::fs::fstat(&self.0)?))
     }
+
+    /// With `SEEK_DATA` and `SEEK_HOLE` (the reads are `pread`s, which
+    /// the file offset these move does not concern). A file system that
+    /// does not track holes says the whole file is data.
+    fn data_from(&self, off: u64) -> io::Result<Option<std::ops::Range<u64>>> {
+        let start = match rustix::fs::seek(&self.0, SeekFrom::Data(off)) {
+            Ok(start) => start,
+            Err(Errno::NXIO) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        Ok(Some(start..rustix::fs::seek(&self.0, SeekFrom::Hole(start))?))
+    }
 }
 
 impl WriteFile for PosixFile {
@@ -233,6 +245,27 @@ impl WriteFile for PosixFile {
 
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.0.set_len(len)
+    }
+
+    /// Punches a hole where something may have been written (a file
+    /// system that cannot gets the zeros written); where nothing was, the
+    /// hole is there already. A file shorter than `off + len` is made that
+    /// long.
+    fn write_zeros(&self, off: u64, len: u64, fresh: bool) -> io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        if !fresh {
+            match rustix::fs::fallocate(&self.0, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, off, len) {
+                Ok(()) => {}
+                Err(Errno::OPNOTSUPP | Errno::NOSYS) => return super::write_zero_bytes(self, off, len),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if self.0.metadata()?.len() < off + len {
+            self.0.set_len(off + len)?;
+        }
+        Ok(())
     }
 
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()> {

@@ -31,7 +31,7 @@
 //! or a second `Finish` after it, are protocol violations.
 
 use crate::digest::{file_digest, SetDigest, Sum};
-use crate::frame::{file_blocks, FileMeta};
+use crate::frame::{file_blocks, FileMeta, MAX_HOLE_BLOCKS};
 use crate::phase::{ToReceiver, ToSender};
 use crate::ErrorKind;
 use held::Held;
@@ -96,6 +96,28 @@ impl Gate {
             return Err(format!("block {block} of file {file} has the wrong length"));
         }
         Ok(block)
+    }
+
+    /// The blocks a hole of `len` bytes at `offset` stands for (`Hole`),
+    /// if they are whole blocks of the file: it starts on a block boundary
+    /// and ends on one, or at the file's end, within the announced size,
+    /// and covers at most [`MAX_HOLE_BLOCKS`] blocks.
+    pub fn admit_hole(&self, file: u64, offset: u64, len: u64) -> Result<std::ops::Range<u64>, String> {
+        let bs = self.block_size;
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| len > 0 && end <= self.size && offset.is_multiple_of(bs) && (end.is_multiple_of(bs) || end == self.size));
+        let Some(end) = end else {
+            return Err(format!("a hole of {len} bytes at {offset} is not whole blocks of file {file}"));
+        };
+        let blocks = offset / bs..end.div_ceil(bs);
+        if blocks.end - blocks.start > MAX_HOLE_BLOCKS {
+            return Err(format!(
+                "a hole of {} blocks of file {file}, more than the {MAX_HOLE_BLOCKS} one hole may be",
+                blocks.end - blocks.start
+            ));
+        }
+        Ok(blocks)
     }
 }
 

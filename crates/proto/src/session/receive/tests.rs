@@ -417,6 +417,36 @@ proptest! {
             Err(_) => prop_assert!(!offset.is_multiple_of(16) || offset >= size || u64::from(len) != (size - offset).min(16)),
         }
     }
+
+    /// A hole stands for whole blocks of its file, each of which the gate
+    /// admits, and for nothing else.
+    #[test]
+    fn a_gate_admits_holes_of_whole_blocks_inside_the_file(size in 0..1000u64, offset in 0..1100u64, len in 0..200u64) {
+        let g = Gate { size, block_size: 16 };
+        let end = offset + len;
+        let whole = len > 0 && end <= size && offset.is_multiple_of(16) && (end.is_multiple_of(16) || end == size);
+        match g.admit_hole(1, offset, len) {
+            Ok(blocks) => {
+                prop_assert!(whole, "a hole at {}+{} admitted for a file of {} bytes", offset, len, size);
+                let mut covered = 0;
+                for b in blocks {
+                    let blen = (size - b * 16).min(16);
+                    prop_assert_eq!(g.admit(1, b * 16, blen as u32), Ok(b));
+                    covered += blen;
+                }
+                prop_assert_eq!(covered, len);
+            }
+            Err(_) => prop_assert!(!whole),
+        }
+    }
+}
+
+#[test]
+fn a_hole_is_at_most_max_hole_blocks() {
+    let g = Gate { size: 1 << 40, block_size: 16 };
+    assert_eq!(g.admit_hole(1, 32, 16 * MAX_HOLE_BLOCKS), Ok(2..2 + MAX_HOLE_BLOCKS));
+    assert!(g.admit_hole(1, 32, 16 * (MAX_HOLE_BLOCKS + 1)).is_err());
+    assert!(g.admit_hole(1, 32, u64::MAX).is_err(), "an end past 2^64");
 }
 
 #[test]
