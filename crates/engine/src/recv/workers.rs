@@ -59,6 +59,8 @@ pub(super) struct Shared {
     /// Where journals go: `store`, or the local storage it names.
     pub state: Store,
     pub dest_dir: PathBuf,
+    /// This process's umask, for the modes of what is received.
+    pub umask: u32,
     /// Files whose blocks may be written, by id: the owner adds and
     /// removes them, data connections look them up for each block.
     pub slots: RwLock<HashMap<u64, Arc<Slot>>>,
@@ -572,7 +574,7 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
     let prepare = |(s, sum): (Arc<Slot>, Sum)| {
         let meta = s.paths.meta.as_ref()?;
         let attrs = Attrs {
-            mode: dmover_proto::frame::permission_bits(meta.mode),
+            mode: super::applied_mode(meta, sh.umask),
             mtime: Some((meta.mtime_s, meta.mtime_ns)),
             digest: Some(Digest { block_size: sh.block_size, sum }),
         };
