@@ -153,7 +153,7 @@ impl Slot {
         if !io.fresh {
             return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file is no longer open"));
         }
-        log::debug!("{}: new partial file", self.paths.temp.display());
+        log::debug!("{}: new partial file", sh.store.display(&self.paths.temp));
         let f: Arc<dyn WriteFile> = sh.store.create_for(&self.paths.temp, &self.paths.dest)?.into();
         if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
             io.journal = Some(Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32)?);
@@ -316,7 +316,7 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
             }
             if let Some(j) = io.journal.as_mut() {
                 if let Err(e) = j.record(job.block, &job.sum) {
-                    log::warn!("cannot journal {}: {e}", slot.paths.temp.display());
+                    log::warn!("cannot journal {}: {e}", sh.store.display(&slot.paths.temp));
                     io.journal = None;
                 }
             }
@@ -435,7 +435,7 @@ fn report_committed(sh: &Shared, placed: Vec<Arc<Slot>>) {
         if s.io.lock().expect("file lock").closed {
             continue; // aborted by the sender meanwhile: it counts the file as failed
         }
-        log::debug!("{}: committed", s.paths.dest.display());
+        log::debug!("{}: committed", sh.store.display(&s.paths.dest));
         if let Some(j) = &s.paths.journal {
             let _ = sh.state.remove(j);
         }
