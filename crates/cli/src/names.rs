@@ -5,12 +5,12 @@
 //! `dir/` as its contents) or a glob (names below the glob's base that it
 //! matches, and names inside a matching directory), as the sender's walk
 //! makes them (`dmover_engine::source`). Never accepted, whatever the
-//! request: names in dmover's resume state and its partial files. Names
-//! with control characters are taken (a file system holds them, and an
-//! upload takes them) and escaped wherever they are printed.
+//! request (as by every receiver): names in dmover's resume state and its
+//! partial files. Names with control characters are taken (a file system
+//! holds them, and an upload takes them) and escaped wherever they are
+//! printed.
 
 use dmover_engine::recv::NameCheck;
-use dmover_engine::source::{PART_SUFFIX, STATE_DIR};
 use globset::{GlobBuilder, GlobMatcher};
 use std::sync::Arc;
 
@@ -52,10 +52,6 @@ impl Rule {
 pub fn expected(sources: &[String]) -> NameCheck {
     let rules: Vec<Rule> = sources.iter().filter_map(|s| Rule::of(s.split_once('/').map_or("", |(_, rest)| rest))).collect();
     Arc::new(move |name: &str| {
-        let comps: Vec<&str> = name.split('/').collect();
-        if comps.contains(&STATE_DIR) || comps.last().is_some_and(|c| c.ends_with(PART_SUFFIX)) {
-            return Err(format!("names in {STATE_DIR} and names ending in {PART_SUFFIX} are dmover's own and never sent"));
-        }
         if !rules.iter().any(|r| r.allows(name)) {
             return Err("the server sent a name the request cannot produce; it is not taken".into());
         }
@@ -85,8 +81,6 @@ mod tests {
         assert!(!takes(&["e/d/*.h5"], "x/y.h5"));
         assert!(!takes(&["e/d/*.h5"], "y.txt"));
         assert!(takes(&["e/d/*.h5", "e/d/notes"], "notes/a"));
-        assert!(!takes(&["e/d/"], "a/.dmover-partial/x"));
-        assert!(!takes(&["e/d/"], ".a.dat.dmover-part"));
         // Any name a file system holds is taken; it is escaped when printed.
         assert!(takes(&["e/d/"], "a\u{1b}[2Jb"));
         assert!(takes(&["e/d/"], "a\nb"));

@@ -512,6 +512,99 @@ fn a_file_swapped_for_a_fifo_after_its_listing_fails_at_once_and_holds_nothing()
     assert_same_tree(&export.join("src"), &down.join("src"));
 }
 
+/// Regression: a client could write into `.dmover-partial/`, the resume
+/// state a server keeps inside an export (journals, markers), by receiving
+/// into it or announcing names in it, and read it by listing or
+/// downloading it. Now every path a client names in dmover's own state, or
+/// naming a partial file, is refused, and nothing there changes.
+#[test]
+fn a_client_can_neither_write_nor_read_the_resume_state_in_an_export() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    // What an interrupted upload left.
+    write_random(&export.join("in/.dmover-partial/transfer-00"), 100, 1);
+    write_random(&export.join("in/.a.dat.dmover-part"), 100, 2);
+    let before = list_tree(&export);
+    let srv = env.serve(&[("e", &export)]);
+    let token = env.token_str();
+    let opts = TransferOptions { transfer_id: [42; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+
+    let mut c = Raw::control(&srv.addr(), token.as_bytes());
+    for dest in ["e/.dmover-partial", "e/in/.dmover-partial", "e/in/.dmover-partial/transfer-00", "e/in/.a.dat.dmover-part"] {
+        c.refused(&Msg::Receive { dest: dest.into(), options: opts }, ErrorKind::Refused);
+        c.refused(&Msg::Grant { dest: dest.into() }, ErrorKind::Refused);
+    }
+    for path in [
+        "e/in/.dmover-partial",
+        "e/in/.dmover-partial/",
+        "e/in/.dmover-partial/*",
+        "e/in/.dmover-partial/transfer-00",
+        "e/in/.a.dat.dmover-part",
+    ] {
+        c.refused(&Msg::List { path: path.into() }, ErrorKind::Refused);
+    }
+    let names = [".dmover-partial/transfer-00", ".dmover-partial/x", "sub/.dmover-partial/x", ".a.dat.dmover-part", "sub/.b.dmover-part"];
+    c.announcements_refused("e/in", opts, &names);
+
+    // The client: an upload into the state directory, a download from it.
+    let src = env.path("x");
+    write_random(&src, 100, 3);
+    let r = env.cp([src.display().to_string(), srv.url("e/in/.dmover-partial/x")]).run();
+    assert_eq!(r.code, 8, "an upload into .dmover-partial/ was not refused: {}", r.stderr);
+    assert!(r.stderr.contains("dmover's own"), "the refusal does not say why: {}", r.stderr);
+    let down = env.mkdir("down");
+    let r = env.cp([srv.url("e/in/.dmover-partial/transfer-00"), down.display().to_string()]).run();
+    assert_eq!(r.code, 8, "a download from .dmover-partial/ was not refused: {}", r.stderr);
+    assert!(list_tree(&down).is_empty(), "resume state was served: {:?}", list_tree(&down));
+
+    assert_eq!(list_tree(&export), before, "the export changed");
+    assert!(srv.log().contains("dmover's own"), "the refusals were not logged:\n{}", srv.log());
+}
+
+/// Regression: a download into a shared destination wrote through a
+/// symlink another local user planted there (`DEST/src/sub` pointing to a
+/// directory of theirs that the client's user can write), and so did a
+/// local copy. Now a client writes confined beneath the destination it was
+/// given, as a server writes beneath an export: the files below the link
+/// fail as refused, nothing is written through it, and the link is left
+/// as it was (rsync would replace it with a directory). A destination that
+/// is itself a symlink, named by the user, is still followed.
+#[test]
+fn a_symlinked_subdirectory_planted_in_a_destination_is_not_written_through() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("src/top.dat"), 3000, 1);
+    write_random(&export.join("src/sub/f.dat"), 3000, 2);
+    write_random(&export.join("src/sub/deeper/g.dat"), 3000, 3);
+    let srv = env.serve(&[("e", &export)]);
+    let elsewhere = env.mkdir("elsewhere");
+    let sources = [("download", srv.url("e/src")), ("local copy", export.join("src").display().to_string())];
+    for (i, (how, from)) in sources.iter().enumerate() {
+        let dest = env.mkdir(&format!("shared{i}/src"));
+        symlink(&elsewhere, dest.join("sub")).unwrap();
+        let r = env.cp([from.as_str(), dest.parent().unwrap().to_str().unwrap()]).run();
+        assert!(list_tree(&elsewhere).is_empty(), "{how}: written through the link: {:?}", list_tree(&elsewhere));
+        assert_eq!(r.code, 8, "{how}: {}", r.stderr);
+        assert!(!r.stderr.contains("panicked"), "{how}: {}", r.stderr);
+        assert_eq!(fs::read_link(dest.join("sub")).unwrap(), elsewhere, "{how}: the link was replaced");
+        let errors = r.json()["errors"].as_array().cloned().unwrap_or_default();
+        assert_eq!(errors.len(), 2, "{how}: {errors:?}");
+        for e in &errors {
+            let path = e["path"].as_str().unwrap_or_default();
+            assert!(path.contains("src/sub/"), "{how}: {e}");
+            assert!(e["message"].as_str().unwrap_or_default().contains("symlink"), "{how}: {e}");
+        }
+        assert!(same_content(&export.join("src/top.dat"), &dest.join("top.dat")), "{how}: the file beside the link was not copied");
+
+        // The destination the user names may be a symlink: it is followed.
+        let real = env.mkdir(&format!("real{i}"));
+        let named = env.path(&format!("named{i}"));
+        symlink(&real, &named).unwrap();
+        env.cp([from.as_str(), named.to_str().unwrap()]).run().assert_ok();
+        assert_same_tree(&export.join("src"), &real.join("src"));
+    }
+}
+
 /// Regression: an `Announce` of 2^60 bytes made the server abort while
 /// allocating the file's block map, and one of 2^64-1 bytes in 1-byte
 /// blocks panicked the connection thread, which then kept its connection

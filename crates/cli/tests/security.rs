@@ -224,7 +224,7 @@ fn planted_symlinks_in_the_destination_are_not_written_through() {
     write_random(&src.join("a.dat"), 3000, 10);
     write_random(&src.join("b.dat"), 3000, 11);
     fs::write(src.join("c.dat"), b"").unwrap();
-    fs::set_permissions(src.join("c.dat"), fs::Permissions::from_mode(0o666)).unwrap();
+    fs::set_permissions(src.join("c.dat"), fs::Permissions::from_mode(0o600)).unwrap();
     env.cp([src.display().to_string(), srv.url("e/in")]).run().assert_ok();
     assert_eq!(fs::read(outside.join("victim1")).unwrap(), before1, "written through a symlink at the final name");
     assert_eq!(fs::read(outside.join("victim2")).unwrap(), before2, "written through a symlink at the temporary name");
@@ -479,7 +479,8 @@ fn sigterm_lets_a_running_transfer_finish() {
 }
 
 /// Files and empty directories with setuid, setgid and sticky bits, and
-/// the modes a receiver must give them (their permission bits alone).
+/// the modes a receiver under umask 000 must give them (their permission
+/// bits alone, and a directory's sticky bit).
 fn special_modes(root: &Path) -> Vec<(&'static str, u32)> {
     let entries = [
         ("suid", 0o4755, false),
@@ -497,7 +498,7 @@ fn special_modes(root: &Path) -> Vec<(&'static str, u32)> {
         }
         chmod(&p, mode);
     }
-    entries.iter().map(|(name, mode, _)| (*name, mode & 0o777)).collect()
+    entries.iter().map(|(name, mode, dir)| (*name, mode & if *dir { 0o1777 } else { 0o777 })).collect()
 }
 
 #[track_caller]
@@ -510,16 +511,19 @@ fn assert_modes(root: &Path, expected: &[(&str, u32)]) {
 
 /// Regression: announced modes were applied whole, so a file of mode 4755
 /// uploaded to a server running as root landed setuid root, directories
-/// kept setgid and sticky bits, and a server could plant setuid files in a
-/// root client's download. Now a receiver applies the permission bits alone.
+/// kept setgid bits, and a server could plant setuid files in a root
+/// client's download. Now a receiver never applies setuid and setgid bits
+/// (a directory keeps its sticky bit, which only restricts).
 #[test]
-fn setuid_setgid_and_sticky_bits_are_dropped_on_upload_and_download() {
+fn setuid_and_setgid_bits_are_dropped_on_upload_and_download() {
     if !dmover_testkit::needs_root("files owned by root with setuid bits") {
         return;
     }
     let env = Env::new();
     let export = env.mkdir("export");
-    let srv = env.serve(&[("e", &export)]);
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.prefix = under_umask(0);
+    let srv = Server::start(spec);
     let src = env.path("src");
     let expected = special_modes(&src);
     env.cp([src.display().to_string(), srv.url("e")]).run().assert_ok();
@@ -527,8 +531,58 @@ fn setuid_setgid_and_sticky_bits_are_dropped_on_upload_and_download() {
 
     special_modes(&export.join("planted"));
     let down = env.mkdir("down");
-    env.cp([srv.url("e/planted"), down.display().to_string()]).run().assert_ok();
+    env.cp([srv.url("e/planted"), down.display().to_string()]).prefix(under_umask(0)).run().assert_ok();
     assert_modes(&down.join("planted"), &expected);
+}
+
+/// A world-writable file, a private one in a world-writable directory, a
+/// world-writable empty directory and a sticky one.
+const OPEN_MODES: [(&str, u32, bool); 5] =
+    [("open.dat", 0o666, false), ("d/private.dat", 0o600, false), ("d", 0o777, true), ("empty", 0o777, true), ("shared", 0o1777, true)];
+
+fn make_open_modes(root: &Path) {
+    for (name, mode, dir) in OPEN_MODES {
+        let p = root.join(name);
+        if dir {
+            fs::create_dir_all(&p).unwrap();
+        } else {
+            write_random(&p, 3000, mode as u64);
+        }
+        chmod(&p, mode);
+    }
+}
+
+/// The modes a receiver under `umask` must give [`OPEN_MODES`].
+fn masked(umask: u32) -> Vec<(&'static str, u32)> {
+    OPEN_MODES.iter().map(|(name, mode, _)| (*name, mode & !umask)).collect()
+}
+
+/// Regression: files and directories landed with the source's mode whatever
+/// the receiving side's umask, so a 0666 file and a 0777 directory arrived
+/// world-writable. Now a receiver masks the source's mode with its own
+/// umask, as rsync does without `--perms`: the server's for an upload (the
+/// client's does not matter), the client's for a download or a local copy.
+#[test]
+fn received_modes_are_masked_by_the_receivers_umask() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
+    spec.prefix = under_umask(0o022);
+    let srv = Server::start(spec);
+
+    let src = env.path("src");
+    make_open_modes(&src);
+    env.cp([src.display().to_string(), srv.url("e")]).prefix(under_umask(0)).run().assert_ok();
+    assert_modes(&export.join("src"), &masked(0o022));
+
+    make_open_modes(&export.join("planted"));
+    let down = env.mkdir("down");
+    env.cp([srv.url("e/planted"), down.display().to_string()]).prefix(under_umask(0o027)).run().assert_ok();
+    assert_modes(&down.join("planted"), &masked(0o027));
+
+    let local = env.mkdir("local");
+    env.cp([src.display().to_string(), local.display().to_string()]).prefix(under_umask(0o077)).run().assert_ok();
+    assert_modes(&local.join("src"), &masked(0o077));
 }
 
 /// Regression: names with terminal escapes and newlines were printed raw by

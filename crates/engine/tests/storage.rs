@@ -1,6 +1,7 @@
 //! The storage conformance suite (`dmover-testkit`) against the POSIX
 //! storage: an export resolved with openat2, an export resolved one
-//! component at a time, and the local file system.
+//! component at a time, the local file system, and a local destination
+//! confined beneath its directory.
 
 use dmover_engine::storage::posix::{Posix, Resolve};
 use dmover_engine::storage::{self, Storage};
@@ -46,4 +47,9 @@ fn posix_export_walking_components_conforms() {
 #[test]
 fn local_file_system_conforms() {
     run(&|| subject(|_| storage::local(), true));
+}
+
+#[test]
+fn local_destination_beneath_its_directory_conforms() {
+    run(&|| subject(|root| Arc::new(Posix::beneath(root).unwrap()), false));
 }

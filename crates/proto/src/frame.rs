@@ -270,13 +270,6 @@ impl FileMeta {
     }
 }
 
-/// The part of an announced mode a receiver applies: the permission bits
-/// alone, so that a peer cannot plant setuid, setgid or sticky files or
-/// directories.
-pub fn permission_bits(mode: u32) -> u32 {
-    mode & 0o777
-}
-
 /// A destination host of a third-party transfer, with the ticket that
 /// host issued (its secret wrapped under the session key of the connection
 /// this message travels on).

@@ -82,6 +82,11 @@ pub struct Env {
 
 impl Env {
     pub fn new() -> Env {
+        // A receiver masks the modes it gives with its umask: the tests and
+        // the processes they start run under 022, whatever the shell's
+        // (every test sets the same, so setting it again changes nothing).
+        // SAFETY: umask(2) cannot fail.
+        unsafe { libc::umask(0o022) };
         let dir = tempfile::Builder::new().prefix("dmover-e2e-").tempdir().expect("temp dir");
         // Readable by other users, for the tests that drop privileges.
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -1073,6 +1078,12 @@ pub fn set_mtime(path: &Path, secs: i64, nsec: i64) {
 pub fn mtime_of(path: &Path) -> (i64, i64) {
     let m = fs::symlink_metadata(path).unwrap();
     (m.mtime(), m.mtime_nsec())
+}
+
+/// A command prefix ([`Cmd::prefix`], [`ServerSpec::prefix`]) that runs
+/// the program under umask `mask`, whatever the test process's is.
+pub fn under_umask(mask: u32) -> Vec<OsString> {
+    ["sh".to_string(), "-c".into(), format!("umask {mask:03o}; exec \"$0\" \"$@\"")].map(OsString::from).to_vec()
 }
 
 pub fn chmod(path: &Path, mode: u32) {

@@ -14,14 +14,14 @@ use crate::error::{Error, Result};
 use crate::halt::Halt;
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
-use crate::storage::digest_of;
+use crate::storage::{check_not_reserved, digest_of};
 use crate::transport::{Connector, SocketOptions, Transport};
 use crate::wire::{ping_interval, FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use dmover_proto::digest::Sum;
 use dmover_proto::frame::{FileMeta, TransferFlags};
 use dmover_proto::phase::{ToReceiver, ToSender};
-use dmover_proto::session::receive::{self, Action, Event, Outcome, Receive, Subject};
+use dmover_proto::session::receive::{self, Action, Event, NameCheck, Outcome, Receive, Subject};
 use dmover_proto::ErrorKind;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -32,7 +32,7 @@ use std::time::Duration;
 /// Runs a prepared receiving end until the sender finishes or the session
 /// fails; see [`Prepared::run`].
 pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
-    let Prepared { cfg, dial, dest_dir, may_be_file, layout } = p;
+    let Prepared { cfg, dial, dest_dir, may_be_file, layout, umask } = p;
     let opts = cfg.options;
     let block_size = opts.block_size as u64;
     let peer = control.peer();
@@ -46,6 +46,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         state: super::state_store(&cfg.store),
         store: cfg.store,
         dest_dir,
+        umask,
         slots: RwLock::new(HashMap::new()),
         events,
         commits,
@@ -88,7 +89,13 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         let events = sh.events.clone();
         std::thread::spawn(move || read_control(control, &events));
     }
-    let session = Receive::new(receive::Config { block_size, discard: opts.flags.contains(TransferFlags::DISCARD), accept: cfg.accept });
+    // dmover's own names are taken from no sender, whatever else the caller takes.
+    let accept: NameCheck = match cfg.accept {
+        Some(takes) => Arc::new(move |name: &str| check_not_reserved(name).and_then(|()| takes(name))),
+        None => Arc::new(check_not_reserved),
+    };
+    let discard = opts.flags.contains(TransferFlags::DISCARD);
+    let session = Receive::new(receive::Config { block_size, discard, accept: Some(accept) });
     let mut owner = Owner {
         sh: sh.clone(),
         session,
@@ -363,7 +370,7 @@ impl Owner {
         for meta in dirs.iter().rev() {
             let Ok(rel) = dmover_proto::path::to_path(&meta.path) else { continue };
             let path = self.sh.dest_dir.join(rel);
-            let mode = dmover_proto::frame::permission_bits(meta.mode);
+            let mode = super::applied_mode(meta, self.sh.umask);
             match self.sh.store.set_dir_attrs(&path, mode, (meta.mtime_s, meta.mtime_ns)) {
                 Ok(()) => set.push(path),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -588,11 +595,12 @@ impl Owner {
     }
 }
 
-/// Creates a directory that was empty at the source, with its mode. When
-/// `look` (`--sync`, or a resumed run) and it is already there with that
-/// mode, it is skipped like an unchanged file, untouched.
+/// Creates a directory that was empty at the source, with its mode (as
+/// [`applied_mode`](super::applied_mode) gives it). When `look` (`--sync`,
+/// or a resumed run) and it is already there with that mode, it is skipped
+/// like an unchanged file, untouched.
 fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
-    let mode = dmover_proto::frame::permission_bits(meta.mode);
+    let mode = super::applied_mode(meta, sh.umask);
     if look && sh.store.stat(path).is_ok_and(|m| m.is_dir() && m.mode == mode) {
         return Outcome::Present;
     }

@@ -53,7 +53,7 @@ use crate::source::STATE_DIR;
 use crate::storage::Store;
 use crate::transport::{Connector, Transport};
 use crossbeam_channel::Receiver;
-use dmover_proto::frame::{TransferFlags, TransferOptions};
+use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
 use dmover_proto::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -277,32 +277,80 @@ pub struct Prepared {
     /// The destination is not a directory (yet) and may receive a lone file.
     may_be_file: bool,
     layout: Option<Layout>,
+    /// This process's umask, which the modes of new files and directories
+    /// are masked with ([`applied_mode`]).
+    umask: u32,
 }
 
 /// Checks and prepares the destination, so that problems (a read-only or
 /// missing directory, a path outside the export) are reported before a
-/// session starts.
-pub fn prepare(cfg: RecvConfig) -> Result<Prepared> {
+/// session starts. A destination of the local file system is written
+/// confined beneath the directory the user named ([`Storage::beneath`](crate::storage::Storage::beneath)):
+/// DEST, or its parent where DEST may be the file itself.
+pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
     let block_size = cfg.options.block_size as u64;
     if block_size == 0 || block_size > dmover_proto::frame::MAX_BLOCK as u64 {
         return Err(Error::new(ErrorKind::Usage, "", format!("block size {block_size} is out of range")));
     }
-    let dest_dir = crate::storage::checked_path(cfg.store.as_ref(), &cfg.dest)?;
+    let mut dest_dir = crate::storage::checked_path(cfg.store.as_ref(), &cfg.dest)?;
     let label = cfg.store.display(&dest_dir);
-    let may_be_file =
-        cfg.options.flags.contains(TransferFlags::DEST_MAY_BE_FILE) && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
+    let may_be_file = cfg.options.flags.contains(TransferFlags::DEST_MAY_BE_FILE)
+        && dest_dir.file_name().is_some()
+        && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
     let mut layout = None;
     if !cfg.options.flags.contains(TransferFlags::DISCARD) {
-        if may_be_file {
-            // Whether DEST is the file or its directory is settled by the first file.
-            let parent = dest_dir.parent().map(Path::to_path_buf).unwrap_or_default();
-            cfg.store.make_dirs(&parent).map_err(|e| Error::io(&label, &e))?;
-        } else {
-            cfg.store.make_dirs(&dest_dir).map_err(|e| Error::io(&label, &e))?;
+        // Whether DEST is the file or its directory is settled by the first
+        // file: until then only its parent is made.
+        let (root, name) = match (may_be_file, dest_dir.file_name()) {
+            (true, Some(name)) => (dest_dir.parent().map(Path::to_path_buf).unwrap_or_default(), PathBuf::from(name)),
+            _ => (dest_dir.clone(), PathBuf::new()),
+        };
+        let made = cfg.store.stat_followed(&root).is_err();
+        cfg.store.make_dirs(&root).map_err(|e| Error::io(&label, &e))?;
+        if let Some(beneath) = cfg.store.beneath(&root).map_err(|e| Error::io(&label, &e))? {
+            // The committer syncs directories beneath the root only: the
+            // name of a root made now is made durable here.
+            if let (true, false, Some(up)) = (made, cfg.options.flags.contains(TransferFlags::NO_FSYNC), root.parent()) {
+                cfg.store.sync_dir(up).map_err(|e| Error::io(&label, &e))?;
+            }
+            cfg.store = beneath;
+            cfg.dest = dmover_proto::path::from_path(&name).into_owned();
+            dest_dir = name;
+        }
+        if !may_be_file {
             layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?);
         }
     }
-    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout })
+    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, umask: umask() })
+}
+
+/// The mode a received file or directory is given: its source's permission
+/// bits less those `umask` clears, as `open(2)` and `mkdir(2)` would create
+/// it with the source's mode (and as rsync without `--perms` and cp without
+/// `-p` do). A directory keeps its sticky bit, which only restricts who may
+/// remove names in it; setuid and setgid bits are never applied, so that a
+/// peer cannot plant them.
+fn applied_mode(meta: &FileMeta, umask: u32) -> u32 {
+    let kept = if meta.is_dir() { 0o1777 } else { 0o777 };
+    meta.mode & kept & !umask
+}
+
+/// This process's umask: from `/proc/self/status`, or where that does not
+/// say, by setting it and putting it back at once (under a lock, so that
+/// two readers cannot leave it changed).
+fn umask() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let said = status.lines().find_map(|l| l.strip_prefix("Umask:").and_then(|m| u32::from_str_radix(m.trim(), 8).ok()));
+    said.unwrap_or_else(|| {
+        static LOCK: Mutex<()> = Mutex::new(());
+        let _held = LOCK.lock().expect("umask lock");
+        // SAFETY: umask(2) cannot fail; the mask read is put back at once.
+        unsafe {
+            let mask = libc::umask(0o077);
+            libc::umask(mask);
+            mask as u32
+        }
+    })
 }
 
 /// Receives one transfer. `control` is the control connection; data

@@ -59,6 +59,8 @@ pub(super) struct Shared {
     /// Where journals go: `store`, or the local storage it names.
     pub state: Store,
     pub dest_dir: PathBuf,
+    /// This process's umask, for the modes of what is received.
+    pub umask: u32,
     /// Files whose blocks may be written, by id: the owner adds and
     /// removes them, data connections look them up for each block.
     pub slots: RwLock<HashMap<u64, Arc<Slot>>>,
@@ -154,7 +156,7 @@ impl Slot {
         if !io.fresh {
             return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the partial file is no longer open"));
         }
-        log::debug!("{}: new partial file", self.paths.temp.display());
+        log::debug!("{}: new partial file", sh.store.display(&self.paths.temp));
         let f: Arc<dyn WriteFile> = sh.store.create_for(&self.paths.temp, &self.paths.dest)?.into();
         if let (Some(jp), Some(meta)) = (&self.paths.journal, &self.paths.meta) {
             io.journal = Some(Journal::create(sh.state.as_ref(), jp, meta, sh.block_size as u32)?);
@@ -376,7 +378,7 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
             }
             if let Some(j) = io.journal.as_mut() {
                 if let Err(e) = sums.iter().try_for_each(|(block, sum)| j.record(*block, sum)) {
-                    log::warn!("cannot journal {}: {e}", slot.paths.temp.display());
+                    log::warn!("cannot journal {}: {e}", sh.store.display(&slot.paths.temp));
                     io.journal = None;
                 }
             }
@@ -496,7 +498,7 @@ fn report_committed(sh: &Shared, placed: Vec<Arc<Slot>>) {
         if s.io.lock().expect("file lock").closed {
             continue; // aborted by the sender meanwhile: it counts the file as failed
         }
-        log::debug!("{}: committed", s.paths.dest.display());
+        log::debug!("{}: committed", sh.store.display(&s.paths.dest));
         if let Some(j) = &s.paths.journal {
             let _ = sh.state.remove(j);
         }
@@ -635,7 +637,7 @@ fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
     let prepare = |(s, sum): (Arc<Slot>, Sum)| {
         let meta = s.paths.meta.as_ref()?;
         let attrs = Attrs {
-            mode: dmover_proto::frame::permission_bits(meta.mode),
+            mode: super::applied_mode(meta, sh.umask),
             mtime: Some((meta.mtime_s, meta.mtime_ns)),
             digest: Some(Digest { block_size: sh.block_size, sum }),
         };

@@ -11,7 +11,10 @@
 //! every path is resolved beneath the export's directory handle and no
 //! symlink is followed on the way, by the kernel at the moment of use, so
 //! a directory swapped for a symlink cannot lead out. The client's own file
-//! system is *local*: paths are used as the user gave them.
+//! system is *local*: paths are used as the user gave them; a receiver
+//! writes there confined beneath the destination the user named
+//! ([`Storage::beneath`]), so that a symlink planted below it is not
+//! written through.
 //!
 //! [`s3`] (with the `s3` feature) keeps files as the objects of an S3
 //! bucket, or those below a key prefix in it (an export of a bucket is
@@ -30,6 +33,7 @@ pub mod posix;
 pub mod s3;
 
 use crate::error::{Error, Result};
+use crate::source::{PART_SUFFIX, STATE_DIR};
 use crate::wire::PIECE;
 use dmover_proto::digest::{file_digest, zeros_sum, BlockHasher, Sum};
 use dmover_proto::path::printable;
@@ -287,6 +291,15 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn state_store(&self) -> Option<Store> {
         None
     }
+    /// This storage with every path confined beneath `dir`, as an export
+    /// is: what a receiver writes into a destination of the local file
+    /// system, so that no symlink below the destination is followed. `dir`
+    /// itself is followed if it is a symlink (the user named it, as cp and
+    /// rsync follow a destination that is one). None where paths are
+    /// confined already (an export, an object store).
+    fn beneath(&self, _dir: &Path) -> io::Result<Option<Store>> {
+        Ok(None)
+    }
     /// Reads a whole file of at most `limit` bytes.
     fn read_all(&self, path: &Path, limit: u64) -> io::Result<Vec<u8>> {
         let f = self.open(path)?;
@@ -322,13 +335,17 @@ pub fn export(label: &str, dir: &Path) -> io::Result<Store> {
 
 /// The path that `spelled` (a path as it travels, see
 /// [`dmover_proto::path`]) names in `store`, checked: in a confined
-/// storage, a path that is not a plain relative path, or that meets a
-/// symlink on the way, is refused; a path that does not exist yet is fine.
+/// storage, a path that is not a plain relative path, that names dmover's
+/// own files ([`check_not_reserved`]), or that meets a symlink on the way,
+/// is refused; a path that does not exist yet is fine.
 pub fn checked_path(store: &dyn Storage, spelled: &str) -> Result<PathBuf> {
     let refuse = |why: String| Err(Error::new(ErrorKind::Refused, display_spelled(store, spelled), format!("path refused: {why}")));
     if store.is_confined() {
         if let Err(e) = dmover_proto::path::check_relative(spelled) {
             return refuse(e.to_string());
+        }
+        if let Err(why) = check_not_reserved(spelled) {
+            return refuse(why);
         }
     }
     let path = match dmover_proto::path::to_path(spelled) {
@@ -352,6 +369,18 @@ pub fn display_spelled(store: &dyn Storage, spelled: &str) -> String {
         Ok(p) => store.display(&p),
         Err(_) => printable(spelled).into_owned(),
     }
+}
+
+/// Refuses a path (`/`-separated, relative) that names dmover's own files:
+/// resume state (in [`STATE_DIR`]) and partial files (ending in
+/// [`PART_SUFFIX`]). They are never sent, and a peer may not name them:
+/// not to write there, nor to read them.
+pub fn check_not_reserved(path: &str) -> std::result::Result<(), String> {
+    let mut names = path.split('/').filter(|c| !c.is_empty());
+    if names.clone().any(|c| c == STATE_DIR) || names.next_back().is_some_and(|c| c.ends_with(PART_SUFFIX)) {
+        return Err(format!("names in {STATE_DIR}/ and names ending in {PART_SUFFIX} are dmover's own resume state and partial files, which no peer may name"));
+    }
+    Ok(())
 }
 
 /// Reads until `buf` is full or the file ends, in pieces each checksummed
@@ -479,4 +508,19 @@ pub fn digest_of(store: &dyn Storage, path: &Path, block_size: u64) -> io::Resul
         off += n as u64;
     }
     Ok(file_digest(&sums))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_not_reserved;
+
+    #[test]
+    fn names_of_resume_state_and_partial_files_are_reserved() {
+        for p in [".dmover-partial", ".dmover-partial/", "a/.dmover-partial/x", ".x.dmover-part", "a/.b.dmover-part"] {
+            assert!(check_not_reserved(p).is_err(), "{p:?} was not refused");
+        }
+        for p in ["", "a", "a/b.dmover-partx", ".dmover-partial-old/x", "a.dmover-part/b"] {
+            assert!(check_not_reserved(p).is_ok(), "{p:?} was refused");
+        }
+    }
 }

@@ -12,7 +12,10 @@
 //!
 //! A local storage (the user's own file system) uses paths as given,
 //! relative to the working directory, and follows symlinks the user names;
-//! only the final name of a file it creates is never followed.
+//! only the final name of a file it creates is never followed. What a
+//! receiver writes there is confined the same way as an export, beneath
+//! the destination the user named ([`Posix::beneath`]), so that a symlink
+//! another user planted below a shared destination is not written through.
 
 use super::{Attrs, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
 use crate::error::Refused;
@@ -41,7 +44,7 @@ pub enum Resolve {
 /// through a symlink at its name.
 const NEW_FILE: OFlags = OFlags::RDWR.union(OFlags::CREATE).union(OFlags::EXCL).union(OFlags::NOFOLLOW).union(OFlags::CLOEXEC);
 
-const NOT_BENEATH: &str = "symlinks are not followed inside an export, and paths may not leave it";
+const NOT_BENEATH: &str = "symlinks are not followed inside an export or below a copy's destination, and paths may not leave them";
 
 const NOT_REGULAR: &str = "not a regular file (FIFOs, sockets and devices are never read or written)";
 
@@ -52,8 +55,9 @@ pub struct Posix {
     root: Option<OwnedFd>,
     /// The root's path, for messages.
     dir: PathBuf,
-    /// The export's name, for messages.
-    label: String,
+    /// The export's name, for messages; None for the local file system,
+    /// whose paths are named as they are (below `dir`).
+    label: Option<String>,
     /// Whether `openat2` is known to work; cleared for good by the first
     /// ENOSYS, after which paths are walked.
     openat2: AtomicBool,
@@ -62,7 +66,16 @@ pub struct Posix {
 impl Posix {
     /// The local file system.
     pub fn local() -> Posix {
-        Posix { root: None, dir: PathBuf::new(), label: String::new(), openat2: AtomicBool::new(false) }
+        Posix { root: None, dir: PathBuf::new(), label: None, openat2: AtomicBool::new(false) }
+    }
+
+    /// The local file system beneath `dir`, which is followed if it is a
+    /// symlink (see [`Storage::beneath`]): every path below it is confined
+    /// as in an export, and named in messages by its local path.
+    pub fn beneath(dir: &Path) -> io::Result<Posix> {
+        let at = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+        let root = rustix::fs::open(at, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+        Ok(Posix { root: Some(root), dir: dir.to_path_buf(), label: None, openat2: AtomicBool::new(true) })
     }
 
     /// An export of `dir`, named `label` in messages.
@@ -75,7 +88,7 @@ impl Posix {
     pub fn export_with(label: &str, dir: &Path, how: Resolve) -> io::Result<Posix> {
         let root = rustix::fs::open(dir, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
         let dir = dir.canonicalize()?;
-        Ok(Posix { root: Some(root), dir, label: label.to_string(), openat2: AtomicBool::new(how == Resolve::Openat2) })
+        Ok(Posix { root: Some(root), dir, label: Some(label.to_string()), openat2: AtomicBool::new(how == Resolve::Openat2) })
     }
 
     /// How this storage resolves paths now.
@@ -303,11 +316,12 @@ impl Storage for Posix {
     }
 
     fn display(&self, path: &Path) -> String {
+        let Some(label) = &self.label else {
+            let local = if path.as_os_str().is_empty() { self.dir.clone() } else { self.dir.join(path) };
+            return dmover_proto::path::from_path(&local).into_owned();
+        };
         let rel = dmover_proto::path::from_path(path);
-        if self.root.is_none() {
-            return rel.into_owned();
-        }
-        dmover_proto::path::join(&self.label, rel.trim_start_matches("./"))
+        dmover_proto::path::join(label, rel.trim_start_matches("./"))
     }
 
     fn stat(&self, path: &Path) -> io::Result<Stat> {
@@ -481,5 +495,12 @@ impl Storage for Posix {
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
         let (parent, name) = self.parent(path)?;
         Ok(rustix::fs::unlinkat(&parent, name, AtFlags::REMOVEDIR)?)
+    }
+
+    fn beneath(&self, dir: &Path) -> io::Result<Option<super::Store>> {
+        if self.root.is_some() {
+            return Ok(None);
+        }
+        Ok(Some(std::sync::Arc::new(Posix::beneath(dir)?)))
     }
 }
