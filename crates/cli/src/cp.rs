@@ -51,6 +51,16 @@ pub struct CpArgs {
     /// symlinks inside a directory are skipped with a warning).
     #[arg(short = 'l', long)]
     pub links: bool,
+    /// Keep permission bits whole (without it, the receiving end's umask
+    /// clears bits from them, as for new files). rsync's `-p`; here `-p`
+    /// is `--streams`, as in globus-url-copy.
+    #[arg(long)]
+    pub perms: bool,
+    /// Archive: what `rsync -a` keeps that dmover keeps, which is
+    /// `--links --perms` (times are always kept; owners, groups and
+    /// devices are not yet).
+    #[arg(short = 'a', long)]
+    pub archive: bool,
     /// With --sync: compare content checksums instead of modification times.
     #[arg(short = 'c', long, requires = "sync")]
     pub checksum: bool,
@@ -187,8 +197,11 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     if a.no_fsync {
         flags |= TransferFlags::NO_FSYNC;
     }
-    if a.links {
+    if a.links || a.archive {
         flags |= TransferFlags::LINKS;
+    }
+    if a.perms || a.archive {
+        flags |= TransferFlags::PERMS;
     }
     if a.net.no_encrypt {
         flags |= TransferFlags::NO_ENCRYPT;

@@ -583,6 +583,14 @@ fn received_modes_are_masked_by_the_receivers_umask() {
     let local = env.mkdir("local");
     env.cp([src.display().to_string(), local.display().to_string()]).prefix(under_umask(0o077)).run().assert_ok();
     assert_modes(&local.join("src"), &masked(0o077));
+
+    // --perms (and -a) keep them whole, whatever the receiver's umask, as
+    // rsync -p does: at the server for an upload, at the client for a download.
+    env.cp([src.display().to_string(), srv.url("e/whole"), "--perms".into()]).run().assert_ok();
+    assert_modes(&export.join("whole/src"), &masked(0));
+    let whole = env.mkdir("whole");
+    env.cp([srv.url("e/planted"), whole.display().to_string(), "-a".into()]).prefix(under_umask(0o077)).run().assert_ok();
+    assert_modes(&whole.join("planted"), &masked(0));
 }
 
 /// Regression: names with terminal escapes and newlines were printed raw by

@@ -178,6 +178,9 @@ bitflags::bitflags! {
         /// Symlinks are copied as symlinks (`--links`): the sender
         /// announces each with its target; without it they are skipped.
         const LINKS = 128;
+        /// Permission bits are kept whole (`--perms`): the receiver does
+        /// not clear those its umask would.
+        const PERMS = 256;
     }
 }
 

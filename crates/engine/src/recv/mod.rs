@@ -321,7 +321,9 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
             layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?);
         }
     }
-    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, umask: umask() })
+    // `--perms` keeps permission bits whole: no umask clears any.
+    let umask = if cfg.options.flags.contains(TransferFlags::PERMS) { 0 } else { umask() };
+    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, umask })
 }
 
 /// The mode a received file or directory is given: its source's permission
