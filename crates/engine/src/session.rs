@@ -12,7 +12,7 @@ use crate::send::{Attaching, HostLink, MoreStreams};
 use crate::transport::{connect_tcp, Connector, Mux, SocketOptions, Transport};
 use crate::wire::{FrameReader, FrameWriter};
 use dmover_proto::auth::{KeyId, SessionKey, TOKEN_KEY_ID};
-use dmover_proto::frame::{EngineParams, FileMeta, Share, Stats, TicketedHost, TransferOptions, TunerMode};
+use dmover_proto::frame::{EngineParams, FileError, FileMeta, Share, Stats, TicketedHost, TransferOptions, TunerMode};
 use dmover_proto::phase::{ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::{ErrorKind, Msg, Phase};
 use std::sync::Arc;
@@ -441,8 +441,19 @@ pub fn download(
             return Err(e);
         }
     }
-    summary?;
-    let s = report?;
+    let here = summary?;
+    let mut s = report?;
+    // The report is the server's word; what arrived here, and what this
+    // end refused, is known here: a server cannot make a copy look whole.
+    s.dest_files = here.files;
+    s.dest_bytes = here.bytes;
+    if let Some(left_out) = here.failed.checked_sub(s.errors.len() as u64).filter(|n| *n > 0) {
+        s.errors.push(FileError {
+            path: host.to_string(),
+            kind: ErrorKind::Refused,
+            message: format!("{left_out} file(s) refused or failed here are missing from the server's report"),
+        });
+    }
     progress.set(&Snapshot {
         total_files: s.files,
         total_bytes: s.bytes,

@@ -223,6 +223,9 @@ pub struct Totals {
     pub files: u64,
     pub bytes: u64,
     pub set: SetDigest,
+    /// Files given up here (refused, or failed to be written): not in
+    /// the sender's hands to count, and never in `Finished`.
+    pub failed: u64,
 }
 
 impl Totals {
@@ -416,19 +419,18 @@ impl Receive {
         if self.files.len() >= MAX_OPEN_FILES {
             return self.violate(format!("more than {MAX_OPEN_FILES} files announced and not settled"));
         }
-        let refuse = |subject, message| Action::Refuse { id, kind: ErrorKind::Refused, subject, message };
         if let Err(e) = crate::path::check_relative(&meta.path) {
-            return self.out.push_back(refuse(Subject::Said(meta.path.clone()), format!("path refused: {e}")));
+            return self.refuse(id, ErrorKind::Refused, Subject::Said(meta.path.clone()), format!("path refused: {e}"));
         }
         if let Some(Err(e)) = self.cfg.accept.as_ref().map(|accept| accept(&meta.path)) {
-            return self.out.push_back(refuse(Subject::Said(meta.path.escape_debug().to_string()), e));
+            return self.refuse(id, ErrorKind::Refused, Subject::Said(meta.path.escape_debug().to_string()), e);
         }
         if let Err(e) = check_kind(&meta) {
-            return self.out.push_back(refuse(Subject::Path(meta.path), e.into()));
+            return self.refuse(id, ErrorKind::Refused, Subject::Path(meta.path), e.into());
         }
         let blocks = match file_blocks(meta.size, self.cfg.block_size) {
             Ok(b) => b,
-            Err(e) => return self.out.push_back(refuse(Subject::Path(meta.path), e)),
+            Err(e) => return self.refuse(id, ErrorKind::Refused, Subject::Path(meta.path), e),
         };
         let f = File {
             meta,
@@ -467,7 +469,7 @@ impl Receive {
             }
             Outcome::Refused { kind, message } => {
                 let f = self.files.remove(&id).expect("looked up above");
-                self.out.push_back(Action::Refuse { id, kind, subject: Subject::Path(f.meta.path), message });
+                self.refuse(id, kind, Subject::Path(f.meta.path), message);
             }
         }
     }
@@ -564,7 +566,13 @@ impl Receive {
         if kind == ErrorKind::NoSpace {
             return self.end(Action::Fatal { kind, path: f.meta.path, message });
         }
-        self.out.push_back(Action::Refuse { id, kind, subject: Subject::Path(f.meta.path), message });
+        self.refuse(id, kind, Subject::Path(f.meta.path), message);
+    }
+
+    /// Gives file `id` up, telling the sender why, and counts it.
+    fn refuse(&mut self, id: u64, kind: ErrorKind, subject: Subject, message: String) {
+        self.totals.failed = self.totals.failed.saturating_add(1);
+        self.out.push_back(Action::Refuse { id, kind, subject, message });
     }
 
     fn violate(&mut self, why: String) {
