@@ -58,60 +58,71 @@ fn assert_names_kept(src: &Path, dst: &Path, report: &serde_json::Value) {
     assert_eq!(u(&report["files"]), NAMES.len() as u64, "{report:#}");
 }
 
-#[test]
-fn names_that_are_not_utf8_arrive_byte_for_byte_locally_and_to_and_from_a_server() {
-    let env = Env::new();
-    let src = odd_names(&env.mkdir("src"));
-    let local = env.mkdir("local");
-    let j = dmover(["cp", "--json", "-q"]).arg(format!("{}/", src.display())).arg(&local).run().assert_ok();
-    assert_names_kept(&src, &local, &j);
+/// A copy with the arguments given, once it has `cp`'s own.
+type Copy<'a> = &'a dyn Fn(&[&str]) -> Run;
 
+/// Copies the contents of `src` with `args` through every path — into a
+/// local directory, up to a server, down from it, from it to a second
+/// server (third party), up to a host reached over ssh and back down — and hands
+/// `check` each copy (to run, with more arguments if it likes, and run
+/// again) and where it lands.
+fn every_path(env: &Env, src: &Path, args: &[&str], check: &mut dyn FnMut(Copy, &Path)) {
     let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
     let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
-    let j = env.cp([format!("{}/", src.display()), a.url("ea/up/")]).run().assert_ok();
-    assert_names_kept(&src, &ea.join("up"), &j);
+    let (local, down) = (env.mkdir("local"), env.mkdir("down"));
+    let (far, back) = (env.mkdir("far"), env.mkdir("back"));
+    let sshd = Sshd::start(&env.path("sshd"));
+    let contents = format!("{}/", src.display());
+    let ssh = ["--ssh", &sshd.ssh(), "--remote-dmover", BIN].map(String::from);
+    for (from, to, at, over_ssh) in [
+        (contents.clone(), local.display().to_string(), &local, false),
+        (contents.clone(), a.url("ea/up/"), &ea.join("up"), false),
+        (a.url("ea/up/"), format!("{}/", down.display()), &down, false),
+        (a.url("ea/up/"), b.url("eb/third/"), &eb.join("third"), false),
+        (contents.clone(), format!("127.0.0.1:{}/", far.display()), &far, true),
+        (format!("127.0.0.1:{}/", far.display()), format!("{}/", back.display()), &back, true),
+    ] {
+        let copy = |more: &[&str]| {
+            let mut c = env.cp([&from, &to]);
+            c.args(args).args(more);
+            if over_ssh {
+                c.args(&ssh);
+            }
+            c.run()
+        };
+        check(&copy, at);
+    }
+}
 
-    // What an upload took, a download gives back: the newline too.
-    let down = env.mkdir("down");
-    let j = env.cp([a.url("ea/up/"), down.display().to_string()]).run().assert_ok();
-    assert_names_kept(&src, &down, &j);
+#[test]
+fn names_that_are_not_utf8_arrive_byte_for_byte_through_every_path() {
+    let env = Env::new();
+    let src = odd_names(&env.mkdir("src"));
+    every_path(&env, &src, &[], &mut |copy, at| {
+        let j = copy(&[]).assert_ok();
+        assert_names_kept(&src, at, &j);
+    });
+}
 
-    let j = env.cp([a.url("ea/up/"), b.url("eb/third/")]).run().assert_ok();
-    assert_names_kept(&src, &eb.join("third"), &j);
-
-    // A glob matches names that are not UTF-8 as it does any other.
+/// A glob matches names that are not UTF-8 as it does any other, and a
+/// listing shows such a name by its escape, a newline escaped, and a
+/// right-to-left override escaped.
+#[test]
+fn globs_match_and_listings_show_names_that_are_not_utf8() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    odd_names(&export.join("up"));
+    let a = env.serve(&[("ea", &export)]);
     let some = env.mkdir("some");
     let j = env.cp([a.url("ea/up/bad*.bin"), some.display().to_string()]).run().assert_ok();
     assert_eq!(u(&j["files"]), 2, "{j:#}");
-    assert_eq!(
-        fs::read(some.join(OsStr::from_bytes(b"bad\xfe.bin"))).unwrap(),
-        fs::read(src.join(OsStr::from_bytes(b"bad\xfe.bin"))).unwrap()
-    );
-
-    // Listings show a name that is not UTF-8 by its escape, and a newline escaped.
+    let name = OsStr::from_bytes(b"bad\xfe.bin");
+    assert_eq!(fs::read(some.join(name)).unwrap(), fs::read(export.join("up").join(name)).unwrap());
     let l = dmover(["ls", "--token-file"]).arg(&env.token).arg(a.url("ea/up/")).run();
     assert_eq!(l.code, 0, "{}", l.stderr);
     assert!(l.stdout.contains("bad\\xff.bin") && l.stdout.contains("bad\\xfe.bin"), "{}", l.stdout);
     assert!(l.stdout.contains("new\\nline.txt") && !l.stdout.contains("new\nline"), "{}", l.stdout);
     assert!(l.stdout.contains("\\u{202e}gpj.exe"), "{}", l.stdout);
-}
-
-#[test]
-fn names_that_are_not_utf8_arrive_byte_for_byte_over_ssh() {
-    let env = Env::new();
-    let sshd = Sshd::start(&env.path("sshd"));
-    let src = odd_names(&env.mkdir("src"));
-    let far = env.mkdir("far");
-    let ssh = |from: String, to: String| {
-        let mut c = dmover(["cp", "--json", "-q", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
-        c.args([from, to]);
-        c.run()
-    };
-    let j = ssh(format!("{}/", src.display()), format!("127.0.0.1:{}/", far.display())).assert_ok();
-    assert_names_kept(&src, &far, &j);
-    let back = env.mkdir("back");
-    let j = ssh(format!("127.0.0.1:{}/", far.display()), format!("{}/", back.display())).assert_ok();
-    assert_names_kept(&src, &back, &j);
 }
 
 /// Two sources holding one name would land on one destination file: the
@@ -174,29 +185,13 @@ fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
     let src = links(&env.mkdir("src"));
     let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
     let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::DirMtime, Field::Target];
-    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
-    let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
-    let local = env.mkdir("local");
-    let down = env.mkdir("down");
-    for (from, to, at) in [
-        (format!("{}/", src.display()), local.display().to_string(), local.clone()),
-        (format!("{}/", src.display()), a.url("ea/up/"), ea.join("up")),
-        (a.url("ea/up/"), format!("{}/", down.display()), down.clone()),
-        (a.url("ea/up/"), b.url("eb/third/"), eb.join("third")),
-    ] {
-        let j = env.cp([from.clone(), to.clone(), "-l".into()]).run().assert_ok();
-        assert_eq!(u(&j["files"]), 6, "{from} -> {to}: {j:#}");
-        tree::assert_same(&reference, &at, &with_links);
-        let again = env.cp([from.clone(), to.clone(), "-l".into(), "--sync".into()]).run().assert_ok();
-        assert_eq!(u(&again["skipped_files"]), 6, "{from} -> {to} with --sync: {again:#}");
-    }
-
-    let sshd = Sshd::start(&env.path("sshd"));
-    let far = env.mkdir("far");
-    let mut c = dmover(["cp", "--json", "-q", "-l", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
-    c.args([format!("{}/", src.display()), format!("127.0.0.1:{}/", far.display())]);
-    c.run().assert_ok();
-    tree::assert_same(&reference, &far, &with_links);
+    every_path(&env, &src, &["-l"], &mut |copy, at| {
+        let j = copy(&[]).assert_ok();
+        assert_eq!(u(&j["files"]), 6, "{j:#}");
+        tree::assert_same(&reference, at, &with_links);
+        let again = copy(&["--sync"]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 6, "with --sync: {again:#}");
+    });
 
     // Without -l: skipped, with a warning naming each.
     let plain = env.mkdir("plain");
@@ -247,22 +242,8 @@ fn directories_keep_their_modes_and_times_through_every_path() {
     let env = Env::new();
     let src = shapes(&env.mkdir("src"));
     let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
-    let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
-    let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
-    let (local, down) = (env.mkdir("local"), env.mkdir("down"));
-    for (from, to, at) in [
-        (format!("{}/", src.display()), local.display().to_string(), local.clone()),
-        (format!("{}/", src.display()), a.url("ea/up/"), ea.join("up")),
-        (a.url("ea/up/"), format!("{}/", down.display()), down.clone()),
-        (a.url("ea/up/"), b.url("eb/third/"), eb.join("third")),
-    ] {
-        env.cp([from.clone(), to.clone()]).run().assert_ok();
-        tree::assert_same(&reference, &at, &KEPT);
-    }
-    let sshd = Sshd::start(&env.path("sshd"));
-    let far = env.mkdir("far");
-    let mut c = dmover(["cp", "--json", "-q", "--ssh", &sshd.ssh(), "--remote-dmover", BIN]);
-    c.args([format!("{}/", src.display()), format!("127.0.0.1:{}/", far.display())]);
-    c.run().assert_ok();
-    tree::assert_same(&reference, &far, &KEPT);
+    every_path(&env, &src, &[], &mut |copy, at| {
+        copy(&[]).assert_ok();
+        tree::assert_same(&reference, at, &KEPT);
+    });
 }
