@@ -52,6 +52,34 @@ fn missing_remote_source_exits_3() {
     assert!(list_files(&down).is_empty());
 }
 
+/// Regression: a destination directory that is a file (or below one) gave
+/// `exit 1: ...: Not a directory (os error 20) (please report this)`. It is
+/// a usage error with its own advice, locally and at a server, and the file
+/// is left as it was.
+#[test]
+fn a_destination_that_is_a_file_is_a_usage_error_exits_2() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    fs::write(src.join("a"), "a").unwrap();
+    let export = env.mkdir("export");
+    fs::write(export.join("afile"), "keep").unwrap();
+    let srv = env.serve(&[("e", &export)]);
+    let local = export.join("afile").display().to_string();
+    let contents = format!("{}/", src.display());
+    for (from, to, says) in [
+        (contents.clone(), format!("{local}/"), "is a file, not a directory"),
+        (src.display().to_string(), local.clone(), "is a file, not a directory"),
+        (src.display().to_string(), format!("{local}/sub/"), "a file is in the way"),
+        (contents.clone(), srv.url("e/afile/"), "is a file, not a directory"),
+        (contents, srv.url("e/afile/sub/"), "a file is in the way"),
+    ] {
+        let r = env.cp([&from, &to]).run();
+        r.assert_fails(2, &["afile", says]);
+        assert!(!r.stderr.contains("please report"), "{from} -> {to}: {}", r.stderr);
+        assert_eq!(fs::read_to_string(export.join("afile")).unwrap(), "keep", "{from} -> {to}");
+    }
+}
+
 #[test]
 fn unreadable_source_file_exits_4() {
     if !dmover_testkit::needs_root("setpriv to run dmover as nobody") {

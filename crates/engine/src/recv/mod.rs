@@ -197,6 +197,9 @@ impl Layout {
     /// An error names the state directory (a symlink planted there is
     /// refused, and the user must see which name is in the way).
     fn settle(store: &Store, parent: &Path, dest_file: Option<PathBuf>, transfer_id: &[u8; 16]) -> Result<Layout> {
+        if store.stat_followed(parent).is_ok_and(|s| !s.is_dir()) {
+            return Err(not_a_directory(store.display(parent)));
+        }
         let state = state_store(store);
         let state_dir = parent.join(STATE_DIR);
         let marker = state_dir.join(format!("transfer-{}", hex::encode(transfer_id)));
@@ -209,6 +212,12 @@ impl Layout {
         }
         Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
     }
+}
+
+/// The refusal of a destination directory that is a file.
+fn not_a_directory(label: String) -> Error {
+    Error::new(ErrorKind::Usage, label, "the destination is a file, not a directory")
+        .advised("name a directory (one that is missing is made), or, to replace the file, a single source file")
 }
 
 /// Where the resume state of transfers into `store` goes (see
@@ -305,8 +314,16 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
             (true, Some(name)) => (dest_dir.parent().map(Path::to_path_buf).unwrap_or_default(), PathBuf::from(name)),
             _ => (dest_dir.clone(), PathBuf::new()),
         };
-        let made = cfg.store.stat_followed(&root).is_err();
-        cfg.store.make_dirs(&root).map_err(|e| Error::io(&label, &e))?;
+        let there = cfg.store.stat_followed(&root);
+        if there.as_ref().is_ok_and(|s| !s.is_dir()) {
+            return Err(not_a_directory(label));
+        }
+        let made = there.is_err();
+        cfg.store.make_dirs(&root).map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOTDIR) => Error::new(ErrorKind::Usage, &label, "a file is in the way of the destination directory")
+                .advised("name a destination whose parents are directories, or remove the file in the way"),
+            _ => Error::io(&label, &e),
+        })?;
         if let Some(beneath) = cfg.store.beneath(&root).map_err(|e| Error::io(&label, &e))? {
             // The committer syncs directories beneath the root only: the
             // name of a root made now is made durable here.
