@@ -1491,8 +1491,18 @@ fn drain_gathers_a_step_left_split_and_its_hook_runs_once() {
     std::thread::sleep(Duration::from_secs(1));
     assert!(!hooked(&log).iter().any(|l| l.ends_with("step-000002.json")), "a hook ran for a split step");
 
-    primary.restart();
+    // While the primary is down the step cannot be gathered: drain fails, saying to run it again.
     let manifest = report.manifest.to_str().unwrap().to_string();
+    let r = dmover(["drain", "--timeout", "5", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 6, "drain left step 2 split, yet did not fail as unreachable:\n{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("[2]") && r.stderr.contains("run drain again"),
+        "drain does not name the split step or say to run again:\n{}",
+        r.stderr
+    );
+    assert!(!hooked(&log).iter().any(|l| l.ends_with("step-000002.json")), "a hook ran for a step drain left split");
+
+    primary.restart();
     let r = dmover(["drain", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     // Drain sends to the first sink that takes it, the primary: the step is gathered there.
@@ -1645,7 +1655,8 @@ fn replicas_from(env: &Env, what: &str, producer: &str, mut cmd: Command, extra:
     let mut rest = String::new();
     stdout.read_to_string(&mut rest).unwrap();
     assert!(r.status.success(), "{what}: {rest}\n{}", String::from_utf8_lossy(&r.stderr));
-    assert!(!rest.contains("failovers=0"), "{what}: {rest}");
+    let failovers = rest.lines().find_map(|l| l.strip_prefix("failovers=")).map(|n| n.trim().parse::<u64>());
+    assert!(matches!(failovers, Some(Ok(n)) if n >= 1), "{what}: a sink was killed, but no failover was reported: {rest}");
     let written: Vec<Vec<u8>> =
         (0..steps).map(|step| (0..n).flat_map(|i| ((step * 1_000_003 + i) as f64).to_le_bytes()).collect()).collect();
     let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
@@ -1682,14 +1693,241 @@ fn with_fewer_sinks_up_than_replicas_the_stream_goes_on_and_close_returns() {
     let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
     let mut c = config(&env, &addrs.iter().map(String::as_str).collect::<Vec<_>>(), &spill);
     c.replicas = 2;
+    // A write may wait for room: with a sink up to take every block, none spills.
+    c.max_wait = Duration::from_secs(2);
+    c.close_timeout = Duration::from_secs(30);
     let mut s = Stream::open(c).unwrap();
     let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
     written.push(write_split_step(&mut s, 3, || sinks[0].kill9()));
     written.extend((4..12).map(|step| write_step(&mut s, step)));
     let start = std::time::Instant::now();
     let report = s.close().unwrap();
+    assert_eq!(
+        report.spilled_blocks, 0,
+        "the ring kept blocks waiting for a second copy no sink could take, and the writer spilled: {report:?}"
+    );
     assert!(start.elapsed() < Duration::from_secs(30), "close took {:?}", start.elapsed());
     assert_eq!(report.undelivered_blocks, 0, "{report:?}");
     let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
     assert_copies(&report.manifest, PRODUCER, &written, &dirs, &addrs[0], 1);
+}
+
+/// STREAMING.md "Replicas": `set_replicas` raises k on an open stream, and
+/// the steps sent before get their new copies, as the later ones do.
+#[test]
+fn raising_replicas_mid_stream_copies_the_steps_sent_before() {
+    let env = Env::new();
+    let (outs, spill): (Vec<PathBuf>, PathBuf) = ((0..2).map(|i| env.mkdir(&format!("sink-{i}"))).collect(), env.mkdir("spill"));
+    let sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
+    let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
+    let mut s = Stream::open(config(&env, &addrs.iter().map(String::as_str).collect::<Vec<_>>(), &spill)).unwrap();
+    let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
+    let saved = outs[0].join(PRODUCER).join("step-000002.json");
+    assert!(wait_until(Duration::from_secs(30), || saved.is_file()), "step 2 was not saved at the first sink");
+    assert!(!outs[1].join(PRODUCER).exists(), "with one replica, the second sink got a copy before k was raised");
+    s.set_replicas(2).unwrap();
+    written.extend((3..6).map(|step| write_step(&mut s, step)));
+    let report = s.close().unwrap();
+    assert_eq!(report.undelivered_blocks, 0, "{report:?}");
+    assert!(report.complete_at.values().all(|at| at.len() == 2), "not every step is whole at both sinks: {:?}", report.complete_at);
+    let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
+    assert_copies(&report.manifest, PRODUCER, &written, &dirs, "", 2);
+}
+
+/// STREAMING.md "The producer's manifest": `replicas` gives k, which drain
+/// keeps. Both sinks of a stream with k = 2 die before anything was
+/// delivered; once they are back, drain delivers every step to both.
+#[test]
+fn drain_of_a_stream_with_two_replicas_delivers_two_copies() {
+    let env = Env::new();
+    let (outs, spill): (Vec<PathBuf>, PathBuf) = ((0..2).map(|i| env.mkdir(&format!("sink-{i}"))).collect(), env.mkdir("spill"));
+    let mut sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
+    let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
+    let mut c = config(&env, &addrs.iter().map(String::as_str).collect::<Vec<_>>(), &spill);
+    c.replicas = 2;
+    c.close_timeout = Duration::from_secs(1);
+    let mut s = Stream::open(c).unwrap();
+    sinks.iter_mut().for_each(Server::kill9);
+    let written: Vec<Vec<u8>> = (0..5).map(|step| write_step(&mut s, step)).collect();
+    let report = s.close().unwrap();
+    assert_eq!(report.undelivered_blocks, report.blocks, "both sinks were dead, yet blocks were delivered: {report:?}");
+    sinks.iter_mut().for_each(Server::restart);
+    let manifest = report.manifest.to_str().unwrap().to_string();
+    let r = dmover(["drain", "--timeout", "60", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
+    assert_copies(&report.manifest, PRODUCER, &written, &dirs, "", 2);
+}
+
+/// A producer that measures its own memory: streams STEPS steps of BYTES
+/// bytes to SINKS with SPILL and a BUFFER-byte ring of 1 MiB blocks. It
+/// says "open" once its stream is open and waits for a line (the test stops
+/// the sink meanwhile); after writing it says "written BEFORE PEAK" (its
+/// peak resident KiB before opening the stream, with its data in memory,
+/// and now) and waits for a line (the test lets the sink go on); after
+/// closing it says "closed PEAK".
+const RSS_PRODUCER_C: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "dmover_stream.h"
+#define FAIL(x) if (x) { fprintf(stderr, "%s\n", dms_last_error()); return 2; }
+static long peak_kib(void) {
+    char line[256];
+    long kib = -1;
+    FILE *f = fopen("/proc/self/status", "r");
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmHWM: %ld", &kib) == 1) break;
+    if (f) fclose(f);
+    return kib;
+}
+int main(int argc, char **argv) {
+    dms_stream *s;
+    dms_report r = {0};
+    char line[8];
+    long buffer = atol(argv[3]), steps = atol(argv[4]), bytes = atol(argv[5]);
+    char *data = malloc(bytes);
+    memset(data, 7, bytes);
+    long before = peak_kib();
+    FAIL(dms_open("rss-c", argv[1], argv[2], buffer, 1 << 20, 0, &s));
+    printf("open\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    for (long step = 0; step < steps; step++) {
+        data[0] = (char)step;
+        FAIL(dms_write(s, data, bytes));
+        FAIL(dms_end_step(s));
+    }
+    printf("written %ld %ld\n", before, peak_kib());
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    FAIL(dms_close(s, &r));
+    printf("closed %ld spilled=%llu\n", peak_kib(), (unsigned long long)r.spilled_blocks);
+    return 0;
+}
+"#;
+
+/// STREAMING.md "How it works": memory never exceeds the buffer. A producer
+/// writes six times its buffer while its sink is stopped, so that no slot
+/// is ever freed, then closes; its peak resident memory grows by the buffer
+/// and a fixed allowance, never by what it wrote. The allowance (24 blocks)
+/// covers what lives outside the ring whatever the buffer: a frame being
+/// sealed on each of the 8 data connections, the block being spilled or
+/// read back, the queue manager's state and the allocator's own.
+#[test]
+fn a_producers_memory_never_exceeds_its_buffer() {
+    use std::io::{BufRead, Read, Write};
+    const MIB: u64 = 1 << 20;
+    let (buffer, steps, bytes) = (16 * MIB, 24u64, 4 * MIB);
+    let env = Env::new();
+    let dir = env.mkdir("build");
+    let src = dir.join("rss.c");
+    std::fs::write(&src, RSS_PRODUCER_C).unwrap();
+    let exe = dir.join("rss-c");
+    build("cc", &[src], &exe);
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let mut cmd = Command::new(&exe);
+    cmd.arg(sink.addr()).arg(&spill).args([buffer.to_string(), steps.to_string(), bytes.to_string()]);
+    let (mut child, mut stdout) = spawn_until(&env, &mut cmd, "open", "the producer did not open its stream");
+    let mut stdin = child.stdin.take().unwrap();
+    sink.signal(libc::SIGSTOP);
+    stdin.write_all(b"go\n").unwrap();
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    sink.signal(libc::SIGCONT);
+    stdin.write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let r = child.wait_with_output().unwrap();
+    assert!(r.status.success(), "{line}{rest}\n{}", String::from_utf8_lossy(&r.stderr));
+    let kib = |s: &str| s.parse::<u64>().unwrap_or_else(|_| panic!("not a number of KiB: {s:?} in {line}{rest}"));
+    let w: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(w.first(), Some(&"written"), "{line}{rest}");
+    let (before, written) = (kib(w[1]), kib(w[2]));
+    let closed = kib(rest.split_whitespace().nth(1).unwrap_or(""));
+    let spilled: u64 = rest.split("spilled=").nth(1).and_then(|n| n.trim().parse().ok()).unwrap_or(0);
+    let bound = (buffer + 24 * MIB) / 1024;
+    for (when, peak) in [("after writing", written), ("after closing", closed)] {
+        assert!(
+            peak - before <= bound,
+            "{when}, the producer's peak memory grew by {} KiB, more than its {} KiB buffer and 24 MiB; it wrote {} MiB",
+            peak - before,
+            buffer / 1024,
+            steps * bytes / MIB
+        );
+    }
+    assert!(spilled * MIB >= steps * bytes - buffer, "the sink was stopped, yet only {spilled} blocks spilled: {rest}");
+    for step in 0..steps {
+        let len = std::fs::metadata(out.join("rss-c").join(format!("step-{step:06}.dat"))).map(|m| m.len()).unwrap_or(0);
+        assert_eq!(len, bytes, "step {step} at the sink");
+    }
+}
+
+/// Streams 3 steps with its only sink killed once the stream is open, then
+/// (once the test damaged the spill file and restarted the sink) closes and
+/// prints the exception `close` raised.
+const VERIFY_PRODUCER_PY: &str = r#"
+import sys
+from dmover_stream import Stream
+s = Stream("verify-py", [sys.argv[1]], sys.argv[2], block_size=65536, close_timeout=60)
+print("open", flush=True)
+sys.stdin.readline()
+for step in range(3):
+    s.write(bytes([step + 1]) * (4 * 65536 + 1000))
+    s.end_step()
+print("written", flush=True)
+sys.stdin.readline()
+try:
+    s.close()
+    print("closed")
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+"#;
+
+/// STREAMING.md "Using it": a block that fails its check is a
+/// `RuntimeError` in Python. The blocks spill while the sink is down; one
+/// is damaged in the spill file; sending it at close finds the damage.
+#[test]
+fn a_damaged_block_is_a_runtime_error_in_python() {
+    use std::io::{BufRead, Read, Write};
+    let env = Env::new();
+    let (out, spill) = (env.mkdir("sink"), env.mkdir("spill"));
+    let mut sink = env.sink(&out, [] as [&str; 0]);
+    let mut cmd = Command::new("python3");
+    cmd.args(["-c", VERIFY_PRODUCER_PY, &sink.addr(), spill.to_str().unwrap()]);
+    let (mut child, mut stdout) = spawn_until(&env, &mut cmd, "open", "the producer did not open its stream");
+    let mut stdin = child.stdin.take().unwrap();
+    sink.kill9();
+    stdin.write_all(b"go\n").unwrap();
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "written");
+    let manifest =
+        || std::fs::read_dir(&spill).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().ends_with(".manifest.json"));
+    let all_spilled = || {
+        let Some(m) = manifest().and_then(|p| read_json_opt(&p)) else { return false };
+        let steps = m["steps"].as_array().cloned().unwrap_or_default();
+        steps.len() == 3
+            && steps.iter().all(|s| {
+                s["ended"] == true
+                    && s["blocks"].as_array().is_some_and(|b| b.len() == 5 && b.iter().all(|b| b.get("spill_offset").is_some()))
+            })
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), all_spilled),
+        "the blocks did not reach the spill file: {:?}",
+        manifest().map(|p| read_json(&p))
+    );
+    let file = std::fs::read_dir(&spill).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|x| x == "spill")).unwrap();
+    let mut bytes = std::fs::read(&file).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x20;
+    std::fs::write(&file, &bytes).unwrap();
+    sink.restart();
+    stdin.write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let r = child.wait_with_output().unwrap();
+    assert!(r.status.success(), "{rest}\n{}", String::from_utf8_lossy(&r.stderr));
+    assert!(rest.starts_with("RuntimeError: ") && rest.contains("damaged"), "close did not raise RuntimeError for a damaged block: {rest}");
 }
