@@ -806,3 +806,56 @@ fn a_submission_sbatch_refuses_is_one_line_with_sbatchs_reasons_exits_2() {
     r.assert_fails(2, &["sbatch", "no controller; sbatch: fatal: Could not establish a configuration source", "sinfo"]);
     assert!(!r.stderr.contains("\\n"), "sbatch's lines should not show as escaped newlines: {}", r.stderr);
 }
+
+/// A token file that group or others can read is refused by every command
+/// that reads one, not by `cp` and `serve` alone: `sink`, `ls`, `bench` and
+/// `drain` each exit 2 naming the file and the `chmod 600` that fixes it,
+/// before they listen, connect or read anything else. Each would otherwise
+/// go ahead: the server and the token are good.
+#[test]
+fn sink_ls_bench_and_drain_refuse_a_token_file_others_can_read() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let open = env.path("open-token");
+    fs::copy(&env.token, &open).unwrap();
+    let manifest = env.path("spill/sim.1.manifest.json");
+    let sink_dir = env.path("sink");
+    let fix = format!("chmod 600 {}", open.display());
+    for mode in [0o644, 0o640, 0o604] {
+        chmod(&open, mode);
+        let commands: [(&str, Cmd); 4] = [
+            ("sink", {
+                let mut c = dmover(["sink", "--listen", "127.0.0.1:0", "--dir"]);
+                c.arg(&sink_dir).arg("--token-file").arg(&open).timeout(Duration::from_secs(10));
+                c
+            }),
+            ("ls", {
+                let mut c = dmover(["ls", "--token-file"]);
+                c.arg(&open).arg(srv.url("e/"));
+                c
+            }),
+            ("bench", {
+                let mut c = dmover(["bench", "--size", "8M", "--streams", "2", "--token-file"]);
+                c.arg(&open).arg(srv.url("e"));
+                c
+            }),
+            ("drain", {
+                let mut c = dmover(["drain", "--timeout", "1", "--token-file"]);
+                c.arg(&open).arg(&manifest);
+                c
+            }),
+        ];
+        for (name, cmd) in commands {
+            let r = cmd.run();
+            assert_eq!(
+                r.code, 2,
+                "{name} with a token file of mode {mode:o}: exit code (want 2); stderr:\n{}\nstdout:\n{}",
+                r.stderr, r.stdout
+            );
+            r.assert_fails(2, &["group or others", &fix]);
+            assert!(!r.stdout.contains("listening"), "{name} started with a token file of mode {mode:o}: {}", r.stdout);
+        }
+    }
+    assert!(!sink_dir.exists(), "the sink made its directory with a token file others can read");
+}
