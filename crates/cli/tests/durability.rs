@@ -1,25 +1,52 @@
-//! A file is confirmed only once it is durable: the receiving server makes
+//! A file is confirmed only once it is durable: the receiver — a server
+//! taking an upload, or the client downloading or copying locally — makes
 //! each file of a batch durable (its own `fsync`, not a sync of the whole
 //! file system) before it renames it into place, and the directories it
 //! was renamed into (and every new directory on the way up) after, before
 //! it confirms it. Empty files, made in place, are synced after they are
 //! made, many at once by one sync of their file system. Seen from outside
-//! through strace, as the order of the server's sync, create and rename
-//! calls.
+//! through strace, as the order of the receiver's sync, mkdir, create and
+//! rename calls.
 
 mod util;
 
 use std::collections::HashMap;
+use std::fs;
 use std::path::{Path, PathBuf};
 use util::*;
 
 const FILES: usize = 300;
 
-/// Uploads `FILES` files of a size `size` draws in ten directories to a
-/// new directory `dst` of a server's export running under strace, with
-/// `extra` cp flags; returns the export and the server's sync, create and
-/// rename calls.
-fn upload_traced(extra: &[&str], size: impl Fn(&mut Rng) -> u64) -> (PathBuf, Vec<Call>) {
+/// Which way the traced copy goes, and so which process is traced: the
+/// one that receives and writes the files.
+#[derive(Clone, Copy, Debug)]
+enum Way {
+    /// To a server's export: the server is traced.
+    Upload,
+    /// From a server's export to a local directory: the client is traced.
+    Download,
+    /// From a local directory to another: the client is traced.
+    Local,
+}
+
+/// strace's arguments before the traced command: the sync, create and
+/// rename calls of every thread, with the paths of descriptors, to `trace`.
+fn strace(trace: &Path) -> Vec<std::ffi::OsString> {
+    let mut p: Vec<std::ffi::OsString> =
+        ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,syncfs,openat,mkdir,mkdirat,rename,renameat,renameat2", "-o"]
+            .iter()
+            .map(Into::into)
+            .collect();
+    p.push(trace.into());
+    p
+}
+
+/// Copies `FILES` files of a size `size` draws in ten directories to a new
+/// directory `dst` (in a server's export or a local directory, by `way`),
+/// the receiving process running under strace, with `extra` cp flags;
+/// returns the directory `dst` was made in and the receiver's sync, create
+/// and rename calls.
+fn copy_traced(way: Way, extra: &[&str], size: impl Fn(&mut Rng) -> u64) -> (PathBuf, Vec<Call>) {
     let env = Env::new();
     let export = env.mkdir("export");
     let src = env.mkdir("src");
@@ -28,21 +55,39 @@ fn upload_traced(extra: &[&str], size: impl Fn(&mut Rng) -> u64) -> (PathBuf, Ve
         let n = size(&mut rng);
         make_file(&src.join(format!("d{}/f{i}.dat", i % 10)), n, &mut rng);
     }
-    let trace = env.path("server.strace");
+    let trace = env.path("receiver.strace");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
-    spec.prefix =
-        ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,syncfs,openat,rename,renameat,renameat2", "-o"].iter().map(Into::into).collect();
-    spec.prefix.push(trace.clone().into());
-    // The server is strace's child: have it killed when strace is, as the
-    // test's kill reaches strace only.
-    spec.prefix.extend(["setpriv", "--pdeathsig", "KILL"].iter().map(Into::into));
+    if let Way::Upload = way {
+        spec.prefix = strace(&trace);
+        // The server is strace's child: have it killed when strace is, as
+        // the test's kill reaches strace only.
+        spec.prefix.extend(["setpriv", "--pdeathsig", "KILL"].iter().map(Into::into));
+    }
     let srv = Server::start(spec);
-    let mut args = vec![format!("{}/", src.display()), srv.url("e/dst")];
+    let local = env.mkdir("local");
+    let (from, into) = match way {
+        Way::Upload => (format!("{}/", src.display()), export.clone()),
+        Way::Download => {
+            fs::rename(&src, export.join("src")).unwrap();
+            (srv.url("e/src/"), local.clone())
+        }
+        Way::Local => (format!("{}/", src.display()), local.clone()),
+    };
+    let to = match way {
+        Way::Upload => srv.url("e/dst"),
+        Way::Download | Way::Local => local.join("dst").display().to_string(),
+    };
+    let mut args = vec![from, to];
     args.extend(extra.iter().map(|s| s.to_string()));
-    env.cp(args).run().assert_ok();
-    assert_same_tree(&src, &export.join("dst"));
+    let mut cp = env.cp(args);
+    if !matches!(way, Way::Upload) {
+        cp.prefix(strace(&trace));
+    }
+    cp.run().assert_ok();
+    let source = if let Way::Download = way { export.join("src") } else { src };
+    assert_same_tree(&source, &into.join("dst"));
     drop(srv);
-    (export.canonicalize().unwrap(), calls(&trace))
+    (into.canonicalize().unwrap(), calls(&trace))
 }
 
 /// A successful system call of the server, with the lines of the trace
@@ -62,6 +107,8 @@ enum What {
     SyncFs(PathBuf),
     /// A file made with `O_CREAT` at this path.
     Create(PathBuf),
+    /// A directory made at this path.
+    MakeDir(PathBuf),
     /// A rename of `from` to `to`.
     Rename { from: PathBuf, to: PathBuf },
 }
@@ -100,6 +147,13 @@ fn calls(trace: &Path) -> Vec<Call> {
                 Some(made) => What::Create(made),
                 None => continue,
             }
+        } else if args.starts_with("mkdir") {
+            let (dirs, names) = (fd_paths(args), quoted(args));
+            match (dirs.first(), names.first()) {
+                (Some(at), Some(name)) => What::MakeDir(at.join(name)),
+                (None, Some(name)) => What::MakeDir(PathBuf::from(name)),
+                _ => panic!("line {n}: a mkdir not understood: {args}"),
+            }
         } else if args.starts_with("rename") {
             let dirs = fd_paths(args);
             let names = quoted(args);
@@ -127,63 +181,76 @@ fn quoted(args: &str) -> Vec<String> {
     args.split('"').skip(1).step_by(2).map(str::to_string).collect()
 }
 
+/// Each way a copy writes files: to a server, and at the client from a
+/// server or from a local directory.
+const WAYS: [Way; 3] = [Way::Upload, Way::Download, Way::Local];
+
 #[test]
 fn files_are_synced_before_and_after_their_rename_and_no_fsync_skips_it() {
-    let (export, calls) = upload_traced(&[], |rng| 1000 + rng.below(20_000));
-    let synced = |path: &Path| {
-        let what = What::Sync(path.to_path_buf());
-        calls.iter().filter(move |c| c.what == what)
-    };
-    let renames: Vec<(&Call, &Path, &Path)> = calls
-        .iter()
-        .filter_map(|c| match &c.what {
-            What::Rename { from, to } if from.to_string_lossy().ends_with(".dmover-part") => Some((c, from.as_path(), to.as_path())),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(renames.len(), FILES, "every file is renamed into place once: {calls:#?}");
-    for (r, from, to) in &renames {
-        assert!(synced(from).any(|s| s.end < r.start), "{} renamed before its data was made durable", to.display());
-        let dir = to.parent().unwrap();
-        assert!(synced(dir).any(|s| s.start > r.end), "{}: its directory was not synced after the rename", to.display());
-    }
-    // The new directories' own names: each directory up to the export's
-    // root is synced after the first file was renamed beneath it.
-    let dst = export.join("dst");
-    for dir in [dst.join("d3"), dst.clone(), export.clone()] {
-        let first = renames.iter().filter(|(_, _, to)| to.starts_with(&dir)).map(|(r, _, _)| r.end).min().unwrap();
-        assert!(synced(&dir).any(|s| s.start > first), "{} was never synced after files were renamed beneath it", dir.display());
-    }
-    let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_))).count();
-    eprintln!("{FILES} files committed with {syncs} syncs");
+    for way in WAYS {
+        let (into, calls) = copy_traced(way, &[], |rng| 1000 + rng.below(20_000));
+        let synced = |path: &Path| {
+            let what = What::Sync(path.to_path_buf());
+            calls.iter().filter(move |c| c.what == what)
+        };
+        let renames: Vec<(&Call, &Path, &Path)> = calls
+            .iter()
+            .filter_map(|c| match &c.what {
+                What::Rename { from, to } if from.to_string_lossy().ends_with(".dmover-part") => Some((c, from.as_path(), to.as_path())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(renames.len(), FILES, "{way:?}: every file is renamed into place once: {calls:#?}");
+        for (r, from, to) in &renames {
+            assert!(synced(from).any(|s| s.end < r.start), "{way:?}: {} renamed before its data was made durable", to.display());
+            let dir = to.parent().unwrap();
+            assert!(synced(dir).any(|s| s.start > r.end), "{way:?}: {}: its directory was not synced after the rename", to.display());
+        }
+        // The new directories' own names: each directory up to the one
+        // `dst` was made in is synced after the directory below it on the
+        // way to d3 was made there.
+        let dst = into.join("dst");
+        for (dir, made) in [(dst.clone(), dst.join("d3")), (into.clone(), dst.clone())] {
+            let what = What::MakeDir(made.clone());
+            let made_at =
+                calls.iter().find(|c| c.what == what).unwrap_or_else(|| panic!("{way:?}: {} was never made: {calls:#?}", made.display()));
+            let durable = synced(&dir).any(|s| s.start > made_at.end);
+            assert!(durable, "{way:?}: {} was never synced after {} was made in it", dir.display(), made.display());
+        }
+        let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_))).count();
+        eprintln!("{way:?}: {FILES} files committed with {syncs} syncs");
 
-    let (_, calls) = upload_traced(&["--no-fsync"], |rng| 1000 + rng.below(20_000));
-    assert!(!calls.iter().any(|c| matches!(c.what, What::Sync(_) | What::SyncFs(_))), "--no-fsync: a sync: {calls:#?}");
-    let renamed = calls.iter().filter(|c| matches!(c.what, What::Rename { .. })).count();
-    assert_eq!(renamed, FILES, "--no-fsync: every file renamed once: {calls:#?}");
+        let (_, calls) = copy_traced(way, &["--no-fsync"], |rng| 1000 + rng.below(20_000));
+        assert!(!calls.iter().any(|c| matches!(c.what, What::Sync(_) | What::SyncFs(_))), "{way:?} --no-fsync: a sync: {calls:#?}");
+        let renamed = calls.iter().filter(|c| matches!(c.what, What::Rename { .. })).count();
+        assert_eq!(renamed, FILES, "{way:?} --no-fsync: every file renamed once: {calls:#?}");
+    }
 }
 
 #[test]
 fn empty_files_are_synced_after_they_are_made_many_by_one_sync_of_their_file_system() {
-    let (export, calls) = upload_traced(&[], |_| 0);
-    let dst = export.join("dst");
-    let made: Vec<(&Call, &Path)> = calls
-        .iter()
-        .filter_map(|c| match &c.what {
-            What::Create(p) if p.starts_with(&dst) && p.extension().is_some_and(|e| e == "dat") => Some((c, p.as_path())),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(made.len(), FILES, "every empty file is made in place, once: {calls:#?}");
-    let whole: Vec<&Call> = calls.iter().filter(|c| matches!(&c.what, What::SyncFs(p) if p.starts_with(&export))).collect();
-    for (c, path) in &made {
-        let own = What::Sync(path.to_path_buf());
-        let dir = What::Sync(path.parent().unwrap().to_path_buf());
-        let after = |w: &What| calls.iter().any(|s| s.start > c.end && s.what == *w);
-        let by_whole = whole.iter().any(|s| s.start > c.end);
-        assert!(by_whole || after(&own), "{} was never synced after it was made", path.display());
-        assert!(by_whole || after(&dir), "{}: its directory was not synced after it was made", path.display());
+    for way in WAYS {
+        let (into, calls) = copy_traced(way, &[], |_| 0);
+        let dst = into.join("dst");
+        let made: Vec<(&Call, &Path)> = calls
+            .iter()
+            .filter_map(|c| match &c.what {
+                What::Create(p) if p.starts_with(&dst) && p.extension().is_some_and(|e| e == "dat") => Some((c, p.as_path())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(made.len(), FILES, "{way:?}: every empty file is made in place, once: {calls:#?}");
+        let whole: Vec<&Call> = calls.iter().filter(|c| matches!(&c.what, What::SyncFs(p) if p.starts_with(&into))).collect();
+        for (c, path) in &made {
+            let own = What::Sync(path.to_path_buf());
+            let dir = What::Sync(path.parent().unwrap().to_path_buf());
+            let after = |w: &What| calls.iter().any(|s| s.start > c.end && s.what == *w);
+            let by_whole = whole.iter().any(|s| s.start > c.end);
+            assert!(by_whole || after(&own), "{way:?}: {} was never synced after it was made", path.display());
+            assert!(by_whole || after(&dir), "{way:?}: {}: its directory was not synced after it was made", path.display());
+        }
+        let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_) | What::SyncFs(_))).count();
+        let took = format!("{way:?}: {FILES} empty files took {syncs} syncs, {} of them of the file system", whole.len());
+        assert!(!whole.is_empty() && syncs < FILES / 4, "{took}");
     }
-    let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_) | What::SyncFs(_))).count();
-    assert!(!whole.is_empty() && syncs < FILES / 4, "{FILES} empty files took {syncs} syncs, {} of them of the file system", whole.len());
 }
