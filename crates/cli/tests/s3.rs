@@ -1,10 +1,13 @@
 //! s3://bucket/prefix locations against a real S3 server (versitygw on
 //! loopback): a tree up and back down identical, a 2 GiB upload killed
 //! midway and resumed (and a download), an upload's memory within its
-//! staging, from bucket to bucket, between a bucket and a server, globs (and ls), --sync, the digest kept with each object and checked on the way
-//! down, objects other tools wrote, credentials from a profile with
-//! --s3-endpoint, what wrong credentials and a missing bucket say, and
-//! symlinks kept as rclone's --links keeps them (read by rclone both ways).
+//! staging, from bucket to bucket, between a bucket and a server, globs
+//! (and ls), --sync (a same-size change, a same-size same-mtime change
+//! with -c, an object left without dmover's metadata), the digest kept
+//! with each object and checked on the way down, objects other tools
+//! wrote, credentials from a profile with --s3-endpoint, what wrong
+//! credentials and a missing bucket say, and symlinks kept as rclone's
+//! --links keeps them (read by rclone both ways).
 //! And a bucket served by `dmover serve --export NAME=s3://BUCKET/prefix`:
 //! up, down and listed as a directory export is, an upload into it cut
 //! short and resumed, third-party copies to and from a directory export,
@@ -442,6 +445,88 @@ fn sync_skips_what_is_there_both_ways() {
     let j = t.cp(["s3://data/src", dst.to_str().unwrap(), "--sync"]).run().assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
     assert_same_tree(&src, &dst.join("src"));
+}
+
+/// The object a run cut short between completing an upload and setting its
+/// metadata leaves: whole, without dmover's metadata (written here behind
+/// the server's back with the file's bytes). `--sync` sends it again, and
+/// the object it leaves has its metadata: the next `--sync` skips it and a
+/// download has the file's mtime and mode.
+#[test]
+fn sync_sends_again_an_object_without_dmovers_metadata() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    make_tree(&src, 29, 6);
+    // Uploaded in parts, as such a run leaves it.
+    make_file(&src.join("parts.bin"), 20 * MIB + 5, &mut Rng::new(30));
+    let files = u(&t.cp([src.to_str().unwrap(), "s3://data/", "--sync"]).run().assert_ok()["files"]);
+    for name in ["parts.bin", "one.bin"] {
+        let obj = bucket.join("src").join(name);
+        let bytes = fs::read(&obj).unwrap();
+        fs::remove_file(&obj).unwrap();
+        fs::write(&obj, &bytes).unwrap();
+        assert!(same_content(&src.join(name), &obj), "{name}: the object's bytes are not the file's");
+    }
+    let j = t.cp([src.to_str().unwrap(), "s3://data/", "--sync"]).run().assert_ok();
+    assert_eq!(u(&j["skipped_files"]), files - 2, "--sync must send again the 2 objects without dmover's metadata: {j:#}");
+    assert_eq!(u(&j["files"]), files, "{j:#}");
+    let j = t.cp([src.to_str().unwrap(), "s3://data/", "--sync"]).run().assert_ok();
+    assert_eq!(u(&j["skipped_files"]), files, "the objects sent again did not get their metadata: {j:#}");
+    let dst = t.env.mkdir("dst");
+    t.cp(["s3://data/src", dst.to_str().unwrap()]).run().assert_ok();
+    assert_same_tree(&src, &dst.join("src"));
+}
+
+/// `--sync` decides by size and mtime, `--sync -c` by content: a file
+/// changed keeping its size (a new mtime) is sent by `--sync`; one changed
+/// keeping its size and its mtime is left by `--sync` and sent by
+/// `--sync -c`, which leaves the unchanged ones. Objects keep the files'
+/// mtimes throughout (a download has them).
+#[test]
+fn sync_sees_a_same_size_change_and_with_checksum_a_same_mtime_change() {
+    let Some(t) = Setup::new() else { return };
+    t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    make_tree(&src, 32, 8);
+    make_file(&src.join("parts.bin"), 20 * MIB + 5, &mut Rng::new(33));
+    let up = |extra: &[&str]| {
+        let mut args = vec![src.to_str().unwrap(), "s3://data/", "--sync"];
+        args.extend(extra);
+        t.cp(args).run().assert_ok()
+    };
+    let files = u(&up(&[])["files"]);
+    let down = |name: &str| {
+        let dst = t.env.mkdir(name);
+        t.cp(["s3://data/src", dst.to_str().unwrap()]).run().assert_ok();
+        assert_same_tree(&src, &dst.join("src"));
+    };
+    // Rewritten with other bytes of the same size, as an edit leaves it (a new mtime).
+    let flip = |name: &str| {
+        let path = src.join(name);
+        let mut data = fs::read(&path).unwrap();
+        let mid = data.len() / 2;
+        data[mid] ^= 0x55;
+        let before = mtime_of(&path);
+        fs::write(&path, &data).unwrap();
+        set_mtime(&path, before.0 + 7, before.1);
+        before
+    };
+    flip("parts.bin");
+    flip("one.bin");
+    let j = up(&[]);
+    assert_eq!(u(&j["skipped_files"]), files - 2, "--sync must send the 2 files changed keeping their size: {j:#}");
+    down("dst1");
+    // Changed keeping size and mtime: --sync cannot tell, -c can.
+    for name in ["parts.bin", "one.bin"] {
+        let before = flip(name);
+        set_mtime(&src.join(name), before.0, before.1);
+    }
+    let j = up(&[]);
+    assert_eq!(u(&j["skipped_files"]), files, "--sync without -c decides by size and mtime alone: {j:#}");
+    let j = up(&["-c"]);
+    assert_eq!(u(&j["skipped_files"]), files - 2, "--sync -c must send the 2 files whose content changed: {j:#}");
+    down("dst2");
 }
 
 #[test]
