@@ -145,6 +145,15 @@ fn recorded_parts(uploads: &Path) -> u64 {
     dir.flatten().filter_map(|e| fs::read_to_string(e.path()).ok()).map(|text| text.matches('\n').count().saturating_sub(1) as u64).sum()
 }
 
+/// The indices of the parts the records of uploads in progress in
+/// directory `uploads` hold (a line `INDEX ETAG` each, after the first).
+fn recorded_part_indices(uploads: &Path) -> Vec<u64> {
+    let Ok(dir) = fs::read_dir(uploads) else { return Vec::new() };
+    let texts: Vec<String> = dir.flatten().filter_map(|e| fs::read_to_string(e.path()).ok()).collect();
+    let lines = texts.iter().flat_map(|t| t.split_inclusive('\n').skip(1).filter_map(|l| l.strip_suffix('\n')));
+    lines.filter_map(|l| l.split_once(' ')?.0.parse().ok()).collect()
+}
+
 #[test]
 fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
     let Some(t) = Setup::new() else { return };
@@ -229,14 +238,26 @@ fn an_upload_whose_blocks_straddle_parts_resumes_identical() {
     make_sparse(&file, size, 43);
     // 3 MiB blocks: some lie across two parts, one kept and one not.
     let args = [file.to_str().unwrap(), "s3://data/odd.bin", "--block-size", "3M", "--bwlimit", "16M"];
-    // Four parts recorded, wherever they lie: each holds at least two
-    // whole blocks, which the re-run keeps (but for a lag of the journal).
-    let recorded = kill_when_parts_recorded(&t.state(), t.cp(args), 4);
+    // Six of its ten parts recorded, wherever they lie. The re-run keeps
+    // every block lying wholly in recorded parts, but for the blocks of a
+    // lag of the journal.
+    kill_when_parts_recorded(&t.state(), t.cp(args), 6);
+    let parts = recorded_part_indices(&t.state().join("uploads"));
+    const BLOCK: u64 = 3 * MIB;
+    let whole_blocks = (0..size.div_ceil(BLOCK))
+        .filter(|b| {
+            let (start, end) = (b * BLOCK, ((b + 1) * BLOCK).min(size));
+            (start / PART..=(end - 1) / PART).all(|p| parts.contains(&p))
+        })
+        .count() as u64;
+    let kept = (whole_blocks * BLOCK).saturating_sub(LAG_PARTS * PART);
     let j = t.cp(args).run().assert_ok();
     let sent = u(&j["sent_bytes"]);
-    eprintln!("re-run: sent {sent} of {size} bytes; {recorded} parts were recorded when the first run was killed");
-    let kept = (recorded - LAG_PARTS) * 2 * 3 * MIB;
-    assert!(sent + kept <= size, "the re-run sent {sent} of {size} bytes, though {recorded} parts were recorded");
+    eprintln!("re-run: sent {sent} of {size} bytes; parts {parts:?} were recorded, {whole_blocks} blocks wholly in them");
+    assert!(
+        kept > size / 4 && sent + kept <= size,
+        "the re-run sent {sent} of {size} bytes, though parts {parts:?} were recorded, holding {whole_blocks} whole blocks of {BLOCK} bytes"
+    );
     assert!(same_content(&file, &bucket.join("odd.bin")), "the object differs from the file");
     assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
 }
