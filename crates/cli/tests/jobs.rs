@@ -1139,13 +1139,13 @@ fn status_shows_why_agents_stopped() {
     let lost: Vec<&str> = s.stdout.lines().filter(|l| l.contains("lost: agent")).collect();
     assert_eq!(lost.len(), 2, "{}", s.stdout);
     for l in lost {
-        assert!(l.contains("dst/in") && l.contains("Not a directory"), "the agent's error is not shown: {l}\n{}", s.stdout);
+        assert!(l.contains("dst/in") && l.contains("is a file, not a directory"), "the agent's error is not shown: {l}\n{}", s.stdout);
     }
     let j = dmover(["status", "--json"]).arg(&job.path).run().json();
     for a in j["agents"].as_array().unwrap() {
-        assert!(a["error"].as_str().is_some_and(|e| e.contains("Not a directory")), "{a}");
+        assert!(a["error"].as_str().is_some_and(|e| e.contains("is a file, not a directory")), "{a}");
     }
-    assert!(j["error"].as_str().is_some_and(|e| e.contains("Not a directory")), "{j:#}");
+    assert!(j["error"].as_str().is_some_and(|e| e.contains("is a file, not a directory")), "{j:#}");
 }
 
 /// The `.dmover-partial/transfer-*` markers left at the destinations.
