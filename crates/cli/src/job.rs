@@ -254,7 +254,7 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
         return Err(usage("--nodes/--ntasks-per-node", "must be at least 1"));
     }
     if let Some(p) = a.partition {
-        sbatch::check_line(&p).map_err(|m| usage("--partition", m))?;
+        jobfile::check_line(&p).map_err(|m| usage("--partition", m))?;
         slurm.partition = Some(p);
     }
     if let Some(t) = a.time {
@@ -262,7 +262,7 @@ pub fn submit(a: SubmitArgs) -> Result<i32> {
         slurm.time = Some(t);
     }
     if let Some(acc) = a.account {
-        sbatch::check_line(&acc).map_err(|m| usage("--account", m))?;
+        jobfile::check_line(&acc).map_err(|m| usage("--account", m))?;
         slurm.account = Some(acc);
     }
     let exe = std::env::current_exe().map_err(|e| Error::io("the dmover binary", &e))?;

@@ -17,35 +17,11 @@ use dmover_proto::ErrorKind;
 use globset::{GlobBuilder, GlobMatcher};
 use std::collections::hash_map::Entry as Slot;
 use std::collections::HashMap;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::thread::ScopedJoinHandle;
 
-/// Suffix of a file being received; never sent.
-pub const PART_SUFFIX: &str = ".dmover-part";
-/// Directory of resume state in a destination; never sent.
-pub const STATE_DIR: &str = ".dmover-partial";
-
-/// The name a file (or symlink) named `name` is received under until it
-/// is complete: `.NAME.dmover-part`, or, where that would pass the 255
-/// bytes a name may have, the name cut short with a hash of the whole of
-/// it, so that a name of any length that fits has a temporary one that
-/// fits too, the same on every run (a resumed run finds it).
-pub fn part_name(name: &std::ffi::OsStr) -> std::ffi::OsString {
-    const NAME_MAX: usize = 255;
-    let name = name.as_bytes();
-    let mut part = Vec::with_capacity(NAME_MAX);
-    part.push(b'.');
-    if 1 + name.len() + PART_SUFFIX.len() <= NAME_MAX {
-        part.extend_from_slice(name);
-    } else {
-        let hash = format!("~{:016x}", u64::from_le_bytes(block_sum(name)[..8].try_into().expect("8 bytes")));
-        part.extend_from_slice(&name[..NAME_MAX - 1 - hash.len() - PART_SUFFIX.len()]);
-        part.extend_from_slice(hash.as_bytes());
-    }
-    part.extend_from_slice(PART_SUFFIX.as_bytes());
-    std::ffi::OsString::from_vec(part)
-}
+pub use crate::storage::{part_name, PART_SUFFIX, STATE_DIR};
 
 /// A file found by the walk (or an empty directory: its mode says so).
 #[derive(Debug, Clone)]

@@ -248,7 +248,7 @@ impl JobFile {
         }
         for (key, value) in [("slurm.partition", &s.partition), ("slurm.account", &s.account)] {
             if let Some(v) = value {
-                crate::sbatch::check_line(v).map_err(|m| format!("{key} = {m}"))?;
+                check_line(v).map_err(|m| format!("{key} = {m}"))?;
             }
         }
         let limit = match &s.time {
@@ -327,6 +327,21 @@ impl AgentCommand {
                 "the agent command's program is not on PATH; install it or give its full path",
             ))
         }
+    }
+}
+
+/// Checks that `s` can go on one line of the batch script: a control character
+/// (a newline above all) would end its `#SBATCH` or comment line and start
+/// another, which the batch job's shell would run as a command. No quoting
+/// helps there, so such a value is refused.
+pub fn check_line(s: &str) -> Result<(), String> {
+    match s.chars().find(|c| c.is_control()) {
+        Some(c) => Err(format!(
+            "{:?} holds a control character ({}), which would end its line of the batch script; remove it",
+            s,
+            c.escape_debug()
+        )),
+        None => Ok(()),
     }
 }
 

@@ -5,7 +5,7 @@
 //! file in the job's state directory, and one line that runs the process
 //! manager, `dmover run JOB`, which starts the agents with `srun` itself.
 
-use crate::jobfile::Slurm;
+use crate::jobfile::{check_line, Slurm};
 use dmover_engine::{Error, Result};
 use dmover_proto::ErrorKind;
 use std::io::Write;
@@ -20,24 +20,9 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-/// Checks that `s` can go on one line of the script: a control character
-/// (a newline above all) would end its `#SBATCH` or comment line and start
-/// another, which the batch job's shell would run as a command. No quoting
-/// helps there, so such a value is refused.
-pub fn check_line(s: &str) -> Result<(), String> {
-    match s.chars().find(|c| c.is_control()) {
-        Some(c) => Err(format!(
-            "{:?} holds a control character ({}), which would end its line of the batch script; remove it",
-            s,
-            c.escape_debug()
-        )),
-        None => Ok(()),
-    }
-}
-
 /// Quotes `s` for an `#SBATCH` line: sbatch splits those at white space
 /// and understands double quotes and backslashes (not single quotes). The
-/// value must have passed [`check_line`].
+/// value must have passed [`check_line`](crate::jobfile::check_line).
 pub fn sbatch_quote(s: &str) -> String {
     if !s.is_empty() && !s.contains(|c: char| c.is_whitespace() || c == '"' || c == '\\') {
         return s.to_string();
@@ -48,7 +33,7 @@ pub fn sbatch_quote(s: &str) -> String {
 /// Renders the batch script for the job file at `job` (absolute), run by
 /// the `dmover` binary at `exe`, with the state directory `state`; the
 /// manager serves its pages on `metrics` if given. Every value that goes
-/// on a line of its own is checked with [`check_line`] (the Slurm values
+/// on a line of its own is checked with [`check_line`](crate::jobfile::check_line) (the Slurm values
 /// were checked where they were read, naming their key or flag; the job
 /// file's path is checked here); the `exec` line's words are quoted.
 pub fn render(job: &Path, exe: &Path, state: &Path, slurm: &Slurm, metrics: Option<&str>) -> Result<String> {

@@ -33,15 +33,41 @@ pub mod posix;
 pub mod s3;
 
 use crate::error::{Error, Result};
-use crate::source::{PART_SUFFIX, STATE_DIR};
 use crate::wire::PIECE;
-use dmover_proto::digest::{file_digest, zeros_sum, BlockHasher, Sum};
+use dmover_proto::digest::{block_sum, file_digest, zeros_sum, BlockHasher, Sum};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use std::ffi::OsString;
 use std::io;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// Suffix of a file being received; never sent.
+pub const PART_SUFFIX: &str = ".dmover-part";
+/// Directory of resume state in a destination; never sent.
+pub const STATE_DIR: &str = ".dmover-partial";
+
+/// The name a file (or symlink) named `name` is received under until it
+/// is complete: `.NAME.dmover-part`, or, where that would pass the 255
+/// bytes a name may have, the name cut short with a hash of the whole of
+/// it, so that a name of any length that fits has a temporary one that
+/// fits too, the same on every run (a resumed run finds it).
+pub fn part_name(name: &std::ffi::OsStr) -> std::ffi::OsString {
+    const NAME_MAX: usize = 255;
+    let name = name.as_bytes();
+    let mut part = Vec::with_capacity(NAME_MAX);
+    part.push(b'.');
+    if 1 + name.len() + PART_SUFFIX.len() <= NAME_MAX {
+        part.extend_from_slice(name);
+    } else {
+        let hash = format!("~{:016x}", u64::from_le_bytes(block_sum(name)[..8].try_into().expect("8 bytes")));
+        part.extend_from_slice(&name[..NAME_MAX - 1 - hash.len() - PART_SUFFIX.len()]);
+        part.extend_from_slice(hash.as_bytes());
+    }
+    part.extend_from_slice(PART_SUFFIX.as_bytes());
+    std::ffi::OsString::from_vec(part)
+}
 
 /// A storage shared by the threads of a transfer.
 pub type Store = Arc<dyn Storage>;

@@ -464,7 +464,7 @@ impl Storage for Posix {
 
     fn make_link(&self, path: &Path, target: &[u8], mtime: Option<(i64, u32)>) -> io::Result<()> {
         let (dir, name) = self.parent(path)?;
-        let temp = crate::source::part_name(name);
+        let temp = super::part_name(name);
         match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => {}
             Err(e) => return Err(e.into()),
