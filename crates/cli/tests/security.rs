@@ -489,15 +489,7 @@ fn special_modes(root: &Path) -> Vec<(&'static str, u32)> {
         ("sgid-dir", 0o2777, true),
         ("sticky-dir", 0o1777, true),
     ];
-    for (name, mode, dir) in entries {
-        let p = root.join(name);
-        if dir {
-            fs::create_dir_all(&p).unwrap();
-        } else {
-            write_random(&p, 3000, mode as u64);
-        }
-        chmod(&p, mode);
-    }
+    plant_modes(root, &entries);
     entries.iter().map(|(name, mode, dir)| (*name, mode & if *dir { 0o1777 } else { 0o777 })).collect()
 }
 
@@ -541,7 +533,13 @@ const OPEN_MODES: [(&str, u32, bool); 5] =
     [("open.dat", 0o666, false), ("d/private.dat", 0o600, false), ("d", 0o777, true), ("empty", 0o777, true), ("shared", 0o1777, true)];
 
 fn make_open_modes(root: &Path) {
-    for (name, mode, dir) in OPEN_MODES {
+    plant_modes(root, &OPEN_MODES);
+}
+
+/// Makes each (name, mode, is a directory) below `root`: a file of random
+/// bytes or a directory, then given its mode.
+fn plant_modes(root: &Path, entries: &[(&str, u32, bool)]) {
+    for &(name, mode, dir) in entries {
         let p = root.join(name);
         if dir {
             fs::create_dir_all(&p).unwrap();
