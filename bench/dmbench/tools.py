@@ -380,9 +380,10 @@ class GlobusThirdParty(GlobusUrlCopy):
 
 class DmoverCopy(DmoverBuild, ServerCopyTool):
     """`dmover cp` into a dmover server of the same build (loopback, or
-    across a netns link); it keeps permissions and modification times.
-    With `baseline` the name starts with "dmover-baseline" instead of
-    "dmover"."""
+    across a netns link); it keeps modification times, and permissions
+    with `--perms` as `rsync -a` does (a baseline build from before that
+    flag kept them by default). With `baseline` the name starts with
+    "dmover-baseline" instead of "dmover"."""
 
     preserves = ("mode", "mtime")
 
@@ -392,6 +393,7 @@ class DmoverCopy(DmoverBuild, ServerCopyTool):
             name = BASELINE + name.removeprefix("dmover")
         super().__init__(dataset, options, name=name, **where)
         self.baseline = baseline
+        self.keep = () if baseline else ("--perms",)
 
     def session(self, ctx: Context) -> DmoverServer:
         self.server = DmoverServer(ctx, ctx.work / f"export-{self.slug()}", self.binary(ctx),
@@ -402,7 +404,7 @@ class DmoverCopy(DmoverBuild, ServerCopyTool):
         return self.server.export_dir / f"dst-{run_no}"
 
     def command(self, ctx, src, dest, run_no):
-        return [str(self.binary(ctx)), "cp", "--json", *self.options, "--token-file",
+        return [str(self.binary(ctx)), "cp", "--json", *self.keep, *self.options, "--token-file",
                 str(ctx.token()), f"{src}/", self.server.url(f"dst-{run_no}/")]
 
     def parse(self, ctx, res):
@@ -433,7 +435,7 @@ class DmoverDownload(DmoverCopy):
         return CopyTool.dest(self, ctx, run_no)
 
     def command(self, ctx, src, dest, run_no):
-        return [str(self.binary(ctx)), "cp", "--json", *self.options, "--token-file",
+        return [str(self.binary(ctx)), "cp", "--json", *self.keep, *self.options, "--token-file",
                 str(ctx.token()), self.server.url(f"{src.name}/"), f"{dest}/"]
 
 
@@ -467,7 +469,7 @@ class DmoverThirdParty(DmoverCopy):
         return self.dest_server.export_dir / f"dst-{run_no}"
 
     def command(self, ctx, src, dest, run_no):
-        return [str(self.binary(ctx)), "cp", "--json", *self.options, "--token-file",
+        return [str(self.binary(ctx)), "cp", "--json", *self.keep, *self.options, "--token-file",
                 str(ctx.token()), self.server.url(f"{src.name}/"),
                 self.dest_server.url(f"{dest.name}/")]
 
