@@ -47,7 +47,7 @@ fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, G
                 6 => MAX_FILE_BLOCKS * block_size - block_size + u.int_in_range(0..=2 * block_size)?,
                 _ => u.arbitrary::<u64>()? | 1 << 63,
             };
-            let meta = FileMeta { path, size, mtime_s: 0, mtime_ns: 0, mode: u.arbitrary()?, target: None };
+            let meta = FileMeta { path, size, mtime_s: 0, mtime_ns: 0, mode: u.arbitrary()?, ..Default::default() };
             let digest = if u.arbitrary()? { Some(sum(u)?) } else { None };
             Event::Control(ToReceiver::Announce { id, meta, digest })
         }

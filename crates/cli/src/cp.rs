@@ -56,9 +56,27 @@ pub struct CpArgs {
     /// is `--streams`, as in globus-url-copy.
     #[arg(long)]
     pub perms: bool,
+    /// Keep each file's owner (where the receiving end may set it: as root
+    /// locally; at a server, in an export that allows it).
+    #[arg(short = 'o', long)]
+    pub owner: bool,
+    /// Keep each file's group (locally, one the receiving user is in).
+    #[arg(short = 'g', long)]
+    pub group: bool,
+    /// Keep owners and groups as numbers, rather than mapping them by name.
+    #[arg(long)]
+    pub numeric_ids: bool,
+    /// Keep extended attributes (user.*; trusted.* and security.* where
+    /// the receiving end may set them).
+    #[arg(short = 'X', long)]
+    pub xattrs: bool,
+    /// Keep POSIX ACLs (access and default); implies --perms.
+    #[arg(short = 'A', long)]
+    pub acls: bool,
     /// Archive: what `rsync -a` keeps that dmover keeps, which is
-    /// `--links --perms` (times are always kept; owners, groups and
-    /// devices are not yet).
+    /// `--links --perms --owner --group` (times are always kept), owners
+    /// and groups only where the receiving end may set them (devices are
+    /// not kept yet).
     #[arg(short = 'a', long)]
     pub archive: bool,
     /// With --sync: compare content checksums instead of modification times.
@@ -200,8 +218,22 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
     if a.links || a.archive {
         flags |= TransferFlags::LINKS;
     }
-    if a.perms || a.archive {
+    if a.perms || a.archive || a.acls {
         flags |= TransferFlags::PERMS;
+    }
+    for (asked, flag) in [
+        (a.owner, TransferFlags::OWNER),
+        (a.group, TransferFlags::GROUP),
+        (a.numeric_ids, TransferFlags::NUMERIC_IDS),
+        (a.xattrs, TransferFlags::XATTRS),
+        (a.acls, TransferFlags::ACLS),
+    ] {
+        flags.set(flag, asked);
+    }
+    if a.archive {
+        // Kept where the receiving end may set them, unless asked for by name.
+        flags |= TransferFlags::OWNER | TransferFlags::GROUP;
+        flags.set(TransferFlags::OWNER_IF_ALLOWED, !a.owner && !a.group);
     }
     if a.net.no_encrypt {
         flags |= TransferFlags::NO_ENCRYPT;
@@ -288,6 +320,7 @@ fn recv_config(p: &Plan) -> RecvConfig {
         intake: Default::default(),
         write_errors: Default::default(),
         accept: None,
+        privileged: true,
     }
 }
 

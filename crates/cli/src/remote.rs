@@ -41,6 +41,9 @@ pub fn remote(a: RemoteArgs) -> Result<i32> {
     let listener = crate::serve::bind(&std::net::SocketAddr::new(ip, 0).to_string())?;
     let port = listener.local_addr().map_err(|e| Error::io("listener", &e))?.port();
     let cfg = dmover_server::Config {
+        // The user's own account, as a local copy is: owners are set
+        // where the user may set them.
+        allow_owners: exports.keys().cloned().collect(),
         exports,
         token,
         max_connections: 256,

@@ -46,6 +46,13 @@ pub struct ServeArgs {
     /// those listed.
     #[arg(long, value_name = "HOST[:PORT]|ADDR/BITS[:PORT]")]
     pub push_to: Vec<String>,
+    /// Let clients set owners and groups (--owner, --group) in export
+    /// NAME (repeatable), and extended attributes outside user.* (file
+    /// capabilities among them): for a server run as root that restores
+    /// trees for their owners. Without it a copy asking for owners is
+    /// refused (one with --archive keeps the server's).
+    #[arg(long, value_name = "NAME")]
+    pub allow_owners: Vec<String>,
 }
 
 /// The flags every daemon (`serve`, `sink`) takes.
@@ -87,6 +94,7 @@ impl DaemonArgs {
     pub fn config(&self) -> Result<dmover_server::Config> {
         Ok(dmover_server::Config {
             exports: HashMap::new(),
+            allow_owners: Default::default(),
             token: self.token()?,
             max_connections: self.max_connections.max(1),
             idle_timeout: Duration::from_secs(self.idle_timeout),
@@ -124,9 +132,21 @@ pub fn run(a: ServeArgs) -> Result<i32> {
         let root = if what.starts_with(storage::S3_SCHEME) { bucket(&a, name, what, staging)? } else { directory(name, what)? };
         exports.insert(name.to_string(), root);
     }
+    if let Some(name) = a.allow_owners.iter().find(|n| !exports.contains_key(n.as_str())) {
+        return Err(usage(name, "--allow-owners names an export this server does not have".into()));
+    }
+    let allow_owners = a.allow_owners.iter().cloned().collect();
     let ticket_lifetime = Duration::from_secs(a.ticket_lifetime);
     let push_to = dmover_server::push_to::PushTo::parse(&a.push_to).map_err(|m| usage("", m))?;
-    let cfg = dmover_server::Config { exports, staging: staging.max(1 << 20), writers: 2, ticket_lifetime, push_to, ..a.daemon.config()? };
+    let cfg = dmover_server::Config {
+        exports,
+        allow_owners,
+        staging: staging.max(1 << 20),
+        writers: 2,
+        ticket_lifetime,
+        push_to,
+        ..a.daemon.config()?
+    };
     let names: Vec<String> = cfg.exports.keys().cloned().collect();
     let listener = bind(&a.listen)?;
     let pages = a.daemon.pages(&cfg.token)?;

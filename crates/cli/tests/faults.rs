@@ -566,7 +566,7 @@ fn reply_on_a_reset_control_connection_ends_the_session() {
         let options = TransferOptions { transfer_id: [i; 16], block_size: MIB as u32, flags: TransferFlags::empty(), tcp_buffer: 0 };
         c.send(&Msg::Receive { dest: format!("e/r{i}"), options });
         assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
-        let meta = FileMeta { path: "f.dat".into(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
+        let meta = FileMeta { path: "f.dat".into(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644, ..Default::default() };
         c.send(&Msg::Announce { id: 1, meta, digest: None });
         // Close with a reset (SO_LINGER 0) right behind the announcement.
         let linger = libc::linger { l_onoff: 1, l_linger: 0 };
@@ -611,7 +611,8 @@ fn resumed_file_with_every_block_already_on_disk_is_committed_whole() {
     let mut data = vec![0u8; 3 * BLOCK + 100];
     Rng::new(71).fill(&mut data);
     let sums: Vec<_> = data.chunks(BLOCK).map(block_sum).collect();
-    let meta = FileMeta { path: "f.dat".into(), size: data.len() as u64, mtime_s: 1_600_000_000, mtime_ns: 5, mode: 0o644, target: None };
+    let meta =
+        FileMeta { path: "f.dat".into(), size: data.len() as u64, mtime_s: 1_600_000_000, mtime_ns: 5, mode: 0o644, ..Default::default() };
     let options = TransferOptions { transfer_id: [9; 16], block_size: BLOCK as u32, flags: TransferFlags::empty(), tcp_buffer: 0 };
     let open = || {
         let mut c = Raw::control(&srv.addr(), token.as_bytes());

@@ -640,7 +640,7 @@ fn announced_file_sizes_beyond_the_block_limit_are_refused_without_crash_or_lost
         let opts = TransferOptions { transfer_id: [20 + i as u8; 16], block_size, flags: TransferFlags::empty(), tcp_buffer: 0 };
         c.send(&Msg::Receive { dest: "e/in".into(), options: opts });
         assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })), "case {i}: no session:\n{}", srv.log());
-        let meta = FileMeta { path: "huge.dat".into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
+        let meta = FileMeta { path: "huge.dat".into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, ..Default::default() };
         c.send(&Msg::Announce { id: 1, meta, digest: None });
         match c.read() {
             Some(Msg::Failed { id: 1, kind: ErrorKind::Refused, message, .. }) => {
@@ -678,8 +678,14 @@ fn announcing_files_of_four_terabytes_costs_the_server_no_memory_until_their_blo
     assert!(matches!(opened, Some(Msg::SessionOpened { .. })), "no session: {opened:?}\n{}", srv.log());
     let before = proc_status(srv.pid(), "VmRSS:");
     for id in 0..FILES {
-        let meta =
-            FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
+        let meta = FileMeta {
+            path: format!("huge{id}.dat"),
+            size: MAX_FILE_BLOCKS << 20,
+            mtime_s: 0,
+            mtime_ns: 0,
+            mode: 0o644,
+            ..Default::default()
+        };
         c.send(&Msg::Announce { id, meta, digest: None });
     }
     for _ in 0..FILES {
@@ -805,7 +811,7 @@ fn next_but_pings(c: &mut Raw) -> Option<Msg> {
 fn malicious_download(env: &Env, spec: &str, dest: &Path, files: &[(&str, u64, u32)]) -> (Run, Vec<Option<Msg>>) {
     let (client, mut ctl, data) = malicious_server(env, spec, dest);
     for (i, (name, size, mode)) in files.iter().enumerate() {
-        let meta = FileMeta { path: name.to_string(), size: *size, mtime_s: 0, mtime_ns: 0, mode: *mode, target: None };
+        let meta = FileMeta { path: name.to_string(), size: *size, mtime_s: 0, mtime_ns: 0, mode: *mode, ..Default::default() };
         ctl.send(&Msg::Announce { id: i as u64, meta, digest: None });
     }
     let mut last: Vec<Option<Msg>> = vec![None; files.len()];
@@ -972,8 +978,14 @@ fn a_malicious_server_announcing_files_of_four_terabytes_costs_the_client_no_mem
     let (client, mut ctl, data) = malicious_server(&env, "e/data/", &dest);
     let before = proc_status(client.pid(), "VmRSS:");
     for id in 0..FILES {
-        let meta =
-            FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
+        let meta = FileMeta {
+            path: format!("huge{id}.dat"),
+            size: MAX_FILE_BLOCKS << 20,
+            mtime_s: 0,
+            mtime_ns: 0,
+            mode: 0o644,
+            ..Default::default()
+        };
         ctl.send(&Msg::Announce { id, meta, digest: None });
     }
     for _ in 0..FILES {
@@ -1687,7 +1699,15 @@ fn a_symlink_announced_then_a_file_through_it_writes_nothing_where_it_leads() {
     let outside = env.mkdir("outside");
     let srv = env.serve(&[("e", &export)]);
     let target = outside.display().to_string();
-    let link = FileMeta { path: "l".into(), size: 0, mtime_s: 0, mtime_ns: 0, mode: FileMeta::LINK | 0o777, target: Some(target.clone()) };
+    let link = FileMeta {
+        path: "l".into(),
+        size: 0,
+        mtime_s: 0,
+        mtime_ns: 0,
+        mode: FileMeta::LINK | 0o777,
+        target: Some(target.clone()),
+        ..Default::default()
+    };
     // A transfer that did not ask for symlinks takes none.
     let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
     let options = TransferOptions { transfer_id: [11; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
@@ -1705,7 +1725,7 @@ fn a_symlink_announced_then_a_file_through_it_writes_nothing_where_it_leads() {
     assert!(matches!(c.read(), Some(Msg::Done { id: 1, .. })), "the symlink was not made");
     assert_eq!(fs::read_link(export.join("in/l")).unwrap(), outside, "the symlink's target is kept as sent");
     for (id, path) in [(2, "l/x"), (3, "l/deeper/x")] {
-        let meta = FileMeta { path: path.into(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
+        let meta = FileMeta { path: path.into(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644, ..Default::default() };
         c.send(&Msg::Announce { id, meta, digest: None });
         match c.read() {
             Some(Msg::Failed { kind: ErrorKind::Refused, .. }) => {}
@@ -1862,7 +1882,7 @@ fn holes_that_are_not_whole_blocks_of_their_file_end_the_session() {
     let mut srv = env.serve(&[("e", &export)]);
     let token = env.token_str();
     let size = 2000 * BS + 100;
-    let meta = |name: &str| FileMeta { path: name.into(), size, mtime_s: 1_000_000_000, mtime_ns: 0, mode: 0o644, target: None };
+    let meta = |name: &str| FileMeta { path: name.into(), size, mtime_s: 1_000_000_000, mtime_ns: 0, mode: 0o644, ..Default::default() };
     let options =
         |i: u8| TransferOptions { transfer_id: [70 + i; 16], block_size: BS as u32, flags: TransferFlags::empty(), tcp_buffer: 0 };
     let cases = [(100, BS), (0, BS + 1), (1999 * BS, BS + 101), (0, 1025 * BS), (0, 0), (u64::MAX - BS + 1, BS)];

@@ -620,7 +620,7 @@ fn names_with_escapes_and_newlines_are_escaped_by_ls_and_in_logs() {
         mtime_s: 0,
         mtime_ns: 0,
         mode: 0o644,
-        target: None,
+        ..Default::default()
     };
     c.send(&Msg::Announce { id: 1, meta, digest: None });
     assert!(matches!(c.read(), Some(Msg::Failed { .. })));

@@ -65,10 +65,16 @@ type Copy<'a> = &'a dyn Fn(&[&str]) -> Run;
 /// local directory, up to a server, down from it, from it to a second
 /// server (third party), up to a host reached over ssh and back down — and hands
 /// `check` each copy (to run, with more arguments if it likes, and run
-/// again) and where it lands.
+/// again) and where it lands. The servers let clients set owners
+/// (`--allow-owners`).
 fn every_path(env: &Env, src: &Path, args: &[&str], check: &mut dyn FnMut(Copy, &Path)) {
     let (ea, eb) = (env.mkdir("export-a"), env.mkdir("export-b"));
-    let (a, b) = (env.serve(&[("ea", &ea)]), env.serve(&[("eb", &eb)]));
+    let serve = |name: &str, dir: &Path| {
+        let mut spec = ServerSpec::new(&env.token, &[(name, dir)], &env.path(&format!("server-{name}.log")));
+        spec.extra = vec!["--allow-owners".into(), name.into()];
+        Server::start(spec)
+    };
+    let (a, b) = (serve("ea", &ea), serve("eb", &eb));
     let (local, down) = (env.mkdir("local"), env.mkdir("down"));
     let (far, back) = (env.mkdir("far"), env.mkdir("back"));
     let sshd = Sshd::start(&env.path("sshd"));
@@ -246,4 +252,83 @@ fn directories_keep_their_modes_and_times_through_every_path() {
         copy(&[]).assert_ok();
         tree::assert_same(&reference, at, &KEPT);
     });
+}
+
+/// A tree whose files, directories and symlinks belong to users and groups
+/// other than the tester's (ids no name on this machine has), with
+/// extended attributes (a value that is not text, a name that is not
+/// UTF-8, a `trusted.*` one) and POSIX ACLs: an access ACL on a file, a
+/// default ACL on a directory.
+fn owned(root: &Path) -> PathBuf {
+    use std::os::unix::fs::{chown, lchown};
+    fs::create_dir_all(root.join("shared/sub")).unwrap();
+    fs::write(root.join("plain.txt"), "plain").unwrap();
+    fs::write(root.join("shared/report.txt"), "report").unwrap();
+    fs::write(root.join("shared/sub/data.bin"), [0u8, 1, 2]).unwrap();
+    std::os::unix::fs::symlink("plain.txt", root.join("link")).unwrap();
+    chown(root.join("plain.txt"), Some(4242), Some(4343)).unwrap();
+    chown(root.join("shared"), Some(4242), Some(5000)).unwrap();
+    chown(root.join("shared/sub/data.bin"), Some(0), Some(5000)).unwrap();
+    lchown(root.join("link"), Some(7777), Some(8888)).unwrap();
+    let set = |path: &str, name: &[u8], value: &[u8]| {
+        let c = std::ffi::CString::new(root.join(path).as_os_str().as_bytes()).unwrap();
+        let n = std::ffi::CString::new(name).unwrap();
+        // SAFETY: both strings are NUL-terminated; the value's length is given.
+        let r = unsafe { libc::lsetxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+        assert_eq!(r, 0, "setxattr {path}: {}", std::io::Error::last_os_error());
+    };
+    set("plain.txt", b"user.colour", b"blue");
+    set("plain.txt", b"user.bin\xff", &[0, 255, 10]);
+    set("shared", b"user.project", b"p42");
+    set("shared/report.txt", b"trusted.origin", b"lab");
+    let acl = |args: &[&str], path: &str| {
+        let out = std::process::Command::new("setfacl").args(args).arg(root.join(path)).output().expect("setfacl (apt install acl)");
+        assert!(out.status.success(), "setfacl: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    acl(&["-m", "u:4242:rx,g:5000:r"], "shared/report.txt");
+    acl(&["-d", "-m", "g:5000:rwx"], "shared");
+    root.to_path_buf()
+}
+
+/// With `-aXA --numeric-ids` every owner, group, extended attribute and
+/// ACL arrives as `rsync -aXA --numeric-ids` makes them, through every path
+/// (the tests run as root, so every owner may be set; the servers allow
+/// it); a second run with --sync finds everything there.
+#[test]
+fn owners_xattrs_and_acls_arrive_as_rsync_keeps_them_through_every_path() {
+    let env = Env::new();
+    let src = owned(&env.mkdir("src"));
+    let reference = tree::rsync(&["-aXA", "--numeric-ids"], &src, &env.path("src.rsync"));
+    let fields = [Field::Kind, Field::Content, Field::Perm, Field::Owner, Field::Mtime, Field::DirMtime, Field::Target, Field::Xattrs];
+    every_path(&env, &src, &["-aXA", "--numeric-ids"], &mut |copy, at| {
+        let j = copy(&[]).assert_ok();
+        assert_eq!(u(&j["files"]), 4, "{j:#}");
+        tree::assert_same(&reference, at, &fields);
+    });
+}
+
+/// A server keeps owners out of an export whose operator did not allow
+/// them: an explicit `--owner` is refused with advice, `-a` copies with
+/// the server's own owner, and of the extended attributes only `user.*`
+/// ones are set (a `trusted.*` one, like file capabilities in
+/// `security.*`, could grant what the token holder does not have).
+#[test]
+fn an_export_that_does_not_allow_owners_refuses_them_and_keeps_user_xattrs_only() {
+    let env = Env::new();
+    let src = owned(&env.mkdir("src"));
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([format!("{}/", src.display()), srv.url("e/explicit/")]).args(["-o"]).run();
+    assert_ne!(r.code, 0, "an explicit --owner was taken: {}", r.stderr);
+    assert!(r.stderr.contains("does not let clients set owners") && r.stderr.contains("--allow-owners"), "{}", r.stderr);
+    assert!(!export.join("explicit/plain.txt").exists());
+
+    env.cp([format!("{}/", src.display()), srv.url("e/archive/")]).args(["-aX"]).run().assert_ok();
+    let meta = fs::symlink_metadata(export.join("archive/plain.txt")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((meta.uid(), meta.gid()), (0, 0), "the owner was set in an export that does not allow it");
+    let snap = tree::snapshot(&export.join("archive")).unwrap();
+    let xattrs = |p: &[u8]| snap.entries[p].xattrs.keys().map(|k| k.escape_ascii().to_string()).collect::<Vec<_>>();
+    assert_eq!(xattrs(b"plain.txt"), ["user.bin\\xff", "user.colour"]);
+    assert!(xattrs(b"shared/report.txt").is_empty(), "a trusted.* attribute was set: {:?}", xattrs(b"shared/report.txt"));
 }

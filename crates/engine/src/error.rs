@@ -73,7 +73,7 @@ impl Error {
             ErrorKind::NoSpace => "free space at the destination, then re-run the same command to resume",
             ErrorKind::Unreachable => "check that the server runs and the host and port are right; re-running resumes",
             ErrorKind::Auth => "check that the token matches the server's --token-file",
-            ErrorKind::Refused => "use a path inside one of the server's exports",
+            ErrorKind::Refused => "the server's rules do not allow this",
             ErrorKind::SourceChanged => "the file was modified during the copy; re-run when it is stable",
             ErrorKind::Verify => "the data arrived damaged repeatedly; check the network and storage",
             ErrorKind::Usage => "see dmover --help",

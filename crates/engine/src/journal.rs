@@ -102,7 +102,7 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let store = crate::storage::export("t", t.path()).unwrap();
         let s = store.as_ref();
-        let meta = FileMeta { path: "a".into(), size: 10, mtime_s: 1, mtime_ns: 2, mode: 0o644, target: None };
+        let meta = FileMeta { path: "a".into(), size: 10, mtime_s: 1, mtime_ns: 2, mode: 0o644, ..Default::default() };
         let p = path_for(Path::new(""), "a");
         let mut j = Journal::create(s, &p, &meta, 4).unwrap();
         j.record(0, &[1; 16]).unwrap();
@@ -126,7 +126,7 @@ mod tests {
     fn a_journal_is_made_even_after_its_state_directory_was_removed() {
         let t = tempfile::tempdir().unwrap();
         let store = crate::storage::export("t", t.path()).unwrap();
-        let meta = FileMeta { path: "a".into(), size: 10, mtime_s: 1, mtime_ns: 2, mode: 0o644, target: None };
+        let meta = FileMeta { path: "a".into(), size: 10, mtime_s: 1, mtime_ns: 2, mode: 0o644, ..Default::default() };
         let p = path_for(Path::new("gone"), "a");
         assert!(!t.path().join("gone").exists());
         Journal::create(store.as_ref(), &p, &meta, 4).unwrap();

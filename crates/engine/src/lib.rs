@@ -23,6 +23,7 @@ pub mod fault;
 pub mod halt;
 pub mod handshake;
 pub mod history;
+pub mod ids;
 pub mod journal;
 pub mod pool;
 pub mod progress;

@@ -34,6 +34,8 @@ pub struct Entry {
     /// utime moves it, and no one can set it back, so it reveals a change
     /// that restores the modification time.
     pub ctime: (i64, i64),
+    /// Its user and group ids, where the storage keeps owners.
+    pub owner: Option<(u32, u32)>,
 }
 
 /// Something the walk reports besides files.
@@ -56,8 +58,8 @@ pub fn is_glob(s: &str) -> bool {
 
 /// The entry for the file at `path` with attributes `s`, named `name`.
 pub fn entry(path: PathBuf, name: String, s: &Stat) -> Entry {
-    let meta = FileMeta { path: name, size: s.size, mtime_s: s.mtime.0, mtime_ns: s.mtime.1, mode: s.mode, target: None };
-    Entry { path, meta, ctime: s.ctime }
+    let meta = FileMeta { path: name, size: s.size, mtime_s: s.mtime.0, mtime_ns: s.mtime.1, mode: s.mode, ..Default::default() };
+    Entry { path, meta, ctime: s.ctime, owner: s.owner }
 }
 
 /// The entry of the symlink at `path`, named `name`, with its target.
@@ -185,7 +187,7 @@ fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> boo
         }
         Kind::File => emit(Event::File(entry(path, base_name, &m))),
         // A symlink named on the command line is followed, as cp and rsync do.
-        Kind::Symlink if !store.is_confined() => match store.stat_followed(&path) {
+        Kind::Symlink if !store.features().confined => match store.stat_followed(&path) {
             Ok(m) if m.is_file() => emit(Event::File(entry(path, base_name, &m))),
             Ok(_) => walk_dir(store, path, if contents_only { String::new() } else { base_name }, None, emit),
             Err(e) => emit(Event::Error(Error::io(trimmed, &e))),
@@ -197,7 +199,7 @@ fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> boo
 /// Depth-first walk of `dir`, whose entries are named `prefix/...`. With a
 /// glob, entries are named relative to `dir` and only matches are sent (a
 /// matching directory is sent whole). Where the storage lists several
-/// directories at once ([`Storage::lists_at_once`]), the next ones on the
+/// directories at once ([`Features::lists_at_once`](storage::Features::lists_at_once)), the next ones on the
 /// way are listed while one is being sent; entries come in the same order.
 fn walk_dir(
     store: &dyn Storage,
@@ -206,7 +208,7 @@ fn walk_dir(
     glob: Option<(&GlobMatcher, usize)>,
     emit: &mut dyn FnMut(Event) -> bool,
 ) -> bool {
-    let ahead = store.lists_at_once().saturating_sub(1);
+    let ahead = store.features().lists_at_once.saturating_sub(1);
     std::thread::scope(|scope| {
         // Directories being listed ahead, by path.
         let mut listing: HashMap<PathBuf, ScopedJoinHandle<std::io::Result<Vec<DirEntry>>>> = HashMap::new();

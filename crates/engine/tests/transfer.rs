@@ -129,6 +129,7 @@ fn recv_config(dest: &Path) -> RecvConfig {
         intake: Default::default(),
         write_errors: Default::default(),
         accept: None,
+        privileged: true,
     }
 }
 
@@ -170,8 +171,14 @@ fn resumed_blocks_that_disagree_with_the_source_are_fetched_again() {
     let content = random_bytes(blocks * BLOCK as usize, 2);
     std::fs::write(src.join("f.bin"), &content).unwrap();
     let m = std::fs::metadata(src.join("f.bin")).unwrap();
-    let meta =
-        FileMeta { path: "f.bin".into(), size: m.len(), mtime_s: m.mtime(), mtime_ns: m.mtime_nsec() as u32, mode: 0o644, target: None };
+    let meta = FileMeta {
+        path: "f.bin".into(),
+        size: m.len(),
+        mtime_s: m.mtime(),
+        mtime_ns: m.mtime_nsec() as u32,
+        mode: 0o644,
+        ..Default::default()
+    };
     // A partial file from an "earlier run": blocks 0-2 journaled, but block 1
     // on disk is not what the source holds (the journal's checksum matches the
     // damaged bytes, as if the source had been different then).
@@ -204,8 +211,14 @@ fn a_resumed_transfer_sends_only_missing_blocks() {
     std::fs::write(src.join("f.bin"), &content).unwrap();
     std::fs::write(src.join("done.bin"), b"already here").unwrap();
     let m = std::fs::metadata(src.join("f.bin")).unwrap();
-    let meta =
-        FileMeta { path: "f.bin".into(), size: m.len(), mtime_s: m.mtime(), mtime_ns: m.mtime_nsec() as u32, mode: 0o644, target: None };
+    let meta = FileMeta {
+        path: "f.bin".into(),
+        size: m.len(),
+        mtime_s: m.mtime(),
+        mtime_ns: m.mtime_nsec() as u32,
+        mode: 0o644,
+        ..Default::default()
+    };
     let half = 4 * BLOCK as usize;
     std::fs::write(dest.join(".f.bin.dmover-part"), &content[..half]).unwrap();
     let mut j = Journal::create(storage::local().as_ref(), &journal::path_for(&dest.join(STATE_DIR), "f.bin"), &meta, BLOCK).unwrap();

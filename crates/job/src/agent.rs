@@ -204,8 +204,9 @@ fn entry(plan: &Plan, w: &WorkItem) -> Entry {
     Entry {
         // A spelling the manager made (a bad one names no file, and fails).
         path: plan.source_root.join(dmover_proto::path::to_path(&w.path).unwrap_or_else(|_| w.path.clone().into())),
-        meta: FileMeta { path: w.path.clone(), size: w.size, mtime_s: w.mtime_s, mtime_ns: w.mtime_ns, mode: w.mode, target: None },
+        meta: FileMeta { path: w.path.clone(), size: w.size, mtime_s: w.mtime_s, mtime_ns: w.mtime_ns, mode: w.mode, ..Default::default() },
         ctime: w.ctime,
+        owner: None,
     }
 }
 

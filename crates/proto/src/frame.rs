@@ -12,7 +12,7 @@ use crate::digest::Sum;
 use crate::record::Protection;
 
 /// First bytes of a `Hello`: protocol name and version.
-pub const MAGIC: [u8; 8] = *b"DMOVER\0\x06";
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x07";
 pub const HEADER_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = 32;
 /// Largest control message body. Big enough for a plan of 64k ranges.
@@ -181,6 +181,22 @@ bitflags::bitflags! {
         /// Permission bits are kept whole (`--perms`): the receiver does
         /// not clear those its umask would.
         const PERMS = 256;
+        /// Owners are kept (`--owner`): the receiver sets each file's
+        /// user, where it may.
+        const OWNER = 1024;
+        /// Groups are kept (`--group`).
+        const GROUP = 2048;
+        /// Extended attributes are kept (`--xattrs`): the sender announces
+        /// them, the receiver sets those its rules allow.
+        const XATTRS = 4096;
+        /// POSIX ACLs are kept (`--acls`), as their extended attributes.
+        const ACLS = 8192;
+        /// Owners and groups are kept as numbers (`--numeric-ids`), not
+        /// mapped by name.
+        const NUMERIC_IDS = 16384;
+        /// With OWNER or GROUP from `--archive`: a receiver that may not
+        /// set owners leaves them, rather than refusing the transfer.
+        const OWNER_IF_ALLOWED = 32768;
     }
 }
 
@@ -220,7 +236,7 @@ impl TunerMode {
 }
 
 /// What a file announcement says about the file.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct FileMeta {
     /// Path relative to the transfer's destination directory.
     pub path: String,
@@ -233,7 +249,40 @@ pub struct FileMeta {
     /// A symlink's target, spelled as paths are ([`crate::path`]): present
     /// exactly when the mode says symlink. It is data, never followed.
     pub target: Option<String>,
+    /// Owner and group, when the transfer keeps them (`--owner`, `--group`).
+    pub owner: Option<Owner>,
+    /// Extended attributes, when the transfer keeps them (`--xattrs`;
+    /// POSIX ACLs, `system.posix_acl_*`, with `--acls`).
+    pub xattrs: Vec<Xattr>,
 }
+
+/// Who owns a file: ids, and the names they have at the sending end
+/// (empty where the id has none), by which the receiver maps them to its
+/// own ids unless the transfer keeps ids as numbers (`--numeric-ids`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+    pub user: String,
+    pub group: String,
+}
+
+/// One extended attribute: its whole name (namespace included, as
+/// `user.comment`) and value, both bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Xattr {
+    pub name: Vec<u8>,
+    pub value: Vec<u8>,
+}
+
+/// Most extended attributes one file may carry.
+pub const MAX_XATTRS: usize = 256;
+/// Longest extended attribute name (the kernel's XATTR_NAME_MAX).
+pub const MAX_XATTR_NAME: usize = 255;
+/// Largest extended attribute value (the kernel's XATTR_SIZE_MAX).
+pub const MAX_XATTR_VALUE: usize = 64 << 10;
+/// Longest user or group name.
+pub const MAX_ID_NAME: usize = 256;
 
 impl FileMeta {
     /// File type bits of a mode (as in st_mode).
@@ -262,12 +311,38 @@ impl FileMeta {
         if self.is_link() {
             w.str(self.target.as_deref().unwrap_or_default());
         }
+        w.u8(u8::from(self.owner.is_some()) | u8::from(!self.xattrs.is_empty()) << 1);
+        if let Some(o) = &self.owner {
+            w.u32(o.uid);
+            w.u32(o.gid);
+            w.str(&o.user);
+            w.str(&o.group);
+        }
+        if !self.xattrs.is_empty() {
+            w.u32(self.xattrs.len() as u32);
+            for x in &self.xattrs {
+                w.blob(&x.name);
+                w.blob(&x.value);
+            }
+        }
     }
 
     fn read(r: &mut R) -> Result<FileMeta, DecodeError> {
-        let mut m = FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()?, target: None };
+        let mut m =
+            FileMeta { path: r.str()?, size: r.u64()?, mtime_s: r.i64()?, mtime_ns: r.u32()?, mode: r.u32()?, ..Default::default() };
         if m.is_link() {
             m.target = Some(r.str()?);
+        }
+        let more = r.u8()?;
+        if more & !3 != 0 {
+            return Err(DecodeError::Invalid("file attributes", more as u64));
+        }
+        if more & 1 != 0 {
+            m.owner = Some(Owner { uid: r.u32()?, gid: r.u32()?, user: r.str()?, group: r.str()? });
+        }
+        if more & 2 != 0 {
+            let n = r.count(8)?;
+            m.xattrs = (0..n).map(|_| Ok(Xattr { name: r.blob()?, value: r.blob()? })).collect::<Result<_, _>>()?;
         }
         Ok(m)
     }
@@ -559,8 +634,12 @@ impl W<'_> {
         self.0.extend_from_slice(v)
     }
     fn str(&mut self, v: &str) {
+        self.blob(v.as_bytes());
+    }
+    /// Bytes, after their length.
+    fn blob(&mut self, v: &[u8]) {
         self.u32(v.len() as u32);
-        self.bytes(v.as_bytes());
+        self.bytes(v);
     }
     fn strs(&mut self, v: &[String]) {
         self.u32(v.len() as u32);
@@ -616,9 +695,11 @@ impl<'a> R<'a> {
         Ok(u128::from_be_bytes(self.arr()?))
     }
     fn str(&mut self) -> Result<String, DecodeError> {
+        String::from_utf8(self.blob()?).map_err(|_| DecodeError::Utf8)
+    }
+    fn blob(&mut self) -> Result<Vec<u8>, DecodeError> {
         let n = self.u32()? as usize;
-        let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| DecodeError::Utf8)
+        Ok(self.take(n)?.to_vec())
     }
     /// A count of items, each at least `min_item` bytes: bounded by what is left.
     fn count(&mut self, min_item: usize) -> Result<usize, DecodeError> {
@@ -1211,7 +1292,7 @@ mod tests {
     }
 
     fn samples() -> Vec<Msg> {
-        let meta = FileMeta { path: "d/ü.dat".into(), size: 5, mtime_s: -3, mtime_ns: 7, mode: 0o644, target: None };
+        let meta = FileMeta { path: "d/ü.dat".into(), size: 5, mtime_s: -3, mtime_ns: 7, mode: 0o644, ..Default::default() };
         vec![
             Msg::Hello { key_id: [1; 16], protection: Protection::Authenticated, hello: [2; 48] },
             Msg::Challenge { challenge: [3; 48] },
@@ -1279,11 +1360,13 @@ mod tests {
             Msg::Echo { stamp: 1 << 40, received: 3, staged: 99, server_received: 7, transfers: 2 },
             Msg::StreamEnd,
             Msg::Dial,
-            Msg::Dir { meta: FileMeta { path: "d/e".into(), size: 0, mtime_s: 9, mtime_ns: 8, mode: FileMeta::DIR | 0o750, target: None } },
+            Msg::Dir {
+                meta: FileMeta { path: "d/e".into(), size: 0, mtime_s: 9, mtime_ns: 8, mode: FileMeta::DIR | 0o750, ..Default::default() },
+            },
             Msg::List { path: "e/*.h5".into() },
             Msg::Listing {
                 entries: vec![
-                    FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644, target: None },
+                    FileMeta { path: "a".into(), size: 1, mtime_s: 2, mtime_ns: 3, mode: 0o100644, ..Default::default() },
                     FileMeta {
                         path: "l".into(),
                         size: 0,
@@ -1291,6 +1374,17 @@ mod tests {
                         mtime_ns: 3,
                         mode: FileMeta::LINK | 0o777,
                         target: Some("../a\\xff".into()),
+                        owner: Some(Owner { uid: 1000, gid: 100, user: "ada".into(), group: String::new() }),
+                        ..Default::default()
+                    },
+                    FileMeta {
+                        path: "x".into(),
+                        mode: 0o100600,
+                        xattrs: vec![
+                            Xattr { name: b"user.a\xff".to_vec(), value: vec![0, 1, 2] },
+                            Xattr { name: b"system.posix_acl_access".to_vec(), value: Vec::new() },
+                        ],
+                        ..Default::default()
                     },
                 ],
                 done: true,

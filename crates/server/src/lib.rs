@@ -30,7 +30,7 @@ use dmover_proto::frame::{EngineParams, Stats, TicketedHost, TransferOptions, Tu
 use dmover_proto::phase::{ListReply, Open, RemoteReport, Reply, Request};
 use dmover_proto::ErrorKind;
 use metrics::{Kind, Metrics, Outcome};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener};
 use std::os::unix::io::AsRawFd;
@@ -46,6 +46,9 @@ pub use tickets::TICKET_LIFETIME;
 #[derive(Clone)]
 pub struct Config {
     pub exports: HashMap<String, Store>,
+    /// Exports whose clients may set owners and groups, and extended
+    /// attributes outside `user.*` (`--allow-owners`).
+    pub allow_owners: HashSet<String>,
     pub token: Vec<u8>,
     pub max_connections: usize,
     /// A control connection silent this long is closed.
@@ -505,7 +508,11 @@ fn secret(srv: &Server, id: &KeyId) -> Vec<u8> {
 fn refuse(srv: &Server, w: &mut FrameWriter, e: &Error) -> Result<()> {
     log::warn!("refused: {e}");
     srv.cfg.metrics.refused_request();
-    w.send(Reply::Error { kind: e.kind, message: e.to_string() })
+    let message = match &e.advice {
+        Some(advice) => format!("{e}; {advice}"),
+        None => e.to_string(),
+    };
+    w.send(Reply::Error { kind: e.kind, message })
 }
 
 /// Hands a data connection to its session.
@@ -631,6 +638,8 @@ enum Action {
         options: TransferOptions,
         /// The export's count of files that failed on its storage.
         write_errors: Arc<WriteErrors>,
+        /// The export lets clients set owners (`--allow-owners`).
+        privileged: bool,
     },
     /// Become the sending end of a transfer to this client.
     Send {
@@ -696,7 +705,14 @@ fn prepare(srv: &Server, m: Request, grant: &Grant, skey: &dmover_proto::auth::S
             storage::checked_path(root.as_ref(), rest)?;
             // An export's name (it was found above): a bounded label.
             let export = dest.split('/').next().unwrap_or_default();
-            Action::Receive { root: root.clone(), dest: rest.to_string(), options, write_errors: srv.cfg.metrics.write_errors(export) }
+            let privileged = srv.cfg.allow_owners.contains(export);
+            Action::Receive {
+                root: root.clone(),
+                dest: rest.to_string(),
+                options,
+                write_errors: srv.cfg.metrics.write_errors(export),
+                privileged,
+            }
         }
         Request::Send { sources, options, params } => {
             if params.streams == 0 {
@@ -814,7 +830,7 @@ fn control(
             Err(e) => refuse(srv, &mut w, &e)?,
             Ok(Action::Nothing) => {}
             Ok(Action::Reply(m)) => w.send(m)?,
-            Ok(Action::Receive { root, dest, options, write_errors }) => {
+            Ok(Action::Receive { root, dest, options, write_errors, privileged }) => {
                 let label = storage::display_spelled(root.as_ref(), &dest);
                 let cfg = RecvConfig {
                     store: root,
@@ -827,6 +843,7 @@ fn control(
                     intake: srv.cfg.metrics.intake(),
                     write_errors,
                     accept: None,
+                    privileged,
                 };
                 let prepared = match recv::prepare(cfg) {
                     Ok(p) => p,

@@ -133,7 +133,7 @@ fn refused(r: io::Result<impl Sized>, what: &str) {
 
 fn confined_if_export(t: &Subject) {
     let what = if t.export { "an export" } else { "the local file system" };
-    assert_eq!(t.s().is_confined(), t.export, "{what} says is_confined() = {}", t.s().is_confined());
+    assert_eq!(t.s().features().confined, t.export, "{what} says confined = {}", t.s().features().confined);
 }
 
 fn root_is_empty_dir(t: &Subject) {
@@ -201,7 +201,7 @@ fn commit_renames(t: &Subject) {
     t.s().make_dirs(&t.p("d")).unwrap();
     let f = t.s().create(&t.p("d/.f.part")).unwrap();
     f.write_all_at(b"data", 0).unwrap();
-    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)), digest: None };
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)), digest: None, ..Default::default() };
     t.s().commit(f.as_ref(), &t.p("d/.f.part"), &t.p("d/f"), Some(&attrs)).unwrap();
     drop(f);
     let s = t.s().stat(&t.p("d/f")).unwrap();
@@ -238,7 +238,7 @@ fn create_for_leaves_dest(t: &Subject) {
     // Written again and committed: the new file, with its attributes.
     let f = t.s().create_for(&t.p(".f.part"), &t.p("f")).unwrap();
     f.write_all_at(&data, 0).unwrap();
-    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 5)), digest: None };
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 5)), digest: None, ..Default::default() };
     t.s().commit(f.as_ref(), &t.p(".f.part"), &t.p("f"), Some(&attrs)).unwrap();
     drop(f);
     assert!(read(t, "f") == data, "not the file committed");
@@ -248,7 +248,7 @@ fn create_for_leaves_dest(t: &Subject) {
 }
 
 fn create_empty_in_place(t: &Subject) {
-    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)), digest: None };
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)), digest: None, ..Default::default() };
     t.s().make_dirs(&t.p("d")).unwrap();
     let Some(f) = t.s().create_empty(&t.p("d/e"), &attrs).unwrap() else {
         // A storage that makes files only by committing them declines.
@@ -362,7 +362,9 @@ fn links_round_trip(t: &Subject) {
     let targets: [(&str, &[u8]); 4] = [("rel", b"f"), ("abs", b"/etc/hostname"), ("dangling", b"no/such/file"), ("odd", b"../f\xff\n")];
     for (name, target) in targets {
         let p = t.p(&format!("d/{name}"));
-        t.s().make_link(&p, target, Some(mtime)).unwrap_or_else(|e| panic!("make_link {name}: {e}"));
+        t.s()
+            .make_link(&p, target, &Attrs { mtime: Some(mtime), ..Default::default() })
+            .unwrap_or_else(|e| panic!("make_link {name}: {e}"));
         assert_eq!(t.s().read_link(&p).unwrap(), target, "{name}'s target");
         let s = t.s().stat(&p).unwrap();
         assert_eq!((s.kind, s.mtime), (Kind::Symlink, mtime), "{name}");
@@ -373,11 +375,11 @@ fn links_round_trip(t: &Subject) {
     let want = [("abs", Kind::Symlink), ("dangling", Kind::Symlink), ("f", Kind::File), ("odd", Kind::Symlink), ("rel", Kind::Symlink)];
     assert_eq!(listed, want.map(|(n, k)| (n.to_string(), k)), "the listing");
     // Over the link to d/f: the link changes, d/f does not.
-    t.s().make_link(&t.p("d/rel"), b"elsewhere", None).unwrap();
+    t.s().make_link(&t.p("d/rel"), b"elsewhere", &Attrs::default()).unwrap();
     assert_eq!(t.s().read_link(&t.p("d/rel")).unwrap(), b"elsewhere");
     assert_eq!(read(t, "d/f"), b"the file", "written through a symlink");
     // Over a file: the file is gone, the name is a link.
-    t.s().make_link(&t.p("d/f"), b"rel", None).unwrap();
+    t.s().make_link(&t.p("d/f"), b"rel", &Attrs::default()).unwrap();
     assert_eq!(t.s().stat(&t.p("d/f")).unwrap().kind, Kind::Symlink, "the file is still there");
     assert_eq!(t.s().read_link(&t.p("d/f")).unwrap(), b"rel");
     let names = t.s().list(&t.p("d")).unwrap().into_iter().filter(|e| e.name == "f").count();
@@ -480,7 +482,7 @@ fn dir_symlink_leads_nowhere(t: &Subject) {
     refused(s.make_dirs(Path::new("l/sub")), "make_dirs through a symlink");
     refused(s.make_dirs(Path::new("l")), "make_dirs onto a symlink");
     refused(s.remove(Path::new("l/secret")), "remove through a symlink");
-    let attrs = Attrs { mode: 0o644, mtime: None, digest: None };
+    let attrs = Attrs { mode: 0o644, mtime: None, digest: None, ..Default::default() };
     refused(s.create_empty(Path::new("l/new"), &attrs), "create_empty through a symlink");
     assert!(s.reopen(Path::new("l/secret")).is_err(), "reopen through a symlink");
     refused(s.sync_file_systems(&[Path::new("l")]), "sync the file system of a symlink");
@@ -501,7 +503,7 @@ fn file_symlink_not_followed(t: &Subject) {
     refused(s.open(Path::new("lf")), "open a symlink");
     assert!(s.reopen(Path::new("lf")).unwrap().is_none(), "a symlink is not a file of ours");
     assert!(s.read_all(Path::new("lf"), 1 << 20).is_err(), "read_all of a symlink");
-    let attrs = Attrs { mode: 0o666, mtime: Some((1, 0)), digest: None };
+    let attrs = Attrs { mode: 0o666, mtime: Some((1, 0)), digest: None, ..Default::default() };
     assert!(s.create_empty(Path::new("lf"), &attrs).unwrap().is_none(), "create_empty over a symlink");
     assert_eq!(s.stat(Path::new("lf")).unwrap().kind, Kind::Symlink, "create_empty touched the symlink");
     let f = s.create(Path::new("lf")).unwrap();

@@ -1507,7 +1507,7 @@ impl Raw {
         self.send(&Msg::Receive { dest: dest.into(), options });
         assert!(matches!(self.read(), Some(Msg::SessionOpened { .. })));
         for (i, path) in paths.iter().enumerate() {
-            let meta = FileMeta { path: path.to_string(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
+            let meta = FileMeta { path: path.to_string(), size: 5, mtime_s: 0, mtime_ns: 0, mode: 0o644, ..Default::default() };
             self.send(&Msg::Announce { id: i as u64, meta, digest: None });
         }
         for path in paths {

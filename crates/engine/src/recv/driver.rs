@@ -32,7 +32,7 @@ use std::time::Duration;
 /// Runs a prepared receiving end until the sender finishes or the session
 /// fails; see [`Prepared::run`].
 pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
-    let Prepared { cfg, dial, dest_dir, may_be_file, layout, umask } = p;
+    let Prepared { cfg, dial, dest_dir, may_be_file, layout, keep } = p;
     let opts = cfg.options;
     let block_size = opts.block_size as u64;
     let peer = control.peer();
@@ -46,7 +46,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         state: super::state_store(&cfg.store),
         store: cfg.store,
         dest_dir,
-        umask,
+        keep,
         slots: RwLock::new(HashMap::new()),
         events,
         commits,
@@ -370,8 +370,7 @@ impl Owner {
         for meta in dirs.iter().rev() {
             let Ok(rel) = dmover_proto::path::to_path(&meta.path) else { continue };
             let path = self.sh.dest_dir.join(rel);
-            let mode = super::applied_mode(meta, self.sh.umask);
-            match self.sh.store.set_dir_attrs(&path, mode, (meta.mtime_s, meta.mtime_ns)) {
+            match self.sh.store.set_dir_attrs(&path, &self.sh.keep.attrs(meta)) {
                 Ok(()) => set.push(path),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => log::warn!("{}: cannot set the directory's mode and time: {e}", self.name(&meta.path)),
@@ -477,7 +476,7 @@ impl Owner {
     /// How to name `rel` (a path within the transfer) in messages: the
     /// export path at a server, the local path at a client.
     fn name(&self, rel: &str) -> String {
-        if self.sh.store.is_confined() {
+        if self.sh.store.features().confined {
             crate::storage::display_spelled(self.sh.store.as_ref(), &dmover_proto::path::join(&self.dest_label, rel))
         } else {
             match dmover_proto::path::to_path(rel) {
@@ -596,11 +595,11 @@ impl Owner {
 }
 
 /// Creates a directory that was empty at the source, with its mode (as
-/// [`applied_mode`](super::applied_mode) gives it). When `look` (`--sync`,
+/// [`Keep::mode`](super::keep::Keep::mode) gives it). When `look` (`--sync`,
 /// or a resumed run) and it is already there with that mode, it is skipped
 /// like an unchanged file, untouched.
 fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
-    let mode = super::applied_mode(meta, sh.umask);
+    let mode = sh.keep.mode(meta);
     if look && sh.store.stat(path).is_ok_and(|m| m.is_dir() && m.mode == mode) {
         return Outcome::Present;
     }
@@ -629,7 +628,7 @@ fn make_link(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
     if look && sh.store.read_link(path).is_ok_and(|t| t == *target) {
         return Outcome::Present;
     }
-    match sh.store.make_link(path, &target, Some((meta.mtime_s, meta.mtime_ns))) {
+    match sh.store.make_link(path, &target, &sh.keep.attrs(meta)) {
         Ok(()) => Outcome::Made,
         Err(e) => Outcome::Refused { kind: crate::error::classify(&e), message: e.to_string() },
     }

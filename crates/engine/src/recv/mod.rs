@@ -46,6 +46,7 @@
 //! "staged".
 
 mod driver;
+mod keep;
 mod workers;
 
 use crate::error::{Error, Result};
@@ -53,7 +54,7 @@ use crate::source::STATE_DIR;
 use crate::storage::Store;
 use crate::transport::{Connector, Transport};
 use crossbeam_channel::Receiver;
-use dmover_proto::frame::{FileMeta, TransferFlags, TransferOptions};
+use dmover_proto::frame::{TransferFlags, TransferOptions};
 use dmover_proto::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -168,6 +169,10 @@ pub struct RecvConfig {
     pub write_errors: Arc<WriteErrors>,
     /// Which announced names to take (None: any that stays below `dest`).
     pub accept: Option<NameCheck>,
+    /// The sender may set owners and groups other than this process's,
+    /// and extended attributes outside `user.*` (a local copy; a server's
+    /// export whose operator allows it): see [`keep`].
+    pub privileged: bool,
 }
 
 /// Blocks waiting for one writer, at most.
@@ -286,9 +291,8 @@ pub struct Prepared {
     /// The destination is not a directory (yet) and may receive a lone file.
     may_be_file: bool,
     layout: Option<Layout>,
-    /// This process's umask, which the modes of new files and directories
-    /// are masked with ([`applied_mode`]).
-    umask: u32,
+    /// What received files keep besides content.
+    keep: keep::Keep,
 }
 
 /// Checks and prepares the destination, so that problems (a read-only or
@@ -338,38 +342,8 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
             layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?);
         }
     }
-    // `--perms` keeps permission bits whole: no umask clears any.
-    let umask = if cfg.options.flags.contains(TransferFlags::PERMS) { 0 } else { umask() };
-    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, umask })
-}
-
-/// The mode a received file or directory is given: its source's permission
-/// bits less those `umask` clears, as `open(2)` and `mkdir(2)` would create
-/// it with the source's mode (and as rsync without `--perms` and cp without
-/// `-p` do). A directory keeps its sticky bit, which only restricts who may
-/// remove names in it; setuid and setgid bits are never applied, so that a
-/// peer cannot plant them.
-fn applied_mode(meta: &FileMeta, umask: u32) -> u32 {
-    let kept = if meta.is_dir() { 0o1777 } else { 0o777 };
-    meta.mode & kept & !umask
-}
-
-/// This process's umask: from `/proc/self/status`, or where that does not
-/// say, by setting it and putting it back at once (under a lock, so that
-/// two readers cannot leave it changed).
-fn umask() -> u32 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let said = status.lines().find_map(|l| l.strip_prefix("Umask:").and_then(|m| u32::from_str_radix(m.trim(), 8).ok()));
-    said.unwrap_or_else(|| {
-        static LOCK: Mutex<()> = Mutex::new(());
-        let _held = LOCK.lock().expect("umask lock");
-        // SAFETY: umask(2) cannot fail; the mask read is put back at once.
-        unsafe {
-            let mask = libc::umask(0o077);
-            libc::umask(mask);
-            mask as u32
-        }
-    })
+    let keep = keep::Keep::new(cfg.options.flags, cfg.store.features().keeps, cfg.privileged, &label)?;
+    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, keep })
 }
 
 /// Receives one transfer. `control` is the control connection; data

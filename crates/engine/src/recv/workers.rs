@@ -59,8 +59,8 @@ pub(super) struct Shared {
     /// Where journals go: `store`, or the local storage it names.
     pub state: Store,
     pub dest_dir: PathBuf,
-    /// This process's umask, for the modes of what is received.
-    pub umask: u32,
+    /// What received files keep besides content.
+    pub keep: super::keep::Keep,
     /// Files whose blocks may be written, by id: the owner adds and
     /// removes them, data connections look them up for each block.
     pub slots: RwLock<HashMap<u64, Arc<Slot>>>,
@@ -399,7 +399,7 @@ pub(super) fn writer(sh: &Shared, rx: Receiver<WriteJob>) {
 /// that takes several commits at once commits each file as it comes
 /// instead ([`commit_each`]).
 pub(super) fn committer(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) {
-    let threads = sh.store.commits_at_once();
+    let threads = sh.store.features().commits_at_once;
     if threads > 1 {
         std::thread::scope(|scope| {
             for _ in 1..threads {
@@ -469,7 +469,7 @@ fn next_verified(sh: &Shared, verified: &Receiver<(Arc<Slot>, Sum)>) -> Next {
 
 /// Commits verified files one at a time as they come, until the session
 /// stops: one of the threads of a storage whose commit is a request to a
-/// server ([`Storage::commits_at_once`](crate::storage::Storage::commits_at_once)
+/// server ([`Features::commits_at_once`](crate::storage::Features::commits_at_once)
 /// above one: an object store's PUT), durable once answered and with no
 /// names to make durable after it. Threads that each take the next file
 /// keep that many requests in flight all the time, where a batch would
@@ -636,11 +636,7 @@ impl DurableNames {
 fn prepare_commit(sh: &Shared, batch: Vec<(Arc<Slot>, Sum)>) -> Ready {
     let prepare = |(s, sum): (Arc<Slot>, Sum)| {
         let meta = s.paths.meta.as_ref()?;
-        let attrs = Attrs {
-            mode: super::applied_mode(meta, sh.umask),
-            mtime: Some((meta.mtime_s, meta.mtime_ns)),
-            digest: Some(Digest { block_size: sh.block_size, sum }),
-        };
+        let attrs = Attrs { digest: Some(Digest { block_size: sh.block_size, sum }), ..sh.keep.attrs(meta) };
         let opened = {
             let mut io = s.io.lock().expect("file lock");
             if io.closed {
@@ -682,7 +678,7 @@ fn rename_into_place(sh: &Shared, ready: Ready) -> Vec<Arc<Slot>> {
             }
         }
     };
-    at_once(&ready, sh.store.commits_at_once(), commit).into_iter().flatten().collect()
+    at_once(&ready, sh.store.features().commits_at_once, commit).into_iter().flatten().collect()
 }
 
 /// Runs `job` on each of `items` on up to `threads` threads (this one

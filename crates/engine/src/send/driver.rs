@@ -18,7 +18,7 @@ use crate::transport::{Layers, Transport};
 use crate::tuning::{self, Meter};
 use crate::wire::{ping_interval, FrameWriter};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
-use dmover_proto::frame::{FileError, Share, Stats, TransferFlags};
+use dmover_proto::frame::{FileError, Share, Stats};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
@@ -98,9 +98,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         std::thread::spawn(move || tuning::run(&sh, &*make))
     });
     let (walk_tx, walk_rx) = crossbeam_channel::bounded::<Walked>(WALK_AHEAD);
-    let with_digest = cfg.options.flags.contains(TransferFlags::CHECKSUM) && !generate;
-    let links = cfg.options.flags.contains(TransferFlags::LINKS);
-    let walker = std::thread::spawn(move || workers::walk(files, store, with_digest, links, block_size, &walk_tx));
+    let flags = cfg.options.flags;
+    let walker = std::thread::spawn(move || workers::walk(files, store, flags, block_size, &walk_tx));
 
     let session = Send::new(send::Config { hosts: n, block_size, window: WINDOW, chunk_blocks: CHUNK_BLOCKS });
     let mut owner = Owner {

@@ -8,16 +8,18 @@
 use super::{Attaching, Files, MoreStreams, AHEAD_PER_STREAM, ATTACH_WAIT, DIAL_WAIT, POLL};
 use crate::error::{classify, Error, Result};
 use crate::halt::Halt;
+use crate::ids;
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
 use crate::source::{self, Entry};
-use crate::storage::{digest_of, read_block, DataMap, Extent, ReadFile, Store};
+use crate::storage::{digest_of, read_block, DataMap, Extent, Keeps, ReadFile, Storage, Store, Xattr, ACL_XATTRS};
+
 use crate::transport::{Layers, Transport};
 use crate::tuning::{Meter, Tunable};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_proto::digest::{block_sum, zeros_sum, Sum};
-use dmover_proto::frame::{DataHeader, FileMeta, TransferOptions};
+use dmover_proto::frame::{DataHeader, FileMeta, Owner, TransferFlags, TransferOptions, MAX_XATTRS, MAX_XATTR_NAME, MAX_XATTR_VALUE};
 use dmover_proto::phase::{OnData, ToSender};
 use dmover_proto::session::send::{Event, Read};
 use dmover_proto::ErrorKind;
@@ -453,10 +455,13 @@ impl Tunable for Arc<Shared> {
 /// digest when `--checksum` asks for one, and symlinks where `links` keeps
 /// them. Ends when the sources are listed (or the feed is closed), or when
 /// the owner stops taking files.
-pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, block_size: u64, tx: &Sender<Walked>) {
+pub(super) fn walk(files: Files, store: Store, flags: TransferFlags, block_size: u64, tx: &Sender<Walked>) {
+    let with_digest = flags.contains(TransferFlags::CHECKSUM) && !matches!(files, Files::Generate { .. });
+    let links = flags.contains(TransferFlags::LINKS);
     let digest = |e: &Entry| if with_digest && !e.meta.is_link() { digest_of(store.as_ref(), &e.path, block_size).ok() } else { None };
-    let file = |entry: Entry, pinned| {
+    let file = |mut entry: Entry, pinned| {
         let digest = digest(&entry);
+        describe(store.as_ref(), flags, &mut entry);
         tx.send(Walked::File { entry, pinned, digest }).is_ok()
     };
     match files {
@@ -466,7 +471,10 @@ pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, b
                 log::info!("{e}");
                 tx.send(Walked::Error(e)).is_ok()
             }
-            source::Event::Dir(e) => tx.send(Walked::Dir(e.meta)).is_ok(),
+            source::Event::Dir(mut e) => {
+                describe(store.as_ref(), flags, &mut e);
+                tx.send(Walked::Dir(e.meta)).is_ok()
+            }
             source::Event::Link(e) if links => file(e, None),
             source::Event::Link(e) => {
                 log::warn!("{}: symbolic link skipped (--links copies it as one)", dmover_proto::path::printable(&e.meta.path));
@@ -482,9 +490,47 @@ pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, b
         }
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644, target: None };
-            let _ = tx.send(Walked::File { entry: Entry { path: PathBuf::new(), meta, ctime: (0, 0) }, pinned: None, digest: None });
+            let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644, ..Default::default() };
+            let entry = Entry { path: PathBuf::new(), meta, ctime: (0, 0), owner: None };
+            let _ = tx.send(Walked::File { entry, pinned: None, digest: None });
         }
+    }
+}
+
+/// Adds to an entry's announcement what the transfer keeps besides
+/// content, mode and times: its owner and group (`--owner`, `--group`;
+/// with their names unless `--numeric-ids`), and its extended attributes
+/// (`--xattrs`: all but `system.*`; `--acls`: the ACLs'). Attributes that
+/// cannot be read, or that pass the protocol's bounds, are left out with
+/// a warning: the file is still sent.
+fn describe(store: &dyn Storage, flags: TransferFlags, e: &mut Entry) {
+    if let (Some((uid, gid)), true) = (e.owner, flags.intersects(TransferFlags::OWNER | TransferFlags::GROUP)) {
+        let named = !flags.contains(TransferFlags::NUMERIC_IDS);
+        let (user, group) = if named { (ids::user_name(uid), ids::group_name(gid)) } else { Default::default() };
+        e.meta.owner = Some(Owner { uid, gid, user, group });
+    }
+    if !flags.intersects(TransferFlags::XATTRS | TransferFlags::ACLS) || !store.features().keeps.contains(Keeps::XATTRS) {
+        return;
+    }
+    let name = || dmover_proto::path::printable(&e.meta.path).into_owned();
+    match store.xattrs(&e.path) {
+        Ok(all) => {
+            let acl = |x: &Xattr| ACL_XATTRS.contains(&x.name.as_slice());
+            let sent = |x: &Xattr| {
+                if acl(x) {
+                    flags.contains(TransferFlags::ACLS)
+                } else {
+                    flags.contains(TransferFlags::XATTRS) && !x.name.starts_with(b"system.")
+                }
+            };
+            let (fit, over): (Vec<Xattr>, Vec<Xattr>) =
+                all.into_iter().filter(sent).partition(|x| x.name.len() <= MAX_XATTR_NAME && x.value.len() <= MAX_XATTR_VALUE);
+            if !over.is_empty() || fit.len() > MAX_XATTRS {
+                log::warn!("{}: extended attributes past the protocol's bounds left out", name());
+            }
+            e.meta.xattrs = fit.into_iter().take(MAX_XATTRS).collect();
+        }
+        Err(err) => log::warn!("{}: cannot read its extended attributes: {err}", name()),
     }
 }
 

@@ -35,6 +35,7 @@ pub mod s3;
 use crate::error::{Error, Result};
 use crate::wire::PIECE;
 use dmover_proto::digest::{block_sum, file_digest, zeros_sum, BlockHasher, Sum};
+pub use dmover_proto::frame::Xattr;
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use std::ffi::OsString;
@@ -86,6 +87,45 @@ pub enum Kind {
 /// an object store implies (a key prefix).
 pub const NO_TIME: (i64, u32) = (0, 0);
 
+/// What a storage can do beyond the operations every one has, asked once
+/// when a transfer starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    /// Paths are confined beneath the root (an export).
+    pub confined: bool,
+    /// How many directories a walk may list at once, from as many
+    /// threads: 1 where a listing is quick (a local directory), more where
+    /// each takes requests to a server (an object store's listing, and the
+    /// fetches of the small objects in it), so that the next directories
+    /// are listed while one is sent.
+    pub lists_at_once: usize,
+    /// How many files [`Storage::commit`] may take at once, from as many
+    /// threads: 1 where a commit is quick (a rename), more where each is a
+    /// request to a server (an object store's PUT), so that many small
+    /// files cost a few round trips, not one each. A storage that says
+    /// more than one makes each commit durable by itself, with no name to
+    /// sync after it: the engine then commits each file as soon as it is
+    /// verified, that many at a time, instead of in batches.
+    pub commits_at_once: usize,
+    /// What it keeps of a file besides its content, mode and times.
+    pub keeps: Keeps,
+}
+
+bitflags::bitflags! {
+    /// What of a file's metadata a storage keeps (besides content, mode
+    /// and modification time, which every one keeps).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Keeps: u32 {
+        /// Symlinks ([`Storage::read_link`], [`Storage::make_link`]).
+        const SYMLINKS = 1;
+        /// Owners and groups ([`Stat::owner`], [`Attrs::owner`]).
+        const OWNERS = 2;
+        /// Extended attributes, POSIX ACLs among them ([`Storage::xattrs`],
+        /// [`Attrs::xattrs`]).
+        const XATTRS = 4;
+    }
+}
+
 /// A file's attributes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {
@@ -100,6 +140,8 @@ pub struct Stat {
     pub ctime: (i64, i64),
     /// Names the file has (hard links).
     pub nlink: u64,
+    /// User and group ids, where the storage keeps owners.
+    pub owner: Option<(u32, u32)>,
 }
 
 impl Stat {
@@ -112,8 +154,14 @@ impl Stat {
     }
 }
 
-/// What [`Storage::commit`] sets on a file before it takes its final name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The names of the extended attributes that hold POSIX ACLs.
+pub const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_default"];
+
+/// What [`Storage::commit`] sets on a file before it takes its final name
+/// (and [`Storage::set_dir_attrs`] on a directory): owner and group first,
+/// then extended attributes, mode and modification time, in that order (a
+/// change of owner clears setuid bits; an ACL sets the group's mode bits).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Attrs {
     pub mode: u32,
     /// Modification time to set (seconds, nanoseconds); None leaves it.
@@ -121,6 +169,12 @@ pub struct Attrs {
     /// The verified digest of the content, for a storage that keeps it
     /// with the file (an object store, as metadata); others ignore it.
     pub digest: Option<Digest>,
+    /// User id to give it (a storage that keeps owners); None leaves it.
+    pub owner: Option<u32>,
+    /// Group id to give it; None leaves it.
+    pub group: Option<u32>,
+    /// Extended attributes to set (a storage that keeps them).
+    pub xattrs: Vec<Xattr>,
 }
 
 /// A file's digest as dmover computes it: from the checksums of its
@@ -205,8 +259,8 @@ pub trait WriteFile: ReadFile {
 /// storage also takes absolute paths); the empty path is the root itself.
 /// Nothing here follows a symlink inside a confined storage.
 pub trait Storage: Send + Sync + std::fmt::Debug {
-    /// Whether paths are confined beneath the root (an export).
-    fn is_confined(&self) -> bool;
+    /// What it can do beyond the operations every storage has.
+    fn features(&self) -> Features;
     /// How to name `path` in messages: `EXPORT/path`, or the local path.
     fn display(&self, path: &Path) -> String;
     /// The attributes of `path` itself (a symlink is reported as one).
@@ -216,13 +270,11 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn stat_followed(&self, path: &Path) -> io::Result<Stat>;
     /// The entries of directory `dir`, in no particular order.
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>>;
-    /// How many directories a walk may list at once, from as many
-    /// threads: 1 where a listing is quick (a local directory), more where
-    /// each takes requests to a server (an object store's listing, and the
-    /// fetches of the small objects in it), so that the next directories
-    /// are listed while one is sent.
-    fn lists_at_once(&self) -> usize {
-        1
+    /// The extended attributes of `path` itself (a symlink's own), POSIX
+    /// ACLs among them, never following a symlink: a storage that keeps
+    /// them ([`Keeps::XATTRS`]).
+    fn xattrs(&self, _path: &Path) -> io::Result<Vec<Xattr>> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no extended attributes"))
     }
     /// Opens a file for reading.
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>>;
@@ -236,9 +288,10 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn make_dirs(&self, dir: &Path) -> io::Result<()>;
     /// Makes `dir` exist as a directory (its parent must exist) with `mode`.
     fn make_dir(&self, dir: &Path, mode: u32) -> io::Result<()>;
-    /// Gives the directory `dir` its mode and modification time, never
-    /// through a symlink (a storage without directories has nothing to do).
-    fn set_dir_attrs(&self, _dir: &Path, _mode: u32, _mtime: (i64, u32)) -> io::Result<()> {
+    /// Gives the directory `dir` its attributes (as [`Attrs`] says, but a
+    /// digest), never through a symlink (a storage without directories has
+    /// nothing to do).
+    fn set_dir_attrs(&self, _dir: &Path, _attrs: &Attrs) -> io::Result<()> {
         Ok(())
     }
     /// Creates the file `path` afresh, readable and writable by its owner
@@ -271,16 +324,6 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>>;
     /// Sets `attrs` on `file` (written at `from`) and renames it to `to`.
     fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
-    /// How many files [`commit`](Storage::commit) may take at once, from
-    /// as many threads: 1 where a commit is quick (a rename), more where
-    /// each is a request to a server (an object store's PUT), so that many
-    /// small files cost a few round trips, not one each. A storage that
-    /// says more than one makes each commit durable by itself, with no
-    /// name to sync after it: the engine then commits each file as soon as
-    /// it is verified, that many at a time, instead of in batches.
-    fn commits_at_once(&self) -> usize {
-        1
-    }
     /// Makes the names in directory `dir` durable: files renamed into it,
     /// directories made in it. A storage with no directories has nothing
     /// to do.
@@ -300,10 +343,12 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
         Err(io::Error::new(io::ErrorKind::Unsupported, "this storage holds no symlinks"))
     }
     /// Makes `path` a symlink to `target` (bytes, never followed or
-    /// checked: a target is data), with modification time `mtime`. What had
-    /// the name is replaced, never written through: the link is made under
-    /// a temporary name and renamed into place.
-    fn make_link(&self, _path: &Path, _target: &[u8], _mtime: Option<(i64, u32)>) -> io::Result<()> {
+    /// checked: a target is data), with the owner, group, extended
+    /// attributes and modification time `attrs` gives (a symlink has no
+    /// mode of its own). What had the name is replaced, never written
+    /// through: the link is made under a temporary name and renamed into
+    /// place.
+    fn make_link(&self, _path: &Path, _target: &[u8], _attrs: &Attrs) -> io::Result<()> {
         Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no symlinks"))
     }
     /// Removes a file; one that is not there is not an error.
@@ -366,7 +411,7 @@ pub fn export(label: &str, dir: &Path) -> io::Result<Store> {
 /// is refused; a path that does not exist yet is fine.
 pub fn checked_path(store: &dyn Storage, spelled: &str) -> Result<PathBuf> {
     let refuse = |why: String| Err(Error::new(ErrorKind::Refused, display_spelled(store, spelled), format!("path refused: {why}")));
-    if store.is_confined() {
+    if store.features().confined {
         if let Err(e) = dmover_proto::path::check_relative(spelled) {
             return refuse(e.to_string());
         }
@@ -378,7 +423,7 @@ pub fn checked_path(store: &dyn Storage, spelled: &str) -> Result<PathBuf> {
         Ok(p) => p,
         Err(e) => return Err(Error::new(ErrorKind::Usage, printable(spelled), e.to_string())),
     };
-    if !store.is_confined() {
+    if !store.features().confined {
         return Ok(path);
     }
     match store.stat(&path) {

@@ -17,7 +17,7 @@
 //! the destination the user named ([`Posix::beneath`]), so that a symlink
 //! another user planted below a shared destination is not written through.
 
-use super::{Attrs, DirEntry, Kind, ReadFile, Stat, Storage, WriteFile};
+use super::{Attrs, DirEntry, Features, Keeps, Kind, ReadFile, Stat, Storage, WriteFile, Xattr};
 use crate::error::Refused;
 use rustix::fs::{AtFlags, FallocateFlags, Mode, OFlags, ResolveFlags, SeekFrom, Timespec, Timestamps, CWD};
 use rustix::io::Errno;
@@ -210,7 +210,54 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
         mtime: (s.st_mtime, s.st_mtime_nsec as u32),
         ctime: (s.st_ctime, s.st_ctime_nsec as i64),
         nlink: s.st_nlink,
+        owner: Some((s.st_uid, s.st_gid)),
     }
+}
+
+/// Gives the open file or directory `fd` the owner, group and extended
+/// attributes `attrs` names (an id of -1 is never set: it means none).
+fn set_owner_and_xattrs(fd: BorrowedFd<'_>, attrs: &Attrs) -> io::Result<()> {
+    let owner = attrs.owner.filter(|&u| u != u32::MAX).map(rustix::fs::Uid::from_raw);
+    let group = attrs.group.filter(|&g| g != u32::MAX).map(rustix::fs::Gid::from_raw);
+    if owner.is_some() || group.is_some() {
+        rustix::fs::fchown(fd, owner, group)?;
+    }
+    for x in &attrs.xattrs {
+        rustix::fs::fsetxattr(fd, OsStr::from_bytes(&x.name), &x.value, rustix::fs::XattrFlags::empty()).map_err(|e| {
+            io::Error::new(io::Error::from(e).kind(), format!("extended attribute {}: {e}", String::from_utf8_lossy(&x.name)))
+        })?;
+    }
+    Ok(())
+}
+
+/// The modification time `mtime` to set, the access time left.
+fn mtime_only((s, ns): (i64, u32)) -> Timestamps {
+    let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
+    Timestamps { last_access: omit, last_modification: Timespec { tv_sec: s, tv_nsec: ns as _ } }
+}
+
+/// The name `name` in the directory open at `dir`, as a path that names
+/// it through that handle (for the calls that take no directory handle:
+/// the `l*xattr` family), so that no path is resolved again.
+fn through_handle(dir: BorrowedFd<'_>, name: &OsStr) -> PathBuf {
+    let mut p = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    p.push(name);
+    p
+}
+
+/// The extended attributes of the file at `path` (a symlink's own).
+fn xattrs_at(path: &Path) -> io::Result<Vec<Xattr>> {
+    let mut names = vec![0u8; rustix::fs::llistxattr_query(path)?];
+    let n = rustix::fs::llistxattr(path, &mut names[..])?;
+    let mut out = Vec::new();
+    for name in names[..n].split(|&b| b == 0).filter(|n| !n.is_empty()) {
+        let name = OsStr::from_bytes(name);
+        let mut value = vec![0u8; rustix::fs::lgetxattr_query(path, name)?];
+        let len = rustix::fs::lgetxattr(path, name, &mut value[..])?;
+        value.truncate(len);
+        out.push(Xattr { name: name.as_bytes().to_vec(), value });
+    }
+    Ok(out)
 }
 
 /// `fd` as a file if it is a regular one, with its attributes; None if it
@@ -282,11 +329,10 @@ impl WriteFile for PosixFile {
     }
 
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()> {
+        set_owner_and_xattrs(self.0.as_fd(), attrs)?;
         rustix::fs::fchmod(&self.0, Mode::from_raw_mode(attrs.mode))?;
-        if let Some((s, ns)) = attrs.mtime {
-            let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
-            let times = Timestamps { last_access: omit, last_modification: Timespec { tv_sec: s, tv_nsec: ns as _ } };
-            rustix::fs::futimens(&self.0, &times)?;
+        if let Some(mtime) = attrs.mtime {
+            rustix::fs::futimens(&self.0, &mtime_only(mtime))?;
         }
         Ok(())
     }
@@ -311,8 +357,8 @@ impl WriteFile for PosixFile {
 }
 
 impl Storage for Posix {
-    fn is_confined(&self) -> bool {
-        self.root.is_some()
+    fn features(&self) -> Features {
+        Features { confined: self.root.is_some(), lists_at_once: 1, commits_at_once: 1, keeps: Keeps::all() }
     }
 
     fn display(&self, path: &Path) -> String {
@@ -387,12 +433,25 @@ impl Storage for Posix {
         Ok(())
     }
 
-    fn set_dir_attrs(&self, dir: &Path, mode: u32, mtime: (i64, u32)) -> io::Result<()> {
+    fn set_dir_attrs(&self, dir: &Path, attrs: &Attrs) -> io::Result<()> {
         let fd = self.open_at(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW, Mode::empty())?;
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
-        let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
-        let times = Timestamps { last_access: omit, last_modification: Timespec { tv_sec: mtime.0, tv_nsec: mtime.1 as _ } };
-        Ok(rustix::fs::futimens(&fd, &times)?)
+        set_owner_and_xattrs(fd.as_fd(), attrs)?;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(attrs.mode))?;
+        match attrs.mtime {
+            Some(mtime) => Ok(rustix::fs::futimens(&fd, &mtime_only(mtime))?),
+            None => Ok(()),
+        }
+    }
+
+    /// Through the handle of the parent directory, resolved as every path
+    /// is; the name itself is never followed.
+    fn xattrs(&self, path: &Path) -> io::Result<Vec<Xattr>> {
+        if path.as_os_str().is_empty() || path.file_name().is_none() {
+            let fd = self.open_at(path, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())?;
+            return xattrs_at(&PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())));
+        }
+        let (dir, name) = self.parent(path)?;
+        xattrs_at(&through_handle(dir.as_fd(), name))
     }
 
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
@@ -462,7 +521,7 @@ impl Storage for Posix {
         Ok(rustix::fs::readlinkat(&dir, name, Vec::new())?.into_bytes())
     }
 
-    fn make_link(&self, path: &Path, target: &[u8], mtime: Option<(i64, u32)>) -> io::Result<()> {
+    fn make_link(&self, path: &Path, target: &[u8], attrs: &Attrs) -> io::Result<()> {
         let (dir, name) = self.parent(path)?;
         let temp = super::part_name(name);
         match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
@@ -470,16 +529,24 @@ impl Storage for Posix {
             Err(e) => return Err(e.into()),
         }
         rustix::fs::symlinkat(OsStr::from_bytes(target), &dir, &temp)?;
-        let placed = mtime
-            .map_or(Ok(()), |(s, ns)| {
-                let omit = Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT };
-                let times = Timestamps { last_access: omit, last_modification: Timespec { tv_sec: s, tv_nsec: ns as _ } };
-                rustix::fs::utimensat(&dir, &temp, &times, AtFlags::SYMLINK_NOFOLLOW)
-            })
-            .and_then(|()| rustix::fs::renameat(&dir, &temp, &dir, name));
+        let placed = (|| -> io::Result<()> {
+            let owner = attrs.owner.filter(|&u| u != u32::MAX).map(rustix::fs::Uid::from_raw);
+            let group = attrs.group.filter(|&g| g != u32::MAX).map(rustix::fs::Gid::from_raw);
+            if owner.is_some() || group.is_some() {
+                rustix::fs::chownat(&dir, &temp, owner, group, AtFlags::SYMLINK_NOFOLLOW)?;
+            }
+            for x in &attrs.xattrs {
+                let at = through_handle(dir.as_fd(), &temp);
+                rustix::fs::lsetxattr(&at, OsStr::from_bytes(&x.name), &x.value, rustix::fs::XattrFlags::empty())?;
+            }
+            if let Some(mtime) = attrs.mtime {
+                rustix::fs::utimensat(&dir, &temp, &mtime_only(mtime), AtFlags::SYMLINK_NOFOLLOW)?;
+            }
+            Ok(rustix::fs::renameat(&dir, &temp, &dir, name)?)
+        })();
         if let Err(e) = placed {
             let _ = rustix::fs::unlinkat(&dir, &temp, AtFlags::empty());
-            return Err(e.into());
+            return Err(e);
         }
         Ok(())
     }

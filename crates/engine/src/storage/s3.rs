@@ -81,7 +81,7 @@
 //! The AWS SDK does the requests, on an async runtime of this storage's
 //! own; the engine's threads wait on it.
 
-use super::{Attrs, Digest, DirEntry, Kind, ReadFile, Stat, Storage, Store, WriteFile};
+use super::{Attrs, Digest, DirEntry, Features, Keeps, Kind, ReadFile, Stat, Storage, Store, WriteFile};
 use crate::error::{Damaged, Error, Refused, Result};
 use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
@@ -142,7 +142,7 @@ const FETCH_LISTED: u64 = 1 << 20;
 /// to fetch more; past that, listings stop fetching (the objects kept are
 /// not being read: files skipped as already at their destination, say).
 const LISTED_STALL: std::time::Duration = std::time::Duration::from_secs(5);
-/// Directories listed at once by a walk (see [`Storage::lists_at_once`]):
+/// Directories listed at once by a walk (see [`Features::lists_at_once`]):
 /// the next ones' listings and small objects arrive while one is sent.
 const LISTS_AT_ONCE: usize = 4;
 /// Files committed at once (each a PUT, or the completion of an upload).
@@ -437,7 +437,7 @@ fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<Str
     let get = |k: &str| meta.and_then(|m| m.iter().find(|(n, _)| n.eq_ignore_ascii_case(k))).map(|(_, v)| v.as_str());
     let mode = get(META_MODE).and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o644);
     let mtime = get(META_MTIME).and_then(parse_mtime).or_else(|| get(META_RCLONE_MTIME).and_then(parse_decimal_time)).unwrap_or(changed);
-    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1 }
+    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, owner: None }
 }
 
 /// The attributes of the symlink kept in an object with attributes `st`
@@ -505,7 +505,7 @@ fn parse_digest(s: &str) -> Option<Digest> {
 }
 
 fn dir_stat() -> Stat {
-    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1 }
+    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1, owner: None }
 }
 
 /// `bucket/key` for a copy's source, percent-encoded as S3 wants it.
@@ -1513,7 +1513,7 @@ impl S3Write {
             return Err(io::Error::other(format!("{}: already committed", self.key)));
         }
         let never_written = || io::Error::new(io::ErrorKind::InvalidData, format!("{}: the file has parts never written", self.key));
-        let attrs = attrs.or(up.attrs).unwrap_or(Attrs { mode: 0o600, mtime: None, digest: None });
+        let attrs = attrs.or(up.attrs.take()).unwrap_or(Attrs { mode: 0o600, ..Default::default() });
         let meta = Inner::metadata(&attrs);
         let i = self.inner.clone();
         let size = up.size;
@@ -1613,7 +1613,7 @@ impl ReadFile for S3Write {
 
     fn stat(&self) -> io::Result<Stat> {
         let up = self.up.lock().expect("upload lock");
-        let a = up.attrs;
+        let a = up.attrs.as_ref();
         Ok(Stat {
             kind: Kind::File,
             size: up.size,
@@ -1621,6 +1621,7 @@ impl ReadFile for S3Write {
             mtime: a.and_then(|a| a.mtime).unwrap_or((0, 0)),
             ctime: (0, 0),
             nlink: 1,
+            owner: None,
         })
     }
 }
@@ -1668,7 +1669,7 @@ impl WriteFile for S3Write {
     }
 
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()> {
-        self.up.lock().expect("upload lock").attrs = Some(*attrs);
+        self.up.lock().expect("upload lock").attrs = Some(attrs.clone());
         Ok(())
     }
 
@@ -1683,8 +1684,10 @@ impl WriteFile for S3Write {
 }
 
 impl Storage for S3 {
-    fn is_confined(&self) -> bool {
-        true
+    /// Confined to its bucket (or prefix); symlinks as rclone keeps them;
+    /// no owners or extended attributes.
+    fn features(&self) -> Features {
+        Features { confined: true, lists_at_once: LISTS_AT_ONCE, commits_at_once: COMMITS_IN_FLIGHT, keeps: Keeps::SYMLINKS }
     }
 
     fn display(&self, path: &Path) -> String {
@@ -1803,10 +1806,6 @@ impl Storage for S3 {
         Ok(out)
     }
 
-    fn lists_at_once(&self) -> usize {
-        LISTS_AT_ONCE
-    }
-
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
         self.open_range(path, 0..u64::MAX)
     }
@@ -1850,15 +1849,11 @@ impl Storage for S3 {
         if self.inner.key(from)? != f.key {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: committed as {}", f.key, from.display())));
         }
-        f.commit(&self.inner.key(to)?, attrs.copied())
+        f.commit(&self.inner.key(to)?, attrs.cloned())
     }
 
     fn state_store(&self) -> Option<Store> {
         self.state.clone()
-    }
-
-    fn commits_at_once(&self) -> usize {
-        COMMITS_IN_FLIGHT
     }
 
     /// Removes the object, and aborts the upload of a file being written
@@ -1894,9 +1889,10 @@ impl Storage for S3 {
     /// where rclone keeps it and dmover's metadata, then removes a file
     /// `NAME` (which would hide the link). Nothing is followed: a target is
     /// data.
-    fn make_link(&self, path: &Path, target: &[u8], mtime: Option<(i64, u32)>) -> io::Result<()> {
+    fn make_link(&self, path: &Path, target: &[u8], attrs: &Attrs) -> io::Result<()> {
         let (k, link) = self.inner.entry_keys(path)?;
-        let mut meta = Inner::metadata(&Attrs { mode: 0o777, mtime, digest: None });
+        let mtime = attrs.mtime;
+        let mut meta = Inner::metadata(&Attrs { mode: 0o777, mtime, ..Default::default() });
         if let Some(t) = mtime {
             meta.insert(META_RCLONE_MTIME.into(), decimal_time(t));
         }
@@ -2037,7 +2033,7 @@ mod tests {
     fn metadata_round_trips() {
         let sum = [7u8; 16];
         let d = Digest { block_size: 1 << 20, sum };
-        let m = Inner::metadata(&Attrs { mode: 0o640, mtime: Some((1_700_000_000, 5)), digest: Some(d) });
+        let m = Inner::metadata(&Attrs { mode: 0o640, mtime: Some((1_700_000_000, 5)), digest: Some(d), ..Default::default() });
         let st = object_stat(9, None, Some(&m));
         assert_eq!((st.mode, st.mtime, st.size), (0o640, (1_700_000_000, 5), 9));
         assert_eq!(parse_digest(&m[META_DIGEST]), Some(d));

@@ -31,7 +31,7 @@
 //! or a second `Finish` after it, are protocol violations.
 
 use crate::digest::{file_digest, SetDigest, Sum};
-use crate::frame::{file_blocks, FileMeta, MAX_HOLE_BLOCKS};
+use crate::frame::{file_blocks, FileMeta, MAX_HOLE_BLOCKS, MAX_ID_NAME, MAX_XATTRS, MAX_XATTR_NAME, MAX_XATTR_VALUE};
 use crate::phase::{ToReceiver, ToSender};
 use crate::ErrorKind;
 use held::Held;
@@ -297,6 +297,19 @@ fn check_kind(meta: &FileMeta) -> Result<(), &'static str> {
         match meta.target.as_deref().map(crate::path::to_bytes) {
             Some(Ok(t)) if !t.is_empty() && t.len() <= crate::path::MAX_PATH && !t.contains(&0) => {}
             _ => return Err("a symlink's target must be 1 to 4,096 bytes, without NUL, spelled as paths are"),
+        }
+    }
+    if let Some(o) = &meta.owner {
+        if [&o.user, &o.group].iter().any(|n| n.len() > MAX_ID_NAME || n.contains('\0')) {
+            return Err("a user or group name must be at most 256 bytes, without NUL");
+        }
+    }
+    if meta.xattrs.len() > MAX_XATTRS {
+        return Err("a file may carry at most 256 extended attributes");
+    }
+    for x in &meta.xattrs {
+        if x.name.is_empty() || x.name.len() > MAX_XATTR_NAME || x.name.contains(&0) || x.value.len() > MAX_XATTR_VALUE {
+            return Err("an extended attribute's name must be 1 to 255 bytes without NUL, its value at most 64 KiB");
         }
     }
     Ok(())

@@ -4,6 +4,7 @@
 //! senders that lie about sizes, offsets and files.
 
 use super::*;
+use crate::frame::{Owner, Xattr};
 use crate::session::audit::Audit;
 use proptest::prelude::*;
 use std::collections::HashSet;
@@ -20,7 +21,7 @@ fn sum(id: u64, b: u64) -> Sum {
 }
 
 fn meta(path: &str, size: u64) -> FileMeta {
-    FileMeta { path: path.into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None }
+    FileMeta { path: path.into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, ..Default::default() }
 }
 
 fn session(discard: bool) -> Receive {
@@ -479,6 +480,10 @@ fn a_file_refused_by_name_or_size_fails_alone() {
     assert!(!rx.is_over());
 }
 
+fn xattr(name: &[u8], value: &[u8]) -> Xattr {
+    Xattr { name: name.to_vec(), value: value.to_vec() }
+}
+
 #[test]
 fn a_symlink_or_directory_claiming_data_or_a_bad_target_fails_alone() {
     let mut rx = session(false);
@@ -491,12 +496,20 @@ fn a_symlink_or_directory_claiming_data_or_a_bad_target_fails_alone() {
         link(Some("a\0b"), 0),
         link(Some(&"x".repeat(4097)), 0),
         FileMeta { mode: FileMeta::DIR | 0o755, ..meta("d", 3) },
+        FileMeta { owner: Some(Owner { user: "a\0b".into(), ..Default::default() }), ..meta("o", 0) },
+        FileMeta { owner: Some(Owner { group: "g".repeat(257), ..Default::default() }), ..meta("o", 0) },
+        FileMeta { xattrs: vec![xattr(b"", b"v")], ..meta("x", 0) },
+        FileMeta { xattrs: vec![xattr(b"user.a\0", b"v")], ..meta("x", 0) },
+        FileMeta { xattrs: vec![xattr(&[b'n'; 256], b"v")], ..meta("x", 0) },
+        FileMeta { xattrs: vec![xattr(b"user.big", &[0; (64 << 10) + 1])], ..meta("x", 0) },
+        FileMeta { xattrs: vec![xattr(b"user.a", b"v"); 257], ..meta("x", 0) },
     ];
+    let count = bad.len();
     for (id, m) in bad.into_iter().enumerate() {
         rx.handle(Event::Control(ToReceiver::Announce { id: id as u64, meta: m, digest: None }));
     }
     let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
-    assert_eq!(out.len(), 7, "{out:?}");
+    assert_eq!(out.len(), count, "{out:?}");
     assert!(out.iter().all(|a| matches!(a, Action::Refuse { kind: ErrorKind::Refused, .. })), "{out:?}");
     rx.handle(Event::Control(ToReceiver::Announce { id: 9, meta: link(Some("../a\\xff"), 0), digest: None }));
     assert!(!matches!(rx.poll(), Some(Action::Refuse { .. })), "a good symlink was refused");

@@ -22,7 +22,7 @@ fn sum(path: &str, b: u64) -> Sum {
 }
 
 fn meta(path: &str, size: u64) -> FileMeta {
-    FileMeta { path: path.into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None }
+    FileMeta { path: path.into(), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, ..Default::default() }
 }
 
 fn session(hosts: usize) -> Send {
