@@ -73,10 +73,18 @@ pub struct CpArgs {
     /// Keep POSIX ACLs (access and default); implies --perms.
     #[arg(short = 'A', long)]
     pub acls: bool,
-    /// Archive: what `rsync -a` keeps that dmover keeps, which is
-    /// `--links --perms --owner --group` (times are always kept), owners
-    /// and groups only where the receiving end may set them (devices are
-    /// not kept yet).
+    /// Copy character and block devices as devices (made as root only).
+    #[arg(long)]
+    pub devices: bool,
+    /// Copy FIFOs and sockets as such.
+    #[arg(long)]
+    pub specials: bool,
+    /// --devices --specials.
+    #[arg(short = 'D')]
+    pub devices_and_specials: bool,
+    /// Archive: `--links --perms --owner --group --devices --specials`, as
+    /// `rsync -a` (times are always kept), owners, groups, devices and
+    /// specials only where the receiving end may set or make them.
     #[arg(short = 'a', long)]
     pub archive: bool,
     /// With --sync: compare content checksums instead of modification times.
@@ -227,13 +235,16 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         (a.numeric_ids, TransferFlags::NUMERIC_IDS),
         (a.xattrs, TransferFlags::XATTRS),
         (a.acls, TransferFlags::ACLS),
+        (a.devices || a.devices_and_specials, TransferFlags::DEVICES),
+        (a.specials || a.devices_and_specials, TransferFlags::SPECIALS),
     ] {
         flags.set(flag, asked);
     }
     if a.archive {
-        // Kept where the receiving end may set them, unless asked for by name.
-        flags |= TransferFlags::OWNER | TransferFlags::GROUP;
-        flags.set(TransferFlags::OWNER_IF_ALLOWED, !a.owner && !a.group);
+        // Kept where the receiving end may set or make them, unless asked for by name.
+        let named = TransferFlags::OWNER | TransferFlags::GROUP | TransferFlags::DEVICES | TransferFlags::SPECIALS;
+        flags.set(TransferFlags::IF_ALLOWED, !flags.intersects(named));
+        flags |= named;
     }
     if a.net.no_encrypt {
         flags |= TransferFlags::NO_ENCRYPT;

@@ -332,3 +332,70 @@ fn an_export_that_does_not_allow_owners_refuses_them_and_keeps_user_xattrs_only(
     assert_eq!(xattrs(b"plain.txt"), ["user.bin\\xff", "user.colour"]);
     assert!(xattrs(b"shared/report.txt").is_empty(), "a trusted.* attribute was set: {:?}", xattrs(b"shared/report.txt"));
 }
+
+/// A tree with a FIFO, a socket, a character and a block device, one of
+/// them owned by another user, every time set apart from now.
+fn nodes(root: &Path) -> PathBuf {
+    let mknod = |args: &[&str]| {
+        let out = std::process::Command::new("mknod").args(args).output().unwrap();
+        assert!(out.status.success(), "mknod {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    fs::create_dir_all(root.join("dev")).unwrap();
+    fs::write(root.join("plain.txt"), "plain").unwrap();
+    mknod(&["-m", "640", root.join("fifo").to_str().unwrap(), "p"]);
+    mknod(&["-m", "666", root.join("dev/null").to_str().unwrap(), "c", "1", "3"]);
+    mknod(&["-m", "600", root.join("dev/loop250").to_str().unwrap(), "b", "7", "250"]);
+    drop(std::os::unix::net::UnixListener::bind(root.join("socket")).unwrap());
+    std::os::unix::fs::chown(root.join("fifo"), Some(4242), Some(4343)).unwrap();
+    let out = std::process::Command::new("find")
+        .arg(root)
+        .args(["-mindepth", "1", "-exec", "touch", "-h", "-d", "2026-01-02 03:04:05.123456789", "{}", "+"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "touch: {}", String::from_utf8_lossy(&out.stderr));
+    root.to_path_buf()
+}
+
+/// With `-a` (as root, into exports that allow it) devices, FIFOs and
+/// sockets arrive as `rsync -a` makes them: type, device numbers, mode,
+/// owner and time, through every path; a second run with --sync finds
+/// them there. Without `-a` or `-D` each is skipped with a warning.
+#[test]
+fn devices_fifos_and_sockets_arrive_with_archive_through_every_path() {
+    let env = Env::new();
+    let src = nodes(&env.mkdir("src"));
+    let reference = tree::rsync(&["-a", "--numeric-ids"], &src, &env.path("src.rsync"));
+    let fields = [Field::Kind, Field::Content, Field::Perm, Field::Owner, Field::Mtime, Field::DirMtime, Field::Device];
+    every_path(&env, &src, &["-a", "--numeric-ids"], &mut |copy, at| {
+        let j = copy(&[]).assert_ok();
+        assert_eq!(u(&j["files"]), 5, "{j:#}");
+        tree::assert_same(&reference, at, &fields);
+        let again = copy(&["--sync"]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 5, "with --sync: {again:#}");
+    });
+
+    let plain = env.mkdir("plain");
+    let r = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run();
+    assert_eq!(u(&r.assert_ok()["files"]), 1);
+    assert_eq!(r.stderr.matches(" skipped (--").count(), 4, "{}", r.stderr);
+    assert!(fs::symlink_metadata(plain.join("fifo")).is_err());
+}
+
+/// A server makes no device, FIFO or socket in an export whose operator
+/// did not allow it: `-D` is refused naming the flags, `-a` copies the
+/// files and passes the rest over.
+#[test]
+fn an_export_that_does_not_allow_owners_makes_no_devices() {
+    let env = Env::new();
+    let src = nodes(&env.mkdir("src"));
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([format!("{}/", src.display()), srv.url("e/explicit/")]).args(["-D"]).run();
+    assert_eq!(r.code, 8, "{}", r.stderr);
+    assert!(r.stderr.contains("--devices, --specials") && r.stderr.contains("--allow-owners"), "{}", r.stderr);
+    let j = env.cp([format!("{}/", src.display()), srv.url("e/archive/")]).args(["-a"]).run().assert_ok();
+    assert_eq!((u(&j["files"]), u(&j["skipped_files"])), (5, 4), "{j:#}");
+    let names: Vec<_> = fs::read_dir(export.join("archive")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names.len(), 2, "made more than the file and the directory: {names:?}");
+    assert!(fs::read_dir(export.join("archive/dev")).unwrap().next().is_none());
+}

@@ -49,6 +49,20 @@ pub enum Event {
     /// A directory that is not empty, with its attributes (an empty one
     /// comes as a [`Event::File`] whose mode says directory).
     Dir(Entry),
+    /// A device, FIFO or socket: copied as one where the transfer asks
+    /// (`--devices`, `--specials`), else skipped.
+    Special(Entry),
+}
+
+impl Event {
+    /// What takes a name of its own at the destination: a file, symlink,
+    /// device, FIFO or socket (not a directory, which many sources share).
+    fn named(&self) -> Option<&Entry> {
+        match self {
+            Event::File(e) | Event::Link(e) | Event::Special(e) if !e.meta.is_dir() => Some(e),
+            _ => None,
+        }
+    }
 }
 
 /// Whether a source names files by a pattern.
@@ -95,7 +109,7 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
             listed = true;
             emit(e.meta)
         }
-        Event::Dir(_) => true,
+        Event::Dir(_) | Event::Special(_) => true,
     });
     match first_error {
         Some(e) if !listed => Err(e),
@@ -113,26 +127,23 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
 /// sources, is sent once). Only then are names remembered: 32 bytes each.
 pub fn walk(store: &dyn Storage, specs: &[String], emit: &mut dyn FnMut(Event) -> bool) {
     let mut names: Option<HashMap<Sum, Sum>> = (specs.len() > 1).then(HashMap::new);
-    let mut emit = |ev: Event| match (&mut names, ev) {
-        (Some(names), Event::File(e) | Event::Link(e)) if !e.meta.is_dir() => {
-            let from = block_sum(e.path.as_os_str().as_bytes());
-            match names.entry(block_sum(e.meta.path.as_bytes())) {
-                Slot::Vacant(v) => {
-                    v.insert(from);
-                    emit(if e.meta.is_link() { Event::Link(e) } else { Event::File(e) })
-                }
-                Slot::Occupied(o) if *o.get() == from => true,
-                Slot::Occupied(_) => emit(Event::Error(Error::new(
-                    ErrorKind::Usage,
-                    store.display(&e.path),
-                    format!(
-                        "another source has a file named {} too, and both would land on one destination file: the first is copied, this one is not (copy them to different destinations)",
-                        dmover_proto::path::printable(&e.meta.path)
-                    ),
-                ))),
+    let mut emit = |ev: Event| {
+        let (Some(names), Some(e)) = (&mut names, ev.named()) else { return emit(ev) };
+        let from = block_sum(e.path.as_os_str().as_bytes());
+        match names.entry(block_sum(e.meta.path.as_bytes())) {
+            Slot::Vacant(v) => {
+                v.insert(from);
+                emit(ev)
+            }
+            Slot::Occupied(o) if *o.get() == from => true,
+            Slot::Occupied(_) => {
+                let message = format!(
+                    "another source has a file named {} too, and both would land on one destination file: the first is copied, this one is not (copy them to different destinations)",
+                    dmover_proto::path::printable(&e.meta.path)
+                );
+                emit(Event::Error(Error::new(ErrorKind::Usage, store.display(&e.path), message)))
             }
         }
-        (_, ev) => emit(ev),
     };
     for spec in specs {
         if !walk_spec(store, spec, &mut emit) {
@@ -255,6 +266,10 @@ fn walk_dir(
                         true
                     }
                     Kind::File if matched && !fname.ends_with(PART_SUFFIX) => emit(Event::File(entry(path, child, &st))),
+                    Kind::Special(kind) if matched => {
+                        let e = entry(path, child, &st);
+                        emit(Event::Special(Entry { meta: FileMeta { size: 0, mode: kind | st.mode, rdev: st.rdev, ..e.meta }, ..e }))
+                    }
                     _ => true,
                 };
                 if !go_on {
@@ -303,7 +318,7 @@ mod tests {
             match ev {
                 Event::File(e) => out.push(e),
                 Event::Error(e) => err = Some(e),
-                Event::Link(_) | Event::Dir(_) => {}
+                Event::Link(_) | Event::Dir(_) | Event::Special(_) => {}
             }
             err.is_none()
         });

@@ -411,7 +411,7 @@ pub fn check_sources(store: &dyn Storage, root: &Path, sources: &[String]) -> Re
                 err = Some(e);
                 false
             }
-            Event::Link(_) | Event::Dir(_) => true,
+            Event::Link(_) | Event::Dir(_) | Event::Special(_) => true,
         });
         let nothing = || {
             Error::new(ErrorKind::NotFound, label.clone(), format!("sources: {s:?} matches nothing below it"))

@@ -472,6 +472,10 @@ fn list(mgr: &Manager, tx: crossbeam_channel::Sender<WorkItem>, earlier: HashSet
             log::warn!("{}: symbolic link skipped", dmover_proto::path::printable(&e.meta.path));
             true
         }
+        Event::Special(e) => {
+            log::warn!("{}: device, FIFO or socket skipped", dmover_proto::path::printable(&e.meta.path));
+            true
+        }
         // A job's agents make directories as their files need them.
         Event::Dir(_) => true,
     });

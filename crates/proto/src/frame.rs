@@ -194,9 +194,14 @@ bitflags::bitflags! {
         /// Owners and groups are kept as numbers (`--numeric-ids`), not
         /// mapped by name.
         const NUMERIC_IDS = 16384;
-        /// With OWNER or GROUP from `--archive`: a receiver that may not
-        /// set owners leaves them, rather than refusing the transfer.
-        const OWNER_IF_ALLOWED = 32768;
+        /// With OWNER, GROUP, DEVICES or SPECIALS from `--archive`: a
+        /// receiver that may not set owners (or make devices or specials)
+        /// leaves them, rather than refusing the transfer.
+        const IF_ALLOWED = 32768;
+        /// Character and block devices are copied as devices (`--devices`).
+        const DEVICES = 65536;
+        /// FIFOs and sockets are copied as such (`--specials`).
+        const SPECIALS = 131072;
     }
 }
 
@@ -254,6 +259,8 @@ pub struct FileMeta {
     /// Extended attributes, when the transfer keeps them (`--xattrs`;
     /// POSIX ACLs, `system.posix_acl_*`, with `--acls`).
     pub xattrs: Vec<Xattr>,
+    /// A device's number (as `st_rdev`): character and block devices only.
+    pub rdev: u64,
 }
 
 /// Who owns a file: ids, and the names they have at the sending end
@@ -291,6 +298,13 @@ impl FileMeta {
     pub const DIR: u32 = 0o040000;
     /// The type of a symlink.
     pub const LINK: u32 = 0o120000;
+    /// The type of a regular file (its mode may also carry no type).
+    pub const FILE: u32 = 0o100000;
+    /// The types of a FIFO, a character device, a block device, a socket.
+    pub const FIFO: u32 = 0o010000;
+    pub const CHAR: u32 = 0o020000;
+    pub const BLOCK: u32 = 0o060000;
+    pub const SOCKET: u32 = 0o140000;
 
     /// Whether this announces a directory rather than a file.
     pub fn is_dir(&self) -> bool {
@@ -302,6 +316,23 @@ impl FileMeta {
         self.mode & Self::TYPE == Self::LINK
     }
 
+    /// Whether this announces a device, FIFO or socket (no data; a
+    /// device's number in [`FileMeta::rdev`]).
+    pub fn is_special(&self) -> bool {
+        [Self::FIFO, Self::CHAR, Self::BLOCK, Self::SOCKET].contains(&(self.mode & Self::TYPE))
+    }
+
+    /// Whether this announces a character or block device.
+    pub fn is_device(&self) -> bool {
+        [Self::CHAR, Self::BLOCK].contains(&(self.mode & Self::TYPE))
+    }
+
+    /// Whether the mode's type is one dmover knows: none (a regular
+    /// file), a regular file, directory, symlink, device, FIFO or socket.
+    pub fn known_type(&self) -> bool {
+        [0, Self::FILE, Self::DIR, Self::LINK].contains(&(self.mode & Self::TYPE)) || self.is_special()
+    }
+
     fn write(&self, w: &mut W) {
         w.str(&self.path);
         w.u64(self.size);
@@ -311,7 +342,7 @@ impl FileMeta {
         if self.is_link() {
             w.str(self.target.as_deref().unwrap_or_default());
         }
-        w.u8(u8::from(self.owner.is_some()) | u8::from(!self.xattrs.is_empty()) << 1);
+        w.u8(u8::from(self.owner.is_some()) | u8::from(!self.xattrs.is_empty()) << 1 | u8::from(self.rdev != 0) << 2);
         if let Some(o) = &self.owner {
             w.u32(o.uid);
             w.u32(o.gid);
@@ -325,6 +356,9 @@ impl FileMeta {
                 w.blob(&x.value);
             }
         }
+        if self.rdev != 0 {
+            w.u64(self.rdev);
+        }
     }
 
     fn read(r: &mut R) -> Result<FileMeta, DecodeError> {
@@ -334,7 +368,7 @@ impl FileMeta {
             m.target = Some(r.str()?);
         }
         let more = r.u8()?;
-        if more & !3 != 0 {
+        if more & !7 != 0 {
             return Err(DecodeError::Invalid("file attributes", more as u64));
         }
         if more & 1 != 0 {
@@ -343,6 +377,9 @@ impl FileMeta {
         if more & 2 != 0 {
             let n = r.count(8)?;
             m.xattrs = (0..n).map(|_| Ok(Xattr { name: r.blob()?, value: r.blob()? })).collect::<Result<_, _>>()?;
+        }
+        if more & 4 != 0 {
+            m.rdev = r.u64()?;
         }
         Ok(m)
     }
@@ -1377,6 +1414,7 @@ mod tests {
                         owner: Some(Owner { uid: 1000, gid: 100, user: "ada".into(), group: String::new() }),
                         ..Default::default()
                     },
+                    FileMeta { path: "null".into(), mode: FileMeta::CHAR | 0o666, rdev: 0x103, ..Default::default() },
                     FileMeta {
                         path: "x".into(),
                         mode: 0o100600,

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::halt::Halt;
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
-use crate::storage::{check_not_reserved, digest_of};
+use crate::storage::{check_not_reserved, digest_of, Kind};
 use crate::transport::{Connector, SocketOptions, Transport};
 use crate::wire::{ping_interval, FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
@@ -530,6 +530,9 @@ impl Owner {
         if meta.is_link() {
             return Some(make_link(&sh, meta, &final_path, look));
         }
+        if meta.is_special() {
+            return Some(make_node(&sh, meta, &final_path, look));
+        }
         // Already there?
         if look {
             if let Ok(m) = sh.store.stat(&final_path) {
@@ -629,6 +632,32 @@ fn make_link(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
         return Outcome::Present;
     }
     match sh.store.make_link(path, &target, &sh.keep.attrs(meta)) {
+        Ok(()) => Outcome::Made,
+        Err(e) => Outcome::Refused { kind: crate::error::classify(&e), message: e.to_string() },
+    }
+}
+
+/// Makes a device, FIFO or socket with its mode, owner and time,
+/// replacing whatever had the name; one the receiving end may not make is
+/// refused, or passed over as already there if the transfer asked for it
+/// only where allowed (`--archive`). When `look` and one of that type (and
+/// device number) is there already, it is skipped, untouched.
+fn make_node(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
+    match sh.keep.makes(meta) {
+        Ok(()) => {}
+        Err((true, why)) => {
+            log::info!("{}: skipped: {why}", dmover_proto::path::printable(&meta.path));
+            return Outcome::Present;
+        }
+        Err((false, why)) => return Outcome::Refused { kind: ErrorKind::Refused, message: why.into() },
+    }
+    let kind = meta.mode & FileMeta::TYPE;
+    let there = |m: crate::storage::Stat| m.kind == Kind::Special(kind) && m.rdev == meta.rdev;
+    if look && sh.store.stat(path).is_ok_and(there) {
+        return Outcome::Present;
+    }
+    let attrs = sh.keep.attrs(meta);
+    match sh.store.make_node(path, kind | attrs.mode, meta.rdev, &attrs) {
         Ok(()) => Outcome::Made,
         Err(e) => Outcome::Refused { kind: crate::error::classify(&e), message: e.to_string() },
     }

@@ -32,6 +32,8 @@ pub(super) struct Keep {
     /// Owners and groups other than this process's may be set, and
     /// extended attributes outside `user.*`.
     privileged: bool,
+    /// Devices, FIFOs and sockets may be made.
+    nodes: bool,
     /// This process may give a file any owner (it runs as root).
     root: bool,
     /// The groups this process is in: those it may give its files.
@@ -41,28 +43,53 @@ pub(super) struct Keep {
 impl Keep {
     /// The rules for a transfer with `flags` into `dest` (named in a
     /// refusal), a storage that keeps `keeps`; `privileged`: this end lets
-    /// the sender set owners. An explicit `--owner` or `--group` where they
-    /// may not be set or kept is refused, and so are `--xattrs` and
-    /// `--acls` where the storage keeps no extended attributes.
+    /// the sender set owners and make devices. An explicit `--owner`,
+    /// `--group`, `--devices` or `--specials` where they may not be set or
+    /// kept is refused, and so are `--xattrs` and `--acls` where the
+    /// storage keeps no extended attributes.
     pub(super) fn new(flags: TransferFlags, keeps: Keeps, privileged: bool, dest: &str) -> Result<Keep> {
-        let explicit_ids =
-            flags.intersects(TransferFlags::OWNER | TransferFlags::GROUP) && !flags.contains(TransferFlags::OWNER_IF_ALLOWED);
-        if explicit_ids && !keeps.contains(Keeps::OWNERS) {
-            return Err(Error::new(ErrorKind::Usage, dest, "this storage keeps no owners or groups (--owner, --group)")
-                .advised("copy without them"));
-        }
-        if explicit_ids && !privileged {
-            return Err(Error::new(ErrorKind::Refused, dest, "this export does not let clients set owners or groups (--owner, --group)")
-                .advised("copy without them, or ask the server's operator to allow them (dmover serve --allow-owners EXPORT)"));
+        let explicit = !flags.contains(TransferFlags::IF_ALLOWED);
+        let asked = |f: TransferFlags| explicit && flags.intersects(f);
+        let ids = TransferFlags::OWNER | TransferFlags::GROUP;
+        let nodes = TransferFlags::DEVICES | TransferFlags::SPECIALS;
+        for (f, kept, what) in [
+            (ids, Keeps::OWNERS, "owners or groups (--owner, --group)"),
+            (nodes, Keeps::SPECIALS, "devices, FIFOs or sockets (--devices, --specials)"),
+        ] {
+            if asked(f) && !keeps.contains(kept) {
+                return Err(Error::new(ErrorKind::Usage, dest, format!("this storage keeps no {what}")).advised("copy without them"));
+            }
+            if asked(f) && !privileged {
+                return Err(Error::new(ErrorKind::Refused, dest, format!("this export does not let clients set {what}"))
+                    .advised("copy without them, or ask the server's operator to allow them (dmover serve --allow-owners EXPORT)"));
+            }
         }
         if flags.intersects(TransferFlags::XATTRS | TransferFlags::ACLS) && !keeps.contains(Keeps::XATTRS) {
             return Err(Error::new(ErrorKind::Usage, dest, "this storage keeps no extended attributes or ACLs (--xattrs, --acls)")
                 .advised("copy without them"));
         }
+        let nodes = privileged && keeps.contains(Keeps::SPECIALS);
         let privileged = privileged && keeps.contains(Keeps::OWNERS);
         let umask = if flags.contains(TransferFlags::PERMS) { 0 } else { umask() };
         let root = ids::own_uid() == 0;
-        Ok(Keep { umask, flags, privileged, root, groups: ids::own_groups().into_iter().collect() })
+        Ok(Keep { umask, flags, privileged, nodes, root, groups: ids::own_groups().into_iter().collect() })
+    }
+
+    /// Whether the device, FIFO or socket `meta` announces is made: one the
+    /// transfer asked for (`--devices`, `--specials`), where this end may
+    /// (a device as root only, as mknod(2) allows). Err says why not, and
+    /// whether the transfer only asked for what is allowed (`--archive`:
+    /// then it is passed over rather than failed).
+    pub(super) fn makes(&self, meta: &FileMeta) -> std::result::Result<(), (bool, &'static str)> {
+        let flag = if meta.is_device() { TransferFlags::DEVICES } else { TransferFlags::SPECIALS };
+        if !self.flags.contains(flag) {
+            return Err((false, "a device, FIFO or socket, and this transfer does not copy them (--devices, --specials)"));
+        }
+        let soft = self.flags.contains(TransferFlags::IF_ALLOWED);
+        if !self.nodes || (meta.is_device() && !self.root) {
+            return Err((soft, "devices are made only by root, and devices, FIFOs and sockets only where the receiving end allows them"));
+        }
+        Ok(())
     }
 
     /// The mode a received file or directory is given: its source's

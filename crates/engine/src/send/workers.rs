@@ -476,6 +476,16 @@ pub(super) fn walk(files: Files, store: Store, flags: TransferFlags, block_size:
                 tx.send(Walked::Dir(e.meta)).is_ok()
             }
             source::Event::Link(e) if links => file(e, None),
+            source::Event::Special(e)
+                if flags.contains(if e.meta.is_device() { TransferFlags::DEVICES } else { TransferFlags::SPECIALS }) =>
+            {
+                file(e, None)
+            }
+            source::Event::Special(e) => {
+                let what = if e.meta.is_device() { "device skipped (--devices" } else { "FIFO or socket skipped (--specials" };
+                log::warn!("{}: {what} copies it as one)", dmover_proto::path::printable(&e.meta.path));
+                true
+            }
             source::Event::Link(e) => {
                 log::warn!("{}: symbolic link skipped (--links copies it as one)", dmover_proto::path::printable(&e.meta.path));
                 true

@@ -79,8 +79,9 @@ pub enum Kind {
     File,
     Dir,
     Symlink,
-    /// A device, socket or FIFO: never read or written.
-    Other,
+    /// A device, socket or FIFO, with its type bits (as in `st_mode`): never
+    /// read or written, only made ([`Storage::make_node`]).
+    Special(u32),
 }
 
 /// The modification time of what a storage keeps no time for: a directory
@@ -123,6 +124,8 @@ bitflags::bitflags! {
         /// Extended attributes, POSIX ACLs among them ([`Storage::xattrs`],
         /// [`Attrs::xattrs`]).
         const XATTRS = 4;
+        /// Devices, FIFOs and sockets ([`Storage::make_node`]).
+        const SPECIALS = 8;
     }
 }
 
@@ -142,6 +145,8 @@ pub struct Stat {
     pub nlink: u64,
     /// User and group ids, where the storage keeps owners.
     pub owner: Option<(u32, u32)>,
+    /// A device's number (`st_rdev`); 0 for anything else.
+    pub rdev: u64,
 }
 
 impl Stat {
@@ -350,6 +355,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// place.
     fn make_link(&self, _path: &Path, _target: &[u8], _attrs: &Attrs) -> io::Result<()> {
         Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no symlinks"))
+    }
+    /// Makes `path` a device, FIFO or socket of `mode` (type and permission
+    /// bits) and device number `rdev`, with the owner, group, extended
+    /// attributes and modification time `attrs` gives: under a temporary
+    /// name, renamed into place (replacing what had the name, never
+    /// written through), never opened.
+    fn make_node(&self, _path: &Path, _mode: u32, _rdev: u64, _attrs: &Attrs) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no devices, FIFOs or sockets"))
     }
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;

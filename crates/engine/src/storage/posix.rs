@@ -201,7 +201,7 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
         rustix::fs::FileType::RegularFile => Kind::File,
         rustix::fs::FileType::Directory => Kind::Dir,
         rustix::fs::FileType::Symlink => Kind::Symlink,
-        _ => Kind::Other,
+        _ => Kind::Special(s.st_mode & 0o170000),
     };
     Stat {
         kind,
@@ -211,6 +211,7 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
         ctime: (s.st_ctime, s.st_ctime_nsec as i64),
         nlink: s.st_nlink,
         owner: Some((s.st_uid, s.st_gid)),
+        rdev: s.st_rdev,
     }
 }
 
@@ -541,6 +542,42 @@ impl Storage for Posix {
             }
             if let Some(mtime) = attrs.mtime {
                 rustix::fs::utimensat(&dir, &temp, &mtime_only(mtime), AtFlags::SYMLINK_NOFOLLOW)?;
+            }
+            Ok(rustix::fs::renameat(&dir, &temp, &dir, name)?)
+        })();
+        if let Err(e) = placed {
+            let _ = rustix::fs::unlinkat(&dir, &temp, AtFlags::empty());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Made with `mknodat` under a temporary name; its attributes are set
+    /// through a path-only handle on it (`/proc/self/fd/N` names that very
+    /// inode, so a name swapped meanwhile leads nowhere else), then renamed.
+    fn make_node(&self, path: &Path, mode: u32, rdev: u64, attrs: &Attrs) -> io::Result<()> {
+        let (dir, name) = self.parent(path)?;
+        let temp = super::part_name(name);
+        match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let kind = rustix::fs::FileType::from_raw_mode(mode);
+        rustix::fs::mknodat(&dir, &temp, kind, Mode::from_raw_mode(0o600), rdev)?;
+        let placed = (|| -> io::Result<()> {
+            let fd = rustix::fs::openat(&dir, &temp, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+            let at = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+            let owner = attrs.owner.filter(|&u| u != u32::MAX).map(rustix::fs::Uid::from_raw);
+            let group = attrs.group.filter(|&g| g != u32::MAX).map(rustix::fs::Gid::from_raw);
+            if owner.is_some() || group.is_some() {
+                rustix::fs::chownat(&fd, "", owner, group, AtFlags::EMPTY_PATH)?;
+            }
+            for x in &attrs.xattrs {
+                rustix::fs::setxattr(&at, OsStr::from_bytes(&x.name), &x.value, rustix::fs::XattrFlags::empty())?;
+            }
+            rustix::fs::chmod(&at, Mode::from_raw_mode(attrs.mode))?;
+            if let Some(mtime) = attrs.mtime {
+                rustix::fs::utimensat(CWD, &at, &mtime_only(mtime), AtFlags::empty())?;
             }
             Ok(rustix::fs::renameat(&dir, &temp, &dir, name)?)
         })();

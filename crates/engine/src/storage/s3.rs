@@ -437,7 +437,7 @@ fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<Str
     let get = |k: &str| meta.and_then(|m| m.iter().find(|(n, _)| n.eq_ignore_ascii_case(k))).map(|(_, v)| v.as_str());
     let mode = get(META_MODE).and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o644);
     let mtime = get(META_MTIME).and_then(parse_mtime).or_else(|| get(META_RCLONE_MTIME).and_then(parse_decimal_time)).unwrap_or(changed);
-    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, owner: None }
+    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, owner: None, rdev: 0 }
 }
 
 /// The attributes of the symlink kept in an object with attributes `st`
@@ -505,7 +505,7 @@ fn parse_digest(s: &str) -> Option<Digest> {
 }
 
 fn dir_stat() -> Stat {
-    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1, owner: None }
+    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1, owner: None, rdev: 0 }
 }
 
 /// `bucket/key` for a copy's source, percent-encoded as S3 wants it.
@@ -1622,6 +1622,7 @@ impl ReadFile for S3Write {
             ctime: (0, 0),
             nlink: 1,
             owner: None,
+            rdev: 0,
         })
     }
 }

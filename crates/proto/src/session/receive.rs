@@ -290,8 +290,14 @@ pub struct Receive {
 /// or is badly spelled (the target itself is data: never checked for
 /// where it leads).
 fn check_kind(meta: &FileMeta) -> Result<(), &'static str> {
-    if (meta.is_dir() || meta.is_link()) && meta.size != 0 {
-        return Err("a directory or symlink carries no data");
+    if !meta.known_type() {
+        return Err("a file of a type dmover does not know");
+    }
+    if (meta.is_dir() || meta.is_link() || meta.is_special()) && meta.size != 0 {
+        return Err("a directory, symlink, device, FIFO or socket carries no data");
+    }
+    if meta.rdev != 0 && !meta.is_device() {
+        return Err("only a device has a device number");
     }
     if meta.is_link() {
         match meta.target.as_deref().map(crate::path::to_bytes) {

@@ -503,6 +503,9 @@ fn a_symlink_or_directory_claiming_data_or_a_bad_target_fails_alone() {
         FileMeta { xattrs: vec![xattr(&[b'n'; 256], b"v")], ..meta("x", 0) },
         FileMeta { xattrs: vec![xattr(b"user.big", &[0; (64 << 10) + 1])], ..meta("x", 0) },
         FileMeta { xattrs: vec![xattr(b"user.a", b"v"); 257], ..meta("x", 0) },
+        FileMeta { mode: 0o070644, ..meta("t", 0) },
+        FileMeta { mode: FileMeta::FIFO | 0o644, ..meta("p", 1) },
+        FileMeta { rdev: 5, ..meta("r", 0) },
     ];
     let count = bad.len();
     for (id, m) in bad.into_iter().enumerate() {
