@@ -922,3 +922,69 @@ fn symlinks_go_up_and_come_back_with_links_as_rclone_keeps_them() {
     t.cp(["s3://data/rclone/", from_rclone.to_str().unwrap(), "-l"]).run().assert_ok();
     tree::assert_same(&reference, &from_rclone, &[Field::Kind, Field::Content, Field::Target, Field::Mtime]);
 }
+
+/// Owners, groups and `user.*` extended attributes go up with `-aX` as
+/// rclone's `--metadata` keeps them (`uid`, `gid`, and `NAME` for
+/// `user.NAME`), and come back down as `rsync -aX --numeric-ids` copied
+/// them; rclone reads dmover's objects so, and dmover reads rclone's. An
+/// attribute metadata cannot hold fails its file, naming it, and `-A`
+/// (which a bucket cannot keep) is refused.
+#[test]
+fn owners_and_xattrs_go_up_and_come_back_as_rclone_metadata() {
+    use dmover_testkit::tree::{self, Field};
+    use std::os::unix::ffi::OsStrExt;
+    let Some(t) = Setup::new() else { return };
+    t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    fs::create_dir(src.join("dir")).unwrap();
+    let setx = |path: &Path, name: &str, value: &[u8]| {
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        let n = std::ffi::CString::new(name).unwrap();
+        // SAFETY: both strings are NUL-terminated; the value's length is given.
+        let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+        assert_eq!(r, 0, "setxattr {name}: {}", std::io::Error::last_os_error());
+    };
+    for (name, uid, gid) in [("a.txt", 4242, 4343), ("dir/b.txt", 0, 5000), ("dir/c.txt", 1234, 0)] {
+        fs::write(src.join(name), name).unwrap();
+        std::os::unix::fs::chown(src.join(name), Some(uid), Some(gid)).unwrap();
+    }
+    setx(&src.join("a.txt"), "user.colour", b"blue");
+    setx(&src.join("dir/b.txt"), "user.project-id", b"p 42");
+    let reference = tree::rsync(&["-aX", "--numeric-ids"], &src, &t.env.path("src.rsync"));
+    let fields = [Field::Kind, Field::Content, Field::Perm, Field::Owner, Field::Mtime, Field::Xattrs];
+    let up = format!("{}/", src.display());
+
+    let j = t.cp([up.as_str(), "s3://data/up/", "-aX", "--numeric-ids"]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 3, "{j:#}");
+    let down = t.env.mkdir("down");
+    t.cp(["s3://data/up/", down.to_str().unwrap(), "-aX", "--numeric-ids"]).run().assert_ok();
+    tree::assert_same(&reference, &down, &fields);
+
+    let refused = t.cp([up.as_str(), "s3://data/acl/", "-A"]).run();
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(refused.stderr.contains("keeps no ACLs"), "{}", refused.stderr);
+    setx(&src.join("dir/c.txt"), "user.Binary", &[0, 1, 255]);
+    let r = t.cp([up.as_str(), "s3://data/odd/", "-X"]).run();
+    assert_ne!(r.code, 0, "an attribute no metadata holds was dropped: {}", r.stdout);
+    assert!(r.stderr.contains("user.Binary") && r.stderr.contains("printable ASCII"), "{}", r.stderr);
+
+    if !on_path("rclone") {
+        return;
+    }
+    // rclone reads dmover's owners and attributes (and makes every other
+    // metadata an attribute too: dmover's own, the content type)...
+    let by_rclone = t.env.path("by-rclone");
+    rclone(&t, &["copy", "--metadata", "vgw:data/up", by_rclone.to_str().unwrap()]);
+    tree::assert_same(&reference, &by_rclone, &[Field::Kind, Field::Content, Field::Owner]);
+    let got = tree::snapshot(&by_rclone).unwrap();
+    for (path, name, value) in [(&b"a.txt"[..], &b"user.colour"[..], &b"blue"[..]), (b"dir/b.txt", b"user.project-id", b"p 42")] {
+        assert_eq!(got.entries[path].xattrs.get(name).map(Vec::as_slice), Some(value), "{}", path.escape_ascii());
+    }
+    // ...and dmover reads rclone's.
+    fs::remove_file(src.join("dir/c.txt")).unwrap();
+    fs::remove_file(reference.join("dir/c.txt")).unwrap();
+    rclone(&t, &["copy", "--metadata", src.to_str().unwrap(), "vgw:data/rclone"]);
+    let from_rclone = t.env.mkdir("from-rclone");
+    t.cp(["s3://data/rclone/", from_rclone.to_str().unwrap(), "-aX", "--numeric-ids"]).run().assert_ok();
+    tree::assert_same(&reference, &from_rclone, &[Field::Kind, Field::Content, Field::Owner, Field::Xattrs]);
+}

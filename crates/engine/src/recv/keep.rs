@@ -34,7 +34,8 @@ pub(super) struct Keep {
     privileged: bool,
     /// Devices, FIFOs and sockets may be made.
     nodes: bool,
-    /// This process may give a file any owner (it runs as root).
+    /// Any owner and group may be given: this process runs as root, or
+    /// the storage records owners without enforcing them.
     root: bool,
     /// The groups this process is in: those it may give its files.
     groups: HashSet<u32>,
@@ -64,14 +65,18 @@ impl Keep {
                     .advised("copy without them, or ask the server's operator to allow them (dmover serve --allow-owners EXPORT)"));
             }
         }
-        if flags.intersects(TransferFlags::XATTRS | TransferFlags::ACLS) && !keeps.contains(Keeps::XATTRS) {
-            return Err(Error::new(ErrorKind::Usage, dest, "this storage keeps no extended attributes or ACLs (--xattrs, --acls)")
-                .advised("copy without them"));
+        if flags.contains(TransferFlags::XATTRS) && !keeps.contains(Keeps::XATTRS) {
+            return Err(
+                Error::new(ErrorKind::Usage, dest, "this storage keeps no extended attributes (--xattrs)").advised("copy without them")
+            );
+        }
+        if flags.contains(TransferFlags::ACLS) && !keeps.contains(Keeps::ACLS) {
+            return Err(Error::new(ErrorKind::Usage, dest, "this storage keeps no ACLs (--acls)").advised("copy without them"));
         }
         let nodes = privileged && keeps.contains(Keeps::SPECIALS);
         let privileged = privileged && keeps.contains(Keeps::OWNERS);
         let umask = if flags.contains(TransferFlags::PERMS) { 0 } else { umask() };
-        let root = ids::own_uid() == 0;
+        let root = ids::own_uid() == 0 || keeps.contains(Keeps::ANY_OWNER);
         Ok(Keep { umask, flags, privileged, nodes, root, groups: ids::own_groups().into_iter().collect() })
     }
 

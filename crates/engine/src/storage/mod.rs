@@ -126,6 +126,11 @@ bitflags::bitflags! {
         const XATTRS = 4;
         /// Devices, FIFOs and sockets ([`Storage::make_node`]).
         const SPECIALS = 8;
+        /// POSIX ACLs (as their extended attributes).
+        const ACLS = 16;
+        /// Owners are recorded, not enforced: any may be given by anyone
+        /// (an object store's metadata), where a file system lets root only.
+        const ANY_OWNER = 32;
     }
 }
 

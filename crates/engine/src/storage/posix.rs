@@ -359,7 +359,7 @@ impl WriteFile for PosixFile {
 
 impl Storage for Posix {
     fn features(&self) -> Features {
-        Features { confined: self.root.is_some(), lists_at_once: 1, commits_at_once: 1, keeps: Keeps::all() }
+        Features { confined: self.root.is_some(), lists_at_once: 1, commits_at_once: 1, keeps: Keeps::all().difference(Keeps::ANY_OWNER) }
     }
 
     fn display(&self, path: &Path) -> String {

@@ -81,7 +81,7 @@
 //! The AWS SDK does the requests, on an async runtime of this storage's
 //! own; the engine's threads wait on it.
 
-use super::{Attrs, Digest, DirEntry, Features, Keeps, Kind, ReadFile, Stat, Storage, Store, WriteFile};
+use super::{Attrs, Digest, DirEntry, Features, Keeps, Kind, ReadFile, Stat, Storage, Store, WriteFile, Xattr};
 use crate::error::{Damaged, Error, Refused, Result};
 use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
@@ -167,6 +167,12 @@ const META_MODE: &str = "dmover-mode";
 /// Where rclone keeps an object's mtime (`x-amz-meta-mtime`): seconds
 /// since the epoch, as a decimal fraction.
 const META_RCLONE_MTIME: &str = "mtime";
+/// Where rclone's `--metadata` keeps a file's owner and group: decimal ids.
+const META_UID: &str = "uid";
+const META_GID: &str = "gid";
+/// Metadata names that are not a file's extended attributes: rclone's own
+/// (`--metadata` keeps each `user.NAME` attribute as `NAME`) and dmover's.
+const META_NOT_XATTRS: [&str; 9] = ["mtime", "atime", "btime", "mode", "uid", "gid", "rdev", "content-type", "tier"];
 /// What rclone's `--links` appends to the key of the object that holds a
 /// symlink's target.
 const LINK_SUFFIX: &str = ".rclonelink";
@@ -437,7 +443,9 @@ fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<Str
     let get = |k: &str| meta.and_then(|m| m.iter().find(|(n, _)| n.eq_ignore_ascii_case(k))).map(|(_, v)| v.as_str());
     let mode = get(META_MODE).and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o644);
     let mtime = get(META_MTIME).and_then(parse_mtime).or_else(|| get(META_RCLONE_MTIME).and_then(parse_decimal_time)).unwrap_or(changed);
-    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, owner: None, rdev: 0 }
+    let id = |k| get(k).and_then(|v| v.parse::<u32>().ok());
+    let owner = id(META_UID).zip(id(META_GID));
+    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, owner, rdev: 0 }
 }
 
 /// The attributes of the symlink kept in an object with attributes `st`
@@ -576,7 +584,14 @@ impl Inner {
         }
     }
 
-    fn metadata(attrs: &Attrs) -> HashMap<String, String> {
+    /// The object metadata that keeps `attrs`: mode, mtime and digest as
+    /// dmover's, owner, group and `user.*` extended attributes as rclone's
+    /// `--metadata` keeps them (`uid`, `gid`, and `NAME` for `user.NAME`).
+    /// An attribute metadata cannot hold (one outside `user.*`, a name
+    /// other than lower-case letters, digits, `-` and `_`, or one of
+    /// rclone's or dmover's own, a value that is not printable ASCII) is
+    /// an error: never dropped.
+    fn metadata(attrs: &Attrs) -> io::Result<HashMap<String, String>> {
         let mut m = HashMap::from([(META_MODE.to_string(), format!("{:o}", attrs.mode))]);
         if let Some((s, ns)) = attrs.mtime {
             m.insert(META_MTIME.into(), format!("{s}.{ns:09}"));
@@ -584,7 +599,45 @@ impl Inner {
         if let Some(d) = attrs.digest {
             m.insert(META_DIGEST.into(), format!("{}:{}", d.block_size, hex::encode(d.sum)));
         }
-        m
+        if let Some(uid) = attrs.owner {
+            m.insert(META_UID.into(), uid.to_string());
+        }
+        if let Some(gid) = attrs.group {
+            m.insert(META_GID.into(), gid.to_string());
+        }
+        for x in &attrs.xattrs {
+            let key = x.name.strip_prefix(b"user.").and_then(|k| std::str::from_utf8(k).ok()).filter(|k| {
+                !k.is_empty()
+                    && k.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+                    && !META_NOT_XATTRS.contains(k)
+                    && !k.starts_with("dmover-")
+            });
+            let value = std::str::from_utf8(&x.value).ok().filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)));
+            match (key, value) {
+                (Some(k), Some(v)) => m.insert(k.to_string(), v.to_string()),
+                _ => {
+                    let name = String::from_utf8_lossy(&x.name).escape_debug().to_string();
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("extended attribute {name}: an object store keeps only user.* attributes named in lower-case letters, digits, '-' and '_' (not rclone's or dmover's own names), with values of printable ASCII"),
+                    ));
+                }
+            };
+        }
+        Ok(m)
+    }
+
+    /// The `user.*` extended attributes kept in the metadata of the
+    /// object at `k` (see [`Inner::metadata`]).
+    fn xattrs(&self, k: &str) -> io::Result<Vec<Xattr>> {
+        let h = self.rt.block_on(self.client.head_object().bucket(&self.bucket).key(k).send()).map_err(|e| io_error(k, e))?;
+        let mut out: Vec<Xattr> = (h.metadata().into_iter().flatten())
+            .map(|(k, v)| (k.to_ascii_lowercase(), v))
+            .filter(|(k, _)| !META_NOT_XATTRS.contains(&k.as_str()) && !k.starts_with("dmover-"))
+            .map(|(k, v)| Xattr { name: format!("user.{k}").into_bytes(), value: v.clone().into_bytes() })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
     }
 
     /// Copies `from` (of `size` bytes) to `to` with `meta` in place of its
@@ -1514,7 +1567,7 @@ impl S3Write {
         }
         let never_written = || io::Error::new(io::ErrorKind::InvalidData, format!("{}: the file has parts never written", self.key));
         let attrs = attrs.or(up.attrs.take()).unwrap_or(Attrs { mode: 0o600, ..Default::default() });
-        let meta = Inner::metadata(&attrs);
+        let meta = Inner::metadata(&attrs)?;
         let i = self.inner.clone();
         let size = up.size;
         if up.id.is_none() {
@@ -1685,10 +1738,19 @@ impl WriteFile for S3Write {
 }
 
 impl Storage for S3 {
-    /// Confined to its bucket (or prefix); symlinks as rclone keeps them;
-    /// no owners or extended attributes.
+    /// Confined to its bucket (or prefix); symlinks, owners and `user.*`
+    /// extended attributes as rclone keeps them (`--links`, `--metadata`).
     fn features(&self) -> Features {
-        Features { confined: true, lists_at_once: LISTS_AT_ONCE, commits_at_once: COMMITS_IN_FLIGHT, keeps: Keeps::SYMLINKS }
+        let keeps = Keeps::SYMLINKS | Keeps::OWNERS | Keeps::ANY_OWNER | Keeps::XATTRS;
+        Features { confined: true, lists_at_once: LISTS_AT_ONCE, commits_at_once: COMMITS_IN_FLIGHT, keeps }
+    }
+
+    fn xattrs(&self, path: &Path) -> io::Result<Vec<Xattr>> {
+        let (k, link) = self.inner.entry_keys(path)?;
+        match self.inner.xattrs(&k) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => self.inner.xattrs(&link),
+            got => got,
+        }
     }
 
     fn display(&self, path: &Path) -> String {
@@ -1893,7 +1955,7 @@ impl Storage for S3 {
     fn make_link(&self, path: &Path, target: &[u8], attrs: &Attrs) -> io::Result<()> {
         let (k, link) = self.inner.entry_keys(path)?;
         let mtime = attrs.mtime;
-        let mut meta = Inner::metadata(&Attrs { mode: 0o777, mtime, ..Default::default() });
+        let mut meta = Inner::metadata(&Attrs { mode: 0o777, mtime, owner: attrs.owner, group: attrs.group, ..Default::default() })?;
         if let Some(t) = mtime {
             meta.insert(META_RCLONE_MTIME.into(), decimal_time(t));
         }
@@ -2034,7 +2096,7 @@ mod tests {
     fn metadata_round_trips() {
         let sum = [7u8; 16];
         let d = Digest { block_size: 1 << 20, sum };
-        let m = Inner::metadata(&Attrs { mode: 0o640, mtime: Some((1_700_000_000, 5)), digest: Some(d), ..Default::default() });
+        let m = Inner::metadata(&Attrs { mode: 0o640, mtime: Some((1_700_000_000, 5)), digest: Some(d), ..Default::default() }).unwrap();
         let st = object_stat(9, None, Some(&m));
         assert_eq!((st.mode, st.mtime, st.size), (0o640, (1_700_000_000, 5), 9));
         assert_eq!(parse_digest(&m[META_DIGEST]), Some(d));
