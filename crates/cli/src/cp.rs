@@ -56,6 +56,14 @@ pub struct CpArgs {
     /// is `--streams`, as in globus-url-copy.
     #[arg(long)]
     pub perms: bool,
+    /// Copy what each symlink inside a source leads to, as rsync's -L
+    /// (local sources only: a server never follows one in an export).
+    #[arg(short = 'L', long)]
+    pub copy_links: bool,
+    /// Pass over symlinks that lead out of the tree copied: absolute ones
+    /// and relative ones that climb above it (checked where they arrive).
+    #[arg(long)]
+    pub safe_links: bool,
     /// Keep each file's owner (where the receiving end may set it: as root
     /// locally; at a server, in an export that allows it).
     #[arg(short = 'o', long)]
@@ -235,6 +243,8 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         (a.numeric_ids, TransferFlags::NUMERIC_IDS),
         (a.xattrs, TransferFlags::XATTRS),
         (a.acls, TransferFlags::ACLS),
+        (a.copy_links, TransferFlags::COPY_LINKS),
+        (a.safe_links, TransferFlags::SAFE_LINKS),
         (a.devices || a.devices_and_specials, TransferFlags::DEVICES),
         (a.specials || a.devices_and_specials, TransferFlags::SPECIALS),
     ] {

@@ -399,3 +399,42 @@ fn an_export_that_does_not_allow_owners_makes_no_devices() {
     assert_eq!(names.len(), 2, "made more than the file and the directory: {names:?}");
     assert!(fs::read_dir(export.join("archive/dev")).unwrap().next().is_none());
 }
+
+/// With `--safe-links` a symlink that leads out of the tree (absolute, or
+/// climbing above its top) is passed over where it arrives, as
+/// `rsync -a --safe-links` does, through every path; the others arrive.
+/// With `-L` each symlink in a local source is copied as what it leads
+/// to, as `rsync -rL` copies it, going up to a server too; a server never
+/// follows one in its export.
+#[test]
+fn safe_links_pass_over_links_out_of_the_tree_and_copy_links_follows_them() {
+    let env = Env::new();
+    let src = links(&env.mkdir("src"));
+    let reference = tree::rsync(&["-a", "--safe-links"], &src, &env.path("src.safe"));
+    let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::Target];
+    every_path(&env, &src, &["-l", "--safe-links"], &mut |copy, at| {
+        // Copies from the source pass the one link over; those from a copy find none.
+        let j = copy(&[]).assert_ok();
+        assert_eq!(u(&j["files"]) - u(&j["skipped_files"]), 5, "{j:#}");
+        tree::assert_same(&reference, at, &with_links);
+        assert!(fs::symlink_metadata(at.join("absolute")).is_err());
+    });
+
+    fs::remove_file(src.join("dangling")).unwrap();
+    fs::remove_file(src.join("dir/sub/odd-target")).unwrap();
+    let followed = tree::rsync(&["-rtL"], &src, &env.path("src.followed"));
+    let local = env.mkdir("followed");
+    env.cp([format!("{}/", src.display()), local.display().to_string()]).args(["-L"]).run().assert_ok();
+    tree::assert_same(&followed, &local, &[Field::Kind, Field::Content, Field::Mtime]);
+    let export = env.mkdir("export");
+    let srv = env.serve(&[("e", &export)]);
+    env.cp([format!("{}/", src.display()), srv.url("e/up/")]).args(["-L"]).run().assert_ok();
+    tree::assert_same(&followed, &export.join("up"), &[Field::Kind, Field::Content, Field::Mtime]);
+
+    // A server never follows a symlink in its export, -L or not.
+    std::os::unix::fs::symlink("/etc", export.join("up/etc-link")).unwrap();
+    let down = env.mkdir("down-followed");
+    env.cp([srv.url("e/up/"), down.display().to_string()]).args(["-L"]).run().assert_ok();
+    assert!(!down.join("etc-link").exists(), "a server followed a symlink out of its export");
+    assert!(srv.log().contains("etc-link: symbolic link skipped"), "{}", srv.log());
+}

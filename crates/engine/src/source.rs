@@ -126,6 +126,15 @@ pub fn list(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(FileMeta) -> b
 /// never sent over the first (the same file listed twice, by overlapping
 /// sources, is sent once). Only then are names remembered: 32 bytes each.
 pub fn walk(store: &dyn Storage, specs: &[String], emit: &mut dyn FnMut(Event) -> bool) {
+    walk_following(store, specs, false, emit)
+}
+
+/// As [`walk`]; with `follow` (`--copy-links`), a symlink inside a source
+/// is taken as what it leads to (a file, a directory walked in turn, a
+/// device), as `rsync -L` takes it: only in a storage that is not
+/// confined (the user's own files), never in an export; a dangling one is
+/// an error, and one that leads to a directory above it (a loop) too.
+pub fn walk_following(store: &dyn Storage, specs: &[String], follow: bool, emit: &mut dyn FnMut(Event) -> bool) {
     let mut names: Option<HashMap<Sum, Sum>> = (specs.len() > 1).then(HashMap::new);
     let mut emit = |ev: Event| {
         let (Some(names), Some(e)) = (&mut names, ev.named()) else { return emit(ev) };
@@ -146,13 +155,13 @@ pub fn walk(store: &dyn Storage, specs: &[String], emit: &mut dyn FnMut(Event) -
         }
     };
     for spec in specs {
-        if !walk_spec(store, spec, &mut emit) {
+        if !walk_spec(store, spec, follow, &mut emit) {
             return;
         }
     }
 }
 
-fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> bool) -> bool {
+fn walk_spec(store: &dyn Storage, spec: &str, follow: bool, emit: &mut dyn FnMut(Event) -> bool) -> bool {
     let contents_only = spec.ends_with('/') || spec.is_empty();
     let trimmed = if spec.len() > 1 { spec.trim_end_matches('/') } else { spec };
     let comps: Vec<&str> = trimmed.split('/').collect();
@@ -169,7 +178,7 @@ fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> boo
             Err(e) => return emit(Event::Error(e)),
         };
         let mut matched = false;
-        let ok = walk_dir(store, base, String::new(), Some((&glob, depth)), &mut |ev| {
+        let ok = walk_dir(store, base, String::new(), Some((&glob, depth)), follow, &mut |ev| {
             matched |= matches!(ev, Event::File(_));
             emit(ev)
         });
@@ -194,17 +203,36 @@ fn walk_spec(store: &dyn Storage, spec: &str, emit: &mut dyn FnMut(Event) -> boo
     match m.kind {
         Kind::Dir => {
             let prefix = if contents_only { String::new() } else { base_name };
-            walk_dir(store, path, prefix, None, emit)
+            walk_dir(store, path, prefix, None, follow, emit)
         }
         Kind::File => emit(Event::File(entry(path, base_name, &m))),
         // A symlink named on the command line is followed, as cp and rsync do.
         Kind::Symlink if !store.features().confined => match store.stat_followed(&path) {
             Ok(m) if m.is_file() => emit(Event::File(entry(path, base_name, &m))),
-            Ok(_) => walk_dir(store, path, if contents_only { String::new() } else { base_name }, None, emit),
+            Ok(_) => walk_dir(store, path, if contents_only { String::new() } else { base_name }, None, follow, emit),
             Err(e) => emit(Event::Error(Error::io(trimmed, &e))),
         },
         _ => emit(Event::Error(Error::new(ErrorKind::NotFound, store.display(&path), "not a regular file or directory"))),
     }
+}
+
+/// What the symlink at `path` leads to (`--copy-links`): an error if
+/// nothing, or a directory it is inside (a loop).
+fn followed(store: &dyn Storage, path: &std::path::Path) -> Result<Stat, Error> {
+    let m = store.stat_followed(path).map_err(|e| Error::io(store.display(path), &e))?;
+    if m.is_dir() {
+        let (at, to) = (std::fs::canonicalize(path.parent().unwrap_or(path)), std::fs::canonicalize(path));
+        if let (Ok(at), Ok(to)) = (at, to) {
+            if at.starts_with(&to) {
+                return Err(Error::new(
+                    ErrorKind::Usage,
+                    store.display(path),
+                    "a symlink to a directory above it: followed (--copy-links), it would never end",
+                ));
+            }
+        }
+    }
+    Ok(m)
 }
 
 /// Depth-first walk of `dir`, whose entries are named `prefix/...`. With a
@@ -217,8 +245,10 @@ fn walk_dir(
     dir: PathBuf,
     prefix: String,
     glob: Option<(&GlobMatcher, usize)>,
+    follow: bool,
     emit: &mut dyn FnMut(Event) -> bool,
 ) -> bool {
+    let follow = follow && !store.features().confined;
     let ahead = store.features().lists_at_once.saturating_sub(1);
     std::thread::scope(|scope| {
         // Directories being listed ahead, by path.
@@ -255,6 +285,18 @@ fn walk_dir(
                     }
                 };
                 let matched = take_all || glob.is_some_and(|(g, _)| g.is_match(&child));
+                let st = match (st.kind, follow && matched) {
+                    (Kind::Symlink, true) => match followed(store, &path) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            if !emit(Event::Error(e)) {
+                                return false;
+                            }
+                            continue;
+                        }
+                    },
+                    _ => st,
+                };
                 let go_on = match st.kind {
                     Kind::Symlink if matched && !fname.ends_with(PART_SUFFIX) => emit(link(store, path, child, &st)),
                     Kind::Dir if fname == STATE_DIR => true,

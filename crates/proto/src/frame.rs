@@ -202,6 +202,13 @@ bitflags::bitflags! {
         const DEVICES = 65536;
         /// FIFOs and sockets are copied as such (`--specials`).
         const SPECIALS = 131072;
+        /// The sender takes each symlink inside a source as what it leads
+        /// to (`--copy-links`), where its storage is not confined.
+        const COPY_LINKS = 262144;
+        /// The receiver passes over symlinks that lead out of the tree
+        /// copied: absolute ones, and relative ones that climb above it
+        /// (`--safe-links`).
+        const SAFE_LINKS = 524288;
     }
 }
 

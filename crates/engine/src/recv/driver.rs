@@ -628,6 +628,10 @@ fn make_link(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
         Some(Ok(t)) => t,
         _ => return Outcome::Refused { kind: ErrorKind::Refused, message: "a symlink without a target".into() },
     };
+    if sh.options.flags.contains(TransferFlags::SAFE_LINKS) && !super::keep::stays_inside(&meta.path, &target) {
+        log::info!("{}: skipped: a symlink leading out of the tree (--safe-links)", dmover_proto::path::printable(&meta.path));
+        return Outcome::Present;
+    }
     if look && sh.store.read_link(path).is_ok_and(|t| t == *target) {
         return Outcome::Present;
     }

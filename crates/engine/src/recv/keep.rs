@@ -151,6 +151,29 @@ impl Keep {
     }
 }
 
+/// Whether a symlink at `link` (a path within the transfer) with `target`
+/// leads to somewhere inside the tree copied, as `--safe-links` asks: not
+/// absolute, and never climbing above the tree's top with `..`.
+pub(super) fn stays_inside(link: &str, target: &[u8]) -> bool {
+    if target.starts_with(b"/") {
+        return false;
+    }
+    let mut depth = link.split('/').filter(|c| !c.is_empty() && *c != ".").count() as i64 - 1;
+    for c in target.split(|&b| b == b'/') {
+        match c {
+            b"" | b"." => {}
+            b".." => {
+                depth -= 1;
+                if depth < 0 {
+                    return false;
+                }
+            }
+            _ => depth += 1,
+        }
+    }
+    true
+}
+
 /// This process's umask: from `/proc/self/status`, or where that does not
 /// say, by setting it and putting it back at once (under a lock, so that
 /// two readers cannot leave it changed).
@@ -167,4 +190,27 @@ fn umask() -> u32 {
             mask as u32
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stays_inside;
+
+    #[test]
+    fn a_safe_link_never_leads_above_the_tree() {
+        for (link, target, inside) in [
+            ("a", "b", true),
+            ("a", "/etc/passwd", false),
+            ("a", "..", false),
+            ("a", "../a", false),
+            ("d/a", "../b", true),
+            ("d/a", "../../b", false),
+            ("d/a", "x/../../b", true),
+            ("d/a", "x/../../../b", false),
+            ("d/e/a", "./../..//b", true),
+            ("a", ".", true),
+        ] {
+            assert_eq!(stays_inside(link, target.as_bytes()), inside, "{link} -> {target}");
+        }
+    }
 }

@@ -465,32 +465,34 @@ pub(super) fn walk(files: Files, store: Store, flags: TransferFlags, block_size:
         tx.send(Walked::File { entry, pinned, digest }).is_ok()
     };
     match files {
-        Files::Walk { store, specs } => source::walk(store.as_ref(), &specs, &mut |ev| match ev {
-            source::Event::File(e) => file(e, None),
-            source::Event::Error(e) => {
-                log::info!("{e}");
-                tx.send(Walked::Error(e)).is_ok()
-            }
-            source::Event::Dir(mut e) => {
-                describe(store.as_ref(), flags, &mut e);
-                tx.send(Walked::Dir(e.meta)).is_ok()
-            }
-            source::Event::Link(e) if links => file(e, None),
-            source::Event::Special(e)
-                if flags.contains(if e.meta.is_device() { TransferFlags::DEVICES } else { TransferFlags::SPECIALS }) =>
-            {
-                file(e, None)
-            }
-            source::Event::Special(e) => {
-                let what = if e.meta.is_device() { "device skipped (--devices" } else { "FIFO or socket skipped (--specials" };
-                log::warn!("{}: {what} copies it as one)", dmover_proto::path::printable(&e.meta.path));
-                true
-            }
-            source::Event::Link(e) => {
-                log::warn!("{}: symbolic link skipped (--links copies it as one)", dmover_proto::path::printable(&e.meta.path));
-                true
-            }
-        }),
+        Files::Walk { store, specs } => {
+            source::walk_following(store.as_ref(), &specs, flags.contains(TransferFlags::COPY_LINKS), &mut |ev| match ev {
+                source::Event::File(e) => file(e, None),
+                source::Event::Error(e) => {
+                    log::info!("{e}");
+                    tx.send(Walked::Error(e)).is_ok()
+                }
+                source::Event::Dir(mut e) => {
+                    describe(store.as_ref(), flags, &mut e);
+                    tx.send(Walked::Dir(e.meta)).is_ok()
+                }
+                source::Event::Link(e) if links => file(e, None),
+                source::Event::Special(e)
+                    if flags.contains(if e.meta.is_device() { TransferFlags::DEVICES } else { TransferFlags::SPECIALS }) =>
+                {
+                    file(e, None)
+                }
+                source::Event::Special(e) => {
+                    let what = if e.meta.is_device() { "device skipped (--devices" } else { "FIFO or socket skipped (--specials" };
+                    log::warn!("{}: {what} copies it as one)", dmover_proto::path::printable(&e.meta.path));
+                    true
+                }
+                source::Event::Link(e) => {
+                    log::warn!("{}: symbolic link skipped (--links copies it as one)", dmover_proto::path::printable(&e.meta.path));
+                    true
+                }
+            })
+        }
         Files::Feed { entries, .. } => {
             for f in entries {
                 if !file(f.entry, f.host) {
