@@ -192,18 +192,19 @@ fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
     let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
     let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::DirMtime, Field::Target];
     every_path(&env, &src, &["-l"], &mut |copy, at| {
+        // Six symlinks and files, and dir/sub, which holds only a symlink.
         let j = copy(&[]).assert_ok();
-        assert_eq!(u(&j["files"]), 6, "{j:#}");
+        assert_eq!(u(&j["files"]), 7, "{j:#}");
         tree::assert_same(&reference, at, &with_links);
         let again = copy(&["--sync"]).assert_ok();
-        assert_eq!(u(&again["skipped_files"]), 6, "with --sync: {again:#}");
+        assert_eq!(u(&again["skipped_files"]), 7, "with --sync: {again:#}");
     });
 
     // Without -l: skipped, with a warning naming each.
     let plain = env.mkdir("plain");
     let r = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run();
     let j = r.assert_ok();
-    assert_eq!(u(&j["files"]), 1, "{j:#}");
+    assert_eq!(u(&j["files"]), 2, "the file and dir/sub: {j:#}");
     assert_eq!(r.stderr.matches("symbolic link skipped").count(), 5, "{}", r.stderr);
     assert!(fs::symlink_metadata(plain.join("relative")).is_err());
 }
@@ -367,16 +368,17 @@ fn devices_fifos_and_sockets_arrive_with_archive_through_every_path() {
     let reference = tree::rsync(&["-a", "--numeric-ids"], &src, &env.path("src.rsync"));
     let fields = [Field::Kind, Field::Content, Field::Perm, Field::Owner, Field::Mtime, Field::DirMtime, Field::Device];
     every_path(&env, &src, &["-a", "--numeric-ids"], &mut |copy, at| {
+        // Four nodes, the file, and dev, which holds only devices.
         let j = copy(&[]).assert_ok();
-        assert_eq!(u(&j["files"]), 5, "{j:#}");
+        assert_eq!(u(&j["files"]), 6, "{j:#}");
         tree::assert_same(&reference, at, &fields);
         let again = copy(&["--sync"]).assert_ok();
-        assert_eq!(u(&again["skipped_files"]), 5, "with --sync: {again:#}");
+        assert_eq!(u(&again["skipped_files"]), 6, "with --sync: {again:#}");
     });
 
     let plain = env.mkdir("plain");
     let r = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run();
-    assert_eq!(u(&r.assert_ok()["files"]), 1);
+    assert_eq!(u(&r.assert_ok()["files"]), 2, "the file and dev");
     assert_eq!(r.stderr.matches(" skipped (--").count(), 4, "{}", r.stderr);
     assert!(fs::symlink_metadata(plain.join("fifo")).is_err());
 }
@@ -394,7 +396,7 @@ fn an_export_that_does_not_allow_owners_makes_no_devices() {
     assert_eq!(r.code, 8, "{}", r.stderr);
     assert!(r.stderr.contains("--devices, --specials") && r.stderr.contains("--allow-owners"), "{}", r.stderr);
     let j = env.cp([format!("{}/", src.display()), srv.url("e/archive/")]).args(["-a"]).run().assert_ok();
-    assert_eq!((u(&j["files"]), u(&j["skipped_files"])), (5, 4), "{j:#}");
+    assert_eq!((u(&j["files"]), u(&j["skipped_files"])), (6, 4), "{j:#}");
     let names: Vec<_> = fs::read_dir(export.join("archive")).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names.len(), 2, "made more than the file and the directory: {names:?}");
     assert!(fs::read_dir(export.join("archive/dev")).unwrap().next().is_none());
@@ -415,7 +417,7 @@ fn safe_links_pass_over_links_out_of_the_tree_and_copy_links_follows_them() {
     every_path(&env, &src, &["-l", "--safe-links"], &mut |copy, at| {
         // Copies from the source pass the one link over; those from a copy find none.
         let j = copy(&[]).assert_ok();
-        assert_eq!(u(&j["files"]) - u(&j["skipped_files"]), 5, "{j:#}");
+        assert_eq!(u(&j["files"]) - u(&j["skipped_files"]), 6, "{j:#}");
         tree::assert_same(&reference, at, &with_links);
         assert!(fs::symlink_metadata(at.join("absolute")).is_err());
     });
@@ -437,4 +439,52 @@ fn safe_links_pass_over_links_out_of_the_tree_and_copy_links_follows_them() {
     env.cp([srv.url("e/up/"), down.display().to_string()]).args(["-L"]).run().assert_ok();
     assert!(!down.join("etc-link").exists(), "a server followed a symlink out of its export");
     assert!(srv.log().contains("etc-link: symbolic link skipped"), "{}", srv.log());
+}
+
+/// A tree with one of each kind of thing a tree holds: names that are not
+/// UTF-8 and other odd ones, symlinks of every sort, deep nesting, empty
+/// directories, empty files, a file and a directory of mode 000, a name of
+/// 255 bytes, owners and groups of other users, extended attributes, POSIX
+/// ACLs, a FIFO, a socket, devices, and a sparse file.
+fn whole(root: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    odd_names(&root.join("names"));
+    links(&root.join("links"));
+    shapes(&root.join("shapes"));
+    owned(&root.join("owned"));
+    nodes(&root.join("nodes"));
+    let locked = root.join("shapes/locked");
+    fs::create_dir(&locked).unwrap();
+    fs::write(locked.join("inside"), "behind mode 000").unwrap();
+    fs::set_permissions(&locked, fs::Permissions::from_mode(0o000)).unwrap();
+    let sparse = fs::File::create(root.join("sparse.bin")).unwrap();
+    sparse.set_len(64 << 20).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&sparse, &[7; 4096], 1 << 20).unwrap();
+    root.to_path_buf()
+}
+
+/// The oracle: a tree with one of each kind, copied by
+/// `dmover -aXA --numeric-ids` through every path, is what
+/// `rsync -aXAS --numeric-ids` makes of it in every field (type, content,
+/// mode, owner, times to the nanosecond, targets, device numbers,
+/// extended attributes and ACLs, allocated blocks); and copied with no
+/// flags, what `rsync -rt` makes of it (contents, times, modes less the
+/// umask; symlinks, devices, FIFOs and sockets passed over).
+#[test]
+fn a_tree_with_one_of_each_kind_arrives_as_rsync_makes_it_through_every_path() {
+    let env = Env::new();
+    let src = whole(&env.mkdir("src"));
+    let reference = tree::rsync(&["-aXAS", "--numeric-ids"], &src, &env.path("src.rsync"));
+    let all: Vec<Field> = Field::ALL.into_iter().filter(|f| *f != Field::HardLinks).collect();
+    every_path(&env, &src, &["-aXA", "--numeric-ids"], &mut |copy, at| {
+        copy(&[]).assert_ok();
+        tree::assert_same(&reference, at, &all);
+    });
+
+    let plain = tree::rsync(&["-rt"], &src, &env.path("src.plain"));
+    let env2 = Env::new();
+    every_path(&env2, &src, &[], &mut |copy, at| {
+        copy(&[]).assert_ok();
+        tree::assert_same(&plain, at, &KEPT);
+    });
 }

@@ -270,7 +270,16 @@ fn walk_dir(
                     continue;
                 }
             };
-            let empty = entries.is_empty();
+            // Empty, for the receiver to make: holding no file or directory
+            // that is sent (only symlinks, devices and the like, which a copy
+            // may pass over, or dmover's own partial files), as rsync makes
+            // every directory it walks.
+            let empty = !entries.iter().any(|e| match &e.stat {
+                Ok(st) if st.kind == Kind::File => !e.name.as_bytes().ends_with(PART_SUFFIX.as_bytes()),
+                Ok(st) if st.kind == Kind::Dir => e.name != STATE_DIR,
+                Ok(_) => false,
+                Err(_) => true,
+            });
             for ent in entries {
                 let fname = dmover_proto::path::from_bytes(ent.name.as_bytes());
                 let child = dmover_proto::path::join(&name, &fname);
@@ -318,9 +327,9 @@ fn walk_dir(
                     return false;
                 }
             }
-            // A directory is sent as itself: an empty one as a file, so that
-            // it exists at the destination; any other as its attributes, for
-            // the receiver to give it once its files are in. (A directory an
+            // A directory is sent as itself: an empty one (above) as a file,
+            // so that it exists at the destination; any other as its
+            // attributes, for the receiver to give it once its files are in. (A directory an
             // object store implies, a key prefix, has no attributes.)
             if take_all && !name.is_empty() {
                 let ev = match listed_stat.map_or_else(|| store.stat(&dir), Ok) {
