@@ -15,9 +15,9 @@ use util::*;
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-/// Blocks small enough that the blocks holding data are a few hundred KiB.
-const BLOCK: &str = "64K";
-/// What a copy of the sparse file may send, and carry over the wire, at most.
+/// What a copy of the sparse file may send, and carry over the wire, at
+/// most, with the default blocks of 1 MiB: its blocks holding data go
+/// without their pages of zeros.
 const SENT_AT_MOST: u64 = 1_000_000;
 
 /// Makes `path` a sparse file of `size` bytes holding `len` bytes of
@@ -76,7 +76,7 @@ fn a_sparse_file_uploads_without_its_holes_and_stays_sparse() {
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
     let relay = Relay::start(&srv.addr());
-    let j = env.cp([src.display().to_string(), relay.url("e/copy.bin"), "--block-size".into(), BLOCK.into()]).run().assert_ok();
+    let j = env.cp([src.display().to_string(), relay.url("e/copy.bin")]).run().assert_ok();
     assert_sent_little(&j, Some(relay.to_server()));
     assert_sparse_copy(&src, &export.join("copy.bin"));
 }
@@ -90,7 +90,7 @@ fn a_sparse_file_downloads_without_its_holes_and_stays_sparse() {
     let srv = env.serve(&[("e", &export)]);
     let relay = Relay::start(&srv.addr());
     let dst = env.mkdir("down").join("copy.bin");
-    let j = env.cp([relay.url("e/sparse.bin"), dst.display().to_string(), "--block-size".into(), BLOCK.into()]).run().assert_ok();
+    let j = env.cp([relay.url("e/sparse.bin"), dst.display().to_string()]).run().assert_ok();
     assert_sent_little(&j, Some(relay.to_client()));
     assert_sparse_copy(&src, &dst);
 }
@@ -101,7 +101,7 @@ fn a_sparse_file_copies_locally_without_its_holes_and_stays_sparse() {
     let src = env.path("src/sparse.bin");
     make_scattered(&src);
     let dst = env.mkdir("out").join("copy.bin");
-    let mut cmd = dmover(["cp", "--json", "-q", "--block-size", BLOCK]);
+    let mut cmd = dmover(["cp", "--json", "-q"]);
     let j = cmd.arg(&src).arg(&dst).run().assert_ok();
     assert_sent_little(&j, None);
     assert_sparse_copy(&src, &dst);

@@ -117,6 +117,16 @@ impl FrameReader {
         }
     }
 
+    /// Reads `buf.len()` bytes of the frame being read (a sparse block's
+    /// length and bitmap), counting them as [`read_block`](Self::read_block) does.
+    pub fn read_exact(&mut self, buf: &mut [u8], received: &[&AtomicU64]) -> Result<()> {
+        self.inner.read_exact(buf).map_err(|e| self.net(&e))?;
+        for r in received {
+            r.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Reads the block that follows a data header into `buf` (exactly its
     /// length) and returns its checksum, taken piece by piece as the bytes
     /// arrive (while they are still in the CPU's cache). The bytes are added
@@ -241,11 +251,15 @@ impl FrameWriter {
         r.map_err(|e| Error::network(&self.peer, &e))
     }
 
-    /// Sends one block the caller drops afterwards: the transport may seal
-    /// it where it lies (see [`Transport::write_consuming`]).
-    pub fn send_block_consuming(&mut self, h: &DataHeader, data: &mut [u8]) -> Result<()> {
-        let head = h.encode();
-        let r = self.inner.write_consuming(&head, data);
+    /// Sends one block the caller drops afterwards, after `prefix` (a
+    /// sparse block's length and bitmap, or nothing): the transport may
+    /// seal it where it lies (see [`Transport::write_consuming`]).
+    pub fn send_block_consuming(&mut self, h: &DataHeader, prefix: &[u8], data: &mut [u8]) -> Result<()> {
+        let mut head = [0u8; HEADER_LEN + DATA_HEADER_LEN + dmover_proto::packed::MAX_PREFIX];
+        let encoded = h.encode();
+        head[..encoded.len()].copy_from_slice(&encoded);
+        head[encoded.len()..encoded.len() + prefix.len()].copy_from_slice(prefix);
+        let r = self.inner.write_consuming(&head[..encoded.len() + prefix.len()], data);
         self.last_write = Instant::now();
         r.map_err(|e| Error::network(&self.peer, &e))
     }

@@ -22,6 +22,7 @@
 pub mod auth;
 pub mod digest;
 pub mod frame;
+pub mod packed;
 pub mod path;
 pub mod phase;
 pub mod record;

@@ -253,6 +253,26 @@ impl WriteJob {
     }
 }
 
+/// The length and bitmap of a sparse block whose frame carries `wire`
+/// bytes after its data header: None if the length passes `block_size`, or
+/// the bitmap and the bytes that follow it disagree.
+fn sparse_prefix(r: &mut FrameReader, block_size: u64, wire: u32, received: &[&AtomicU64]) -> crate::error::Result<Option<(u32, Vec<u8>)>> {
+    let mut len = [0u8; 4];
+    if wire < 4 {
+        return Ok(None);
+    }
+    r.read_exact(&mut len, received)?;
+    let len = u32::from_be_bytes(len);
+    let bitmap_len = dmover_proto::packed::bitmap_len(len as usize);
+    if len == 0 || u64::from(len) > block_size || 4 + bitmap_len > wire as usize {
+        return Ok(None);
+    }
+    let mut bitmap = vec![0; bitmap_len];
+    r.read_exact(&mut bitmap, received)?;
+    let packed = wire as usize - 4 - bitmap_len;
+    Ok((packed == dmover_proto::packed::packed_len(len as usize, &bitmap)).then_some((len, bitmap)))
+}
+
 /// Reads blocks from one data connection until it ends, and queues them
 /// for the writers (each file's blocks to one writer).
 pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<WriteJob>]) {
@@ -274,18 +294,41 @@ pub(super) fn data_stream(sh: &Shared, conn: Box<dyn Transport>, wtx: &[Sender<W
             Ok(Incoming::Msg(OnData::StreamEnd {})) => return,
             Err(e) => return broken(e),
         };
-        if let Err(m) = check_header(sh.block_size, h.offset, h.len) {
+        let received = [&sh.received, &sh.receiving.0.received];
+        // A sparse block comes without its pages of zeros: its length and
+        // bitmap first (dmover_proto::packed).
+        let (len, bitmap) = if h.sparse {
+            match sparse_prefix(&mut r, sh.block_size, h.len, &received) {
+                Ok(Some(got)) => got,
+                Ok(None) => return broken(Error::protocol(r.peer(), "a sparse block's length or bitmap is out of bounds")),
+                Err(e) => return broken(e),
+            }
+        } else {
+            (h.len, Vec::new())
+        };
+        if let Err(m) = check_header(sh.block_size, h.offset, len) {
             return broken(Error::protocol(r.peer(), m));
         }
-        let Some(mut data) = sh.pool.take(h.len as usize) else { return };
-        let sum = match r.read_block(&mut data, &[&sh.received, &sh.receiving.0.received]) {
-            Ok(sum) => sum,
-            Err(e) => return broken(e),
+        let Some(mut data) = sh.pool.take(len as usize) else { return };
+        let sum = if h.sparse {
+            let packed = (h.len - 4) as usize - bitmap.len();
+            if let Err(e) = r.read_block(&mut data[..packed], &received) {
+                return broken(e);
+            }
+            if let Err(m) = dmover_proto::packed::unpack(&mut data, &bitmap, packed) {
+                return broken(Error::protocol(r.peer(), m));
+            }
+            dmover_proto::digest::block_sum(&data)
+        } else {
+            match r.read_block(&mut data, &received) {
+                Ok(sum) => sum,
+                Err(e) => return broken(e),
+            }
         };
         let Some(slot) = sh.slots.read().expect("slots lock").get(&h.file).cloned() else {
             continue; // aborted or failed meanwhile
         };
-        let block = match slot.gate.admit(h.file, h.offset, h.len) {
+        let block = match slot.gate.admit(h.file, h.offset, len) {
             Ok(b) => b,
             Err(m) => return broken(Error::protocol(r.peer(), m)),
         };

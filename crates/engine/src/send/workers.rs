@@ -86,8 +86,10 @@ pub(super) struct Job {
 /// What waits for a data stream.
 enum Outgoing {
     /// A block read and checksummed; `data` also holds the block's place
-    /// in the staging budget until it is sent.
-    Block { header: DataHeader, data: Block },
+    /// in the staging budget until it is sent. A sparse block's pages of
+    /// zeros are left out (`data` holds the others, `prefix` its length
+    /// and bitmap: [`dmover_proto::packed`]); `prefix` is empty otherwise.
+    Block { header: DataHeader, prefix: Vec<u8>, data: Block },
     /// Blocks that lie in a hole of their file: one `Hole`, without bytes.
     Hole { id: u64, offset: u64, len: u64 },
 }
@@ -674,8 +676,17 @@ fn read_chunk(sh: &Shared, job: &Job) -> std::result::Result<Option<ChunkRead>, 
         };
         sums.push(sum);
         if r.sends(b) {
-            let header = DataHeader { file: s.id, offset: off, sum, len: len as u32, sparse: extent == Extent::Mixed };
-            if q.tx.send(Outgoing::Block { header, data }).is_err() {
+            let mut header = DataHeader { file: s.id, offset: off, sum, len: len as u32, sparse: false };
+            let mut prefix = Vec::new();
+            if extent == Extent::Mixed {
+                if let Some((p, packed)) = dmover_proto::packed::pack(&mut data) {
+                    data.resize(packed);
+                    header.len = (p.len() + packed) as u32;
+                    header.sparse = true;
+                    prefix = p;
+                }
+            }
+            if q.tx.send(Outgoing::Block { header, prefix, data }).is_err() {
                 return Ok(None);
             }
         }
@@ -723,9 +734,9 @@ fn data_stream(sh: &Arc<Shared>, host: usize, conn: Box<dyn Transport>, retire: 
             Ok(o) => {
                 q.took_one();
                 let sent = match o {
-                    Outgoing::Block { header, mut data } => {
+                    Outgoing::Block { header, prefix, mut data } => {
                         crate::fault::corrupt_in_flight(&mut data);
-                        w.send_block_consuming(&header, &mut data).map(|()| u64::from(header.len))
+                        w.send_block_consuming(&header, &prefix, &mut data).map(|()| u64::from(header.len))
                     }
                     Outgoing::Hole { id, offset, len } => w.send(OnData::Hole { id, offset, len }).map(|()| 0),
                 };
