@@ -9,7 +9,7 @@
 mod util;
 
 use dmover_proto::auth::{KeyId, TOKEN_KEY_ID};
-use dmover_proto::frame::{EngineParams, FileMeta, TicketedHost, TransferFlags, TransferOptions, MAX_FILE_BLOCKS};
+use dmover_proto::frame::{EngineParams, FileMeta, Owner, TicketedHost, TransferFlags, TransferOptions, Xattr, MAX_FILE_BLOCKS};
 use dmover_proto::{ErrorKind, Msg};
 use std::fs;
 use std::io::Write;
@@ -1931,4 +1931,75 @@ fn holes_that_are_not_whole_blocks_of_their_file_end_the_session() {
     let (mut ctl, mut data) = stream_session(&sink, token.as_bytes(), "sim2");
     send_step_block(&mut data, 0, 0, &[6; 4096]);
     assert!(matches!(ctl.read(), Some(Msg::Acked { .. })), "the sink stopped serving:\n{}", sink.log());
+}
+
+/// A token holder cannot make a device, give a file to root (or anyone),
+/// or set an attribute outside `user.*` in an export whose operator did
+/// not allow owners: asked for outright, the transfer is refused; asked
+/// for as `--archive` does, the device is passed over and the file keeps
+/// the server's owner and only its `user.*` attribute. Into an export that
+/// allows them, the same announcements are made as sent.
+#[test]
+fn a_token_holder_makes_no_device_and_sets_no_owner_unless_the_export_allows_it() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let env = Env::new();
+    let (plain, trusted) = (env.mkdir("plain"), env.mkdir("trusted"));
+    let mut spec = ServerSpec::new(&env.token, &[("e", &plain), ("t", &trusted)], &env.path("server.log"));
+    spec.extra = vec!["--allow-owners".into(), "t".into()];
+    let srv = Server::start(spec);
+    let owner = Some(Owner { uid: 0, gid: 0, user: String::new(), group: String::new() });
+    let device = FileMeta { path: "null".into(), mode: FileMeta::CHAR | 0o666, rdev: 0x103, owner: owner.clone(), ..Default::default() };
+    let xattrs = vec![
+        Xattr { name: b"user.note".to_vec(), value: b"kept".to_vec() },
+        Xattr { name: b"trusted.planted".to_vec(), value: b"x".to_vec() },
+    ];
+    let file = FileMeta {
+        path: "f".into(),
+        mode: 0o644,
+        owner: Some(Owner { uid: 4242, ..owner.clone().unwrap() }),
+        xattrs,
+        ..Default::default()
+    };
+    let wanted = TransferFlags::DEVICES | TransferFlags::OWNER | TransferFlags::GROUP | TransferFlags::XATTRS;
+    let session = |dest: &str, flags: TransferFlags, id: u8| {
+        let mut c = Raw::control(&srv.addr(), env.token_str().as_bytes());
+        let options = TransferOptions { transfer_id: [id; 16], block_size: 1 << 20, flags, tcp_buffer: 0 };
+        c.send(&Msg::Receive { dest: dest.into(), options });
+        c
+    };
+
+    // Asked for outright: refused before anything is made.
+    let mut c = session("e/outright", wanted, 41);
+    match c.read() {
+        Some(Msg::Error { kind: ErrorKind::Refused, message }) => assert!(message.contains("--allow-owners"), "{message}"),
+        m => panic!("owners and devices were taken in an export that does not allow them: {m:?}"),
+    }
+    assert!(!plain.join("outright").exists());
+
+    // As --archive asks: the device passed over, the file the server's, user.* only.
+    for (export, dir, id) in [("e", &plain, 42), ("t", &trusted, 43)] {
+        let mut c = session(&format!("{export}/archive"), wanted | TransferFlags::IF_ALLOWED, id);
+        assert!(matches!(c.read(), Some(Msg::SessionOpened { .. })));
+        c.send(&Msg::Announce { id: 1, meta: device.clone(), digest: None });
+        // Made (Done), or passed over as if there already (a Plan to skip it).
+        let m = c.read();
+        assert!(matches!(m, Some(Msg::Done { id: 1, .. } | Msg::Plan { id: 1, skip: true, .. })), "the device was refused: {m:?}");
+        c.send(&Msg::Announce { id: 2, meta: file.clone(), digest: None });
+        assert!(matches!(c.read(), Some(Msg::Plan { id: 2, skip: false, .. })));
+        c.send(&Msg::FileEnd { id: 2, digest: dmover_proto::digest::file_digest(&[]) });
+        let m = c.read();
+        assert!(matches!(m, Some(Msg::Done { id: 2, .. })), "the empty file was not made: {m:?}");
+        let made = fs::symlink_metadata(dir.join("archive/null"));
+        let f = fs::metadata(dir.join("archive/f")).unwrap();
+        let snap = dmover_testkit::tree::snapshot(&dir.join("archive")).unwrap();
+        let names: Vec<String> = snap.entries[b"f".as_slice()].xattrs.keys().map(|k| String::from_utf8_lossy(k).into_owned()).collect();
+        if export == "e" {
+            assert!(made.is_err(), "a device was made in an export that does not allow it");
+            assert_eq!((f.uid(), names), (0, vec!["user.note".to_string()]), "an owner or a trusted.* attribute was set");
+            assert!(srv.log().contains("null: skipped"), "{}", srv.log());
+        } else {
+            assert!(made.unwrap().file_type().is_char_device(), "the allowed export has no device");
+            assert_eq!((f.uid(), names), (4242, vec!["trusted.planted".to_string(), "user.note".to_string()]));
+        }
+    }
 }

@@ -307,6 +307,8 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
     }
     let mut dest_dir = crate::storage::checked_path(cfg.store.as_ref(), &cfg.dest)?;
     let label = cfg.store.display(&dest_dir);
+    // What the transfer asks to keep, checked before anything is made.
+    let keep = keep::Keep::new(cfg.options.flags, cfg.store.features().keeps, cfg.privileged, &label)?;
     let may_be_file = cfg.options.flags.contains(TransferFlags::DEST_MAY_BE_FILE)
         && dest_dir.file_name().is_some()
         && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
@@ -342,7 +344,6 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
             layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?);
         }
     }
-    let keep = keep::Keep::new(cfg.options.flags, cfg.store.features().keeps, cfg.privileged, &label)?;
     Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, keep })
 }
 
