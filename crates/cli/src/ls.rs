@@ -27,12 +27,17 @@ pub struct LsArgs {
 
 pub fn run(a: LsArgs) -> Result<i32> {
     let mut loc = [Location::parse(&a.url)?];
-    let mut all = Vec::new();
+    // Entries are printed as they come, a JSON array too: a listing of
+    // millions of files holds none of them.
+    let mut first = true;
     let mut show = |entries: Vec<FileMeta>| {
-        if a.json {
-            all.extend(entries);
-        } else {
-            entries.iter().for_each(|m| outln!("{}", line(m)));
+        for m in &entries {
+            if a.json {
+                outln!("{}{}", if first { "[" } else { "," }, entry_json(m));
+                first = false;
+            } else {
+                outln!("{}", line(m));
+            }
         }
     };
     if let [Location::S3 { bucket, path }] = &loc {
@@ -48,33 +53,38 @@ pub fn run(a: LsArgs) -> Result<i32> {
             let msg = "ls needs a dmover:// URL, [user@]host:path or s3://BUCKET/prefix (use ls(1) for local paths)";
             return Err(Error::new(ErrorKind::Usage, &a.url, msg));
         };
-        session::list(&hosts[0], &reach.cred(&hosts[0])?, path, &mut show)?;
+        // Each host of a location holds its own share of the files.
+        for host in &hosts {
+            session::list(host, &reach.cred(host)?, path.clone(), &mut show)?;
+        }
     }
     if a.json {
-        let v: Vec<_> = all
-            .iter()
-            .map(|m| {
-                let mut e = serde_json::json!({ "path": m.path, "size": m.size, "mtime": m.mtime_s, "mode": format!("{:o}", m.mode) });
-                if let Some(t) = &m.target {
-                    e["target"] = t.as_str().into();
-                }
-                e
-            })
-            .collect();
-        outln!("{}", serde_json::to_string_pretty(&v).expect("a listing serializes"));
+        outln!("{}", if first { "[]" } else { "]" });
     }
     Ok(0)
+}
+
+/// One entry as a JSON object: path, size, mtime, mode (octal, with the
+/// type bits), and a symlink's target.
+fn entry_json(m: &FileMeta) -> String {
+    let mut e = serde_json::json!({ "path": m.path, "size": m.size, "mtime": m.mtime_s, "mode": format!("{:o}", m.mode) });
+    if let Some(t) = &m.target {
+        e["target"] = t.as_str().into();
+    }
+    e.to_string()
 }
 
 /// `drwxr-xr-x` style permissions, size and path, and a symlink's target
 /// after ` -> ` (control characters escaped).
 fn line(m: &FileMeta) -> String {
-    let kind = if m.is_dir() {
-        'd'
-    } else if m.is_link() {
-        'l'
-    } else {
-        '-'
+    let kind = match m.mode & FileMeta::TYPE {
+        FileMeta::DIR => 'd',
+        FileMeta::LINK => 'l',
+        FileMeta::FIFO => 'p',
+        FileMeta::CHAR => 'c',
+        FileMeta::BLOCK => 'b',
+        FileMeta::SOCKET => 's',
+        _ => '-',
     };
     let mut perms = String::from(kind);
     for shift in [6, 3, 0] {

@@ -141,3 +141,24 @@ fn symlinks_inside_a_source_tree_are_skipped_and_one_named_is_followed() {
     r.assert_ok();
     assert_same_tree(&outside, &export.join("named/to-dir"));
 }
+
+/// A location naming several hosts lists what each holds (a copy to it
+/// spread the files over them), in JSON as in lines.
+#[test]
+fn a_location_of_several_hosts_lists_every_host() {
+    let env = Env::new();
+    let (a, b) = (env.mkdir("a"), env.mkdir("b"));
+    write_random(&a.join("run/one.dat"), 10, 1);
+    write_random(&b.join("run/two.dat"), 20, 2);
+    let (sa, sb) = (env.serve(&[("e", &a)]), env.serve(&[("e", &b)]));
+    let url = format!("dmover://{},{}/e/run/", sa.addr(), sb.addr());
+    let r = ls(&env, &url);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    let mut names: Vec<&str> = v.as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["one.dat", "two.dat"], "{}", r.stdout);
+    let mut c = dmover(["ls", "--token-file"]);
+    let lines = c.arg(&env.token).arg(&url).run();
+    assert_eq!(lines.stdout.lines().count(), 2, "{}", lines.stdout);
+}
