@@ -118,6 +118,22 @@ fn make_sparse(path: &Path, size: u64, seed: u64) {
     }
 }
 
+/// What a whole upload of `file` sends (its holes go as a few bytes, so
+/// far less than its size): measured by uploading it to a key of its own
+/// in bucket `data` (whose directory is `bucket`), removed afterwards. What a resumed upload sends is judged against it.
+fn whole_send(t: &Setup, bucket: &Path, file: &Path) -> u64 {
+    let j = t.cp([file.to_str().unwrap(), "s3://data/whole.bin"]).run().assert_ok();
+    fs::remove_file(bucket.join("whole.bin")).unwrap();
+    u(&j["sent_bytes"])
+}
+
+/// What a resumed upload of a file of `size` bytes that keeps `kept` of
+/// them may send at most, when a whole upload sends `whole`: the rest's
+/// share of it (the test files hold as much data in every MiB).
+fn rest_of(whole: u64, size: u64, kept: u64) -> u64 {
+    (u128::from(whole) * u128::from(size.saturating_sub(kept)) / u128::from(size)) as u64
+}
+
 /// Runs `cp` (a `dmover cp`) and kills it with SIGKILL once the client has
 /// recorded `parts` parts of its multipart upload as taken by the server
 /// (made under the key the file is to have, invisible until complete);
@@ -172,11 +188,11 @@ fn a_2_gib_upload_killed_midway_resumes_from_the_parts_sent() {
 
     // Over a gigabyte through a debug build, beside the other tests.
     let j = t.cp(args).timeout(std::time::Duration::from_secs(900)).run().assert_ok();
-    let sent = u(&j["sent_bytes"]);
-    eprintln!("re-run: sent {sent} of {size} bytes; {recorded} parts were recorded when the first run was killed");
+    let (sent, whole) = (u(&j["sent_bytes"]), whole_send(&t, &bucket, &file));
+    eprintln!("re-run: sent {sent} bytes, a whole upload {whole}; {recorded} parts were recorded when the first run was killed");
     assert!(
-        sent + (recorded - LAG_PARTS) * PART <= size,
-        "the re-run sent {sent} of {size} bytes, though {recorded} parts of {PART} bytes were recorded"
+        sent <= rest_of(whole, size, (recorded - LAG_PARTS) * PART),
+        "the re-run sent {sent} of the {whole} bytes a whole upload sends, though {recorded} parts of {PART} bytes were recorded"
     );
     assert!(same_content(&file, &bucket.join("up/huge.bin")), "the object differs from the file");
     assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
@@ -252,11 +268,11 @@ fn an_upload_whose_blocks_straddle_parts_resumes_identical() {
         .count() as u64;
     let kept = (whole_blocks * BLOCK).saturating_sub(LAG_PARTS * PART);
     let j = t.cp(args).run().assert_ok();
-    let sent = u(&j["sent_bytes"]);
-    eprintln!("re-run: sent {sent} of {size} bytes; parts {parts:?} were recorded, {whole_blocks} blocks wholly in them");
+    let (sent, whole) = (u(&j["sent_bytes"]), whole_send(&t, &bucket, &file));
+    eprintln!("re-run: sent {sent} bytes, a whole upload {whole}; parts {parts:?} were recorded, {whole_blocks} blocks wholly in them");
     assert!(
-        kept > size / 4 && sent + kept <= size,
-        "the re-run sent {sent} of {size} bytes, though parts {parts:?} were recorded, holding {whole_blocks} whole blocks of {BLOCK} bytes"
+        kept > size / 4 && sent <= rest_of(whole, size, kept),
+        "the re-run sent {sent} of the {whole} bytes a whole upload sends, though parts {parts:?} were recorded, holding {whole_blocks} whole blocks of {BLOCK} bytes"
     );
     assert!(same_content(&file, &bucket.join("odd.bin")), "the object differs from the file");
     assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
@@ -283,7 +299,10 @@ fn an_upload_whose_source_changed_is_started_afresh_and_the_old_one_aborted() {
     // Rewritten with other bytes (and so a new mtime) before the re-run.
     make_sparse(&file, size, 48);
     let j = t.cp(args).run().assert_ok();
-    assert_eq!(u(&j["sent_bytes"]), size, "the re-run kept parts of the old version: {j:#}");
+    // Everything a fresh upload of the file sends (its holes' pages of
+    // zeros go as a bitmap), none of it kept from the old upload.
+    let fresh = t.cp([file.to_str().unwrap(), "s3://data/fresh.bin"]).run().assert_ok();
+    assert_eq!(u(&j["sent_bytes"]), u(&fresh["sent_bytes"]), "the re-run kept parts of the old version: {j:#}");
     assert!(same_content(&file, &bucket.join("moving.bin")), "the object is not the new version");
     assert_eq!(t.s3.uploads("data"), [], "the old upload was not aborted");
 }
@@ -736,10 +755,13 @@ fn an_upload_into_a_served_bucket_killed_midway_resumes() {
     // The server records the parts it sent, in its export's state.
     let recorded = kill_when_parts_recorded(&t.env.path("home/.cache/dmover/serve/b"), t.env.cp(&args), 2);
     let j = t.env.cp(&args).run().assert_ok();
-    let sent = u(&j["sent_bytes"]);
-    eprintln!("re-run: sent {sent} of {size} bytes; {recorded} parts were recorded when the client was killed");
+    let (sent, whole) = (u(&j["sent_bytes"]), whole_send(&t, &bucket, &file));
+    eprintln!("re-run: sent {sent} bytes, a whole upload {whole}; {recorded} parts were recorded when the client was killed");
     assert!(sent > 0, "nothing was left to send: the first run was not cut short");
-    assert!(sent + recorded * PART <= size, "the re-run sent {sent} of {size} bytes, though {recorded} parts were recorded");
+    assert!(
+        sent <= rest_of(whole, size, recorded * PART),
+        "the re-run sent {sent} of the {whole} bytes a whole upload sends, though {recorded} parts were recorded"
+    );
     assert!(same_content(&file, &bucket.join("in/big.bin")), "the object differs from the file");
     assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
     assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["in/big.bin"]);
