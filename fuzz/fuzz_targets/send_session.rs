@@ -58,7 +58,7 @@ impl Driver {
                 self.blocks.insert(self.offered, size.div_ceil(block_size));
                 let pinned = if u.arbitrary()? { Some(u.int_in_range(0..=3)?) } else { None };
                 let meta = FileMeta { path: format!("f{}", self.offered), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, target: None };
-                Event::Offer { meta, digest: None, pinned }
+                Event::Offer { meta, digest: None, pinned, linked: false }
             }
             2 => Event::WalkDone,
             // A chunk the session asked for is read, or cannot be.

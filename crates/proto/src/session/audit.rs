@@ -81,7 +81,7 @@ impl Audit {
             return Err(format!("{a:?} after the session ended"));
         }
         match a {
-            Action::Prepare { id, .. } => {
+            Action::Prepare { id, .. } | Action::HardLink { id, .. } => {
                 self.preparing.insert(*id);
             }
             Action::Open { id, gate } => {

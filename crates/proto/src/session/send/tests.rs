@@ -235,7 +235,7 @@ impl Sim {
                     return self.feed(Event::WalkDone);
                 };
                 self.offered += 1;
-                self.feed(Event::Offer { meta, digest: None, pinned });
+                self.feed(Event::Offer { meta, digest: None, pinned, linked: false });
             }
             Step::ToRx { h } => {
                 let host = &mut self.hosts[h as usize % n];
@@ -411,7 +411,7 @@ proptest! {
         for (what, id, n, flag) in lies {
             if tx.wants_file() && offered < files.len() && what % 4 == 0 {
                 offered += 1;
-                tx.handle(Event::Offer { meta: meta(&format!("f{offered}"), files[offered - 1].0), digest: None, pinned: None });
+                tx.handle(Event::Offer { meta: meta(&format!("f{offered}"), files[offered - 1].0), digest: None, pinned: None, linked: false });
             }
             let host = usize::from(what % 3 == 0);
             let msg = match what % 7 {
@@ -424,7 +424,7 @@ proptest! {
                 _ => ToSender::Echo { stamp: n, received: n, staged: 0, server_received: 0, transfers: 0 },
             };
             let never = matches!(msg, ToSender::Plan { .. } | ToSender::Nack { .. } | ToSender::Done { .. } | ToSender::Failed { .. })
-                && (id == 0 || id > tx.announced);
+                && (id == 0 || id > tx.offered);
             let early = matches!(msg, ToSender::Finished { .. }) && !tx.finishing;
             tx.handle(Event::Control { host, msg });
             while let Some(a) = tx.poll() {
@@ -462,7 +462,7 @@ fn plan(id: u64, ranges: Vec<(u64, u64)>) -> Event {
 fn the_window_holds_files_back_until_one_settles() {
     let mut tx = session(1);
     for i in 0..3 {
-        run(&mut tx, Event::Offer { meta: meta(&format!("f{i}"), 0), digest: None, pinned: None });
+        run(&mut tx, Event::Offer { meta: meta(&format!("f{i}"), 0), digest: None, pinned: None, linked: false });
     }
     assert!(!tx.wants_file(), "the third file waits for room");
     assert_eq!(tx.in_flight(0), WINDOW);
@@ -474,7 +474,7 @@ fn the_window_holds_files_back_until_one_settles() {
 #[test]
 fn a_confirmation_twice_is_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: false });
     run(&mut tx, plan(1, vec![]));
     let done = Event::Control { host: 0, msg: ToSender::Done { id: 1, digest: file_digest(&[]) } };
     assert!(matches!(run(&mut tx, done.clone()).as_slice(), [Action::Settle { outcome: Outcome::Sent, .. }]));
@@ -484,14 +484,14 @@ fn a_confirmation_twice_is_a_violation() {
 #[test]
 fn a_plan_past_the_end_is_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 5), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 5), digest: None, pinned: None, linked: false });
     assert!(violated(&run(&mut tx, plan(1, vec![(0, 3)]))));
 }
 
 #[test]
 fn a_block_asked_for_too_often_is_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None, linked: false });
     run(&mut tx, plan(1, vec![(0, 2)]));
     let nack = Event::Control { host: 0, msg: ToSender::Nack { id: 1, block: 1 } };
     for _ in 0..NACK_BUDGET {
@@ -503,7 +503,7 @@ fn a_block_asked_for_too_often_is_a_violation() {
 #[test]
 fn late_messages_about_an_abandoned_file_are_ignored() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None, linked: false });
     run(&mut tx, plan(1, vec![(0, 2)]));
     let out =
         run(&mut tx, Event::ReadFailed { id: 1, kind: ErrorKind::SourceChanged, subject: "/src/f".into(), message: "changed".into() });
@@ -517,7 +517,7 @@ fn late_messages_about_an_abandoned_file_are_ignored() {
 #[test]
 fn totals_larger_than_offered_are_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: false });
     run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
     let out = run(&mut tx, Event::WalkDone);
     assert!(matches!(out.as_slice(), [Action::Send { msg: ToReceiver::Finish { files: 1, .. }, .. }]));
@@ -527,7 +527,7 @@ fn totals_larger_than_offered_are_a_violation() {
 #[test]
 fn finish_goes_out_with_the_last_end_and_totals_wait_for_every_file() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: false });
     run(&mut tx, Event::WalkDone);
     run(&mut tx, plan(1, vec![(0, 1)]));
     let digest = file_digest(&[sum("f", 0)]);
@@ -537,7 +537,7 @@ fn finish_goes_out_with_the_last_end_and_totals_wait_for_every_file() {
     // Totals before the file is confirmed: no honest receiver sends them.
     let mut early = session(1);
     for e in [
-        Event::Offer { meta: meta("f", BS), digest: None, pinned: None },
+        Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: false },
         Event::WalkDone,
         plan(1, vec![(0, 1)]),
         Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None },
@@ -559,7 +559,7 @@ fn finish_goes_out_with_the_last_end_and_totals_wait_for_every_file() {
 fn a_block_asked_for_again_after_the_end_that_cannot_be_read_ends_the_session() {
     let mut tx = session(1);
     for e in [
-        Event::Offer { meta: meta("f", BS), digest: None, pinned: None },
+        Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: false },
         Event::WalkDone,
         plan(1, vec![(0, 1)]),
         Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None },
@@ -571,4 +571,58 @@ fn a_block_asked_for_again_after_the_end_that_cannot_be_read_ends_the_session() 
         run(&mut tx, Event::ReadFailed { id: 1, kind: ErrorKind::SourceChanged, subject: "/src/f".into(), message: "changed".into() });
     assert!(matches!(out.as_slice(), [Action::Unreadable { host: 0, kind: ErrorKind::SourceChanged, .. }]), "{out:?}");
     assert!(tx.is_over());
+}
+
+fn hard_link(out: &[Action]) -> Option<(usize, u64, &str, &str)> {
+    out.iter().find_map(|a| match a {
+        Action::Send { host, msg: ToReceiver::HardLink { id, path, first } } => Some((*host, *id, path.as_str(), first.as_str())),
+        _ => None,
+    })
+}
+
+#[test]
+fn other_names_wait_for_their_file_and_go_to_its_host() {
+    let mut tx = session(2);
+    let out = run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: Some(1), linked: true });
+    assert!(matches!(&out[..], [
+        Action::Send { host: 1, msg: ToReceiver::Announce { id: 1, .. } },
+        Action::Send { host: 1, msg: ToReceiver::Linked { id: 1 } },
+    ]), "{out:?}");
+    let out = run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into() });
+    assert!(out.is_empty(), "a name went before its file was settled: {out:?}");
+    run(&mut tx, Event::WalkDone);
+    run(&mut tx, Event::Control { host: 1, msg: ToSender::Plan { id: 1, skip: false, ranges: vec![(0, 1)] } });
+    let out = run(&mut tx, Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None });
+    assert!(!out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { .. }, .. })), "Finish while a name waits: {out:?}");
+    let digest = file_digest(&[sum("f", 0)]);
+    let out = run(&mut tx, Event::Control { host: 1, msg: ToSender::Done { id: 1, digest } });
+    assert_eq!(hard_link(&out), Some((1, 2, "g", "f")), "{out:?}");
+    let out = run(&mut tx, Event::Control { host: 1, msg: ToSender::Done { id: 2, digest: file_digest(&[]) } });
+    assert!(out.iter().any(|a| matches!(a, Action::Settle { id: 2, outcome: Outcome::Sent, .. })), "{out:?}");
+    assert_eq!(out.iter().filter(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { .. }, .. })).count(), 2, "{out:?}");
+    // A name offered once its file is settled goes at once.
+    let mut tx = session(1);
+    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: true });
+    run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
+    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into() });
+    assert_eq!(hard_link(&out), Some((0, 2, "h", "f")), "{out:?}");
+}
+
+#[test]
+fn other_names_fail_with_their_file() {
+    let mut tx = session(1);
+    run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: true });
+    run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into() });
+    let no = ToSender::Failed { id: 1, kind: ErrorKind::Permission, subject: String::new(), message: "denied".into() };
+    let out = run(&mut tx, Event::Control { host: 0, msg: no });
+    let failed = |out: &[Action], id: u64| {
+        out.iter().any(|a| matches!(a, Action::Settle { id: i, outcome: Outcome::Failed(e), .. }
+            if *i == id && e.kind == ErrorKind::Permission && e.message.contains("another name of f, which failed: denied")))
+    };
+    assert!(failed(&out, 2), "{out:?}");
+    assert!(hard_link(&out).is_none(), "{out:?}");
+    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into() });
+    assert!(failed(&out, 3), "{out:?}");
+    let out = run(&mut tx, Event::WalkDone);
+    assert!(out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { files: 0, .. }, .. })), "{out:?}");
 }
