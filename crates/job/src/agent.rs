@@ -206,6 +206,7 @@ fn entry(plan: &Plan, w: &WorkItem) -> Entry {
         path: plan.source_root.join(dmover_proto::path::to_path(&w.path).unwrap_or_else(|_| w.path.clone().into())),
         meta: FileMeta { path: w.path.clone(), size: w.size, mtime_s: w.mtime_s, mtime_ns: w.mtime_ns, mode: w.mode, target: None },
         ctime: w.ctime,
+        inode: None,
     }
 }
 

@@ -283,6 +283,10 @@ impl Owner {
                     self.session.handle(Event::Prepared { id, outcome });
                 }
             }
+            Action::HardLink { id, path, first } => {
+                let outcome = self.hard_link(&path, &first);
+                self.session.handle(Event::Prepared { id, outcome });
+            }
             Action::Open { id, gate } => {
                 let (paths, io) = self.preparing.remove(&id).unwrap_or_else(|| (Paths::default(), FileIo::fresh()));
                 let slot = Arc::new(Slot { id, gate, paths, io: Mutex::new(io) });
@@ -575,6 +579,53 @@ impl Owner {
         }
         self.preparing.insert(id, (paths, io));
         Some(Outcome::Receive { held })
+    }
+
+    /// Makes `rel` another name of `first`, a file this transfer settled
+    /// (the session checked that), after `first` took its final name: both
+    /// resolved beneath the destination as every name is, and the new
+    /// name made durable unless the transfer syncs nothing. When `--sync`
+    /// or a resumed run finds `rel` a name of that file already, it is
+    /// skipped like an unchanged file. Only a transfer that keeps hard
+    /// links (`--hard-links`) makes any.
+    fn hard_link(&mut self, rel: &str, first: &str) -> Outcome {
+        let refused = |kind, message: String| Outcome::Refused { kind, message };
+        let sh = self.sh.clone();
+        if !sh.options.flags.contains(TransferFlags::HARD_LINKS) {
+            let why = "another name of a file (a hard link), and this transfer does not keep hard links (--hard-links)";
+            return refused(ErrorKind::Refused, why.into());
+        }
+        let Some(l) = &self.layout else {
+            return refused(ErrorKind::Internal, "a hard link before any file".into());
+        };
+        let (dest_file, resuming) = (l.dest_file.clone(), l.resuming);
+        let first_path = match (&dest_file, first.contains('/')) {
+            (Some(p), false) => p.clone(),
+            _ => match dmover_proto::path::to_path(first) {
+                Ok(p) => sh.dest_dir.join(p),
+                Err(e) => return refused(ErrorKind::Refused, e.to_string()),
+            },
+        };
+        let path = match (&dest_file, rel.contains('/')) {
+            (Some(p), false) => p.clone(),
+            _ => match self.prepare_parent(rel) {
+                Ok(p) => p,
+                Err(e) => return refused(e.kind, e.message),
+            },
+        };
+        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
+        let inode = |p: &Path| sh.store.stat(p).ok().filter(|s| s.is_file()).and_then(|s| s.inode);
+        if look && inode(&path).is_some_and(|i| inode(&first_path) == Some(i)) {
+            return Outcome::Present;
+        }
+        let made = sh.store.hard_link(&first_path, &path).and_then(|()| match path.parent() {
+            Some(dir) if !sh.options.flags.contains(TransferFlags::NO_FSYNC) => sh.store.sync_dir(dir),
+            _ => Ok(()),
+        });
+        match made {
+            Ok(()) => Outcome::Made,
+            Err(e) => refused(crate::error::classify(&e), e.to_string()),
+        }
     }
 
     /// Resolves `rel`'s final path and makes its parent directory exist, with

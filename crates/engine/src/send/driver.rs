@@ -100,7 +100,8 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     let (walk_tx, walk_rx) = crossbeam_channel::bounded::<Walked>(WALK_AHEAD);
     let with_digest = cfg.options.flags.contains(TransferFlags::CHECKSUM) && !generate;
     let links = cfg.options.flags.contains(TransferFlags::LINKS);
-    let walker = std::thread::spawn(move || workers::walk(files, store, with_digest, links, block_size, &walk_tx));
+    let hard_links = cfg.options.flags.contains(TransferFlags::HARD_LINKS);
+    let walker = std::thread::spawn(move || workers::walk(files, store, with_digest, links, hard_links, block_size, &walk_tx));
 
     let session = Send::new(send::Config { hosts: n, block_size, window: WINDOW, chunk_blocks: CHUNK_BLOCKS });
     let mut owner = Owner {
@@ -202,7 +203,7 @@ impl Owner {
         while self.summary.is_none() && !self.sh.stopped() {
             match self.next(inputs, walk.as_ref()) {
                 Next::Input(i) => self.hear(i),
-                Next::Walked(Walked::File { entry, pinned, digest }) => {
+                Next::Walked(Walked::File { entry, pinned, digest, linked }) => {
                     self.offered += 1;
                     let label = self.sh.store.display(&entry.path);
                     let source = Source {
@@ -214,7 +215,11 @@ impl Owner {
                         done: AtomicBool::new(false),
                     };
                     self.sources.insert(self.offered, Arc::new(source));
-                    self.session_event(Event::Offer { meta: entry.meta, digest, pinned });
+                    self.session_event(Event::Offer { meta: entry.meta, digest, pinned, linked });
+                }
+                Next::Walked(Walked::HardLink { path, first }) => {
+                    self.offered += 1;
+                    self.session_event(Event::OfferLink { path, first });
                 }
                 Next::Walked(Walked::Dir(meta)) => self.session_event(Event::Dir(meta)),
                 Next::Walked(Walked::Error(e)) => {
@@ -313,9 +318,13 @@ impl Owner {
             // Nothing more goes out once the transfer failed.
             Action::Send { .. } | Action::Read(_) if self.sh.stopped() => {}
             Action::Send { host, msg } => {
-                if let ToReceiver::Announce { meta, .. } = &msg {
-                    Progress::add(&self.sh.progress.total_files, 1);
-                    Progress::add(&self.sh.progress.total_bytes, meta.size);
+                match &msg {
+                    ToReceiver::Announce { meta, .. } => {
+                        Progress::add(&self.sh.progress.total_files, 1);
+                        Progress::add(&self.sh.progress.total_bytes, meta.size);
+                    }
+                    ToReceiver::HardLink { .. } => Progress::add(&self.sh.progress.total_files, 1),
+                    _ => {}
                 }
                 if let ToReceiver::Finish { .. } = msg {
                     // Marked before `Finish` is queued: no ping follows it.

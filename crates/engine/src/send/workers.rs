@@ -10,7 +10,7 @@ use crate::error::{classify, Error, Result};
 use crate::halt::Halt;
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
-use crate::source::{self, Entry};
+use crate::source::{self, Entry, LinkGroups, LinkName};
 use crate::storage::{digest_of, read_block, DataMap, Extent, ReadFile, Store};
 use crate::transport::{Layers, Transport};
 use crate::tuning::{Meter, Tunable};
@@ -46,7 +46,11 @@ pub(super) enum Walked {
         entry: Entry,
         pinned: Option<usize>,
         digest: Option<Sum>,
+        /// It has other names, walked later (hard links kept).
+        linked: bool,
     },
+    /// Another name of `first`, a file walked earlier (hard links kept).
+    HardLink { path: String, first: String },
     /// A directory's attributes, for every host.
     Dir(FileMeta),
     Error(Error),
@@ -450,14 +454,21 @@ impl Tunable for Arc<Shared> {
 }
 
 /// Lists the files to send into `tx` (in its own thread), each with its
-/// digest when `--checksum` asks for one, and symlinks where `links` keeps
-/// them. Ends when the sources are listed (or the feed is closed), or when
-/// the owner stops taking files.
-pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, block_size: u64, tx: &Sender<Walked>) {
+/// digest when `--checksum` asks for one, symlinks where `links` keeps
+/// them, and the other names of a file with more than one as such where
+/// `hard_links` keeps them. Ends when the sources are listed (or the feed
+/// is closed), or when the owner stops taking files.
+pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, hard_links: bool, block_size: u64, tx: &Sender<Walked>) {
     let digest = |e: &Entry| if with_digest && !e.meta.is_link() { digest_of(store.as_ref(), &e.path, block_size).ok() } else { None };
-    let file = |entry: Entry, pinned| {
+    let mut groups = hard_links.then(LinkGroups::default);
+    let mut file = |entry: Entry, pinned| {
+        let linked = match groups.as_mut().map(|g| g.name(&entry)) {
+            Some(LinkName::Another(first)) => return tx.send(Walked::HardLink { path: entry.meta.path, first }).is_ok(),
+            Some(LinkName::First) => true,
+            _ => false,
+        };
         let digest = digest(&entry);
-        tx.send(Walked::File { entry, pinned, digest }).is_ok()
+        tx.send(Walked::File { entry, pinned, digest, linked }).is_ok()
     };
     match files {
         Files::Walk { store, specs } => source::walk(store.as_ref(), &specs, &mut |ev| match ev {
@@ -483,7 +494,8 @@ pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, b
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644, target: None };
-            let _ = tx.send(Walked::File { entry: Entry { path: PathBuf::new(), meta, ctime: (0, 0) }, pinned: None, digest: None });
+            let entry = Entry { path: PathBuf::new(), meta, ctime: (0, 0), inode: None };
+            let _ = tx.send(Walked::File { entry, pinned: None, digest: None, linked: false });
         }
     }
 }

@@ -100,6 +100,9 @@ pub struct Stat {
     pub ctime: (i64, i64),
     /// Names the file has (hard links).
     pub nlink: u64,
+    /// Device and inode number: names with the same are one file. None
+    /// where the storage has no inodes (an object store).
+    pub inode: Option<(u64, u64)>,
 }
 
 impl Stat {
@@ -305,6 +308,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// a temporary name and renamed into place.
     fn make_link(&self, _path: &Path, _target: &[u8], _mtime: Option<(i64, u32)>) -> io::Result<()> {
         Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no symlinks"))
+    }
+    /// Makes `path` another name of the file `first` (a hard link), never
+    /// following a symlink at either: what had the name is replaced,
+    /// never written through (the link is made under a temporary name and
+    /// renamed into place); a name that is already one of `first`'s is
+    /// left as it is. A storage without hard links refuses.
+    fn hard_link(&self, _first: &Path, _path: &Path) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no hard links"))
     }
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;

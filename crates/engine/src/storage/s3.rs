@@ -437,7 +437,7 @@ fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<Str
     let get = |k: &str| meta.and_then(|m| m.iter().find(|(n, _)| n.eq_ignore_ascii_case(k))).map(|(_, v)| v.as_str());
     let mode = get(META_MODE).and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o644);
     let mtime = get(META_MTIME).and_then(parse_mtime).or_else(|| get(META_RCLONE_MTIME).and_then(parse_decimal_time)).unwrap_or(changed);
-    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1 }
+    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, inode: None }
 }
 
 /// The attributes of the symlink kept in an object with attributes `st`
@@ -505,7 +505,7 @@ fn parse_digest(s: &str) -> Option<Digest> {
 }
 
 fn dir_stat() -> Stat {
-    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1 }
+    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1, inode: None }
 }
 
 /// `bucket/key` for a copy's source, percent-encoded as S3 wants it.
@@ -1621,6 +1621,7 @@ impl ReadFile for S3Write {
             mtime: a.and_then(|a| a.mtime).unwrap_or((0, 0)),
             ctime: (0, 0),
             nlink: 1,
+            inode: None,
         })
     }
 }
@@ -1905,6 +1906,21 @@ impl Storage for S3 {
         i.rt.block_on(put.send()).map_err(|e| io_error(&link, e))?;
         i.abandon(&k)?;
         i.delete(&k)
+    }
+
+    /// Copies the object `first`, metadata and all, to `path` by the
+    /// server (an object store keeps no hard links: each name is an object
+    /// of its own, as rclone makes them), then removes a symlink `path`
+    /// (`NAME.rclonelink`) that the copy replaces.
+    fn hard_link(&self, first: &Path, path: &Path) -> io::Result<()> {
+        let (from, _) = self.inner.entry_keys(first)?;
+        let (to, link) = self.inner.entry_keys(path)?;
+        let i = &self.inner;
+        let h = i.rt.block_on(i.client.head_object().bucket(&i.bucket).key(&from).send()).map_err(|e| io_error(&from, e))?;
+        let size = h.content_length().unwrap_or(0) as u64;
+        i.abandon(&to)?;
+        i.rt.block_on(i.copy(&from, &to, size, h.metadata().cloned().unwrap_or_default()))?;
+        i.delete(&link)
     }
 
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
