@@ -481,7 +481,7 @@ pub enum Msg {
     /// the receiver gives it once the transfer's files are in (every file
     /// that arrives moves a directory's mtime). Not a file: not counted.
     Dir { meta: FileMeta },
-    /// Tx→Rx, right after file `id`'s `Announce` (hard links): the file
+    /// Tx→Rx, right before file `id`'s `Announce` (hard links): the file
     /// has other names, which `HardLink` will announce once it is settled.
     Linked { id: u64 },
     /// Tx→Rx (hard links): `path` is another name of `first`, a file

@@ -30,7 +30,8 @@
 //! of its own. A `Finish` while a file has not ended, and an announcement
 //! or a second `Finish` after it, are protocol violations.
 //!
-//! Hard links: a file the sender said has other names (`Linked`) is
+//! Hard links: a file the sender said has other names (`Linked`, right
+//! before its announcement) is
 //! remembered by its name once settled here (received, or found already
 //! present), and only such a file may be given another name
 //! (`HardLink`): the receiver never makes a link to a file this
@@ -308,6 +309,8 @@ pub struct Receive {
     /// Names of the files settled here that the sender said have other
     /// names: the only files a `HardLink` may name.
     linkable: HashSet<String>,
+    /// The file the next announcement is of has other names, if it is this one.
+    linked_next: Option<u64>,
     /// The sender said `Finish`: the session ends once no file is in flight.
     finishing: bool,
     /// Finished, failed or broken: nothing more is heard.
@@ -340,6 +343,7 @@ impl Receive {
             out: VecDeque::new(),
             totals: Totals::default(),
             linkable: HashSet::new(),
+            linked_next: None,
             finishing: false,
             over: false,
         }
@@ -391,13 +395,7 @@ impl Receive {
         match m {
             ToReceiver::Announce { id, meta, digest } => self.announce(id, meta, digest),
             ToReceiver::Dir { meta } => self.dir(meta),
-            ToReceiver::Linked { id } => {
-                // A file no longer here was refused or aborted: it has no
-                // names to give.
-                if let Some(f) = self.files.get_mut(&id) {
-                    f.linked = true;
-                }
-            }
+            ToReceiver::Linked { id } => self.linked_next = Some(id),
             ToReceiver::HardLink { id, path, first } => self.hard_link(id, path, first),
             ToReceiver::FileEnd { id, digest } => {
                 // An end for a file no longer here is late (the file was
@@ -505,6 +503,7 @@ impl Receive {
     }
 
     fn announce(&mut self, id: u64, meta: FileMeta, digest: Option<Sum>) {
+        let linked = self.linked_next.take() == Some(id);
         if !self.admit(id, &meta.path) {
             return;
         }
@@ -515,7 +514,7 @@ impl Receive {
             Ok(b) => b,
             Err(e) => return self.refuse(id, ErrorKind::Refused, Subject::Path(meta.path), e),
         };
-        let f = File::new(meta, blocks);
+        let f = File { linked, ..File::new(meta, blocks) };
         if self.cfg.discard {
             self.files.insert(id, f);
             return self.plan(id, Vec::new());

@@ -24,8 +24,8 @@
 //! trip of its own. Nothing follows `Finish` on a control connection, so a
 //! block asked for again after it that cannot be read ends the session.
 //!
-//! Hard links: a file offered as having other names is followed by
-//! `Linked` when announced, and each other name offered
+//! Hard links: a file offered as having other names is announced right
+//! after `Linked`, and each other name offered
 //! ([`Event::OfferLink`]) waits until that file is settled; it then goes
 //! as `HardLink` to the host that holds the file, or fails with it. What
 //! the session keeps for this is the name and host of each file offered
@@ -426,10 +426,10 @@ impl Send {
             self.summary.files += 1;
             self.summary.bytes = self.summary.bytes.saturating_add(meta.size);
             let blocks = meta.size.div_ceil(self.cfg.block_size);
-            self.out.push_back(Action::Send { host, msg: ToReceiver::Announce { id, meta: meta.clone(), digest } });
             if linked {
                 self.out.push_back(Action::Send { host, msg: ToReceiver::Linked { id } });
             }
+            self.out.push_back(Action::Send { host, msg: ToReceiver::Announce { id, meta: meta.clone(), digest } });
             self.files.insert(id, File { host, meta, blocks, stage: Stage::Announced, nacks: HashMap::new(), linked });
         }
     }

@@ -566,10 +566,10 @@ fn a_finish_before_every_file_ended_or_followed_by_an_announcement_is_a_violatio
 /// Receives file `id` named `path` of 8 bytes, said to have other names
 /// when `linked`, up to its confirmation.
 fn receive_file(rx: &mut Receive, id: u64, path: &str, linked: bool) {
-    rx.handle(Event::Control(ToReceiver::Announce { id, meta: meta(path, 8), digest: None }));
     if linked {
         rx.handle(Event::Control(ToReceiver::Linked { id }));
     }
+    rx.handle(Event::Control(ToReceiver::Announce { id, meta: meta(path, 8), digest: None }));
     rx.handle(Event::Prepared { id, outcome: Outcome::Receive { held: vec![] } });
     rx.handle(Event::Control(ToReceiver::FileEnd { id, digest: digest(id, 8) }));
     for block in 0..8u64.div_ceil(BS) {
@@ -587,8 +587,8 @@ fn a_hard_link_names_only_a_file_this_transfer_settled_and_was_told_has_other_na
         out.iter().any(|a| matches!(a, Action::Refuse { id: i, kind: ErrorKind::Refused, message, .. } if *i == id && message.contains("did not receive")))
     };
     // A file in flight, said to have other names: not yet settled, so not yet a link's target.
-    rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("f", 8), digest: None }));
     rx.handle(Event::Control(ToReceiver::Linked { id: 1 }));
+    rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("f", 8), digest: None }));
     rx.handle(link(2, "early", "f"));
     assert!(refused(&mut rx, 2), "a link to a file still in flight was taken");
     receive_file(&mut rx, 3, "a/f", true);
@@ -603,8 +603,8 @@ fn a_hard_link_names_only_a_file_this_transfer_settled_and_was_told_has_other_na
     rx.handle(Event::Prepared { id: 8, outcome: Outcome::Made });
     assert_eq!(rx.poll(), Some(Action::Send(ToSender::Done { id: 8, digest: file_digest(&[]) })));
     // A file found already there (a resumed or --sync run) takes links too.
-    rx.handle(Event::Control(ToReceiver::Announce { id: 9, meta: meta("kept", 8), digest: None }));
     rx.handle(Event::Control(ToReceiver::Linked { id: 9 }));
+    rx.handle(Event::Control(ToReceiver::Announce { id: 9, meta: meta("kept", 8), digest: None }));
     rx.handle(Event::Prepared { id: 9, outcome: Outcome::Present });
     rx.handle(link(10, "kept2", "kept"));
     let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();

@@ -585,8 +585,8 @@ fn other_names_wait_for_their_file_and_go_to_its_host() {
     let mut tx = session(2);
     let out = run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: Some(1), linked: true });
     assert!(matches!(&out[..], [
-        Action::Send { host: 1, msg: ToReceiver::Announce { id: 1, .. } },
         Action::Send { host: 1, msg: ToReceiver::Linked { id: 1 } },
+        Action::Send { host: 1, msg: ToReceiver::Announce { id: 1, .. } },
     ]), "{out:?}");
     let out = run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into() });
     assert!(out.is_empty(), "a name went before its file was settled: {out:?}");
