@@ -247,3 +247,50 @@ fn directories_keep_their_modes_and_times_through_every_path() {
         tree::assert_same(&reference, at, &KEPT);
     });
 }
+
+/// A tree of files with more than one name (hard links): one with three
+/// names, two of them in other directories, one with two, and files with
+/// one name each.
+fn hard_linked(root: &Path) -> PathBuf {
+    fs::create_dir_all(root.join("a/deep")).unwrap();
+    fs::create_dir_all(root.join("b")).unwrap();
+    fs::write(root.join("three"), "one file, three names").unwrap();
+    fs::hard_link(root.join("three"), root.join("a/deep/three-again")).unwrap();
+    fs::hard_link(root.join("three"), root.join("b/third-name")).unwrap();
+    fs::write(root.join("a/two"), "another file, two names ".repeat(1000)).unwrap();
+    fs::hard_link(root.join("a/two"), root.join("b/two-too")).unwrap();
+    for i in 0..5 {
+        fs::write(root.join(format!("b/single{i}")), format!("a file alone, {i}")).unwrap();
+    }
+    root.to_path_buf()
+}
+
+/// What `dmover cp -H` makes of names that share a file, `rsync -aH`
+/// makes: the names share one file at the destination, through every
+/// path, and each file's data is sent once; a second run with --sync finds
+/// every name there. Without -H each name arrives as a file of its own,
+/// as rsync -a makes them.
+#[test]
+fn hard_links_arrive_as_names_of_one_file_with_hard_links_through_every_path() {
+    let env = Env::new();
+    let src = hard_linked(&env.mkdir("src"));
+    let reference = tree::rsync(&["-aH"], &src, &env.path("src.rsync-H"));
+    let kept = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::DirMtime, Field::HardLinks];
+    let once: u64 = ["three", "a/two"].iter().chain(&["b/single0", "b/single1", "b/single2", "b/single3", "b/single4"])
+        .map(|n| fs::metadata(src.join(n)).unwrap().len())
+        .sum();
+    every_path(&env, &src, &["-H"], &mut |copy, at| {
+        let j = copy(&[]).assert_ok();
+        assert_eq!((u(&j["files"]), u(&j["bytes"])), (10, once), "each file's data once: {j:#}");
+        tree::assert_same(&reference, at, &kept);
+        let again = copy(&["--sync"]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 10, "with --sync: {again:#}");
+        tree::assert_same(&reference, at, &kept);
+    });
+
+    let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
+    let plain = env.mkdir("plain");
+    let j = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 10, "{j:#}");
+    tree::assert_same(&reference, &plain, &kept);
+}
