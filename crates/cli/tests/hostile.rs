@@ -1974,7 +1974,11 @@ fn hard_links_to_files_the_transfer_did_not_receive_are_refused() {
 
     let ino = |p: &Path| fs::metadata(p).unwrap().ino();
     assert_eq!(ino(&export.join("in/mine")), ino(&export.join("in/mine-too")), "mine-too is not a name of mine");
-    for (file, content) in [(export.join("shadow"), "root:secret"), (export.join("in/planted"), "someone else's file"), (outside.join("secret.dat"), "outside")] {
+    for (file, content) in [
+        (export.join("shadow"), "root:secret"),
+        (export.join("in/planted"), "someone else's file"),
+        (outside.join("secret.dat"), "outside"),
+    ] {
         assert_eq!(fs::read_to_string(&file).unwrap(), content, "{}", file.display());
         assert_eq!(fs::metadata(&file).unwrap().nlink(), 1, "{} was given another name", file.display());
     }

@@ -276,7 +276,9 @@ fn hard_links_arrive_as_names_of_one_file_with_hard_links_through_every_path() {
     let src = hard_linked(&env.mkdir("src"));
     let reference = tree::rsync(&["-aH"], &src, &env.path("src.rsync-H"));
     let kept = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::DirMtime, Field::HardLinks];
-    let once: u64 = ["three", "a/two"].iter().chain(&["b/single0", "b/single1", "b/single2", "b/single3", "b/single4"])
+    let once: u64 = ["three", "a/two"]
+        .iter()
+        .chain(&["b/single0", "b/single1", "b/single2", "b/single3", "b/single4"])
         .map(|n| fs::metadata(src.join(n)).unwrap().len())
         .sum();
     every_path(&env, &src, &["-H"], &mut |copy, at| {

@@ -50,7 +50,10 @@ pub(super) enum Walked {
         linked: bool,
     },
     /// Another name of `first`, a file walked earlier (hard links kept).
-    HardLink { path: String, first: String },
+    HardLink {
+        path: String,
+        first: String,
+    },
     /// A directory's attributes, for every host.
     Dir(FileMeta),
     Error(Error),

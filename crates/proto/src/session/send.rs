@@ -219,9 +219,20 @@ struct File {
 /// What is offered and waits for room at its host.
 #[derive(Debug)]
 enum Offered {
-    File { id: u64, meta: FileMeta, digest: Option<Sum>, pinned: Option<usize>, linked: bool },
+    File {
+        id: u64,
+        meta: FileMeta,
+        digest: Option<Sum>,
+        pinned: Option<usize>,
+        linked: bool,
+    },
     /// Another name of `first`, settled at `host`.
-    Link { id: u64, path: String, first: String, host: usize },
+    Link {
+        id: u64,
+        path: String,
+        first: String,
+        host: usize,
+    },
 }
 
 /// A file offered as having other names, by its name.

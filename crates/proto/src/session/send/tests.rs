@@ -584,10 +584,16 @@ fn hard_link(out: &[Action]) -> Option<(usize, u64, &str, &str)> {
 fn other_names_wait_for_their_file_and_go_to_its_host() {
     let mut tx = session(2);
     let out = run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: Some(1), linked: true });
-    assert!(matches!(&out[..], [
-        Action::Send { host: 1, msg: ToReceiver::Linked { id: 1 } },
-        Action::Send { host: 1, msg: ToReceiver::Announce { id: 1, .. } },
-    ]), "{out:?}");
+    assert!(
+        matches!(
+            &out[..],
+            [
+                Action::Send { host: 1, msg: ToReceiver::Linked { id: 1 } },
+                Action::Send { host: 1, msg: ToReceiver::Announce { id: 1, .. } },
+            ]
+        ),
+        "{out:?}"
+    );
     let out = run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into() });
     assert!(out.is_empty(), "a name went before its file was settled: {out:?}");
     run(&mut tx, Event::WalkDone);
@@ -616,8 +622,10 @@ fn other_names_fail_with_their_file() {
     let no = ToSender::Failed { id: 1, kind: ErrorKind::Permission, subject: String::new(), message: "denied".into() };
     let out = run(&mut tx, Event::Control { host: 0, msg: no });
     let failed = |out: &[Action], id: u64| {
-        out.iter().any(|a| matches!(a, Action::Settle { id: i, outcome: Outcome::Failed(e), .. }
-            if *i == id && e.kind == ErrorKind::Permission && e.message.contains("another name of f, which failed: denied")))
+        out.iter().any(|a| {
+            matches!(a, Action::Settle { id: i, outcome: Outcome::Failed(e), .. }
+            if *i == id && e.kind == ErrorKind::Permission && e.message.contains("another name of f, which failed: denied"))
+        })
     };
     assert!(failed(&out, 2), "{out:?}");
     assert!(hard_link(&out).is_none(), "{out:?}");
