@@ -71,7 +71,7 @@ impl Driver {
                 }
                 self.offered += 1;
                 self.blocks.insert(self.offered, 0);
-                Event::OfferLink { path: format!("l{}", self.offered), first: format!("f{}", small(u)?) }
+                Event::OfferLink { path: format!("l{}", self.offered), first: format!("f{}", small(u)?), subject: String::new() }
             }
             2 => Event::WalkDone,
             // A chunk the session asked for is read, or cannot be.

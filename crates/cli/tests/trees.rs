@@ -10,6 +10,7 @@ use dmover_testkit::tree::{self, Field};
 use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use util::*;
 
@@ -295,4 +296,40 @@ fn hard_links_arrive_as_names_of_one_file_with_hard_links_through_every_path() {
     let j = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run().assert_ok();
     assert_eq!(u(&j["files"]), 10, "{j:#}");
     tree::assert_same(&reference, &plain, &kept);
+}
+
+/// When the first name of a file with other names fails at the
+/// destination (a directory is in its way), its other names fail with it,
+/// each reported as such, and none is made; the other files' names arrive
+/// joined as ever.
+#[test]
+fn other_names_of_a_file_that_failed_fail_with_it() {
+    let env = Env::new();
+    let src = hard_linked(&env.mkdir("src"));
+    let dst = env.mkdir("dst");
+    // Whichever of a/two and b/two-too the walk finds first is in the way.
+    for name in ["a/two", "b/two-too"] {
+        fs::create_dir_all(dst.join(name).join("blocker")).unwrap();
+    }
+    let r = env.cp([format!("{}/", src.display()), dst.display().to_string(), "-H".into()]).run();
+    assert_ne!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let j = r.json();
+    let errors: Vec<(String, String)> = j["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["path"].as_str().unwrap().into(), e["message"].as_str().unwrap().into()))
+        .collect();
+    assert_eq!(errors.len(), 2, "{j:#}");
+    let (with, first): (Vec<_>, Vec<_>) = errors.iter().partition(|(_, m)| m.contains("another name of"));
+    assert_eq!((with.len(), first.len()), (1, 1), "{errors:?}");
+    let (leader, other) = if first[0].0.ends_with("a/two") { ("a/two", "b/two-too") } else { ("b/two-too", "a/two") };
+    assert!(with[0].1.contains(&format!("another name of {leader}, which failed")), "{errors:?}");
+    assert_eq!(with[0].0, src.join(other).display().to_string(), "the other name is not named by its source");
+    for name in ["a/two", "b/two-too"] {
+        assert!(dst.join(name).join("blocker").is_dir(), "{name} was touched");
+    }
+    let ino = |p: &str| fs::metadata(dst.join(p)).unwrap().ino();
+    assert_eq!(ino("three"), ino("a/deep/three-again"));
+    assert_eq!(ino("three"), ino("b/third-name"));
 }

@@ -217,9 +217,10 @@ impl Owner {
                     self.sources.insert(self.offered, Arc::new(source));
                     self.session_event(Event::Offer { meta: entry.meta, digest, pinned, linked });
                 }
-                Next::Walked(Walked::HardLink { path, first }) => {
+                Next::Walked(Walked::HardLink { path, first, source }) => {
                     self.offered += 1;
-                    self.session_event(Event::OfferLink { path, first });
+                    let subject = self.sh.store.display(&source);
+                    self.session_event(Event::OfferLink { path, first, subject });
                 }
                 Next::Walked(Walked::Dir(meta)) => self.session_event(Event::Dir(meta)),
                 Next::Walked(Walked::Error(e)) => {

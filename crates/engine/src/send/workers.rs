@@ -49,10 +49,12 @@ pub(super) enum Walked {
         /// It has other names, walked later (hard links kept).
         linked: bool,
     },
-    /// Another name of `first`, a file walked earlier (hard links kept).
+    /// Another name of `first`, a file walked earlier (hard links kept),
+    /// found at `source`.
     HardLink {
         path: String,
         first: String,
+        source: PathBuf,
     },
     /// A directory's attributes, for every host.
     Dir(FileMeta),
@@ -466,7 +468,9 @@ pub(super) fn walk(files: Files, store: Store, with_digest: bool, links: bool, h
     let mut groups = hard_links.then(LinkGroups::default);
     let mut file = |entry: Entry, pinned| {
         let linked = match groups.as_mut().map(|g| g.name(&entry)) {
-            Some(LinkName::Another(first)) => return tx.send(Walked::HardLink { path: entry.meta.path, first }).is_ok(),
+            Some(LinkName::Another(first)) => {
+                return tx.send(Walked::HardLink { path: entry.meta.path, first, source: entry.path }).is_ok();
+            }
             Some(LinkName::First) => true,
             _ => false,
         };

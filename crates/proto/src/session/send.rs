@@ -79,8 +79,9 @@ pub enum Event {
     Offer { meta: FileMeta, digest: Option<Sum>, pinned: Option<usize>, linked: bool },
     /// Another name of `first`, a file offered earlier as `linked`: sent
     /// as a hard link to the host that holds that file once it is settled
-    /// there, or failed with it.
-    OfferLink { path: String, first: String },
+    /// there, or failed with it; `subject` names it in an error, as the
+    /// user knows it (empty: its name).
+    OfferLink { path: String, first: String, subject: String },
     /// The walk could not list or read this source; it is counted as failed.
     WalkError(FileError),
     /// A directory of the transfer (not empty: an empty one is offered as
@@ -238,8 +239,8 @@ enum Offered {
 /// A file offered as having other names, by its name.
 #[derive(Debug)]
 enum Group {
-    /// Not settled yet: these names (id, path) wait for it.
-    Pending(Vec<(u64, String)>),
+    /// Not settled yet: these names (id, path, subject) wait for it.
+    Pending(Vec<(u64, String, String)>),
     /// Settled at this host.
     At(usize),
     /// It failed at this host: its other names fail with it.
@@ -337,12 +338,12 @@ impl Send {
                 self.offers.push_back(Offered::File { id: self.offered, meta, digest, pinned, linked });
                 self.announce_waiting();
             }
-            Event::OfferLink { path, first } => {
+            Event::OfferLink { path, first, subject } => {
                 self.offered += 1;
                 let id = self.offered;
                 match self.groups.get_mut(&first) {
                     Some(Group::Pending(names)) => {
-                        names.push((id, path));
+                        names.push((id, path, subject));
                         self.waiting += 1;
                     }
                     Some(Group::At(host)) => {
@@ -352,11 +353,11 @@ impl Send {
                     }
                     Some(Group::Failed(host, e)) => {
                         let (host, e) = (*host, e.clone());
-                        self.fail_name(id, path, &first, host, &e);
+                        self.fail_name(id, path, subject, &first, host, &e);
                     }
                     None => {
                         let e = FileError { path: first.clone(), kind: ErrorKind::Internal, message: "it was not sent".into() };
-                        self.fail_name(id, path, &first, 0, &e);
+                        self.fail_name(id, path, subject, &first, 0, &e);
                     }
                 }
             }
@@ -646,18 +647,20 @@ impl Send {
         };
         let Some(Group::Pending(names)) = self.groups.insert(f.meta.path.clone(), state) else { return };
         self.waiting -= names.len();
-        for (id, path) in names {
+        for (id, path, subject) in names {
             match failed {
-                Some(e) => self.fail_name(id, path, &f.meta.path, f.host, e),
+                Some(e) => self.fail_name(id, path, subject, &f.meta.path, f.host, e),
                 None => self.offers.push_back(Offered::Link { id, path, first: f.meta.path.clone(), host: f.host }),
             }
         }
     }
 
-    /// Another name of `first` fails, as `first` did (`e`), unannounced.
-    fn fail_name(&mut self, id: u64, path: String, first: &str, host: usize, e: &FileError) {
+    /// Another name of `first` (`path`, named `subject` in the error, or
+    /// by its name) fails as `first` did (`e`), unannounced.
+    fn fail_name(&mut self, id: u64, path: String, subject: String, first: &str, host: usize, e: &FileError) {
         let message = format!("another name of {}, which failed: {}", crate::path::printable(first), e.message);
-        let e = FileError { path: path.clone(), kind: e.kind, message };
+        let subject = if subject.is_empty() { path.clone() } else { subject };
+        let e = FileError { path: subject, kind: e.kind, message };
         self.summary.errors.push(e.clone());
         self.out.push_back(Action::Settle { id, host, meta: link_meta(path), outcome: Outcome::Failed(e) });
     }

@@ -594,7 +594,7 @@ fn other_names_wait_for_their_file_and_go_to_its_host() {
         ),
         "{out:?}"
     );
-    let out = run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into() });
+    let out = run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into(), subject: String::new() });
     assert!(out.is_empty(), "a name went before its file was settled: {out:?}");
     run(&mut tx, Event::WalkDone);
     run(&mut tx, Event::Control { host: 1, msg: ToSender::Plan { id: 1, skip: false, ranges: vec![(0, 1)] } });
@@ -610,7 +610,7 @@ fn other_names_wait_for_their_file_and_go_to_its_host() {
     let mut tx = session(1);
     run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: true });
     run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
-    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into() });
+    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into(), subject: String::new() });
     assert_eq!(hard_link(&out), Some((0, 2, "h", "f")), "{out:?}");
 }
 
@@ -618,7 +618,7 @@ fn other_names_wait_for_their_file_and_go_to_its_host() {
 fn other_names_fail_with_their_file() {
     let mut tx = session(1);
     run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: true });
-    run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into() });
+    run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into(), subject: String::new() });
     let no = ToSender::Failed { id: 1, kind: ErrorKind::Permission, subject: String::new(), message: "denied".into() };
     let out = run(&mut tx, Event::Control { host: 0, msg: no });
     let failed = |out: &[Action], id: u64| {
@@ -629,7 +629,7 @@ fn other_names_fail_with_their_file() {
     };
     assert!(failed(&out, 2), "{out:?}");
     assert!(hard_link(&out).is_none(), "{out:?}");
-    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into() });
+    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into(), subject: String::new() });
     assert!(failed(&out, 3), "{out:?}");
     let out = run(&mut tx, Event::WalkDone);
     assert!(out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { files: 0, .. }, .. })), "{out:?}");
