@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::halt::Halt;
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
-use crate::storage::{check_not_reserved, digest_of};
+use crate::storage::{check_not_reserved, digest_of, Stat};
 use crate::transport::{Connector, SocketOptions, Transport};
 use crate::wire::{ping_interval, FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
@@ -585,7 +585,8 @@ impl Owner {
     /// (the session checked that), after `first` took its final name: both
     /// resolved beneath the destination as every name is, and the new
     /// name made durable unless the transfer syncs nothing. When `--sync`
-    /// or a resumed run finds `rel` a name of that file already, it is
+    /// or a resumed run finds `rel` a name of that file already (where the
+    /// storage has no inodes, a copy of the same size and mtime), it is
     /// skipped like an unchanged file. Only a transfer that keeps hard
     /// links (`--hard-links`) makes any.
     fn hard_link(&mut self, rel: &str, first: &str) -> Outcome {
@@ -614,8 +615,13 @@ impl Owner {
             },
         };
         let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
-        let inode = |p: &Path| sh.store.stat(p).ok().filter(|s| s.is_file()).and_then(|s| s.inode);
-        if look && inode(&path).is_some_and(|i| inode(&first_path) == Some(i)) {
+        let file = |p: &Path| sh.store.stat(p).ok().filter(|s| s.is_file());
+        let same = |a: Stat, b: Stat| match (a.inode, b.inode) {
+            (Some(a), Some(b)) => a == b,
+            (None, None) => (a.size, a.mtime) == (b.size, b.mtime),
+            _ => false,
+        };
+        if look && file(&path).zip(file(&first_path)).is_some_and(|(a, b)| same(a, b)) {
             return Outcome::Present;
         }
         let made = sh.store.hard_link(&first_path, &path).and_then(|()| match path.parent() {
