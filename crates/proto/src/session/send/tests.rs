@@ -2,7 +2,8 @@
 //! virtual time (each step is one event): random interleavings of offers,
 //! control messages, chunk reads and blocks arriving in any order, with
 //! files that cannot be read (so that late messages come), duplicated and
-//! dropped messages, and receivers that lie about files, blocks and totals.
+//! dropped messages, receivers that lie about files, blocks and totals,
+//! and other names (hard links) of files offered earlier.
 
 use super::*;
 use crate::session::receive::{self, Gate, Receive, Subject};
@@ -86,6 +87,8 @@ impl Host {
                 receive::Action::Finish(t) => {
                     self.to_tx.push_back(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })
                 }
+                // The driver makes another name at once.
+                receive::Action::HardLink { id, .. } => self.rx.handle(receive::Event::Prepared { id, outcome: receive::Outcome::Made }),
                 receive::Action::Rejournal { .. } | receive::Action::Dial => {}
                 a => panic!("the receiver ended: {a:?}"),
             }
@@ -140,12 +143,25 @@ fn files() -> impl Strategy<Value = Vec<(u64, Option<u8>, bool)>> {
     prop::collection::vec((0..41u64, prop::option::weighted(0.3, 0..4u8), prop::bool::weighted(0.1)), 0..12)
 }
 
+/// Other names: each of the file it picks among those above, offered at a
+/// place it picks after that file.
+fn links() -> impl Strategy<Value = Vec<(u8, u8)>> {
+    prop::collection::vec(any::<(u8, u8)>(), 0..6)
+}
+
 /// The whole transfer: the sender's session, its simulated driver, and the hosts.
 struct Sim {
     tx: Send,
     hosts: Vec<Host>,
-    /// The files, by offer order (file `i + 1` is `files[i]`).
+    /// The files and other names, by offer order (file `i + 1` is
+    /// `files[i]`): an other name has size 0 and the name of its file in
+    /// `firsts`; a file with other names is marked in `linked`.
     files: Vec<(FileMeta, Option<usize>, bool)>,
+    firsts: Vec<Option<String>>,
+    linked: Vec<bool>,
+    /// Where each file was announced, and how many other names were.
+    hosts_of: HashMap<String, usize>,
+    links_announced: u64,
     offered: usize,
     reads: Vec<Read>,
     settled: HashMap<u64, Outcome>,
@@ -164,13 +180,28 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(hosts: usize, files: &[(u64, Option<u8>, bool)]) -> Sim {
-        let files =
-            files.iter().enumerate().map(|(i, (size, pin, bad))| (meta(&format!("d/f{i}"), *size), pin.map(usize::from), *bad)).collect();
+    fn new(hosts: usize, files: &[(u64, Option<u8>, bool)], links: &[(u8, u8)]) -> Sim {
+        let mut items: Vec<(FileMeta, Option<usize>, bool, Option<String>)> = files
+            .iter()
+            .enumerate()
+            .map(|(i, (size, pin, bad))| (meta(&format!("d/f{i}"), *size), pin.map(usize::from), *bad, None))
+            .collect();
+        for (j, (of, at)) in links.iter().enumerate().filter(|_| !files.is_empty()) {
+            let first = format!("d/f{}", *of as usize % files.len());
+            let after = items.iter().position(|f| f.0.path == first).expect("a file offered");
+            let at = after + 1 + *at as usize % (items.len() - after);
+            items.insert(at, (meta(&format!("d/link{j}"), 0), None, false, Some(first)));
+        }
+        let linked = items.iter().map(|f| items.iter().any(|l| l.3.as_deref() == Some(f.0.path.as_str()))).collect();
+        let firsts = items.iter().map(|f| f.3.clone()).collect();
         Sim {
             tx: session(hosts),
             hosts: (0..hosts).map(|_| Host::new()).collect(),
-            files,
+            files: items.into_iter().map(|(m, p, b, _)| (m, p, b)).collect(),
+            firsts,
+            linked,
+            hosts_of: HashMap::new(),
+            links_announced: 0,
             offered: 0,
             reads: Vec::new(),
             settled: HashMap::new(),
@@ -198,10 +229,18 @@ impl Sim {
                         assert!(!unended, "Finish with a file that has not ended");
                         self.finished.insert(host);
                     }
-                    if let ToReceiver::Announce { id, .. } = &msg {
+                    if let ToReceiver::Announce { id, meta, .. } = &msg {
                         let pin = self.files[*id as usize - 1].1.filter(|p| *p < self.hosts.len());
                         assert!(pin.is_none_or(|p| p == host), "file {id} pinned to {pin:?} announced to {host}");
                         assert!(self.tx.in_flight(host) <= WINDOW, "more than the window in flight");
+                        self.hosts_of.insert(meta.path.clone(), host);
+                    }
+                    if let ToReceiver::HardLink { first, .. } = &msg {
+                        let of = self.files.iter().position(|f| f.0.path == *first).expect("a file offered") as u64 + 1;
+                        assert!(matches!(self.settled.get(&of), Some(Outcome::Sent | Outcome::Skipped)), "a link to {first}, not settled");
+                        assert_eq!(self.hosts_of.get(first), Some(&host), "a link to {first} sent to another host");
+                        assert!(self.tx.in_flight(host) <= WINDOW, "more than the window in flight");
+                        self.links_announced += 1;
                     }
                     self.hosts[host].to_rx.push_back(msg);
                 }
@@ -234,8 +273,12 @@ impl Sim {
                 let Some((meta, pinned, _)) = self.files.get(self.offered).cloned() else {
                     return self.feed(Event::WalkDone);
                 };
+                let (first, linked) = (self.firsts[self.offered].clone(), self.linked[self.offered]);
                 self.offered += 1;
-                self.feed(Event::Offer { meta, digest: None, pinned, linked: false });
+                match first {
+                    Some(first) => self.feed(Event::OfferLink { path: meta.path, first, subject: String::new() }),
+                    None => self.feed(Event::Offer { meta, digest: None, pinned, linked }),
+                }
             }
             Step::ToRx { h } => {
                 let host = &mut self.hosts[h as usize % n];
@@ -366,15 +409,27 @@ proptest! {
     /// file is settled once, the transfer completes, and the totals each
     /// host confirms are the ones the sender counted.
     #[test]
-    fn honest_receivers_settle_every_file(hosts in 1..4usize, files in files(), steps in prop::collection::vec(step(false), 0..300)) {
-        let mut sim = Sim::new(hosts, &files);
+    fn honest_receivers_settle_every_file(
+        hosts in 1..4usize,
+        files in files(),
+        links in links(),
+        steps in prop::collection::vec(step(false), 0..300),
+    ) {
+        let mut sim = Sim::new(hosts, &files, &links);
         for s in &steps {
             sim.step(s);
         }
         sim.settle_all();
         let summary = sim.complete.clone().expect("the transfer completes");
-        prop_assert_eq!(sim.settled.len(), files.len());
-        prop_assert_eq!(summary.files, files.len() as u64);
+        prop_assert_eq!(sim.settled.len(), sim.files.len());
+        // Other names of a file that failed fail unannounced.
+        prop_assert_eq!(summary.files, files.len() as u64 + sim.links_announced);
+        for (i, first) in sim.firsts.iter().enumerate() {
+            let Some(first) = first else { continue };
+            let of = sim.files.iter().position(|f| f.0.path == *first).unwrap() as u64 + 1;
+            let sent = |id| matches!(sim.settled.get(&id), Some(Outcome::Sent | Outcome::Skipped));
+            prop_assert_eq!(sent(i as u64 + 1), sent(of), "{} and its file {} settled apart", sim.files[i].0.path, first);
+        }
         prop_assert!(summary.digests_match());
         for (id, outcome) in &sim.settled {
             let (_, _, bad) = &sim.files[*id as usize - 1];
@@ -393,8 +448,13 @@ proptest! {
     /// violation only when a message that must come once came twice, or a
     /// file's confirmation was lost (the totals then come too early).
     #[test]
-    fn duplicated_and_lost_messages_break_no_rule(hosts in 1..4usize, files in files(), steps in prop::collection::vec(step(true), 0..400)) {
-        let mut sim = Sim::new(hosts, &files);
+    fn duplicated_and_lost_messages_break_no_rule(
+        hosts in 1..4usize,
+        files in files(),
+        links in links(),
+        steps in prop::collection::vec(step(true), 0..400),
+    ) {
+        let mut sim = Sim::new(hosts, &files, &links);
         for s in &steps {
             sim.step(s);
         }
