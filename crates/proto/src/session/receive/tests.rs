@@ -232,6 +232,8 @@ impl Driver {
                 }
                 let e = Event::Control(ToReceiver::Announce { id, meta: m, digest: None });
                 if !again {
+                    // A new file under a settled file's id: what was confirmed of that one is not its.
+                    self.done.remove(&id);
                     self.announced.insert(id, size);
                     self.flight.insert(id);
                     if dir {
