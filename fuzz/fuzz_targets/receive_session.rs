@@ -8,7 +8,10 @@
 //! announced at sizes up to and past the most blocks a file may have
 //! ([`MAX_FILE_BLOCKS`]), which must cost the session nothing until their
 //! blocks arrive (libFuzzer's memory limit catches one that sizes anything
-//! from them), and blocks arrive at the ends of such files.
+//! from them), and blocks arrive at the ends of such files. Hard links are
+//! announced to names in flight, settled or never announced, with files
+//! said to have other names or not: the audit refuses a link made to any
+//! but a file settled as one with other names.
 #![no_main]
 
 use dmover_proto::digest::Sum;
@@ -38,7 +41,7 @@ fn kind(u: &mut Unstructured) -> Result<ErrorKind> {
 
 fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, Gate>, block_size: u64) -> Result<Option<Event>> {
     let id = small(u)?;
-    Ok(Some(match u.int_in_range(0..=13)? {
+    Ok(Some(match u.int_in_range(0..=15)? {
         0 | 1 => {
             let path = if u.ratio(7, 8)? { format!("d/{id}") } else { u.arbitrary()? };
             // Small, around the most blocks a file may have, or past any limit.
@@ -98,6 +101,11 @@ fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, G
         }
         11 => Event::Written { id, block: small(u)?, sum: sum(u)? },
         12 => Event::Committed { id },
+        13 => Event::Control(ToReceiver::Linked { id }),
+        14 => {
+            let first = if u.ratio(7, 8)? { format!("d/{}", small(u)?) } else { u.arbitrary()? };
+            Event::Control(ToReceiver::HardLink { id, path: format!("d/link{id}"), first })
+        }
         _ => Event::Failed { id, kind: kind(u)?, message: String::new() },
     }))
 }

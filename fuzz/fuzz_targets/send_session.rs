@@ -4,14 +4,15 @@
 //! in them (plans, re-requests, confirmations, failures and totals about
 //! any file), in any order. Every file must settle at most once, every
 //! chunk to read must lie inside its file, nothing may go to a host after
-//! `Finish`, no host may have more files in flight than the window, and
-//! nothing may follow the session's end.
+//! `Finish`, no host may have more files in flight than the window, a
+//! hard link may go only to the host of its file and only once that file
+//! is settled there, and nothing may follow the session's end.
 #![no_main]
 
 use dmover_proto::digest::{file_digest, Sum};
 use dmover_proto::frame::FileMeta;
 use dmover_proto::phase::{ToReceiver, ToSender};
-use dmover_proto::session::send::{Action, Config, Event, Read, Send};
+use dmover_proto::session::send::{Action, Config, Event, Outcome, Read, Send};
 use dmover_proto::ErrorKind;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
@@ -42,13 +43,16 @@ struct Driver {
     /// Chunks to read, not yet reported.
     reads: Vec<Read>,
     settled: HashSet<u64>,
+    /// Where each file was announced, by name, and those settled there.
+    announced: HashMap<String, usize>,
+    settled_at: HashSet<String>,
     finished: HashSet<usize>,
     over: bool,
 }
 
 impl Driver {
     fn event(&mut self, u: &mut Unstructured, tx: &Send, block_size: u64) -> Result<Option<Event>> {
-        Ok(Some(match u.int_in_range(0..=12)? {
+        Ok(Some(match u.int_in_range(0..=13)? {
             0 | 1 => {
                 if !tx.wants_file() {
                     return Ok(None);
@@ -58,7 +62,16 @@ impl Driver {
                 self.blocks.insert(self.offered, size.div_ceil(block_size));
                 let pinned = if u.arbitrary()? { Some(u.int_in_range(0..=3)?) } else { None };
                 let meta = FileMeta { path: format!("f{}", self.offered), size, mtime_s: 0, mtime_ns: 0, mode: 0o644, ..Default::default() };
-                Event::Offer { meta, digest: None, pinned }
+                Event::Offer { meta, digest: None, pinned, linked: u.ratio(1, 3)? }
+            }
+            // Another name of a file offered (as having other names, or not), or of none.
+            12 => {
+                if !tx.wants_file() {
+                    return Ok(None);
+                }
+                self.offered += 1;
+                self.blocks.insert(self.offered, 0);
+                Event::OfferLink { path: format!("l{}", self.offered), first: format!("f{}", small(u)?), subject: String::new() }
             }
             2 => Event::WalkDone,
             // A chunk the session asked for is read, or cannot be.
@@ -106,8 +119,18 @@ impl Driver {
         match a {
             Action::Send { host, msg } => {
                 assert!(host < self.hosts && !self.finished.contains(&host), "{msg:?} to host {host}");
-                if let ToReceiver::Finish { .. } = msg {
-                    self.finished.insert(host);
+                match msg {
+                    ToReceiver::Finish { .. } => {
+                        self.finished.insert(host);
+                    }
+                    ToReceiver::Announce { meta, .. } => {
+                        self.announced.insert(meta.path, host);
+                    }
+                    ToReceiver::HardLink { first, .. } => {
+                        assert!(self.settled_at.contains(&first), "a hard link to {first}, not settled");
+                        assert_eq!(self.announced.get(&first), Some(&host), "a hard link to {first} sent to another host");
+                    }
+                    _ => {}
                 }
                 assert!(tx.in_flight(host) <= self.window, "more than the window in flight");
             }
@@ -117,8 +140,11 @@ impl Driver {
                 assert!(r.send.iter().all(|(a, e)| a < e && *e <= blocks), "a read sending blocks outside its file");
                 self.reads.push(r);
             }
-            Action::Settle { id, .. } => {
+            Action::Settle { id, meta, outcome, .. } => {
                 assert!(self.settled.insert(id), "file {id} settled twice");
+                if matches!(outcome, Outcome::Sent | Outcome::Skipped) {
+                    self.settled_at.insert(meta.path);
+                }
                 self.reads.retain(|r| r.id != id);
             }
             Action::Complete(_) | Action::Violation { .. } | Action::PeerFailed { .. } | Action::Unreadable { .. } => self.over = true,
@@ -139,6 +165,8 @@ fn run(u: &mut Unstructured) -> Result<()> {
         offered: 0,
         reads: Vec::new(),
         settled: HashSet::new(),
+        announced: HashMap::new(),
+        settled_at: HashSet::new(),
         finished: HashSet::new(),
         over: false,
     };

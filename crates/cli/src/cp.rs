@@ -51,6 +51,11 @@ pub struct CpArgs {
     /// symlinks inside a directory are skipped with a warning).
     #[arg(short = 'l', long)]
     pub links: bool,
+    /// Keep hard links: names that share a file at the source share one
+    /// at the destination, its data sent once (without it, each name
+    /// arrives as a copy of its own). Not part of -a, as in rsync.
+    #[arg(short = 'H', long)]
+    pub hard_links: bool,
     /// Keep permission bits whole (without it, the receiving end's umask
     /// clears bits from them, as for new files). rsync's `-p`; here `-p`
     /// is `--streams`, as in globus-url-copy.
@@ -247,6 +252,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
         (a.safe_links, TransferFlags::SAFE_LINKS),
         (a.devices || a.devices_and_specials, TransferFlags::DEVICES),
         (a.specials || a.devices_and_specials, TransferFlags::SPECIALS),
+        (a.hard_links, TransferFlags::HARD_LINKS),
     ] {
         flags.set(flag, asked);
     }

@@ -4,7 +4,8 @@
 //! file system) before it renames it into place, and the directories it
 //! was renamed into (and every new directory on the way up) after, before
 //! it confirms it. Empty files, made in place, are synced after they are
-//! made, many at once by one sync of their file system. Seen from outside
+//! made, many at once by one sync of their file system. Another name of a
+//! file (`-H`) is synced after its rename, as a file is. Seen from outside
 //! through strace, as the order of the receiver's sync, mkdir, create and
 //! rename calls.
 
@@ -252,5 +253,47 @@ fn empty_files_are_synced_after_they_are_made_many_by_one_sync_of_their_file_sys
         let syncs = calls.iter().filter(|c| matches!(c.what, What::Sync(_) | What::SyncFs(_))).count();
         let took = format!("{way:?}: {FILES} empty files took {syncs} syncs, {} of them of the file system", whole.len());
         assert!(!whole.is_empty() && syncs < FILES / 4, "{took}");
+    }
+}
+
+/// Another name of a file (`-H`) is made durable as a file is: made under
+/// a temporary name, renamed into place, and its directory synced after,
+/// before the copy confirms it. Every name is counted, whichever of a
+/// file's two names the walk found first.
+#[test]
+fn other_names_of_a_file_are_synced_after_their_rename() {
+    use std::os::unix::fs::MetadataExt;
+    const GROUPS: usize = 20;
+    let env = Env::new();
+    let src = env.mkdir("src");
+    fs::create_dir_all(src.join("names")).unwrap();
+    let mut rng = Rng::new(9);
+    for i in 0..GROUPS {
+        let file = src.join(format!("d{}/f{i}.dat", i % 3));
+        make_file(&file, 1000 + rng.below(5000), &mut rng);
+        fs::hard_link(&file, src.join(format!("names/n{i}.dat"))).unwrap();
+    }
+    let trace = env.path("receiver.strace");
+    let local = env.mkdir("local");
+    let mut cp = env.cp([format!("{}/", src.display()), local.join("dst").display().to_string(), "-H".into()]);
+    cp.prefix(strace(&trace));
+    cp.run().assert_ok();
+    let dst = local.canonicalize().unwrap().join("dst");
+    for i in 0..GROUPS {
+        let ino = |p: String| fs::metadata(dst.join(p)).unwrap().ino();
+        assert_eq!(ino(format!("d{}/f{i}.dat", i % 3)), ino(format!("names/n{i}.dat")), "group {i} arrived as two files");
+    }
+    let calls = calls(&trace);
+    let renames: Vec<(&Call, &Path)> = calls
+        .iter()
+        .filter_map(|c| match &c.what {
+            What::Rename { from, to } if from.to_string_lossy().ends_with(".dmover-part") => Some((c, to.as_path())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(renames.len(), 2 * GROUPS, "every name is renamed into place once: {calls:#?}");
+    for (r, to) in renames {
+        let dir = What::Sync(to.parent().unwrap().to_path_buf());
+        assert!(calls.iter().any(|s| s.start > r.end && s.what == dir), "{}: its directory was not synced after the rename", to.display());
     }
 }

@@ -2003,3 +2003,91 @@ fn a_token_holder_makes_no_device_and_sets_no_owner_unless_the_export_allows_it(
         }
     }
 }
+
+/// A sender that knows the token announces hard links (`HardLink`) to
+/// files this transfer did not receive: one the export holds beside the
+/// destination, one planted in the destination, one outside the export,
+/// one received but never said to have other names, and one still in
+/// flight. Each is refused, naming why; the files are untouched and no
+/// link is made, while a link to a file the same transfer received and
+/// said was linked is made. A transfer without the hard-links flag makes
+/// none at all.
+#[test]
+fn hard_links_to_files_the_transfer_did_not_receive_are_refused() {
+    use dmover_proto::digest::file_digest;
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let outside = env.mkdir("outside");
+    fs::write(export.join("shadow"), "root:secret").unwrap();
+    fs::create_dir_all(export.join("in")).unwrap();
+    fs::write(export.join("in/planted"), "someone else's file").unwrap();
+    fs::write(outside.join("secret.dat"), "outside").unwrap();
+    let srv = env.serve(&[("e", &export)]);
+    let token = env.token_str();
+    let meta = |path: &str| FileMeta { path: path.into(), size: 0, mtime_s: 1, mtime_ns: 0, mode: 0o644, ..Default::default() };
+    let link = |id, path: &str, first: &str| Msg::HardLink { id, path: path.into(), first: first.into() };
+    let mut c = Raw::control(&srv.addr(), token.as_bytes());
+    let options = TransferOptions { transfer_id: [50; 16], block_size: 1 << 20, flags: TransferFlags::HARD_LINKS, tcp_buffer: 0 };
+    assert!(matches!(c.read_after(&Msg::Receive { dest: "e/in".into(), options }), Some(Msg::SessionOpened { .. })));
+    // Two empty files received: `mine`, said to have other names, and `unmarked`.
+    c.send(&Msg::Linked { id: 1 });
+    for (id, path) in [(1, "mine"), (2, "unmarked")] {
+        c.send(&Msg::Announce { id, meta: meta(path), digest: None });
+        assert!(matches!(next_but_pings(&mut c), Some(Msg::Plan { id: i, .. }) if i == id), "{path} not planned:\n{}", srv.log());
+        let done = c.read_after(&Msg::FileEnd { id, digest: file_digest(&[]) });
+        assert!(matches!(done, Some(Msg::Done { id: i, .. }) if i == id), "{path}: {done:?}\n{}", srv.log());
+    }
+    // A file still in flight, said to have other names.
+    c.send(&Msg::Linked { id: 3 });
+    c.send(&Msg::Announce { id: 3, meta: FileMeta { size: 10, ..meta("pending") }, digest: None });
+    assert!(matches!(next_but_pings(&mut c), Some(Msg::Plan { id: 3, .. })), "{}", srv.log());
+    let hostile = [
+        (4, "stolen-planted", "planted"),
+        (5, "stolen-unmarked", "unmarked"),
+        (6, "stolen-pending", "pending"),
+        (7, "stolen-shadow", "../shadow"),
+        (8, "stolen-outside", "../../outside/secret.dat"),
+        (9, "stolen-abs", "/etc/passwd"),
+        (10, "mine", "mine"),
+    ];
+    for (id, path, first) in hostile {
+        match c.read_after(&link(id, path, first)) {
+            Some(Msg::Failed { id: i, kind: ErrorKind::Refused, message, .. }) if i == id => {
+                assert!(message.contains("which this transfer did not receive"), "{path} -> {first}: {message}")
+            }
+            m => panic!("a hard link of {path} to {first} was not refused: {m:?}\n{}", srv.log()),
+        }
+    }
+    let done = c.read_after(&link(11, "mine-too", "mine"));
+    assert!(matches!(done, Some(Msg::Done { id: 11, .. })), "a link to a file received was not made: {done:?}\n{}", srv.log());
+    c.send(&Msg::Abort { id: 3, kind: ErrorKind::SourceChanged, message: "given up".into() });
+    assert!(matches!(c.read_after(&Msg::Finish { files: 3, bytes: 0, set_digest: 0 }), Some(Msg::Finished { files: 3, .. })));
+
+    let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+    assert_eq!(ino(&export.join("in/mine")), ino(&export.join("in/mine-too")), "mine-too is not a name of mine");
+    for (file, content) in [
+        (export.join("shadow"), "root:secret"),
+        (export.join("in/planted"), "someone else's file"),
+        (outside.join("secret.dat"), "outside"),
+    ] {
+        assert_eq!(fs::read_to_string(&file).unwrap(), content, "{}", file.display());
+        assert_eq!(fs::metadata(&file).unwrap().nlink(), 1, "{} was given another name", file.display());
+    }
+    let names: Vec<_> = list_tree(&export.join("in")).into_keys().collect();
+    assert_eq!(names, ["mine", "mine-too", "planted", "unmarked"], "names made in the destination");
+    assert!(srv.log().lines().filter(|l| l.contains("did not receive")).count() >= 6, "the refusals were not logged:\n{}", srv.log());
+
+    // Without the flag, not even a link to a file received is made.
+    let mut c = Raw::control(&srv.addr(), token.as_bytes());
+    let options = TransferOptions { transfer_id: [51; 16], block_size: 1 << 20, flags: TransferFlags::empty(), tcp_buffer: 0 };
+    assert!(matches!(c.read_after(&Msg::Receive { dest: "e/flagless".into(), options }), Some(Msg::SessionOpened { .. })));
+    c.send(&Msg::Linked { id: 1 });
+    c.send(&Msg::Announce { id: 1, meta: meta("f"), digest: None });
+    assert!(matches!(next_but_pings(&mut c), Some(Msg::Plan { id: 1, .. })));
+    assert!(matches!(c.read_after(&Msg::FileEnd { id: 1, digest: file_digest(&[]) }), Some(Msg::Done { id: 1, .. })));
+    match c.read_after(&link(2, "g", "f")) {
+        Some(Msg::Failed { id: 2, kind: ErrorKind::Refused, message, .. }) => assert!(message.contains("--hard-links"), "{message}"),
+        m => panic!("a hard link in a transfer without the flag was not refused: {m:?}"),
+    }
+    assert!(!export.join("flagless/g").exists());
+}

@@ -1010,3 +1010,34 @@ fn owners_and_xattrs_go_up_and_come_back_as_rclone_metadata() {
     t.cp(["s3://data/rclone/", from_rclone.to_str().unwrap(), "-aX", "--numeric-ids"]).run().assert_ok();
     tree::assert_same(&reference, &from_rclone, &[Field::Kind, Field::Content, Field::Owner, Field::Xattrs]);
 }
+
+/// Names that share a file go up to a bucket with -H as an object each,
+/// copied by the server from the first (an object store has no hard
+/// links, and rclone stores them so too), each with the file's content,
+/// mode and mtime; a second run with --sync finds every name there; and
+/// they come back down as files of their own, as rsync -a (without -H)
+/// makes them.
+#[test]
+fn hard_links_go_up_as_an_object_per_name() {
+    use dmover_testkit::tree::{self, Field};
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    fs::create_dir_all(src.join("a/deep")).unwrap();
+    fs::write(src.join("three"), "one file, three names").unwrap();
+    fs::hard_link(src.join("three"), src.join("a/deep/three-again")).unwrap();
+    fs::hard_link(src.join("three"), src.join("a/third-name")).unwrap();
+    fs::write(src.join("alone"), "a file alone").unwrap();
+    let reference = tree::rsync(&["-a"], &src, &t.env.path("src.rsync"));
+    let up = format!("{}/", src.display());
+    let j = t.cp([up.as_str(), "s3://data/up/", "-H"]).run().assert_ok();
+    assert_eq!((u(&j["files"]), u(&j["bytes"])), (4, 21 + 12), "each file's data once: {j:#}");
+    for name in ["three", "a/deep/three-again", "a/third-name"] {
+        assert_eq!(fs::read_to_string(bucket.join("up").join(name)).unwrap_or_default(), "one file, three names", "{name}");
+    }
+    let again = t.cp([up.as_str(), "s3://data/up/", "-H", "--sync"]).run().assert_ok();
+    assert_eq!(u(&again["skipped_files"]), 4, "{again:#}");
+    let down = t.env.mkdir("down");
+    t.cp(["s3://data/up/", down.to_str().unwrap(), "-H"]).run().assert_ok();
+    tree::assert_same(&reference, &down, &[Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::HardLinks]);
+}

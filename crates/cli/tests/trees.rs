@@ -10,6 +10,7 @@ use dmover_testkit::tree::{self, Field};
 use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use util::*;
 
@@ -445,10 +446,11 @@ fn safe_links_pass_over_links_out_of_the_tree_and_copy_links_follows_them() {
 /// UTF-8 and other odd ones, symlinks of every sort, deep nesting, empty
 /// directories, empty files, a file and a directory of mode 000, a name of
 /// 255 bytes, owners and groups of other users, extended attributes, POSIX
-/// ACLs, a FIFO, a socket, devices, and a sparse file.
+/// ACLs, a FIFO, a socket, devices, hard links and a sparse file.
 fn whole(root: &Path) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     odd_names(&root.join("names"));
+    hard_linked(&root.join("linked"));
     links(&root.join("links"));
     shapes(&root.join("shapes"));
     owned(&root.join("owned"));
@@ -464,21 +466,21 @@ fn whole(root: &Path) -> PathBuf {
 }
 
 /// The oracle: a tree with one of each kind, copied by
-/// `dmover -aXA --numeric-ids` through every path, is what
-/// `rsync -aXAS --numeric-ids` makes of it in every field (type, content,
+/// `dmover -aHAX --numeric-ids` through every path, is what
+/// `rsync -aHAXS --numeric-ids` makes of it in every field (type, content,
 /// mode, owner, times to the nanosecond, targets, device numbers,
-/// extended attributes and ACLs, allocated blocks); and copied with no
+/// extended attributes and ACLs, which names share an inode, allocated
+/// blocks); and copied with no
 /// flags, what `rsync -rt` makes of it (contents, times, modes less the
 /// umask; symlinks, devices, FIFOs and sockets passed over).
 #[test]
 fn a_tree_with_one_of_each_kind_arrives_as_rsync_makes_it_through_every_path() {
     let env = Env::new();
     let src = whole(&env.mkdir("src"));
-    let reference = tree::rsync(&["-aXAS", "--numeric-ids"], &src, &env.path("src.rsync"));
-    let all: Vec<Field> = Field::ALL.into_iter().filter(|f| *f != Field::HardLinks).collect();
-    every_path(&env, &src, &["-aXA", "--numeric-ids"], &mut |copy, at| {
+    let reference = tree::rsync(&["-aHAXS", "--numeric-ids"], &src, &env.path("src.rsync"));
+    every_path(&env, &src, &["-aHAX", "--numeric-ids"], &mut |copy, at| {
         copy(&[]).assert_ok();
-        tree::assert_same(&reference, at, &all);
+        tree::assert_same(&reference, at, &Field::ALL);
     });
 
     let plain = tree::rsync(&["-rt"], &src, &env.path("src.plain"));
@@ -487,4 +489,89 @@ fn a_tree_with_one_of_each_kind_arrives_as_rsync_makes_it_through_every_path() {
         copy(&[]).assert_ok();
         tree::assert_same(&plain, at, &KEPT);
     });
+}
+
+/// A tree of files with more than one name (hard links): one with three
+/// names, two of them in other directories, one with two, and files with
+/// one name each.
+fn hard_linked(root: &Path) -> PathBuf {
+    fs::create_dir_all(root.join("a/deep")).unwrap();
+    fs::create_dir_all(root.join("b")).unwrap();
+    fs::write(root.join("three"), "one file, three names").unwrap();
+    fs::hard_link(root.join("three"), root.join("a/deep/three-again")).unwrap();
+    fs::hard_link(root.join("three"), root.join("b/third-name")).unwrap();
+    fs::write(root.join("a/two"), "another file, two names ".repeat(1000)).unwrap();
+    fs::hard_link(root.join("a/two"), root.join("b/two-too")).unwrap();
+    for i in 0..5 {
+        fs::write(root.join(format!("b/single{i}")), format!("a file alone, {i}")).unwrap();
+    }
+    root.to_path_buf()
+}
+
+/// What `dmover cp -H` makes of names that share a file, `rsync -aH`
+/// makes: the names share one file at the destination, through every
+/// path, and each file's data is sent once; a second run with --sync finds
+/// every name there. Without -H each name arrives as a file of its own,
+/// as rsync -a makes them.
+#[test]
+fn hard_links_arrive_as_names_of_one_file_with_hard_links_through_every_path() {
+    let env = Env::new();
+    let src = hard_linked(&env.mkdir("src"));
+    let reference = tree::rsync(&["-aH"], &src, &env.path("src.rsync-H"));
+    let kept = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::DirMtime, Field::HardLinks];
+    let once: u64 = ["three", "a/two"]
+        .iter()
+        .chain(&["b/single0", "b/single1", "b/single2", "b/single3", "b/single4"])
+        .map(|n| fs::metadata(src.join(n)).unwrap().len())
+        .sum();
+    every_path(&env, &src, &["-H"], &mut |copy, at| {
+        let j = copy(&[]).assert_ok();
+        assert_eq!((u(&j["files"]), u(&j["bytes"])), (10, once), "each file's data once: {j:#}");
+        tree::assert_same(&reference, at, &kept);
+        let again = copy(&["--sync"]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 10, "with --sync: {again:#}");
+        tree::assert_same(&reference, at, &kept);
+    });
+
+    let reference = tree::rsync(&["-a"], &src, &env.path("src.rsync"));
+    let plain = env.mkdir("plain");
+    let j = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run().assert_ok();
+    assert_eq!(u(&j["files"]), 10, "{j:#}");
+    tree::assert_same(&reference, &plain, &kept);
+}
+
+/// When the first name of a file with other names fails at the
+/// destination (a directory is in its way), its other names fail with it,
+/// each reported as such, and none is made; the other files' names arrive
+/// joined as ever.
+#[test]
+fn other_names_of_a_file_that_failed_fail_with_it() {
+    let env = Env::new();
+    let src = hard_linked(&env.mkdir("src"));
+    let dst = env.mkdir("dst");
+    // Whichever of a/two and b/two-too the walk finds first is in the way.
+    for name in ["a/two", "b/two-too"] {
+        fs::create_dir_all(dst.join(name).join("blocker")).unwrap();
+    }
+    let r = env.cp([format!("{}/", src.display()), dst.display().to_string(), "-H".into()]).run();
+    assert_ne!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let j = r.json();
+    let errors: Vec<(String, String)> = j["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["path"].as_str().unwrap().into(), e["message"].as_str().unwrap().into()))
+        .collect();
+    assert_eq!(errors.len(), 2, "{j:#}");
+    let (with, first): (Vec<_>, Vec<_>) = errors.iter().partition(|(_, m)| m.contains("another name of"));
+    assert_eq!((with.len(), first.len()), (1, 1), "{errors:?}");
+    let (leader, other) = if first[0].0.ends_with("a/two") { ("a/two", "b/two-too") } else { ("b/two-too", "a/two") };
+    assert!(with[0].1.contains(&format!("another name of {leader}, which failed")), "{errors:?}");
+    assert_eq!(with[0].0, src.join(other).display().to_string(), "the other name is not named by its source");
+    for name in ["a/two", "b/two-too"] {
+        assert!(dst.join(name).join("blocker").is_dir(), "{name} was touched");
+    }
+    let ino = |p: &str| fs::metadata(dst.join(p)).unwrap().ino();
+    assert_eq!(ino("three"), ino("a/deep/three-again"));
+    assert_eq!(ino("three"), ino("b/third-name"));
 }

@@ -36,6 +36,9 @@ pub struct Entry {
     pub ctime: (i64, i64),
     /// Its user and group ids, where the storage keeps owners.
     pub owner: Option<(u32, u32)>,
+    /// Its device and inode, when it is a regular file with more than one
+    /// name (hard links); None otherwise.
+    pub inode: Option<(u64, u64)>,
 }
 
 /// Something the walk reports besides files.
@@ -65,6 +68,50 @@ impl Event {
     }
 }
 
+/// The files with more than one name (hard links) a walk found, by device
+/// and inode, each with the first of its names found: later names of the
+/// same file are other names of it. A file with one name is never held,
+/// so what this keeps grows with the files that have more than one.
+#[derive(Debug, Default)]
+pub struct LinkGroups {
+    first: HashMap<(u64, u64), String>,
+}
+
+/// What a walked file's name is to [`LinkGroups`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum LinkName {
+    /// The file has one name.
+    Only,
+    /// The first name found of a file with more.
+    First,
+    /// Another name of the file first found under this name.
+    Another(String),
+}
+
+impl LinkGroups {
+    /// What `e`'s name is, remembering it if it is the first found of a
+    /// file with more than one name.
+    pub fn name(&mut self, e: &Entry) -> LinkName {
+        let Some(inode) = e.inode else { return LinkName::Only };
+        match self.first.entry(inode) {
+            Slot::Vacant(v) => {
+                v.insert(e.meta.path.clone());
+                LinkName::First
+            }
+            Slot::Occupied(o) => LinkName::Another(o.get().clone()),
+        }
+    }
+
+    /// Files held (with more than one name).
+    pub fn len(&self) -> usize {
+        self.first.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.first.is_empty()
+    }
+}
+
 /// Whether a source names files by a pattern.
 pub fn is_glob(s: &str) -> bool {
     s.contains(['*', '?', '[', '{'])
@@ -73,7 +120,8 @@ pub fn is_glob(s: &str) -> bool {
 /// The entry for the file at `path` with attributes `s`, named `name`.
 pub fn entry(path: PathBuf, name: String, s: &Stat) -> Entry {
     let meta = FileMeta { path: name, size: s.size, mtime_s: s.mtime.0, mtime_ns: s.mtime.1, mode: s.mode, ..Default::default() };
-    Entry { path, meta, ctime: s.ctime, owner: s.owner }
+    let inode = s.inode.filter(|_| s.is_file() && s.nlink > 1);
+    Entry { path, meta, ctime: s.ctime, owner: s.owner, inode }
 }
 
 /// The entry of the symlink at `path`, named `name`, with its target.
@@ -383,6 +431,41 @@ mod tests {
         let mut v: Vec<String> = collect(root, &[spec.to_string()]).unwrap().into_iter().map(|e| e.meta.path).collect();
         v.sort();
         v
+    }
+
+    /// A walked tree of 200 files with one name and two files with three
+    /// and two: the groups hold the two files alone, and each later name
+    /// is another name of the first walked.
+    #[test]
+    fn link_groups_hold_only_files_with_more_than_one_name() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path();
+        fs::create_dir_all(d.join("t/a/b")).unwrap();
+        for i in 0..200 {
+            fs::write(d.join(format!("t/one{i}")), b"x").unwrap();
+        }
+        fs::write(d.join("t/three"), b"3").unwrap();
+        fs::hard_link(d.join("t/three"), d.join("t/a/three")).unwrap();
+        fs::hard_link(d.join("t/three"), d.join("t/a/b/three")).unwrap();
+        fs::write(d.join("t/a/two"), b"2").unwrap();
+        fs::hard_link(d.join("t/a/two"), d.join("t/two")).unwrap();
+        let store = storage::export("t", d).unwrap();
+        let entries = collect(store.as_ref(), &["t".to_string()]).unwrap();
+        let mut groups = LinkGroups::default();
+        let (mut firsts, mut others) = (HashMap::new(), Vec::new());
+        for e in &entries {
+            assert_eq!(e.inode.is_some(), !e.meta.path.contains("one"), "{}: {:?}", e.meta.path, e.inode);
+            match groups.name(e) {
+                LinkName::Only => assert!(e.meta.path.contains("one"), "{} taken for a file with one name", e.meta.path),
+                LinkName::First => assert!(firsts.insert(e.inode, e.meta.path.clone()).is_none()),
+                LinkName::Another(first) => others.push((e.meta.path.clone(), first, e.inode)),
+            }
+        }
+        assert_eq!(groups.len(), 2, "{groups:?}");
+        assert_eq!(others.len(), 3, "{others:?}");
+        for (name, first, inode) in others {
+            assert_eq!(firsts.get(&inode), Some(&first), "{name}");
+        }
     }
 
     #[test]

@@ -207,6 +207,7 @@ fn entry(plan: &Plan, w: &WorkItem) -> Entry {
         meta: FileMeta { path: w.path.clone(), size: w.size, mtime_s: w.mtime_s, mtime_ns: w.mtime_ns, mode: w.mode, ..Default::default() },
         ctime: w.ctime,
         owner: None,
+        inode: None,
     }
 }
 

@@ -181,6 +181,11 @@ bitflags::bitflags! {
         /// Permission bits are kept whole (`--perms`): the receiver does
         /// not clear those its umask would.
         const PERMS = 256;
+        /// Names that share an inode at the source share one at the
+        /// destination (`--hard-links`): the sender sends the first name
+        /// of each group as a file and the others as `HardLink`; a
+        /// receiver refuses `HardLink` in a transfer without it.
+        const HARD_LINKS = 512;
         /// Owners are kept (`--owner`): the receiver sets each file's
         /// user, where it may.
         const OWNER = 1024;
@@ -545,6 +550,8 @@ pub mod kind {
     pub const DIAL: u8 = 49;
     pub const DIR: u8 = 50;
     pub const HOLE: u8 = 51;
+    pub const LINKED: u8 = 52;
+    pub const HARD_LINK: u8 = 53;
 }
 
 /// A control message. Comments give the direction: C client, S server,
@@ -593,6 +600,13 @@ pub enum Msg {
     /// the receiver gives it once the transfer's files are in (every file
     /// that arrives moves a directory's mtime). Not a file: not counted.
     Dir { meta: FileMeta },
+    /// Tx→Rx, right before file `id`'s `Announce` (hard links): the file
+    /// has other names, which `HardLink` will announce once it is settled.
+    Linked { id: u64 },
+    /// Tx→Rx (hard links): `path` is another name of `first`, a file
+    /// this transfer settled and said was `Linked`; announced as file `id`,
+    /// which carries no data and is confirmed (or refused) at once.
+    HardLink { id: u64, path: String, first: String },
     /// Rx→Tx: which blocks of file `id` to send (none and `skip` if present).
     Plan { id: u64, skip: bool, ranges: Vec<(u64, u64)> },
     /// Tx→Rx: all blocks of `id` were sent; the file's digest.
@@ -814,6 +828,8 @@ impl Msg {
             Report { .. } => kind::REPORT,
             Announce { .. } => kind::ANNOUNCE,
             Dir { .. } => kind::DIR,
+            Linked { .. } => kind::LINKED,
+            HardLink { .. } => kind::HARD_LINK,
             Plan { .. } => kind::PLAN,
             FileEnd { .. } => kind::FILE_END,
             Abort { .. } => kind::ABORT,
@@ -1011,6 +1027,12 @@ impl Msg {
                 }
             }
             Dir { meta } => meta.write(&mut w),
+            Linked { id } => w.u64(*id),
+            HardLink { id, path, first } => {
+                w.u64(*id);
+                w.str(path);
+                w.str(first);
+            }
             Announce { id, meta, digest } => {
                 w.u64(*id);
                 meta.write(&mut w);
@@ -1136,6 +1158,8 @@ impl Msg {
                 Report { stats: s }
             }
             kind::DIR => Dir { meta: FileMeta::read(&mut r)? },
+            kind::LINKED => Linked { id: r.u64()? },
+            kind::HARD_LINK => HardLink { id: r.u64()?, path: r.str()?, first: r.str()? },
             kind::ANNOUNCE => {
                 let id = r.u64()?;
                 let meta = FileMeta::read(&mut r)?;
@@ -1392,6 +1416,8 @@ mod tests {
             },
             Msg::Announce { id: 11, meta: meta.clone(), digest: None },
             Msg::Announce { id: 12, meta, digest: Some([1; 16]) },
+            Msg::Linked { id: 12 },
+            Msg::HardLink { id: 13, path: "e/ü-too.dat".into(), first: "d/ü.dat".into() },
             Msg::Plan { id: 13, skip: false, ranges: vec![(0, 4), (9, 10)] },
             Msg::FileEnd { id: 14, digest: [2; 16] },
             Msg::Abort { id: 15, kind: ErrorKind::SourceChanged, message: "changed".into() },

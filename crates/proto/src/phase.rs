@@ -143,6 +143,8 @@ phase! {
     ToReceiver = "a transfer, at its receiving end" {
         Announce { id: u64, meta: FileMeta, digest: Option<Sum> },
         Dir { meta: FileMeta },
+        Linked { id: u64 },
+        HardLink { id: u64, path: String, first: String },
         FileEnd { id: u64, digest: Sum },
         Abort { id: u64, kind: ErrorKind, message: String },
         Finish { files: u64, bytes: u64, set_digest: u128 },

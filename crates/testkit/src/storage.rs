@@ -78,6 +78,7 @@ pub fn run(make: &dyn Fn() -> Subject) {
         ("writes from several threads at once", parallel_writes),
         ("digest_of reads the whole file", digests),
         ("make_link keeps a target as data, replacing what had the name", links_round_trip),
+        ("hard_link gives a file another name, replacing what had it, never through a symlink", hard_links),
         ("data_from names every byte of data, and the holes a disk keeps", data_runs),
         ("write_zeros leaves zeros, a hole on a disk, and makes the file long enough", zeros_written),
         ("confined: '..' and absolute paths are refused", refuses_leaving_paths),
@@ -387,6 +388,39 @@ fn links_round_trip(t: &Subject) {
     assert!(t.s().read_link(&t.p("d/nope")).is_err(), "read_link of nothing");
 }
 
+/// A file takes another name, in another directory, over a file and over
+/// a symlink (which is replaced, not followed); one that is a name of it
+/// already stays. On a disk the names share the inode; an object store
+/// keeps a copy under each. A symlink is never what a name is given to.
+fn hard_links(t: &Subject) {
+    t.s().make_dirs(&t.p("d")).unwrap();
+    t.s().make_dirs(&t.p("e")).unwrap();
+    write_file(t, "d/f", b"the file");
+    write_file(t, "e/old", b"an old file");
+    t.s().make_link(&t.p("e/sym"), b"../d/other", &Attrs::default()).unwrap();
+    write_file(t, "d/other", b"another file");
+    for name in ["e/new", "e/old", "e/sym", "e/new"] {
+        t.s().hard_link(&t.p("d/f"), &t.p(name)).unwrap_or_else(|e| panic!("hard_link d/f to {name}: {e}"));
+        assert_eq!(read(t, name), b"the file", "{name}");
+        let (f, s) = (t.s().stat(&t.p("d/f")).unwrap(), t.s().stat(&t.p(name)).unwrap());
+        assert_eq!(s.kind, Kind::File, "{name}");
+        if !t.objects {
+            assert_eq!(s.inode, f.inode, "{name} is not a name of d/f");
+            assert!(s.inode.is_some(), "a disk's file has an inode");
+        }
+    }
+    assert_eq!(read(t, "d/other"), b"another file", "written through a symlink");
+    if !t.objects {
+        assert_eq!(t.s().stat(&t.p("d/f")).unwrap().nlink, 4, "d/f's names");
+    }
+    let left: Vec<_> = t.s().list(&t.p("e")).unwrap().into_iter().map(|e| e.name.to_string_lossy().into_owned()).collect();
+    assert_eq!(left.len(), 3, "a temporary name was left: {left:?}");
+    assert!(t.s().hard_link(&t.p("e/sym-gone"), &t.p("e/x")).is_err(), "hard_link of nothing");
+    t.s().make_link(&t.p("d/s"), b"f", &Attrs::default()).unwrap();
+    assert!(t.s().hard_link(&t.p("d/s"), &t.p("e/y")).is_err(), "a symlink was given another name");
+    assert!(t.s().stat(&t.p("e/y")).is_err(), "e/y was made");
+}
+
 /// The runs of data `f` names ([`storage::ReadFile::data_from`]), cut at
 /// `size`, each checked to start where it was asked or after and to be
 /// longer than nothing.
@@ -489,6 +523,10 @@ fn dir_symlink_leads_nowhere(t: &Subject) {
     s.make_dirs(Path::new("d")).unwrap();
     let f = s.create(Path::new("d/.f")).unwrap();
     refused(s.commit(f.as_ref(), Path::new("d/.f"), Path::new("l/f"), None), "commit through a symlink");
+    std::fs::write(disk.join("d/mine"), b"mine").unwrap();
+    refused(s.hard_link(Path::new("l/secret"), Path::new("d/taken")), "hard_link to a file through a symlink");
+    refused(s.hard_link(Path::new("d/mine"), Path::new("l/new")), "hard_link a name through a symlink");
+    assert!(!disk.join("d/taken").exists(), "a link to the secret outside was made");
     let outside: Vec<_> = std::fs::read_dir(&t.outside).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(outside, ["secret"], "something was written outside");
     assert!(t.outside.join("secret").exists(), "the secret outside was removed");

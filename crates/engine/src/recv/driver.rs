@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::halt::Halt;
 use crate::journal::{self, Journal};
 use crate::pool::{Pool, MIN_BLOCKS};
-use crate::storage::{check_not_reserved, digest_of, Kind};
+use crate::storage::{check_not_reserved, digest_of, Kind, Stat};
 use crate::transport::{Connector, SocketOptions, Transport};
 use crate::wire::{ping_interval, FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
@@ -282,6 +282,10 @@ impl Owner {
                 if let Some(outcome) = self.look(id, &meta, digest) {
                     self.session.handle(Event::Prepared { id, outcome });
                 }
+            }
+            Action::HardLink { id, path, first } => {
+                let outcome = self.hard_link(&path, &first);
+                self.session.handle(Event::Prepared { id, outcome });
             }
             Action::Open { id, gate } => {
                 let (paths, io) = self.preparing.remove(&id).unwrap_or_else(|| (Paths::default(), FileIo::fresh()));
@@ -577,6 +581,59 @@ impl Owner {
         }
         self.preparing.insert(id, (paths, io));
         Some(Outcome::Receive { held })
+    }
+
+    /// Makes `rel` another name of `first`, a file this transfer settled
+    /// (the session checked that), after `first` took its final name: both
+    /// resolved beneath the destination as every name is, and the new
+    /// name made durable unless the transfer syncs nothing. When `--sync`
+    /// or a resumed run finds `rel` a name of that file already (where the
+    /// storage has no inodes, a copy of the same size and mtime), it is
+    /// skipped like an unchanged file. Only a transfer that keeps hard
+    /// links (`--hard-links`) makes any.
+    fn hard_link(&mut self, rel: &str, first: &str) -> Outcome {
+        let refused = |kind, message: String| Outcome::Refused { kind, message };
+        let sh = self.sh.clone();
+        if !sh.options.flags.contains(TransferFlags::HARD_LINKS) {
+            let why = "another name of a file (a hard link), and this transfer does not keep hard links (--hard-links)";
+            return refused(ErrorKind::Refused, why.into());
+        }
+        let Some(l) = &self.layout else {
+            return refused(ErrorKind::Internal, "a hard link before any file".into());
+        };
+        let (dest_file, resuming) = (l.dest_file.clone(), l.resuming);
+        let first_path = match (&dest_file, first.contains('/')) {
+            (Some(p), false) => p.clone(),
+            _ => match dmover_proto::path::to_path(first) {
+                Ok(p) => sh.dest_dir.join(p),
+                Err(e) => return refused(ErrorKind::Refused, e.to_string()),
+            },
+        };
+        let path = match (&dest_file, rel.contains('/')) {
+            (Some(p), false) => p.clone(),
+            _ => match self.prepare_parent(rel) {
+                Ok(p) => p,
+                Err(e) => return refused(e.kind, e.message),
+            },
+        };
+        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
+        let file = |p: &Path| sh.store.stat(p).ok().filter(|s| s.is_file());
+        let same = |a: Stat, b: Stat| match (a.inode, b.inode) {
+            (Some(a), Some(b)) => a == b,
+            (None, None) => (a.size, a.mtime) == (b.size, b.mtime),
+            _ => false,
+        };
+        if look && file(&path).zip(file(&first_path)).is_some_and(|(a, b)| same(a, b)) {
+            return Outcome::Present;
+        }
+        let made = sh.store.hard_link(&first_path, &path).and_then(|()| match path.parent() {
+            Some(dir) if !sh.options.flags.contains(TransferFlags::NO_FSYNC) => sh.store.sync_dir(dir),
+            _ => Ok(()),
+        });
+        match made {
+            Ok(()) => Outcome::Made,
+            Err(e) => refused(crate::error::classify(&e), e.to_string()),
+        }
     }
 
     /// Resolves `rel`'s final path and makes its parent directory exist, with

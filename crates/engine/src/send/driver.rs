@@ -201,7 +201,7 @@ impl Owner {
         while self.summary.is_none() && !self.sh.stopped() {
             match self.next(inputs, walk.as_ref()) {
                 Next::Input(i) => self.hear(i),
-                Next::Walked(Walked::File { entry, pinned, digest }) => {
+                Next::Walked(Walked::File { entry, pinned, digest, linked }) => {
                     self.offered += 1;
                     let label = self.sh.store.display(&entry.path);
                     let source = Source {
@@ -213,7 +213,12 @@ impl Owner {
                         done: AtomicBool::new(false),
                     };
                     self.sources.insert(self.offered, Arc::new(source));
-                    self.session_event(Event::Offer { meta: entry.meta, digest, pinned });
+                    self.session_event(Event::Offer { meta: entry.meta, digest, pinned, linked });
+                }
+                Next::Walked(Walked::HardLink { path, first, source }) => {
+                    self.offered += 1;
+                    let subject = self.sh.store.display(&source);
+                    self.session_event(Event::OfferLink { path, first, subject });
                 }
                 Next::Walked(Walked::Dir(meta)) => self.session_event(Event::Dir(meta)),
                 Next::Walked(Walked::Error(e)) => {
@@ -312,9 +317,13 @@ impl Owner {
             // Nothing more goes out once the transfer failed.
             Action::Send { .. } | Action::Read(_) if self.sh.stopped() => {}
             Action::Send { host, msg } => {
-                if let ToReceiver::Announce { meta, .. } = &msg {
-                    Progress::add(&self.sh.progress.total_files, 1);
-                    Progress::add(&self.sh.progress.total_bytes, meta.size);
+                match &msg {
+                    ToReceiver::Announce { meta, .. } => {
+                        Progress::add(&self.sh.progress.total_files, 1);
+                        Progress::add(&self.sh.progress.total_bytes, meta.size);
+                    }
+                    ToReceiver::HardLink { .. } => Progress::add(&self.sh.progress.total_files, 1),
+                    _ => {}
                 }
                 if let ToReceiver::Finish { .. } = msg {
                     // Marked before `Finish` is queued: no ping follows it.

@@ -11,9 +11,8 @@ use crate::halt::Halt;
 use crate::ids;
 use crate::pool::{Block, Pool};
 use crate::progress::Progress;
-use crate::source::{self, Entry};
+use crate::source::{self, Entry, LinkGroups, LinkName};
 use crate::storage::{digest_of, read_block, DataMap, Extent, Keeps, ReadFile, Storage, Store, Xattr, ACL_XATTRS};
-
 use crate::transport::{Layers, Transport};
 use crate::tuning::{Meter, Tunable};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
@@ -48,6 +47,15 @@ pub(super) enum Walked {
         entry: Entry,
         pinned: Option<usize>,
         digest: Option<Sum>,
+        /// It has other names, walked later (hard links kept).
+        linked: bool,
+    },
+    /// Another name of `first`, a file walked earlier (hard links kept),
+    /// found at `source`.
+    HardLink {
+        path: String,
+        first: String,
+        source: PathBuf,
     },
     /// A directory's attributes, for every host.
     Dir(FileMeta),
@@ -454,17 +462,27 @@ impl Tunable for Arc<Shared> {
 }
 
 /// Lists the files to send into `tx` (in its own thread), each with its
-/// digest when `--checksum` asks for one, and symlinks where `links` keeps
-/// them. Ends when the sources are listed (or the feed is closed), or when
-/// the owner stops taking files.
+/// digest when `--checksum` asks for one, symlinks where the transfer
+/// keeps them (`--links`), and the other names of a file with more than one
+/// as such where it keeps hard links (`--hard-links`). Ends when the
+/// sources are listed (or the feed is closed), or when the owner stops
+/// taking files.
 pub(super) fn walk(files: Files, store: Store, flags: TransferFlags, block_size: u64, tx: &Sender<Walked>) {
     let with_digest = flags.contains(TransferFlags::CHECKSUM) && !matches!(files, Files::Generate { .. });
     let links = flags.contains(TransferFlags::LINKS);
     let digest = |e: &Entry| if with_digest && !e.meta.is_link() { digest_of(store.as_ref(), &e.path, block_size).ok() } else { None };
-    let file = |mut entry: Entry, pinned| {
+    let mut groups = flags.contains(TransferFlags::HARD_LINKS).then(LinkGroups::default);
+    let mut file = |mut entry: Entry, pinned| {
+        let linked = match groups.as_mut().map(|g| g.name(&entry)) {
+            Some(LinkName::Another(first)) => {
+                return tx.send(Walked::HardLink { path: entry.meta.path, first, source: entry.path }).is_ok();
+            }
+            Some(LinkName::First) => true,
+            _ => false,
+        };
         let digest = digest(&entry);
         describe(store.as_ref(), flags, &mut entry);
-        tx.send(Walked::File { entry, pinned, digest }).is_ok()
+        tx.send(Walked::File { entry, pinned, digest, linked }).is_ok()
     };
     match files {
         Files::Walk { store, specs } => {
@@ -505,8 +523,8 @@ pub(super) fn walk(files: Files, store: Store, flags: TransferFlags, block_size:
         Files::Generate { name, size } => {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let meta = FileMeta { path: name, size, mtime_s: now.as_secs() as i64, mtime_ns: 0, mode: 0o644, ..Default::default() };
-            let entry = Entry { path: PathBuf::new(), meta, ctime: (0, 0), owner: None };
-            let _ = tx.send(Walked::File { entry, pinned: None, digest: None });
+            let entry = Entry { path: PathBuf::new(), meta, ctime: (0, 0), owner: None, inode: None };
+            let _ = tx.send(Walked::File { entry, pinned: None, digest: None, linked: false });
         }
     }
 }

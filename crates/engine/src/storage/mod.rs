@@ -152,6 +152,9 @@ pub struct Stat {
     pub owner: Option<(u32, u32)>,
     /// A device's number (`st_rdev`); 0 for anything else.
     pub rdev: u64,
+    /// Device and inode number: names with the same are one file. None
+    /// where the storage has no inodes (an object store).
+    pub inode: Option<(u64, u64)>,
 }
 
 impl Stat {
@@ -368,6 +371,14 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// written through), never opened.
     fn make_node(&self, _path: &Path, _mode: u32, _rdev: u64, _attrs: &Attrs) -> io::Result<()> {
         Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no devices, FIFOs or sockets"))
+    }
+    /// Makes `path` another name of the file `first` (a hard link), never
+    /// following a symlink at either: what had the name is replaced,
+    /// never written through (the link is made under a temporary name and
+    /// renamed into place); a name that is already one of `first`'s is
+    /// left as it is. A storage without hard links refuses.
+    fn hard_link(&self, _first: &Path, _path: &Path) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this storage keeps no hard links"))
     }
     /// Removes a file; one that is not there is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;

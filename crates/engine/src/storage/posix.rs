@@ -212,6 +212,7 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
         nlink: s.st_nlink,
         owner: Some((s.st_uid, s.st_gid)),
         rdev: s.st_rdev,
+        inode: Some((s.st_dev, s.st_ino)),
     }
 }
 
@@ -584,6 +585,32 @@ impl Storage for Posix {
         if let Err(e) = placed {
             let _ = rustix::fs::unlinkat(&dir, &temp, AtFlags::empty());
             return Err(e);
+        }
+        Ok(())
+    }
+
+    fn hard_link(&self, first: &Path, path: &Path) -> io::Result<()> {
+        let (first_dir, first_name) = self.parent(first)?;
+        let (dir, name) = self.parent(path)?;
+        let file = rustix::fs::statat(&first_dir, first_name, AtFlags::SYMLINK_NOFOLLOW)?;
+        if rustix::fs::FileType::from_raw_mode(file.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: {NOT_REGULAR}", self.display(first))));
+        }
+        match rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(s) if (s.st_dev, s.st_ino) == (file.st_dev, file.st_ino) => return Ok(()),
+            _ => {}
+        }
+        let temp = super::part_name(name);
+        match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+        // Without AT_SYMLINK_FOLLOW: a symlink put at `first` since would be
+        // linked itself, never followed.
+        rustix::fs::linkat(&first_dir, first_name, &dir, &temp, AtFlags::empty())?;
+        if let Err(e) = rustix::fs::renameat(&dir, &temp, &dir, name) {
+            let _ = rustix::fs::unlinkat(&dir, &temp, AtFlags::empty());
+            return Err(e.into());
         }
         Ok(())
     }

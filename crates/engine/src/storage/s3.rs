@@ -445,7 +445,7 @@ fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<Str
     let mtime = get(META_MTIME).and_then(parse_mtime).or_else(|| get(META_RCLONE_MTIME).and_then(parse_decimal_time)).unwrap_or(changed);
     let id = |k| get(k).and_then(|v| v.parse::<u32>().ok());
     let owner = id(META_UID).zip(id(META_GID));
-    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, owner, rdev: 0 }
+    Stat { kind: Kind::File, size, mode, mtime, ctime: (changed.0, changed.1 as i64), nlink: 1, owner, rdev: 0, inode: None }
 }
 
 /// The attributes of the symlink kept in an object with attributes `st`
@@ -513,7 +513,7 @@ fn parse_digest(s: &str) -> Option<Digest> {
 }
 
 fn dir_stat() -> Stat {
-    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1, owner: None, rdev: 0 }
+    Stat { kind: Kind::Dir, size: 0, mode: 0o755, mtime: super::NO_TIME, ctime: (0, 0), nlink: 1, owner: None, rdev: 0, inode: None }
 }
 
 /// `bucket/key` for a copy's source, percent-encoded as S3 wants it.
@@ -1676,6 +1676,7 @@ impl ReadFile for S3Write {
             nlink: 1,
             owner: None,
             rdev: 0,
+            inode: None,
         })
     }
 }
@@ -1964,6 +1965,21 @@ impl Storage for S3 {
         i.rt.block_on(put.send()).map_err(|e| io_error(&link, e))?;
         i.abandon(&k)?;
         i.delete(&k)
+    }
+
+    /// Copies the object `first`, metadata and all, to `path` by the
+    /// server (an object store keeps no hard links: each name is an object
+    /// of its own, as rclone makes them), then removes a symlink `path`
+    /// (`NAME.rclonelink`) that the copy replaces.
+    fn hard_link(&self, first: &Path, path: &Path) -> io::Result<()> {
+        let (from, _) = self.inner.entry_keys(first)?;
+        let (to, link) = self.inner.entry_keys(path)?;
+        let i = &self.inner;
+        let h = i.rt.block_on(i.client.head_object().bucket(&i.bucket).key(&from).send()).map_err(|e| io_error(&from, e))?;
+        let size = h.content_length().unwrap_or(0) as u64;
+        i.abandon(&to)?;
+        i.rt.block_on(i.copy(&from, &to, size, h.metadata().cloned().unwrap_or_default()))?;
+        i.delete(&link)
     }
 
     fn remove_dir(&self, path: &Path) -> io::Result<()> {

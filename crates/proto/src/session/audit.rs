@@ -4,8 +4,10 @@
 //! for another size than announced, a file committed or confirmed before
 //! every block is written with the digest the sender gave, the end
 //! confirmed while a file is in flight, anything said after the session
-//! ended. It keeps its own account of the blocks written,
-//! so a session that loses track of one is caught.
+//! ended, a hard link made to a file that was not settled here as one
+//! the sender said has other names. It keeps its own account of the
+//! blocks written and of the names settled, so a session that loses track
+//! of one is caught.
 
 use super::receive::{Action, Event, Gate, Outcome};
 use crate::digest::{file_digest, Sum};
@@ -32,6 +34,13 @@ pub struct Audit {
     committed: HashSet<u64>,
     /// Directories reported made.
     made: HashSet<u64>,
+    /// Each file's name, as last announced, and whether the sender said
+    /// it has other names (a regular file only).
+    names: HashMap<u64, (String, bool)>,
+    /// The file the sender said the next announcement is of has other names.
+    linked_next: Option<u64>,
+    /// The names a hard link may be made to.
+    linkable: HashSet<String>,
     over: bool,
 }
 
@@ -47,6 +56,15 @@ impl Audit {
             Event::Control(ToReceiver::Announce { id, meta, .. }) => {
                 self.ends.remove(id);
                 self.sizes.insert(*id, meta.size);
+                let linked = self.linked_next.take() == Some(*id) && !meta.is_dir() && !meta.is_link();
+                self.names.insert(*id, (meta.path.clone(), linked));
+            }
+            Event::Control(ToReceiver::Linked { id }) => self.linked_next = Some(*id),
+            // Another name, a file of no data.
+            Event::Control(ToReceiver::HardLink { id, .. }) => {
+                self.ends.remove(id);
+                self.sizes.insert(*id, 0);
+                self.names.remove(id);
             }
             Event::Control(ToReceiver::FileEnd { id, digest }) => {
                 self.ends.insert(*id, *digest);
@@ -81,7 +99,10 @@ impl Audit {
             return Err(format!("{a:?} after the session ended"));
         }
         match a {
-            Action::Prepare { id, .. } => {
+            Action::HardLink { first, .. } if !self.linkable.contains(first) => {
+                return Err(format!("a hard link to {first}, which was not settled here as a file with other names"));
+            }
+            Action::Prepare { id, .. } | Action::HardLink { id, .. } => {
                 self.preparing.insert(*id);
             }
             Action::Open { id, gate } => {
@@ -104,7 +125,9 @@ impl Audit {
                 self.check_complete(*id, digest)?;
                 self.commits.insert(*id, *digest);
             }
+            Action::Send(ToSender::Plan { id, skip: true, .. }) => self.settled(*id),
             Action::Send(ToSender::Done { id, digest }) => {
+                self.settled(*id);
                 let committed = self.committed.remove(id) && self.commits.get(id) == Some(digest);
                 let made = self.made.remove(id) && *digest == file_digest(&[]);
                 if !(committed || made) {
@@ -116,6 +139,9 @@ impl Audit {
                 self.forget(*id);
             }
             Action::Close { id } | Action::Remove { id } => self.forget(*id),
+            Action::Refuse { id, .. } => {
+                self.names.remove(id);
+            }
             // The end is confirmed only once every file is settled.
             Action::Finish(_) if !(self.open.is_empty() && self.commits.is_empty() && self.preparing.is_empty()) => {
                 return Err(format!("finished with files in flight: open {:?}", self.open.keys().collect::<Vec<_>>()));
@@ -140,7 +166,16 @@ impl Audit {
         Ok(())
     }
 
+    /// File `id` is settled here: its name takes hard links if the sender
+    /// said it has other names.
+    fn settled(&mut self, id: u64) {
+        if let Some((name, true)) = self.names.remove(&id) {
+            self.linkable.insert(name);
+        }
+    }
+
     fn forget(&mut self, id: u64) {
+        self.names.remove(&id);
         self.open.remove(&id);
         self.commits.remove(&id);
         self.committed.remove(&id);

@@ -29,13 +29,20 @@
 //! once every file in flight is settled, so the end costs no round trip
 //! of its own. A `Finish` while a file has not ended, and an announcement
 //! or a second `Finish` after it, are protocol violations.
+//!
+//! Hard links: a file the sender said has other names (`Linked`, right
+//! before its announcement) is
+//! remembered by its name once settled here (received, or found already
+//! present), and only such a file may be given another name
+//! (`HardLink`): the receiver never makes a link to a file this
+//! transfer did not settle. What is remembered grows with such files only.
 
 use crate::digest::{file_digest, SetDigest, Sum};
 use crate::frame::{file_blocks, FileMeta, MAX_HOLE_BLOCKS, MAX_ID_NAME, MAX_XATTRS, MAX_XATTR_NAME, MAX_XATTR_VALUE};
 use crate::phase::{ToReceiver, ToSender};
 use crate::ErrorKind;
 use held::Held;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 mod held;
@@ -183,6 +190,11 @@ pub enum Action {
     /// file to resume? make the directory) and answer with
     /// [`Event::Prepared`].
     Prepare { id: u64, meta: FileMeta, digest: Option<Sum> },
+    /// Make `path` another name of `first`, a file this transfer settled
+    /// (a hard link; already there when `look` finds it so), and answer
+    /// with [`Event::Prepared`]: [`Outcome::Made`], [`Outcome::Present`]
+    /// or [`Outcome::Refused`].
+    HardLink { id: u64, path: String, first: String },
     /// Blocks of this file may be written from now on, as `gate` admits.
     Open { id: u64, gate: Gate },
     /// The journal of this file's partial file is to hold exactly these
@@ -264,9 +276,24 @@ struct File {
     damaged: HashMap<u64, u32>,
     /// The sender's digest, once it sent `FileEnd`.
     end: Option<Sum>,
+    /// The sender said the file has other names (`Linked`).
+    linked: bool,
 }
 
 impl File {
+    fn new(meta: FileMeta, blocks: u64) -> File {
+        File {
+            meta,
+            blocks,
+            stage: Stage::Preparing,
+            held: Held::default(),
+            journaled: Vec::new(),
+            damaged: HashMap::new(),
+            end: None,
+            linked: false,
+        }
+    }
+
     /// Whether every block is held.
     fn complete(&self) -> bool {
         self.held.count() == self.blocks
@@ -279,6 +306,11 @@ pub struct Receive {
     files: HashMap<u64, File>,
     out: VecDeque<Action>,
     totals: Totals,
+    /// Names of the files settled here that the sender said have other
+    /// names: the only files a `HardLink` may name.
+    linkable: HashSet<String>,
+    /// The file the next announcement is of has other names, if it is this one.
+    linked_next: Option<u64>,
     /// The sender said `Finish`: the session ends once no file is in flight.
     finishing: bool,
     /// Finished, failed or broken: nothing more is heard.
@@ -324,7 +356,16 @@ fn check_kind(meta: &FileMeta) -> Result<(), &'static str> {
 impl Receive {
     pub fn new(cfg: Config) -> Receive {
         assert!(cfg.block_size > 0, "a block size of zero");
-        Receive { cfg, files: HashMap::new(), out: VecDeque::new(), totals: Totals::default(), finishing: false, over: false }
+        Receive {
+            cfg,
+            files: HashMap::new(),
+            out: VecDeque::new(),
+            totals: Totals::default(),
+            linkable: HashSet::new(),
+            linked_next: None,
+            finishing: false,
+            over: false,
+        }
     }
 
     /// The next thing to do, if any.
@@ -373,6 +414,8 @@ impl Receive {
         match m {
             ToReceiver::Announce { id, meta, digest } => self.announce(id, meta, digest),
             ToReceiver::Dir { meta } => self.dir(meta),
+            ToReceiver::Linked { id } => self.linked_next = Some(id),
+            ToReceiver::HardLink { id, path, first } => self.hard_link(id, path, first),
             ToReceiver::FileEnd { id, digest } => {
                 // An end for a file no longer here is late (the file was
                 // aborted or failed meanwhile).
@@ -428,21 +471,60 @@ impl Receive {
         }
     }
 
-    fn announce(&mut self, id: u64, meta: FileMeta, digest: Option<Sum>) {
+    /// Whether file `id` may be announced now, and `path` taken: a
+    /// choreography the sender broke ends the session, a name this end does
+    /// not take fails the file alone. False if it may not.
+    fn admit(&mut self, id: u64, path: &str) -> bool {
         if self.finishing {
-            return self.violate(format!("file {id} announced after the end"));
+            self.violate(format!("file {id} announced after the end"));
+            return false;
         }
         if self.files.contains_key(&id) {
-            return self.violate(format!("file {id} announced twice"));
+            self.violate(format!("file {id} announced twice"));
+            return false;
         }
         if self.files.len() >= MAX_OPEN_FILES {
-            return self.violate(format!("more than {MAX_OPEN_FILES} files announced and not settled"));
+            self.violate(format!("more than {MAX_OPEN_FILES} files announced and not settled"));
+            return false;
         }
-        if let Err(e) = crate::path::check_relative(&meta.path) {
-            return self.refuse(id, ErrorKind::Refused, Subject::Said(meta.path.clone()), format!("path refused: {e}"));
+        if let Err(e) = crate::path::check_relative(path) {
+            self.refuse(id, ErrorKind::Refused, Subject::Said(path.to_string()), format!("path refused: {e}"));
+            return false;
         }
-        if let Some(Err(e)) = self.cfg.accept.as_ref().map(|accept| accept(&meta.path)) {
-            return self.refuse(id, ErrorKind::Refused, Subject::Said(meta.path.escape_debug().to_string()), e);
+        if let Some(Err(e)) = self.cfg.accept.as_ref().map(|accept| accept(path)) {
+            self.refuse(id, ErrorKind::Refused, Subject::Said(path.escape_debug().to_string()), e);
+            return false;
+        }
+        true
+    }
+
+    /// Another name of a file this transfer settled: made by the driver,
+    /// confirmed at once. One naming a file this transfer did not settle,
+    /// or that the sender did not say has other names, is refused.
+    fn hard_link(&mut self, id: u64, path: String, first: String) {
+        if !self.admit(id, &path) {
+            return;
+        }
+        if path == first || !self.linkable.contains(&first) {
+            let message = format!(
+                "announced as another name of {}, which this transfer did not receive: \
+                 a hard link is made only to a file the same transfer received",
+                crate::path::printable(&first)
+            );
+            return self.refuse(id, ErrorKind::Refused, Subject::Path(path), message);
+        }
+        let meta = FileMeta { path: path.clone(), size: 0, mtime_s: 0, mtime_ns: 0, mode: 0, ..Default::default() };
+        self.files.insert(id, File::new(meta, 0));
+        if self.cfg.discard {
+            return self.prepared(id, Outcome::Made);
+        }
+        self.out.push_back(Action::HardLink { id, path, first });
+    }
+
+    fn announce(&mut self, id: u64, meta: FileMeta, digest: Option<Sum>) {
+        let linked = self.linked_next.take() == Some(id);
+        if !self.admit(id, &meta.path) {
+            return;
         }
         if let Err(e) = check_kind(&meta) {
             return self.refuse(id, ErrorKind::Refused, Subject::Path(meta.path), e.into());
@@ -451,15 +533,7 @@ impl Receive {
             Ok(b) => b,
             Err(e) => return self.refuse(id, ErrorKind::Refused, Subject::Path(meta.path), e),
         };
-        let f = File {
-            meta,
-            blocks,
-            stage: Stage::Preparing,
-            held: Held::default(),
-            journaled: Vec::new(),
-            damaged: HashMap::new(),
-            end: None,
-        };
+        let f = File { linked, ..File::new(meta, blocks) };
         if self.cfg.discard {
             self.files.insert(id, f);
             return self.plan(id, Vec::new());
@@ -478,6 +552,7 @@ impl Receive {
             Outcome::Present => {
                 let f = self.files.remove(&id).expect("looked up above");
                 self.totals.add(&f.meta.path, f.meta.size, &[0; 16]);
+                self.keep_name(f);
                 self.out.push_back(Action::Send(ToSender::Plan { id, skip: true, ranges: vec![] }));
             }
             Outcome::Made => {
@@ -574,6 +649,15 @@ impl Receive {
         self.totals.add(&f.meta.path, f.meta.size, &digest);
         self.out.push_back(Action::Send(ToSender::Done { id, digest }));
         self.out.push_back(Action::Close { id });
+        self.keep_name(f);
+    }
+
+    /// Remembers the name of a settled file the sender said has other
+    /// names, for `HardLink` to name (a regular file only).
+    fn keep_name(&mut self, f: File) {
+        if f.linked && !f.meta.is_dir() && !f.meta.is_link() {
+            self.linkable.insert(f.meta.path);
+        }
     }
 
     /// A file failed at this end: its partial state goes, and the sender is

@@ -24,6 +24,13 @@
 //! trip of its own. Nothing follows `Finish` on a control connection, so a
 //! block asked for again after it that cannot be read ends the session.
 //!
+//! Hard links: a file offered as having other names is announced right
+//! after `Linked`, and each other name offered
+//! ([`Event::OfferLink`]) waits until that file is settled; it then goes
+//! as `HardLink` to the host that holds the file, or fails with it. What
+//! the session keeps for this is the name and host of each file offered
+//! as having other names, and the names waiting for one.
+//!
 //! Every number a receiver gives is checked: a plan, re-request or
 //! confirmation for a file it was not sent or that is settled, a plan
 //! twice or with blocks outside its file, a confirmation before the file
@@ -65,10 +72,16 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     /// A file to send, pinned to a host or not (None, or a host out of
-    /// range: the next host with room). Files are numbered 1, 2, 3… in the
-    /// order they are offered; offer one only while
-    /// [`Send::wants_file`] says so.
-    Offer { meta: FileMeta, digest: Option<Sum>, pinned: Option<usize> },
+    /// range: the next host with room); `linked`: it has other names, to
+    /// be offered later ([`Event::OfferLink`]). Files and other names are
+    /// numbered 1, 2, 3… in the order they are offered; offer one only
+    /// while [`Send::wants_file`] says so.
+    Offer { meta: FileMeta, digest: Option<Sum>, pinned: Option<usize>, linked: bool },
+    /// Another name of `first`, a file offered earlier as `linked`: sent
+    /// as a hard link to the host that holds that file once it is settled
+    /// there, or failed with it; `subject` names it in an error, as the
+    /// user knows it (empty: its name).
+    OfferLink { path: String, first: String, subject: String },
     /// The walk could not list or read this source; it is counted as failed.
     WalkError(FileError),
     /// A directory of the transfer (not empty: an empty one is offered as
@@ -200,16 +213,56 @@ struct File {
     stage: Stage,
     /// Times each block was asked for again.
     nacks: HashMap<u64, u32>,
+    /// It has other names, waiting for it to be settled.
+    linked: bool,
+}
+
+/// What is offered and waits for room at its host.
+#[derive(Debug)]
+enum Offered {
+    File {
+        id: u64,
+        meta: FileMeta,
+        digest: Option<Sum>,
+        pinned: Option<usize>,
+        linked: bool,
+    },
+    /// Another name of `first`, settled at `host`.
+    Link {
+        id: u64,
+        path: String,
+        first: String,
+        host: usize,
+    },
+}
+
+/// A file offered as having other names, by its name.
+#[derive(Debug)]
+enum Group {
+    /// Not settled yet: these names (id, path, subject) wait for it.
+    Pending(Vec<(u64, String, String)>),
+    /// Settled at this host.
+    At(usize),
+    /// It failed at this host: its other names fail with it.
+    Failed(usize, FileError),
+}
+
+/// What a hard link is, as a file of the transfer: a name with no data.
+fn link_meta(path: String) -> FileMeta {
+    FileMeta { path, size: 0, mtime_s: 0, mtime_ns: 0, mode: 0, ..Default::default() }
 }
 
 /// The sending end of one transfer. See the module's documentation.
 pub struct Send {
     cfg: Config,
     /// Offered and not yet announced (the first waits for room).
-    offers: VecDeque<(FileMeta, Option<Sum>, Option<usize>)>,
-    /// The id of the last file offered, and of the last announced.
+    offers: VecDeque<Offered>,
+    /// The id of the last file or name offered.
     offered: u64,
-    announced: u64,
+    /// Files offered as having other names, by name.
+    groups: HashMap<String, Group>,
+    /// Names waiting in [`Group::Pending`].
+    waiting: usize,
     /// The host the next unpinned file tries first.
     next_host: usize,
     files: HashMap<u64, File>,
@@ -236,7 +289,8 @@ impl Send {
             cfg,
             offers: VecDeque::new(),
             offered: 0,
-            announced: 0,
+            groups: HashMap::new(),
+            waiting: 0,
             next_host: 0,
             files: HashMap::new(),
             in_flight: vec![0; cfg.hosts],
@@ -276,10 +330,36 @@ impl Send {
             return;
         }
         match e {
-            Event::Offer { meta, digest, pinned } => {
+            Event::Offer { meta, digest, pinned, linked } => {
                 self.offered += 1;
-                self.offers.push_back((meta, digest, pinned));
+                if linked {
+                    self.groups.insert(meta.path.clone(), Group::Pending(Vec::new()));
+                }
+                self.offers.push_back(Offered::File { id: self.offered, meta, digest, pinned, linked });
                 self.announce_waiting();
+            }
+            Event::OfferLink { path, first, subject } => {
+                self.offered += 1;
+                let id = self.offered;
+                match self.groups.get_mut(&first) {
+                    Some(Group::Pending(names)) => {
+                        names.push((id, path, subject));
+                        self.waiting += 1;
+                    }
+                    Some(Group::At(host)) => {
+                        let host = *host;
+                        self.offers.push_back(Offered::Link { id, path, first, host });
+                        self.announce_waiting();
+                    }
+                    Some(Group::Failed(host, e)) => {
+                        let (host, e) = (*host, e.clone());
+                        self.fail_name(id, path, subject, &first, host, &e);
+                    }
+                    None => {
+                        let e = FileError { path: first.clone(), kind: ErrorKind::Internal, message: "it was not sent".into() };
+                        self.fail_name(id, path, subject, &first, 0, &e);
+                    }
+                }
             }
             Event::WalkError(e) => self.summary.errors.push(e),
             Event::Dir(meta) if !self.walk_done => {
@@ -322,9 +402,12 @@ impl Send {
 
     /// Announces offered files while their host has room, in the order offered.
     fn announce_waiting(&mut self) {
-        while let Some((_, _, pinned)) = self.offers.front() {
+        while let Some(offer) = self.offers.front() {
             let hosts = self.cfg.hosts;
-            let pinned = pinned.filter(|h| *h < hosts);
+            let pinned = match offer {
+                Offered::File { pinned, .. } => pinned.filter(|h| *h < hosts),
+                Offered::Link { host, .. } => Some(*host),
+            };
             let start = pinned.unwrap_or(self.next_host);
             let Some(host) = (0..hosts)
                 .map(|i| (start + i) % hosts)
@@ -333,21 +416,33 @@ impl Send {
             else {
                 return;
             };
-            let (meta, digest, _) = self.offers.pop_front().expect("looked at above");
+            let offer = self.offers.pop_front().expect("looked at above");
             if pinned.is_none() {
                 self.next_host = (host + 1) % hosts;
             }
-            self.announced += 1;
-            let id = self.announced;
             self.in_flight[host] += 1;
+            let (id, meta, digest, linked) = match offer {
+                Offered::File { id, meta, digest, linked, .. } => (id, meta, digest, linked),
+                Offered::Link { id, path, first, .. } => {
+                    self.summary.hosts[host].offered_files += 1;
+                    self.summary.files += 1;
+                    self.out.push_back(Action::Send { host, msg: ToReceiver::HardLink { id, path: path.clone(), first } });
+                    let f = File { host, meta: link_meta(path), blocks: 0, stage: Stage::Announced, nacks: HashMap::new(), linked: false };
+                    self.files.insert(id, f);
+                    continue;
+                }
+            };
             let h = &mut self.summary.hosts[host];
             h.offered_files += 1;
             h.offered_bytes = h.offered_bytes.saturating_add(meta.size);
             self.summary.files += 1;
             self.summary.bytes = self.summary.bytes.saturating_add(meta.size);
             let blocks = meta.size.div_ceil(self.cfg.block_size);
+            if linked {
+                self.out.push_back(Action::Send { host, msg: ToReceiver::Linked { id } });
+            }
             self.out.push_back(Action::Send { host, msg: ToReceiver::Announce { id, meta: meta.clone(), digest } });
-            self.files.insert(id, File { host, meta, blocks, stage: Stage::Announced, nacks: HashMap::new() });
+            self.files.insert(id, File { host, meta, blocks, stage: Stage::Announced, nacks: HashMap::new(), linked });
         }
     }
 
@@ -405,7 +500,7 @@ impl Send {
         let why = match self.files.get(&id) {
             Some(f) if f.host == host => None,
             Some(f) => Some(format!("{what} for {}, which was sent to another host", f.meta.path)),
-            None if id == 0 || id > self.announced => Some(format!("{what} for file {id}, which was never announced")),
+            None if id == 0 || id > self.offered => Some(format!("{what} for file {id}, which was never announced")),
             None => Some(format!("{what} for file {id}, which is settled")),
         };
         if let Some(why) = why {
@@ -520,6 +615,7 @@ impl Send {
         self.summary.errors.push(e.clone());
         let host = f.host;
         self.in_flight[host] -= 1;
+        self.release_names(&f, Some(&e));
         self.out.push_back(Action::Settle { id, host, meta: f.meta, outcome: Outcome::Failed(e) });
         self.announce_waiting();
         self.finish_if_ended();
@@ -533,9 +629,40 @@ impl Send {
         h.bytes = h.bytes.saturating_add(f.meta.size);
         h.set.add(&f.meta.path, f.meta.size, digest);
         self.in_flight[host] -= 1;
+        self.release_names(&f, None);
         self.out.push_back(Action::Settle { id, host, meta: f.meta, outcome });
         self.announce_waiting();
         self.finish_if_ended();
+    }
+
+    /// A settled file's other names that waited for it go to its host,
+    /// or fail with it (`failed`), and later ones will.
+    fn release_names(&mut self, f: &File, failed: Option<&FileError>) {
+        if !f.linked {
+            return;
+        }
+        let state = match failed {
+            Some(e) => Group::Failed(f.host, e.clone()),
+            None => Group::At(f.host),
+        };
+        let Some(Group::Pending(names)) = self.groups.insert(f.meta.path.clone(), state) else { return };
+        self.waiting -= names.len();
+        for (id, path, subject) in names {
+            match failed {
+                Some(e) => self.fail_name(id, path, subject, &f.meta.path, f.host, e),
+                None => self.offers.push_back(Offered::Link { id, path, first: f.meta.path.clone(), host: f.host }),
+            }
+        }
+    }
+
+    /// Another name of `first` (`path`, named `subject` in the error, or
+    /// by its name) fails as `first` did (`e`), unannounced.
+    fn fail_name(&mut self, id: u64, path: String, subject: String, first: &str, host: usize, e: &FileError) {
+        let message = format!("another name of {}, which failed: {}", crate::path::printable(first), e.message);
+        let subject = if subject.is_empty() { path.clone() } else { subject };
+        let e = FileError { path: subject, kind: e.kind, message };
+        self.summary.errors.push(e.clone());
+        self.out.push_back(Action::Settle { id, host, meta: link_meta(path), outcome: Outcome::Failed(e) });
     }
 
     /// Once the walk is over and every file has ended (or is settled),
@@ -543,7 +670,7 @@ impl Send {
     /// the files in flight are settled.
     fn finish_if_ended(&mut self) {
         let ended = self.files.values().all(|f| matches!(f.stage, Stage::Ended(_)));
-        if !self.walk_done || self.finishing || !self.offers.is_empty() || !ended {
+        if !self.walk_done || self.finishing || !self.offers.is_empty() || self.waiting > 0 || !ended {
             return;
         }
         self.finishing = true;

@@ -233,6 +233,8 @@ impl Driver {
                 }
                 let e = Event::Control(ToReceiver::Announce { id, meta: m, digest: None });
                 if !again {
+                    // A new file under a settled file's id: what was confirmed of that one is not its.
+                    self.done.remove(&id);
                     self.announced.insert(id, size);
                     self.flight.insert(id);
                     if dir {
@@ -577,4 +579,53 @@ fn a_finish_before_every_file_ended_or_followed_by_an_announcement_is_a_violatio
     d.feed(Event::Control(ToReceiver::FileEnd { id: 1, digest: digest(1, 8) }));
     d.feed(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
     assert!(Driver::violated(&d.feed(Event::Control(ToReceiver::Announce { id: 2, meta: meta("g", 1), digest: None }))));
+}
+
+/// Receives file `id` named `path` of 8 bytes, said to have other names
+/// when `linked`, up to its confirmation.
+fn receive_file(rx: &mut Receive, id: u64, path: &str, linked: bool) {
+    if linked {
+        rx.handle(Event::Control(ToReceiver::Linked { id }));
+    }
+    rx.handle(Event::Control(ToReceiver::Announce { id, meta: meta(path, 8), digest: None }));
+    rx.handle(Event::Prepared { id, outcome: Outcome::Receive { held: vec![] } });
+    rx.handle(Event::Control(ToReceiver::FileEnd { id, digest: digest(id, 8) }));
+    for block in 0..8u64.div_ceil(BS) {
+        rx.handle(Event::Written { id, block, sum: sum(id, block) });
+    }
+    rx.handle(Event::Committed { id });
+}
+
+#[test]
+fn a_hard_link_names_only_a_file_this_transfer_settled_and_was_told_has_other_names() {
+    let mut rx = session(false);
+    let link = |id, path: &str, first: &str| Event::Control(ToReceiver::HardLink { id, path: path.into(), first: first.into() });
+    let refused = |rx: &mut Receive, id| {
+        let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+        out.iter().any(|a| matches!(a, Action::Refuse { id: i, kind: ErrorKind::Refused, message, .. } if *i == id && message.contains("did not receive")))
+    };
+    // A file in flight, said to have other names: not yet settled, so not yet a link's target.
+    rx.handle(Event::Control(ToReceiver::Linked { id: 1 }));
+    rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("f", 8), digest: None }));
+    rx.handle(link(2, "early", "f"));
+    assert!(refused(&mut rx, 2), "a link to a file still in flight was taken");
+    receive_file(&mut rx, 3, "a/f", true);
+    receive_file(&mut rx, 4, "plain", false);
+    std::iter::from_fn(|| rx.poll()).for_each(drop);
+    for (id, path, first) in [(5, "x", "elsewhere/shadow"), (6, "y", "plain"), (7, "a/f", "a/f")] {
+        rx.handle(link(id, path, first));
+        assert!(refused(&mut rx, id), "a link of {path} to {first} was taken");
+    }
+    rx.handle(link(8, "b/f", "a/f"));
+    assert_eq!(rx.poll(), Some(Action::HardLink { id: 8, path: "b/f".into(), first: "a/f".into() }));
+    rx.handle(Event::Prepared { id: 8, outcome: Outcome::Made });
+    assert_eq!(rx.poll(), Some(Action::Send(ToSender::Done { id: 8, digest: file_digest(&[]) })));
+    // A file found already there (a resumed or --sync run) takes links too.
+    rx.handle(Event::Control(ToReceiver::Linked { id: 9 }));
+    rx.handle(Event::Control(ToReceiver::Announce { id: 9, meta: meta("kept", 8), digest: None }));
+    rx.handle(Event::Prepared { id: 9, outcome: Outcome::Present });
+    rx.handle(link(10, "kept2", "kept"));
+    let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+    assert!(out.contains(&Action::HardLink { id: 10, path: "kept2".into(), first: "kept".into() }), "{out:?}");
+    assert!(!rx.is_over());
 }

@@ -2,7 +2,8 @@
 //! virtual time (each step is one event): random interleavings of offers,
 //! control messages, chunk reads and blocks arriving in any order, with
 //! files that cannot be read (so that late messages come), duplicated and
-//! dropped messages, and receivers that lie about files, blocks and totals.
+//! dropped messages, receivers that lie about files, blocks and totals,
+//! and other names (hard links) of files offered earlier.
 
 use super::*;
 use crate::session::receive::{self, Gate, Receive, Subject};
@@ -86,6 +87,8 @@ impl Host {
                 receive::Action::Finish(t) => {
                     self.to_tx.push_back(ToSender::Finished { files: t.files, bytes: t.bytes, set_digest: t.set.0 })
                 }
+                // The driver makes another name at once.
+                receive::Action::HardLink { id, .. } => self.rx.handle(receive::Event::Prepared { id, outcome: receive::Outcome::Made }),
                 receive::Action::Rejournal { .. } | receive::Action::Dial => {}
                 a => panic!("the receiver ended: {a:?}"),
             }
@@ -140,12 +143,25 @@ fn files() -> impl Strategy<Value = Vec<(u64, Option<u8>, bool)>> {
     prop::collection::vec((0..41u64, prop::option::weighted(0.3, 0..4u8), prop::bool::weighted(0.1)), 0..12)
 }
 
+/// Other names: each of the file it picks among those above, offered at a
+/// place it picks after that file.
+fn links() -> impl Strategy<Value = Vec<(u8, u8)>> {
+    prop::collection::vec(any::<(u8, u8)>(), 0..6)
+}
+
 /// The whole transfer: the sender's session, its simulated driver, and the hosts.
 struct Sim {
     tx: Send,
     hosts: Vec<Host>,
-    /// The files, by offer order (file `i + 1` is `files[i]`).
+    /// The files and other names, by offer order (file `i + 1` is
+    /// `files[i]`): an other name has size 0 and the name of its file in
+    /// `firsts`; a file with other names is marked in `linked`.
     files: Vec<(FileMeta, Option<usize>, bool)>,
+    firsts: Vec<Option<String>>,
+    linked: Vec<bool>,
+    /// Where each file was announced, and how many other names were.
+    hosts_of: HashMap<String, usize>,
+    links_announced: u64,
     offered: usize,
     reads: Vec<Read>,
     settled: HashMap<u64, Outcome>,
@@ -164,13 +180,28 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(hosts: usize, files: &[(u64, Option<u8>, bool)]) -> Sim {
-        let files =
-            files.iter().enumerate().map(|(i, (size, pin, bad))| (meta(&format!("d/f{i}"), *size), pin.map(usize::from), *bad)).collect();
+    fn new(hosts: usize, files: &[(u64, Option<u8>, bool)], links: &[(u8, u8)]) -> Sim {
+        let mut items: Vec<(FileMeta, Option<usize>, bool, Option<String>)> = files
+            .iter()
+            .enumerate()
+            .map(|(i, (size, pin, bad))| (meta(&format!("d/f{i}"), *size), pin.map(usize::from), *bad, None))
+            .collect();
+        for (j, (of, at)) in links.iter().enumerate().filter(|_| !files.is_empty()) {
+            let first = format!("d/f{}", *of as usize % files.len());
+            let after = items.iter().position(|f| f.0.path == first).expect("a file offered");
+            let at = after + 1 + *at as usize % (items.len() - after);
+            items.insert(at, (meta(&format!("d/link{j}"), 0), None, false, Some(first)));
+        }
+        let linked = items.iter().map(|f| items.iter().any(|l| l.3.as_deref() == Some(f.0.path.as_str()))).collect();
+        let firsts = items.iter().map(|f| f.3.clone()).collect();
         Sim {
             tx: session(hosts),
             hosts: (0..hosts).map(|_| Host::new()).collect(),
-            files,
+            files: items.into_iter().map(|(m, p, b, _)| (m, p, b)).collect(),
+            firsts,
+            linked,
+            hosts_of: HashMap::new(),
+            links_announced: 0,
             offered: 0,
             reads: Vec::new(),
             settled: HashMap::new(),
@@ -198,10 +229,18 @@ impl Sim {
                         assert!(!unended, "Finish with a file that has not ended");
                         self.finished.insert(host);
                     }
-                    if let ToReceiver::Announce { id, .. } = &msg {
+                    if let ToReceiver::Announce { id, meta, .. } = &msg {
                         let pin = self.files[*id as usize - 1].1.filter(|p| *p < self.hosts.len());
                         assert!(pin.is_none_or(|p| p == host), "file {id} pinned to {pin:?} announced to {host}");
                         assert!(self.tx.in_flight(host) <= WINDOW, "more than the window in flight");
+                        self.hosts_of.insert(meta.path.clone(), host);
+                    }
+                    if let ToReceiver::HardLink { first, .. } = &msg {
+                        let of = self.files.iter().position(|f| f.0.path == *first).expect("a file offered") as u64 + 1;
+                        assert!(matches!(self.settled.get(&of), Some(Outcome::Sent | Outcome::Skipped)), "a link to {first}, not settled");
+                        assert_eq!(self.hosts_of.get(first), Some(&host), "a link to {first} sent to another host");
+                        assert!(self.tx.in_flight(host) <= WINDOW, "more than the window in flight");
+                        self.links_announced += 1;
                     }
                     self.hosts[host].to_rx.push_back(msg);
                 }
@@ -234,8 +273,12 @@ impl Sim {
                 let Some((meta, pinned, _)) = self.files.get(self.offered).cloned() else {
                     return self.feed(Event::WalkDone);
                 };
+                let (first, linked) = (self.firsts[self.offered].clone(), self.linked[self.offered]);
                 self.offered += 1;
-                self.feed(Event::Offer { meta, digest: None, pinned });
+                match first {
+                    Some(first) => self.feed(Event::OfferLink { path: meta.path, first, subject: String::new() }),
+                    None => self.feed(Event::Offer { meta, digest: None, pinned, linked }),
+                }
             }
             Step::ToRx { h } => {
                 let host = &mut self.hosts[h as usize % n];
@@ -366,15 +409,27 @@ proptest! {
     /// file is settled once, the transfer completes, and the totals each
     /// host confirms are the ones the sender counted.
     #[test]
-    fn honest_receivers_settle_every_file(hosts in 1..4usize, files in files(), steps in prop::collection::vec(step(false), 0..300)) {
-        let mut sim = Sim::new(hosts, &files);
+    fn honest_receivers_settle_every_file(
+        hosts in 1..4usize,
+        files in files(),
+        links in links(),
+        steps in prop::collection::vec(step(false), 0..300),
+    ) {
+        let mut sim = Sim::new(hosts, &files, &links);
         for s in &steps {
             sim.step(s);
         }
         sim.settle_all();
         let summary = sim.complete.clone().expect("the transfer completes");
-        prop_assert_eq!(sim.settled.len(), files.len());
-        prop_assert_eq!(summary.files, files.len() as u64);
+        prop_assert_eq!(sim.settled.len(), sim.files.len());
+        // Other names of a file that failed fail unannounced.
+        prop_assert_eq!(summary.files, files.len() as u64 + sim.links_announced);
+        for (i, first) in sim.firsts.iter().enumerate() {
+            let Some(first) = first else { continue };
+            let of = sim.files.iter().position(|f| f.0.path == *first).unwrap() as u64 + 1;
+            let sent = |id| matches!(sim.settled.get(&id), Some(Outcome::Sent | Outcome::Skipped));
+            prop_assert_eq!(sent(i as u64 + 1), sent(of), "{} and its file {} settled apart", sim.files[i].0.path, first);
+        }
         prop_assert!(summary.digests_match());
         for (id, outcome) in &sim.settled {
             let (_, _, bad) = &sim.files[*id as usize - 1];
@@ -393,8 +448,13 @@ proptest! {
     /// violation only when a message that must come once came twice, or a
     /// file's confirmation was lost (the totals then come too early).
     #[test]
-    fn duplicated_and_lost_messages_break_no_rule(hosts in 1..4usize, files in files(), steps in prop::collection::vec(step(true), 0..400)) {
-        let mut sim = Sim::new(hosts, &files);
+    fn duplicated_and_lost_messages_break_no_rule(
+        hosts in 1..4usize,
+        files in files(),
+        links in links(),
+        steps in prop::collection::vec(step(true), 0..400),
+    ) {
+        let mut sim = Sim::new(hosts, &files, &links);
         for s in &steps {
             sim.step(s);
         }
@@ -411,7 +471,7 @@ proptest! {
         for (what, id, n, flag) in lies {
             if tx.wants_file() && offered < files.len() && what % 4 == 0 {
                 offered += 1;
-                tx.handle(Event::Offer { meta: meta(&format!("f{offered}"), files[offered - 1].0), digest: None, pinned: None });
+                tx.handle(Event::Offer { meta: meta(&format!("f{offered}"), files[offered - 1].0), digest: None, pinned: None, linked: false });
             }
             let host = usize::from(what % 3 == 0);
             let msg = match what % 7 {
@@ -424,7 +484,7 @@ proptest! {
                 _ => ToSender::Echo { stamp: n, received: n, staged: 0, server_received: 0, transfers: 0 },
             };
             let never = matches!(msg, ToSender::Plan { .. } | ToSender::Nack { .. } | ToSender::Done { .. } | ToSender::Failed { .. })
-                && (id == 0 || id > tx.announced);
+                && (id == 0 || id > tx.offered);
             let early = matches!(msg, ToSender::Finished { .. }) && !tx.finishing;
             tx.handle(Event::Control { host, msg });
             while let Some(a) = tx.poll() {
@@ -462,7 +522,7 @@ fn plan(id: u64, ranges: Vec<(u64, u64)>) -> Event {
 fn the_window_holds_files_back_until_one_settles() {
     let mut tx = session(1);
     for i in 0..3 {
-        run(&mut tx, Event::Offer { meta: meta(&format!("f{i}"), 0), digest: None, pinned: None });
+        run(&mut tx, Event::Offer { meta: meta(&format!("f{i}"), 0), digest: None, pinned: None, linked: false });
     }
     assert!(!tx.wants_file(), "the third file waits for room");
     assert_eq!(tx.in_flight(0), WINDOW);
@@ -474,7 +534,7 @@ fn the_window_holds_files_back_until_one_settles() {
 #[test]
 fn a_confirmation_twice_is_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: false });
     run(&mut tx, plan(1, vec![]));
     let done = Event::Control { host: 0, msg: ToSender::Done { id: 1, digest: file_digest(&[]) } };
     assert!(matches!(run(&mut tx, done.clone()).as_slice(), [Action::Settle { outcome: Outcome::Sent, .. }]));
@@ -484,14 +544,14 @@ fn a_confirmation_twice_is_a_violation() {
 #[test]
 fn a_plan_past_the_end_is_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 5), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 5), digest: None, pinned: None, linked: false });
     assert!(violated(&run(&mut tx, plan(1, vec![(0, 3)]))));
 }
 
 #[test]
 fn a_block_asked_for_too_often_is_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None, linked: false });
     run(&mut tx, plan(1, vec![(0, 2)]));
     let nack = Event::Control { host: 0, msg: ToSender::Nack { id: 1, block: 1 } };
     for _ in 0..NACK_BUDGET {
@@ -503,7 +563,7 @@ fn a_block_asked_for_too_often_is_a_violation() {
 #[test]
 fn late_messages_about_an_abandoned_file_are_ignored() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 8), digest: None, pinned: None, linked: false });
     run(&mut tx, plan(1, vec![(0, 2)]));
     let out =
         run(&mut tx, Event::ReadFailed { id: 1, kind: ErrorKind::SourceChanged, subject: "/src/f".into(), message: "changed".into() });
@@ -517,7 +577,7 @@ fn late_messages_about_an_abandoned_file_are_ignored() {
 #[test]
 fn totals_larger_than_offered_are_a_violation() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: false });
     run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
     let out = run(&mut tx, Event::WalkDone);
     assert!(matches!(out.as_slice(), [Action::Send { msg: ToReceiver::Finish { files: 1, .. }, .. }]));
@@ -527,7 +587,7 @@ fn totals_larger_than_offered_are_a_violation() {
 #[test]
 fn finish_goes_out_with_the_last_end_and_totals_wait_for_every_file() {
     let mut tx = session(1);
-    run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None });
+    run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: false });
     run(&mut tx, Event::WalkDone);
     run(&mut tx, plan(1, vec![(0, 1)]));
     let digest = file_digest(&[sum("f", 0)]);
@@ -537,7 +597,7 @@ fn finish_goes_out_with_the_last_end_and_totals_wait_for_every_file() {
     // Totals before the file is confirmed: no honest receiver sends them.
     let mut early = session(1);
     for e in [
-        Event::Offer { meta: meta("f", BS), digest: None, pinned: None },
+        Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: false },
         Event::WalkDone,
         plan(1, vec![(0, 1)]),
         Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None },
@@ -559,7 +619,7 @@ fn finish_goes_out_with_the_last_end_and_totals_wait_for_every_file() {
 fn a_block_asked_for_again_after_the_end_that_cannot_be_read_ends_the_session() {
     let mut tx = session(1);
     for e in [
-        Event::Offer { meta: meta("f", BS), digest: None, pinned: None },
+        Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: false },
         Event::WalkDone,
         plan(1, vec![(0, 1)]),
         Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None },
@@ -571,4 +631,66 @@ fn a_block_asked_for_again_after_the_end_that_cannot_be_read_ends_the_session() 
         run(&mut tx, Event::ReadFailed { id: 1, kind: ErrorKind::SourceChanged, subject: "/src/f".into(), message: "changed".into() });
     assert!(matches!(out.as_slice(), [Action::Unreadable { host: 0, kind: ErrorKind::SourceChanged, .. }]), "{out:?}");
     assert!(tx.is_over());
+}
+
+fn hard_link(out: &[Action]) -> Option<(usize, u64, &str, &str)> {
+    out.iter().find_map(|a| match a {
+        Action::Send { host, msg: ToReceiver::HardLink { id, path, first } } => Some((*host, *id, path.as_str(), first.as_str())),
+        _ => None,
+    })
+}
+
+#[test]
+fn other_names_wait_for_their_file_and_go_to_its_host() {
+    let mut tx = session(2);
+    let out = run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: Some(1), linked: true });
+    assert!(
+        matches!(
+            &out[..],
+            [
+                Action::Send { host: 1, msg: ToReceiver::Linked { id: 1 } },
+                Action::Send { host: 1, msg: ToReceiver::Announce { id: 1, .. } },
+            ]
+        ),
+        "{out:?}"
+    );
+    let out = run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into(), subject: String::new() });
+    assert!(out.is_empty(), "a name went before its file was settled: {out:?}");
+    run(&mut tx, Event::WalkDone);
+    run(&mut tx, Event::Control { host: 1, msg: ToSender::Plan { id: 1, skip: false, ranges: vec![(0, 1)] } });
+    let out = run(&mut tx, Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None });
+    assert!(!out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { .. }, .. })), "Finish while a name waits: {out:?}");
+    let digest = file_digest(&[sum("f", 0)]);
+    let out = run(&mut tx, Event::Control { host: 1, msg: ToSender::Done { id: 1, digest } });
+    assert_eq!(hard_link(&out), Some((1, 2, "g", "f")), "{out:?}");
+    let out = run(&mut tx, Event::Control { host: 1, msg: ToSender::Done { id: 2, digest: file_digest(&[]) } });
+    assert!(out.iter().any(|a| matches!(a, Action::Settle { id: 2, outcome: Outcome::Sent, .. })), "{out:?}");
+    assert_eq!(out.iter().filter(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { .. }, .. })).count(), 2, "{out:?}");
+    // A name offered once its file is settled goes at once.
+    let mut tx = session(1);
+    run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: true });
+    run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
+    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into(), subject: String::new() });
+    assert_eq!(hard_link(&out), Some((0, 2, "h", "f")), "{out:?}");
+}
+
+#[test]
+fn other_names_fail_with_their_file() {
+    let mut tx = session(1);
+    run(&mut tx, Event::Offer { meta: meta("f", BS), digest: None, pinned: None, linked: true });
+    run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into(), subject: String::new() });
+    let no = ToSender::Failed { id: 1, kind: ErrorKind::Permission, subject: String::new(), message: "denied".into() };
+    let out = run(&mut tx, Event::Control { host: 0, msg: no });
+    let failed = |out: &[Action], id: u64| {
+        out.iter().any(|a| {
+            matches!(a, Action::Settle { id: i, outcome: Outcome::Failed(e), .. }
+            if *i == id && e.kind == ErrorKind::Permission && e.message.contains("another name of f, which failed: denied"))
+        })
+    };
+    assert!(failed(&out, 2), "{out:?}");
+    assert!(hard_link(&out).is_none(), "{out:?}");
+    let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into(), subject: String::new() });
+    assert!(failed(&out, 3), "{out:?}");
+    let out = run(&mut tx, Event::WalkDone);
+    assert!(out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { files: 0, .. }, .. })), "{out:?}");
 }
