@@ -57,16 +57,18 @@ class DmoverServer(Server):
     """`dmover serve` with one export, run by the binary `binary` (the
     measured build's by default; the baseline's serves its own client).
     The export is made empty at the start and removed at the end, unless
-    `existing` (a data set it serves to be read)."""
+    `existing` (a data set it serves to be read). With `allow_owners`
+    clients may set owners in it (a build from before that flag has none)."""
 
     label = "dmover serve"
     grace = 40
     EXPORT = "bench"
 
     def __init__(self, ctx: Context, export_dir: Path, binary: Path | None = None,
-                 existing: bool = False, **kw):
+                 existing: bool = False, allow_owners: bool = False, **kw):
         super().__init__(ctx, **kw)
         self.export_dir, self.binary, self.existing = export_dir, binary or ctx.dmover, existing
+        self.allow_owners = allow_owners
 
     def url(self, path: str = "") -> str:
         return f"dmover://{self.host}:{self.port}/{self.EXPORT}" + (f"/{path}" if path else "")
@@ -79,7 +81,8 @@ class DmoverServer(Server):
     def argv(self) -> list[str]:
         return [str(self.binary), "serve", "--listen", f"{self.host}:{self.port}",
                 "--export", f"{self.EXPORT}={self.export_dir}",
-                "--token-file", str(self.ctx.token())]
+                "--token-file", str(self.ctx.token())] + \
+            (["--allow-owners", self.EXPORT] if self.allow_owners else [])
 
     def stopped(self, rc):
         if rc != 0:

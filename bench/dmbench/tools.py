@@ -397,7 +397,7 @@ class DmoverCopy(DmoverBuild, ServerCopyTool):
 
     def session(self, ctx: Context) -> DmoverServer:
         self.server = DmoverServer(ctx, ctx.work / f"export-{self.slug()}", self.binary(ctx),
-                                   host=self.host, netns=self.server_netns)
+                                   host=self.host, netns=self.server_netns, allow_owners=not self.baseline)
         return self.server
 
     def dest(self, ctx, run_no):

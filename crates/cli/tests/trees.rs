@@ -259,10 +259,11 @@ fn directories_keep_their_modes_and_times_through_every_path() {
 /// A tree whose files, directories and symlinks belong to users and groups
 /// other than the tester's (ids no name on this machine has), with
 /// extended attributes (a value that is not text, a name that is not
-/// UTF-8, a `trusted.*` one) and POSIX ACLs: an access ACL on a file, a
-/// default ACL on a directory.
+/// UTF-8, a `trusted.*` one), POSIX ACLs (an access ACL on a file, a
+/// default ACL on a directory), and a setuid program in a setgid
+/// directory.
 fn owned(root: &Path) -> PathBuf {
-    use std::os::unix::fs::{chown, lchown};
+    use std::os::unix::fs::{chown, lchown, PermissionsExt};
     fs::create_dir_all(root.join("shared/sub")).unwrap();
     fs::write(root.join("plain.txt"), "plain").unwrap();
     fs::write(root.join("shared/report.txt"), "report").unwrap();
@@ -289,6 +290,12 @@ fn owned(root: &Path) -> PathBuf {
     };
     acl(&["-m", "u:4242:rx,g:5000:r"], "shared/report.txt");
     acl(&["-d", "-m", "g:5000:rwx"], "shared");
+    fs::create_dir(root.join("bin")).unwrap();
+    fs::write(root.join("bin/tool"), "#!/bin/sh\n").unwrap();
+    chown(root.join("bin"), Some(4242), Some(5000)).unwrap();
+    chown(root.join("bin/tool"), Some(4242), Some(5000)).unwrap();
+    fs::set_permissions(root.join("bin/tool"), fs::Permissions::from_mode(0o4755)).unwrap();
+    fs::set_permissions(root.join("bin"), fs::Permissions::from_mode(0o2775)).unwrap();
     root.to_path_buf()
 }
 
@@ -304,7 +311,7 @@ fn owners_xattrs_and_acls_arrive_as_rsync_keeps_them_through_every_path() {
     let fields = [Field::Kind, Field::Content, Field::Perm, Field::Owner, Field::Mtime, Field::DirMtime, Field::Target, Field::Xattrs];
     every_path(&env, &src, &["-aXA", "--numeric-ids"], &mut |copy, at| {
         let j = copy(&[]).assert_ok();
-        assert_eq!(u(&j["files"]), 4, "{j:#}");
+        assert_eq!(u(&j["files"]), 5, "{j:#}");
         tree::assert_same(&reference, at, &fields);
     });
 }
@@ -333,6 +340,8 @@ fn an_export_that_does_not_allow_owners_refuses_them_and_keeps_user_xattrs_only(
     let xattrs = |p: &[u8]| snap.entries[p].xattrs.keys().map(|k| k.escape_ascii().to_string()).collect::<Vec<_>>();
     assert_eq!(xattrs(b"plain.txt"), ["user.bin\\xff", "user.colour"]);
     assert!(xattrs(b"shared/report.txt").is_empty(), "a trusted.* attribute was set: {:?}", xattrs(b"shared/report.txt"));
+    let mode = |p: &str| fs::metadata(export.join("archive").join(p)).unwrap().mode() & 0o7777;
+    assert_eq!((mode("bin/tool"), mode("bin")), (0o755, 0o775), "a setuid or setgid bit was planted");
 }
 
 /// A tree with a FIFO, a socket, a character and a block device, one of

@@ -99,10 +99,16 @@ impl Keep {
 
     /// The mode a received file or directory is given: its source's
     /// permission bits less those the umask clears. A directory keeps its
-    /// sticky bit, which only restricts who may remove names in it; setuid
-    /// and setgid bits are never applied, so that a peer cannot plant them.
+    /// sticky bit, which only restricts who may remove names in it. Setuid
+    /// and setgid bits are applied only with `--perms` where the sender may
+    /// set owners (as rsync's `-p` keeps them), so that a peer cannot plant
+    /// them elsewhere.
     pub(super) fn mode(&self, meta: &FileMeta) -> u32 {
-        let kept = if meta.is_dir() { 0o1777 } else { 0o777 };
+        let kept = match (self.privileged && self.flags.contains(TransferFlags::PERMS), meta.is_dir()) {
+            (true, _) => 0o7777,
+            (false, true) => 0o1777,
+            (false, false) => 0o777,
+        };
         meta.mode & kept & !self.umask
     }
 
