@@ -97,9 +97,10 @@ fn random_kill9_of_client_or_server_then_resume_is_byte_identical() {
                 (cmd.run().assert_ok(), written, false)
             }
         } else {
+            let mark = srv.log_mark();
             p.kill9();
-            // The server notices the lost connection; what it wrote stays journaled.
-            std::thread::sleep(Duration::from_millis(300));
+            // The session ends; what it wrote stays journaled.
+            srv.wait_for_log(mark, ENDED, "the session of the killed client ended");
             let written = written_bytes(&dst);
             assert_final_names_complete(&up_src, &dst);
             (cmd.run().assert_ok(), written, false)

@@ -68,6 +68,7 @@ fn read_json(p: &Path) -> Value {
 /// Waits until `sink` (writing to `out`) has saved step `step`, and every
 /// byte between it and the producer was read, its acknowledgements too:
 /// the steps written so far are settled there.
+#[track_caller]
 fn wait_settled(sink: &Server, out: &Path, step: u64) {
     let manifest = out.join(PRODUCER).join(format!("step-{step:06}.json"));
     let saved = wait_until(Duration::from_secs(20), || manifest.is_file());
@@ -77,12 +78,14 @@ fn wait_settled(sink: &Server, out: &Path, step: u64) {
 
 /// Waits until the (stopped) `sink` has bytes on its connections that it
 /// did not read: blocks in flight to it, unacknowledged.
+#[track_caller]
 fn wait_in_flight(sink: &Server) {
     let unread = || socket_queues(sink.port, true).iter().any(|&(unread, _)| unread > 0);
     assert!(wait_until(Duration::from_secs(20), unread), "no blocks in flight to the sink at {} within 20 s", sink.addr());
 }
 
 /// Waits until the producer has a connection to `sink` (it failed over to it).
+#[track_caller]
 fn wait_connected(sink: &Server, why: &str) {
     let connected = || !socket_queues(sink.port, true).is_empty();
     assert!(wait_until(Duration::from_secs(20), connected), "no connection to the sink at {} within 20 s ({why})", sink.addr());

@@ -366,6 +366,7 @@ impl Server {
     /// Waits up to 20 s for a log line containing `what` written after
     /// `mark` (from [`Server::log_mark`]); panics saying `why` it was
     /// awaited, with the log, if none comes.
+    #[track_caller]
     pub fn wait_for_log(&self, mark: usize, what: &str, why: &str) {
         let logged = || self.log().get(mark..).is_some_and(|new| new.contains(what));
         assert!(wait_until(Duration::from_secs(20), logged), "no {what:?} in the server's log within 20 s ({why}):\n{}", self.log());
@@ -387,6 +388,9 @@ impl Drop for Server {
         }
     }
 }
+
+/// What a server logs when a session ends because its client vanished.
+pub const ENDED: &str = "the peer closed the connection";
 
 /// Lines of a server's log that contain `what`, a summary line of
 /// refusals held back ("N more connections ...; the last: ...") counted as
@@ -423,6 +427,7 @@ pub fn socket_queues(port: u16, from_port: bool) -> Vec<(u64, u64)> {
 /// peers on this host was read, both ways: what was sent so far has been
 /// taken in on each side. The server must have at least `peers`
 /// connections; `why` says what the wait is for, should it fail.
+#[track_caller]
 pub fn wait_quiet(port: u16, peers: usize, why: &str) {
     let mut seen = Vec::new();
     let quiet = || {
