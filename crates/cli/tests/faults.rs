@@ -318,6 +318,9 @@ fn upload_across_a_cut(cut: Duration, server_flags: &[&str]) -> Cut {
 /// retry), sending nothing twice.
 #[test]
 fn link_cut_for_10_s_mid_transfer_the_transfer_continues_by_itself() {
+    if !dmover_testkit::needs_root("network namespaces and a veth pair, to cut the link") {
+        return;
+    }
     let c = upload_across_a_cut(Duration::from_secs(10), &[]);
     let (retries, sent) = (u(&c.report["retries"]), u(&c.report["sent_bytes"]));
     assert_eq!(retries, 0, "a 10 s cut within every idle timeout made the client reconnect: {:#}", c.report);
@@ -332,6 +335,9 @@ fn link_cut_for_10_s_mid_transfer_the_transfer_continues_by_itself() {
 /// arrived) on top of the whole data set.
 #[test]
 fn link_cut_longer_than_the_idle_timeout_the_client_reconnects_and_resumes() {
+    if !dmover_testkit::needs_root("network namespaces and a veth pair, to cut the link") {
+        return;
+    }
     let c = upload_across_a_cut(Duration::from_secs(8), &["--idle-timeout", "3"]);
     let (retries, sent) = (u(&c.report["retries"]), u(&c.report["sent_bytes"]));
     assert!(retries >= 1, "the server dropped the session during the cut, yet the client never reconnected: {:#}", c.report);
@@ -355,6 +361,9 @@ fn link_cut_longer_than_the_idle_timeout_the_client_reconnects_and_resumes() {
 /// incomplete under a final name; once space is freed, the same command
 /// completes, without sending again what had been committed.
 fn disk_full_then_freed(upload: bool) {
+    if !dmover_testkit::needs_root("a small tmpfs mount, to fill up") {
+        return;
+    }
     let env = Env::new();
     let export = env.mkdir("export");
     let full = env.path("full");
