@@ -35,8 +35,7 @@ enum Way {
 /// enough of what is written to read a log line), to `trace`.
 fn strace(trace: &Path) -> Vec<std::ffi::OsString> {
     let calls = "trace=fsync,syncfs,openat,mkdir,mkdirat,rename,renameat,renameat2,write,pwrite64,pwritev,pwritev2,writev";
-    let mut p: Vec<std::ffi::OsString> =
-        ["strace", "-f", "-qq", "-y", "-s", "300", "-e", calls, "-o"].iter().map(Into::into).collect();
+    let mut p: Vec<std::ffi::OsString> = ["strace", "-f", "-qq", "-y", "-s", "300", "-e", calls, "-o"].iter().map(Into::into).collect();
     p.push(trace.into());
     p
 }
@@ -235,12 +234,17 @@ fn files_are_synced_before_and_after_their_rename_and_no_fsync_skips_it() {
             let written = written.unwrap_or_else(|| panic!("{way:?}: no write of {} in the trace", from.display()));
             let data_synced = synced(from).find(|s| s.start > written && s.end < r.start);
             let data_synced = data_synced.unwrap_or_else(|| {
-                panic!("{way:?}: {} was not synced between its last write and its rename (trace lines {written}, {})", to.display(), r.start)
+                panic!(
+                    "{way:?}: {} was not synced between its last write and its rename (trace lines {written}, {})",
+                    to.display(),
+                    r.start
+                )
             });
             // ... and its directory synced after the rename ...
             let dir = to.parent().unwrap();
             let dir_synced = synced(dir).filter(|s| s.start > r.end).map(|s| s.end).min();
-            let dir_synced = dir_synced.unwrap_or_else(|| panic!("{way:?}: {}: its directory was not synced after the rename", to.display()));
+            let dir_synced =
+                dir_synced.unwrap_or_else(|| panic!("{way:?}: {}: its directory was not synced after the rename", to.display()));
             // ... all before the receiver confirms it, and before a client reports success.
             let rel = to.strip_prefix(&into).unwrap().to_string_lossy().into_owned();
             let confirmed = calls

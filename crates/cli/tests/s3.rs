@@ -671,7 +671,11 @@ fn session_tokens_and_a_profile_with_its_endpoint_from_shared_files() {
     assert_eq!(list_files(&bucket.join("lab/src")).keys().collect::<Vec<_>>(), list_files(&src).keys().collect::<Vec<_>>());
     assert!(relay.to_server() > 0, "nothing went to the endpoint_url of the profile");
     let r = from_files("temp");
-    assert!(carried_session_token(&seen, "token-of-the-profile"), "the profile's aws_session_token did not reach the requests:\n{}", r.stderr);
+    assert!(
+        carried_session_token(&seen, "token-of-the-profile"),
+        "the profile's aws_session_token did not reach the requests:\n{}",
+        r.stderr
+    );
 }
 
 /// CLI.md: an object's `dmover-digest` is checked on the way down when the

@@ -190,7 +190,8 @@ fn tuners_open_streams_on_a_link_one_stream_cannot_fill() {
     eprintln!("tuning: one stream {r1:.1} Mbit/s");
 
     // MI starts from one stream and doubles while the buffers are the bottleneck.
-    let (mi, seen) = across_counted(&mut bench_cmd(&env, &["--size", "40M", "--tune", "mi", "--tune-chunk", "3M"], server.port), server.port);
+    let (mi, seen) =
+        across_counted(&mut bench_cmd(&env, &["--size", "40M", "--tune", "mi", "--tune-chunk", "3M"], server.port), server.port);
     assert_mi_doubled("bench", &mi, seen);
 
     let auto = bench(&env, &["--size", "64M"], server.port);
