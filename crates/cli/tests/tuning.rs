@@ -110,20 +110,23 @@ fn bench(env: &Env, args: &[&str], port: u16) -> serde_json::Value {
 }
 
 /// Checks that MI started from one stream and doubled (1, 2, 4, ...), and
-/// that the server held as many data connections as the timeline says at
-/// its most (`seen`: the most connections seen at once, the control
-/// connection with them).
+/// that the server held as many data connections as the timeline says
+/// (`seen`: the most connections seen at once, the control connection with
+/// them): at least the most any point but the last gives (the last may be
+/// a decision the transfer ended before it took effect), at most the most
+/// of all.
 fn assert_mi_doubled(what: &str, j: &serde_json::Value, seen: usize) {
     let n = streams(j);
     assert_eq!(n.first(), Some(&1), "{what}: MI should start from one stream: {n:?}");
     let mut steps = n.clone();
     steps.dedup();
     assert!(steps.starts_with(&[1, 2, 4]), "{what}: MI should double from 1: {n:?}");
+    let held = *n[..n.len() - 1].iter().max().unwrap() as usize;
     let most = *n.iter().max().unwrap() as usize;
-    eprintln!("tuning: {what}: MI streams {steps:?}, {seen} connections seen at once at the server");
+    eprintln!("tuning: {what}: MI streams {n:?}, {seen} connections seen at once at the server");
     assert!(
-        (most + 1..=most + 2).contains(&seen),
-        "{what}: the timeline says {most} streams at most, but the server held {seen} connections at once (ss), the control connection with them"
+        (held + 1..=most + 1).contains(&seen),
+        "{what}: the timeline {n:?} says {held} streams held (and {most} at most), but the server held {seen} connections at once (ss), the control connection with them"
     );
 }
 
