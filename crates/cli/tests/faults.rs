@@ -583,7 +583,7 @@ fn reply_on_a_reset_control_connection_ends_the_session() {
     let srv = env.serve(&[("e", &export)]);
     let pid = srv.pid();
     let token = env.token_str();
-    std::thread::sleep(Duration::from_millis(200));
+    // The server starts its threads and opens its descriptors before it says it listens.
     let (fds_before, threads_before) = (open_fds(pid), proc_status(pid, "Threads:"));
     for i in 0..40u8 {
         let mut c = Raw::control(&srv.addr(), token.as_bytes());
