@@ -6,8 +6,9 @@
 //! it confirms it. Empty files, made in place, are synced after they are
 //! made, many at once by one sync of their file system. Another name of a
 //! file (`-H`) is synced after its rename, as a file is. Seen from outside
-//! through strace, as the order of the receiver's sync, mkdir, create and
-//! rename calls.
+//! through strace, as the order of the receiver's writes, sync, mkdir,
+//! create and rename calls, and of the debug log line ("committed") it
+//! writes as it confirms a file; a client's report comes after them all.
 
 mod util;
 
@@ -30,14 +31,12 @@ enum Way {
     Local,
 }
 
-/// strace's arguments before the traced command: the sync, create and
-/// rename calls of every thread, with the paths of descriptors, to `trace`.
+/// strace's arguments before the traced command: the write, sync, create
+/// and rename calls of every thread, with the paths of descriptors (and
+/// enough of what is written to read a log line), to `trace`.
 fn strace(trace: &Path) -> Vec<std::ffi::OsString> {
-    let mut p: Vec<std::ffi::OsString> =
-        ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,syncfs,openat,mkdir,mkdirat,rename,renameat,renameat2", "-o"]
-            .iter()
-            .map(Into::into)
-            .collect();
+    let calls = "trace=fsync,syncfs,openat,mkdir,mkdirat,rename,renameat,renameat2,write,pwrite64,pwritev,pwritev2,writev";
+    let mut p: Vec<std::ffi::OsString> = ["strace", "-f", "-qq", "-y", "-s", "300", "-e", calls, "-o"].iter().map(Into::into).collect();
     p.push(trace.into());
     p
 }
@@ -63,6 +62,8 @@ fn copy_traced(way: Way, extra: &[&str], size: impl Fn(&mut Rng) -> u64) -> (Pat
         // The server is strace's child: have it killed when strace is, as
         // the test's kill reaches strace only.
         spec.prefix.extend(["setpriv", "--pdeathsig", "KILL"].iter().map(Into::into));
+        // "PATH: committed" as it confirms each file.
+        spec.envs.push(("DMOVER_LOG".into(), Some("debug".into())));
     }
     let srv = Server::start(spec);
     let local = env.mkdir("local");
@@ -82,7 +83,7 @@ fn copy_traced(way: Way, extra: &[&str], size: impl Fn(&mut Rng) -> u64) -> (Pat
     args.extend(extra.iter().map(|s| s.to_string()));
     let mut cp = env.cp(args);
     if !matches!(way, Way::Upload) {
-        cp.prefix(strace(&trace));
+        cp.prefix(strace(&trace)).env("DMOVER_LOG", "debug");
     }
     cp.run().assert_ok();
     let source = if let Way::Download = way { export.join("src") } else { src };
@@ -112,6 +113,13 @@ enum What {
     MakeDir(PathBuf),
     /// A rename of `from` to `to`.
     Rename { from: PathBuf, to: PathBuf },
+    /// Data written to the file at this path.
+    Write(PathBuf),
+    /// A log line written to stderr: the file whose `NAME: committed` it is
+    /// (the name as the log shows it), else None.
+    Committed(Option<String>),
+    /// The start of a JSON report written to stdout.
+    Report,
 }
 
 /// The sync, create and rename calls that succeeded in a trace of `strace -f -y`,
@@ -139,7 +147,17 @@ fn calls(trace: &Path) -> Vec<Call> {
         if !result.starts_with(|c: char| c.is_ascii_digit()) {
             continue;
         }
-        let what = if args.starts_with("fsync(") {
+        let what = if args.starts_with("write(2<") {
+            let line = args.split_once('"').map_or("", |(_, l)| l);
+            What::Committed(line.split_once("] ").and_then(|(_, m)| m.split_once(": committed\\n")).map(|(name, _)| name.to_string()))
+        } else if args.starts_with("write(1<") && args.contains("\"{") {
+            What::Report
+        } else if args.starts_with("write(") || args.starts_with("writev(") || args.starts_with("pwrite") {
+            match first_fd_path(args) {
+                Some(p) => What::Write(p),
+                None => continue,
+            }
+        } else if args.starts_with("fsync(") {
             What::Sync(fd_paths(args).remove(0))
         } else if args.starts_with("syncfs(") {
             What::SyncFs(fd_paths(args).remove(0))
@@ -172,6 +190,13 @@ fn calls(trace: &Path) -> Vec<Call> {
     out
 }
 
+/// The path of a call's first descriptor, `9</a/b>`, if it is a file's.
+fn first_fd_path(args: &str) -> Option<PathBuf> {
+    let (_, rest) = args.split_once('<')?;
+    let (path, _) = rest.split_once(">, ")?;
+    Some(PathBuf::from(path)).filter(|p| p.is_absolute())
+}
+
 /// The paths strace -y shows for descriptors: `9</a/b>`.
 fn fd_paths(args: &str) -> Vec<PathBuf> {
     args.split('<').skip(1).filter_map(|p| p.split_once('>')).map(|(p, _)| PathBuf::from(p)).filter(|p| p.is_absolute()).collect()
@@ -202,10 +227,40 @@ fn files_are_synced_before_and_after_their_rename_and_no_fsync_skips_it() {
             })
             .collect();
         assert_eq!(renames.len(), FILES, "{way:?}: every file is renamed into place once: {calls:#?}");
+        let report = calls.iter().find(|c| c.what == What::Report);
+        assert_eq!(report.is_some(), !matches!(way, Way::Upload), "{way:?}: the traced client's report (only a client reports)");
         for (r, from, to) in &renames {
-            assert!(synced(from).any(|s| s.end < r.start), "{way:?}: {} renamed before its data was made durable", to.display());
+            // Its data is written, then synced, then it is renamed ...
+            let written = calls.iter().filter(|c| c.what == What::Write(from.to_path_buf())).map(|c| c.end).max();
+            let written = written.unwrap_or_else(|| panic!("{way:?}: no write of {} in the trace", from.display()));
+            let data_synced = synced(from).find(|s| s.start > written && s.end < r.start);
+            let data_synced = data_synced.unwrap_or_else(|| {
+                panic!(
+                    "{way:?}: {} was not synced between its last write and its rename (trace lines {written}, {})",
+                    to.display(),
+                    r.start
+                )
+            });
+            // ... and its directory synced after the rename ...
             let dir = to.parent().unwrap();
-            assert!(synced(dir).any(|s| s.start > r.end), "{way:?}: {}: its directory was not synced after the rename", to.display());
+            let dir_synced = synced(dir).filter(|s| s.start > r.end).map(|s| s.end).min();
+            let dir_synced =
+                dir_synced.unwrap_or_else(|| panic!("{way:?}: {}: its directory was not synced after the rename", to.display()));
+            // ... all before the receiver confirms it, and before a client reports success.
+            let rel = to.strip_prefix(&into).unwrap().to_string_lossy().into_owned();
+            let confirmed = calls
+                .iter()
+                .find(|c| matches!(&c.what, What::Committed(Some(n)) if n == &rel || n.ends_with(&format!("/{rel}"))))
+                .unwrap_or_else(|| panic!("{way:?}: the receiver never logged {rel} as committed"));
+            assert!(
+                data_synced.end < confirmed.start && dir_synced < confirmed.start,
+                "{way:?}: {rel} was confirmed at trace line {} before it was durable: its data synced at line {}, its directory at line {dir_synced}",
+                confirmed.start,
+                data_synced.end
+            );
+            if let Some(report) = report {
+                assert!(dir_synced < report.start, "{way:?}: the client reported success before {rel}'s directory was synced");
+            }
         }
         // The new directories' own names: each directory up to the one
         // `dst` was made in is synced after the directory below it on the

@@ -218,11 +218,17 @@ fn all_slots_taken_by_idle_peers_an_honest_client_gets_through_after_the_timeout
     let env = Env::new();
     let export = env.mkdir("export");
     let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("server.log"));
-    spec.extra = ["--max-connections", "8", "--idle-timeout", "3"].map(Into::into).to_vec();
+    let metrics = format!("127.0.0.1:{}", closed_port());
+    spec.extra = ["--max-connections", "8", "--idle-timeout", "3", "--metrics", &metrics].map(Into::into).to_vec();
     let srv = Server::start(spec);
     let token = env.token_str();
     let idle: Vec<Raw> = (0..8).map(|_| Raw::control(&srv.addr(), token.as_bytes())).collect();
-    std::thread::sleep(Duration::from_millis(300));
+    // A connection takes its slot just after the welcome it was sent.
+    let authenticated = || {
+        let page = http_get(&metrics, "/metrics").map(|(_, p)| p).unwrap_or_default();
+        sample(&page, "dmover_connections_total{outcome=\"authenticated\"}") == Some(8.0)
+    };
+    assert!(wait_until(Duration::from_secs(10), authenticated), "the 8 idle peers did not all take a slot within 10 s");
     let src = env.path("src");
     make_tree(&src, 5, 5);
     let r = env.cp([src.display().to_string(), srv.url("e"), "-p".into(), "2".into()]).run();
@@ -721,7 +727,7 @@ fn three_hundred_idle_unauthenticated_connections_do_not_lock_out_an_honest_clie
     let export = env.mkdir("export");
     let srv = env.serve(&[("e", &export)]);
     let addr = srv.addr();
-    let stop = AtomicBool::new(false);
+    let (stop, full) = (AtomicBool::new(false), AtomicBool::new(false));
     let src = env.path("src");
     make_tree(&src, 8, 10);
     let r = std::thread::scope(|s| {
@@ -739,10 +745,14 @@ fn three_hundred_idle_unauthenticated_connections_do_not_lock_out_an_honest_clie
                         Err(_) => break,
                     }
                 }
+                if conns.len() == 300 {
+                    full.store(true, Ordering::SeqCst);
+                }
                 std::thread::sleep(Duration::from_millis(100));
             }
         });
-        std::thread::sleep(Duration::from_millis(1500));
+        let held = wait_until(Duration::from_secs(20), || full.load(Ordering::SeqCst));
+        assert!(held, "the attacker never held its 300 connections at once");
         let r = env.cp([src.display().to_string(), srv.url("e")]).timeout(Duration::from_secs(40)).run();
         stop.store(true, Ordering::SeqCst);
         r

@@ -74,7 +74,7 @@ fn many_clients_at_once_all_verify_with_bounded_memory_and_no_descriptor_leak() 
     let set_bytes = total_size(&up).min(total_size(&down));
     assert!(set_bytes >= 8 * STAGING, "each client must move far more than its staging: {set_bytes} bytes");
 
-    std::thread::sleep(Duration::from_millis(200));
+    // The server starts its threads and opens its descriptors before it says it listens.
     let fds_before = open_fds(pid);
     let threads_before = proc_status(pid, "Threads:");
     let rss_before = proc_status(pid, "VmRSS:");

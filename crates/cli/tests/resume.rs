@@ -122,9 +122,10 @@ fn client_killed_mid_upload_then_rerun_resumes() {
     cmd.cwd(env.root());
     let mut p = cmd.spawn();
     wait_for_progress(&mut p, &src, &dst, total, 0.4);
+    let mark = srv.log_mark();
     p.kill9();
-    // The server notices the lost connection; what it wrote stays journaled.
-    std::thread::sleep(Duration::from_millis(300));
+    // The session ends; what it wrote stays journaled.
+    srv.wait_for_log(mark, ENDED, "the session of the killed client ended");
     let (written, partial) = check_interrupted(&src, &dst, total);
     // As if the empty file had been left as a partial file: a resumed run
     // makes it under its final name and removes the partial one.
@@ -377,8 +378,9 @@ fn single_file_to_a_new_name_killed_then_rerun_resumes() {
         written >= BIG * 2 / 5 || !p.running()
     });
     assert!(ok && p.running(), "no interruption mid-file: {written} of {BIG} bytes written, client running: {}", p.running());
+    let mark = srv.log_mark();
     p.kill9();
-    std::thread::sleep(Duration::from_millis(300));
+    srv.wait_for_log(mark, ENDED, "the session of the killed client ended");
     assert!(!dst.exists(), "newname exists under its final name after an interruption");
     assert!(part.is_file(), "no .newname.dmover-part: {:?}", list_tree(&export).keys().collect::<Vec<_>>());
     assert!(

@@ -4,13 +4,16 @@
 //! staging, from bucket to bucket, between a bucket and a server, globs
 //! (and ls), --sync (a same-size change, a same-size same-mtime change
 //! with -c, an object left without dmover's metadata), the digest kept
-//! with each object and checked on the way down, objects other tools
-//! wrote, credentials from a profile with --s3-endpoint, what wrong
-//! credentials and a missing bucket say, and symlinks kept as rclone's
-//! --links keeps them (read by rclone both ways).
+//! with each object and checked on the way down (only with the block size
+//! it was made with), objects other tools wrote, credentials from a
+//! profile with --s3-endpoint, shared files a profile of which names the
+//! endpoint, session tokens sent with the requests, what wrong credentials
+//! and a missing bucket say, and symlinks kept as rclone's --links keeps
+//! them (read by rclone both ways).
 //! And a bucket served by `dmover serve --export NAME=s3://BUCKET/prefix`:
 //! up, down and listed as a directory export is, an upload into it cut
-//! short and resumed, third-party copies to and from a directory export,
+//! short and resumed (with its state in the default place, and under
+//! `--state-dir`), third-party copies to and from a directory export,
 //! paths that leave the prefix refused at the wire level, and a bucket that
 //! cannot be reached stopping the server.
 
@@ -52,9 +55,15 @@ impl Setup {
     /// A `dmover serve` of `exports` (NAME, and a directory or an s3:// URL)
     /// reaching the S3 server, its state under the home directory's cache.
     fn serve(&self, exports: &[(&str, &str)]) -> Server {
+        self.serve_with(exports, &[])
+    }
+
+    /// The same with `extra` flags.
+    fn serve_with(&self, exports: &[(&str, &str)], extra: &[&str]) -> Server {
         let exports: Vec<(&str, &Path)> = exports.iter().map(|(n, w)| (*n, Path::new(*w))).collect();
         let mut spec = ServerSpec::new(&self.env.token, &exports, &self.env.path(&format!("server-{}.log", unique())));
         spec.envs = s3_env(&self.s3, &self.env.path("home"));
+        spec.extra = extra.iter().map(Into::into).collect();
         Server::start(spec)
     }
 
@@ -148,7 +157,11 @@ fn kill_when_parts_recorded(state: &Path, cp: Cmd, parts: u64) -> u64 {
         recorded = recorded_parts(&state.join("uploads"));
         recorded >= parts || !p.running()
     });
-    assert!(caught && p.running(), "the upload ended or stalled before it could be interrupted ({recorded} parts recorded)");
+    assert!(
+        caught && p.running(),
+        "the upload ended or stalled before it could be interrupted ({recorded} parts recorded in {})",
+        state.join("uploads").display()
+    );
     p.kill9();
     recorded
 }
@@ -622,6 +635,96 @@ fn credentials_from_a_profile_and_the_endpoint_from_the_command_line() {
     assert!(t.s3.root.join("data/p/src/one.bin").exists());
 }
 
+/// A relay in front of the S3 server that keeps every byte clients send
+/// through it (HTTP in the clear: the requests' headers).
+fn recording_relay(s3: &S3Server) -> (Relay, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = seen.clone();
+    let tap: Tap = std::sync::Arc::new(move |piece: &mut [u8]| keep.lock().unwrap().extend_from_slice(piece));
+    (Relay::tapped(&s3.endpoint().replace("http://", ""), Some(tap)), seen)
+}
+
+/// Whether the requests `seen` carried `token` as their session token.
+fn carried_session_token(seen: &std::sync::Mutex<Vec<u8>>, token: &str) -> bool {
+    let text = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+    text.contains(&format!("x-amz-security-token: {}", token.to_ascii_lowercase()))
+}
+
+/// Temporary credentials: a session token, from `AWS_SESSION_TOKEN` or a
+/// profile's `aws_session_token`, goes with the requests (versitygw, which
+/// has no temporary credentials, refuses them: only the requests are
+/// checked). And from shared files that `AWS_SHARED_CREDENTIALS_FILE` and
+/// `AWS_CONFIG_FILE` name, the profile `AWS_PROFILE` names gives the keys
+/// and (`endpoint_url` in the config file) the endpoint, with neither
+/// `--s3-endpoint` nor `AWS_ENDPOINT_URL`.
+#[test]
+fn session_tokens_and_a_profile_with_its_endpoint_from_shared_files() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    make_tree(&src, 31, 3);
+
+    let (relay, seen) = recording_relay(&t.s3);
+    let mut c = t.cp([src.to_str().unwrap(), "s3://data/env"]);
+    c.env("AWS_ENDPOINT_URL", format!("http://{}", relay.addr())).env("AWS_SESSION_TOKEN", "token-from-the-environment");
+    let r = c.run();
+    assert!(carried_session_token(&seen, "token-from-the-environment"), "AWS_SESSION_TOKEN did not reach the requests:\n{}", r.stderr);
+
+    let (relay, seen) = recording_relay(&t.s3);
+    let aws = t.env.mkdir("elsewhere");
+    let (credentials, config) = (aws.join("creds"), aws.join("conf"));
+    let keys = format!("aws_access_key_id = {}\naws_secret_access_key = {}\n", t.s3.access_key, t.s3.secret_key);
+    let profiles = format!(
+        "[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n[lab]\n{keys}\n[temp]\n{keys}aws_session_token = token-of-the-profile\n"
+    );
+    fs::write(&credentials, profiles).unwrap();
+    let endpoint = format!("endpoint_url = http://{}\n", relay.addr());
+    fs::write(&config, format!("[default]\nregion = us-east-1\n\n[profile lab]\n{endpoint}\n[profile temp]\n{endpoint}")).unwrap();
+    let from_files = |profile: &str| {
+        let mut c = t.cp([src.to_str().unwrap(), &format!("s3://data/{profile}")]);
+        c.env_remove("AWS_ACCESS_KEY_ID").env_remove("AWS_SECRET_ACCESS_KEY").env_remove("AWS_ENDPOINT_URL");
+        c.env("AWS_SHARED_CREDENTIALS_FILE", &credentials).env("AWS_CONFIG_FILE", &config).env("AWS_PROFILE", profile);
+        c.run()
+    };
+    from_files("lab").assert_ok();
+    assert_eq!(list_files(&bucket.join("lab/src")).keys().collect::<Vec<_>>(), list_files(&src).keys().collect::<Vec<_>>());
+    assert!(relay.to_server() > 0, "nothing went to the endpoint_url of the profile");
+    let r = from_files("temp");
+    assert!(
+        carried_session_token(&seen, "token-of-the-profile"),
+        "the profile's aws_session_token did not reach the requests:\n{}",
+        r.stderr
+    );
+}
+
+/// CLI.md: an object's `dmover-digest` is checked on the way down when the
+/// same `--block-size` is used, and only then (a digest made with other
+/// blocks cannot be compared): an intact object comes down with another
+/// block size, and a damaged one fails with the same.
+#[test]
+fn an_objects_digest_is_checked_only_with_the_block_size_it_was_made_with() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    // Larger than a part, so that it is read in ranges and only dmover's
+    // own digest can catch damage (not the server's checksum of the whole).
+    make_file(&src.join("large.bin"), 20 * MIB, &mut Rng::new(41));
+    t.cp([src.to_str().unwrap(), "s3://data/", "--block-size", "1M"]).run().assert_ok();
+    let other = t.env.mkdir("other");
+    t.cp(["s3://data/src/", other.to_str().unwrap(), "--block-size", "4M"]).run().assert_ok();
+    assert_same_tree(&src, &other);
+
+    let obj = bucket.join("src/large.bin");
+    let mut data = fs::read(&obj).unwrap();
+    data[(3 << 20) + 11] ^= 1;
+    fs::write(&obj, &data).unwrap();
+    let same = t.env.mkdir("same");
+    let r = t.cp(["s3://data/src/", same.to_str().unwrap(), "--block-size", "1M"]).run();
+    let j = r.json();
+    assert_ne!(r.code, 0, "a damaged object was accepted with the block size of its digest: {j:#}");
+    assert_eq!(j["errors"][0]["kind"], "verify-failed", "{j:#}");
+}
+
 #[test]
 fn wrong_credentials_say_so() {
     let Some(t) = Setup::new() else { return };
@@ -765,6 +868,27 @@ fn an_upload_into_a_served_bucket_killed_midway_resumes() {
     assert!(same_content(&file, &bucket.join("in/big.bin")), "the object differs from the file");
     assert_eq!(t.s3.uploads("data"), [], "incomplete multipart uploads remain");
     assert_eq!(list_files(&bucket).into_keys().collect::<Vec<_>>(), ["in/big.bin"]);
+}
+
+/// CLI.md: `--state-dir DIR` keeps a bucket export's resume state (the
+/// records of its multipart uploads) in DIR/NAME, not in the default cache
+/// directory, and an upload cut short resumes from it.
+#[test]
+fn a_bucket_exports_resume_state_is_kept_under_state_dir() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let state = t.env.path("state");
+    let srv = t.serve_with(&[("b", "s3://data/in")], &["--state-dir", state.to_str().unwrap()]);
+    let file = t.env.mkdir("src").join("big.bin");
+    let size = 5 * PART + 999;
+    make_sparse(&file, size, 67);
+    let args = [file.to_str().unwrap().to_string(), srv.url("b/big.bin"), "--bwlimit".into(), "16M".into()];
+    let recorded = kill_when_parts_recorded(&state.join("b"), t.env.cp(&args), 1);
+    let default = t.env.path("home/.cache/dmover/serve");
+    assert!(!default.exists(), "state went to the default {} despite --state-dir", default.display());
+    let sent = u(&t.env.cp(&args).run().assert_ok()["sent_bytes"]);
+    assert!(sent + recorded * PART <= size, "the re-run sent {sent} of {size} bytes, though {recorded} parts were recorded in --state-dir");
+    assert!(same_content(&file, &bucket.join("in/big.bin")), "the object differs from the file");
 }
 
 /// Paths that try to leave a bucket export's prefix, sent as raw requests

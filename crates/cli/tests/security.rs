@@ -62,8 +62,9 @@ fn a_data_connection_for_an_ended_session_is_refused_at_once() {
         Reply::SessionOpened { session } => session,
         m => panic!("expected a session, got {m:?}"),
     };
+    let mark = srv.log_mark();
     drop(control);
-    std::thread::sleep(Duration::from_millis(500));
+    srv.wait_for_log(mark, ENDED, "the session ended with its control connection");
 
     let started = Instant::now();
     let mut late = Conn::open(&srv.addr(), &cred).unwrap();

@@ -150,8 +150,9 @@ fn a_sparse_upload_killed_then_rerun_completes_it_intact_and_sparse() {
         written >= data * 2 / 5 || !p.running()
     });
     assert!(ok && p.running(), "no interruption mid-file: {written} of {data} bytes written, client running: {}", p.running());
+    let mark = srv.log_mark();
     p.kill9();
-    std::thread::sleep(Duration::from_millis(300));
+    srv.wait_for_log(mark, ENDED, "the session of the killed client ended");
     assert!(!dst.exists(), "copy.bin exists under its final name after an interruption");
     let written = allocated(&part).min(data);
 

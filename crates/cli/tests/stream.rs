@@ -65,6 +65,32 @@ fn read_json(p: &Path) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// Waits until `sink` (writing to `out`) has saved step `step`, and every
+/// byte between it and the producer was read, its acknowledgements too:
+/// the steps written so far are settled there.
+#[track_caller]
+fn wait_settled(sink: &Server, out: &Path, step: u64) {
+    let manifest = out.join(PRODUCER).join(format!("step-{step:06}.json"));
+    let saved = wait_until(Duration::from_secs(20), || manifest.is_file());
+    assert!(saved, "step {step} was not saved at the sink at {} within 20 s:\n{}", sink.addr(), sink.log());
+    wait_quiet(sink.port, 1, &format!("step {step} settled at the sink at {}", sink.addr()));
+}
+
+/// Waits until the (stopped) `sink` has bytes on its connections that it
+/// did not read: blocks in flight to it, unacknowledged.
+#[track_caller]
+fn wait_in_flight(sink: &Server) {
+    let unread = || socket_queues(sink.port, true).iter().any(|&(unread, _)| unread > 0);
+    assert!(wait_until(Duration::from_secs(20), unread), "no blocks in flight to the sink at {} within 20 s", sink.addr());
+}
+
+/// Waits until the producer has a connection to `sink` (it failed over to it).
+#[track_caller]
+fn wait_connected(sink: &Server, why: &str) {
+    let connected = || !socket_queues(sink.port, true).is_empty();
+    assert!(wait_until(Duration::from_secs(20), connected), "no connection to the sink at {} within 20 s ({why})", sink.addr());
+}
+
 /// Checks every block of every step against what was written, where the
 /// producer's manifest says it is (`sinks`: address → the sink's directory).
 fn check_delivery(report: &Report, written: &[Vec<u8>], sinks: &HashMap<String, PathBuf>) -> Value {
@@ -227,10 +253,10 @@ fn killing_the_primary_sink_fails_over_to_the_alternate_and_loses_nothing() {
     let mut written: Vec<Vec<u8>> = (0..4).map(|step| write_step(&mut s, step)).collect();
     // Let the first steps settle at the primary, then freeze it so that
     // blocks are in flight, unacknowledged, when it dies.
-    std::thread::sleep(Duration::from_millis(500));
+    wait_settled(&primary, &out_a, 3);
     primary.signal(libc::SIGSTOP);
     written.extend((4..7).map(|step| write_step(&mut s, step)));
-    std::thread::sleep(Duration::from_millis(200));
+    wait_in_flight(&primary);
     primary.kill9();
     written.extend((7..12).map(|step| write_step(&mut s, step)));
     let report = s.close().unwrap();
@@ -422,9 +448,9 @@ fn after_every_sink_died_restarting_one_and_draining_leaves_a_complete_set() {
     c.close_timeout = Duration::from_secs(2);
     let mut s = Stream::open(c).unwrap();
     let mut written: Vec<Vec<u8>> = (0..4).map(|step| write_step(&mut s, step)).collect();
-    std::thread::sleep(Duration::from_millis(300));
+    wait_settled(&primary, &out_a, 3);
     primary.kill9();
-    std::thread::sleep(Duration::from_millis(300));
+    wait_connected(&alternate, "the producer fails over once the primary is gone");
     alternate.kill9();
     written.extend((4..9).map(|step| write_step(&mut s, step)));
     let report = s.close().unwrap();
@@ -464,7 +490,7 @@ fn a_sink_that_hangs_is_failed_over_after_the_ack_timeout() {
     c.ack_timeout = Duration::from_secs(1);
     let mut s = Stream::open(c).unwrap();
     let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
-    std::thread::sleep(Duration::from_millis(300));
+    wait_settled(&primary, &out_a, 1);
     // Alive but silent: its connections stay open and nothing is acknowledged.
     primary.signal(libc::SIGSTOP);
     written.extend((2..7).map(|step| write_step(&mut s, step)));
@@ -520,7 +546,7 @@ fn a_sinks_name_is_the_same_in_every_manifest() {
     let at_primary = out_a.join(PRODUCER).join("step-000000.dat");
     let arrived = || std::fs::metadata(&at_primary).is_ok_and(|m| m.len() == 3 * BLOCK as u64);
     assert!(wait_until(Duration::from_secs(20), arrived), "the first blocks did not reach the primary:\n{}", primary.log());
-    std::thread::sleep(Duration::from_millis(500));
+    wait_quiet(primary.port, 1, "the primary's acknowledgements of the first blocks read by the producer");
     primary.kill9();
     s.write(&first[3 * BLOCK as usize..]).unwrap();
     s.end_step().unwrap();
@@ -726,7 +752,7 @@ fn a_hung_sink_is_failed_over_at_the_ack_timeout_not_before() {
     c.ack_timeout = ack_timeout;
     let mut s = Stream::open(c).unwrap();
     let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
-    std::thread::sleep(Duration::from_millis(300));
+    wait_settled(&primary, &out_a, 1);
     primary.signal(libc::SIGSTOP);
     let hung = std::time::Instant::now();
     // More than the buffer holds: the producer widens to all its connections.
@@ -1392,15 +1418,20 @@ fn python_with_token_file(script: &str, sink: &Server, spill: &Path, token_file:
     assert!(r.status.success() && stdout.trim() == "ok", "{stdout}\n{}", String::from_utf8_lossy(&r.stderr));
 }
 
-/// Writes step `step` (12 blocks) in two halves: the first, then
-/// `meanwhile` once the sink had time to acknowledge it, then the second.
-fn write_split_step(s: &mut Stream, step: u64, meanwhile: impl FnOnce()) -> Vec<u8> {
+/// Writes step `step` (12 blocks) in two halves: the first, then kills
+/// `sink` (writing to `out`) once it holds that half and the producer read
+/// its acknowledgements, then the second.
+fn write_split_step(s: &mut Stream, step: u64, sink: &mut Server, out: &Path) -> Vec<u8> {
+    use std::os::unix::fs::MetadataExt;
     let data = step_data(step, 12 * BLOCK as usize);
     s.write_metadata("step", &step.to_string()).unwrap();
     let half = data.len() / 2;
     s.write(&data[..half]).unwrap();
-    std::thread::sleep(Duration::from_millis(400));
-    meanwhile();
+    let file = out.join(PRODUCER).join(format!("step-{step:06}.dat"));
+    let held = || std::fs::metadata(&file).is_ok_and(|m| m.blocks() * 512 >= half as u64);
+    assert!(wait_until(Duration::from_secs(20), held), "the first half of step {step} did not reach {} within 20 s", file.display());
+    wait_quiet(sink.port, 1, &format!("the acknowledgements of step {step}'s first half read by the producer"));
+    sink.kill9();
     s.write(&data[half..]).unwrap();
     s.end_step().unwrap();
     data
@@ -1457,8 +1488,8 @@ fn a_step_split_by_failover_is_gathered_to_one_sink_where_its_hook_runs_once() {
     let Logged { out_a, out_b, spill, log, mut primary, alternate } = two_logged_sinks(&env);
     let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
     let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
-    std::thread::sleep(Duration::from_millis(500));
-    written.push(write_split_step(&mut s, 3, || primary.kill9()));
+    wait_settled(&primary, &out_a, 2);
+    written.push(write_split_step(&mut s, 3, &mut primary, &out_a));
     primary.restart();
     written.extend((4..6).map(|step| write_step(&mut s, step)));
     let report = s.close().unwrap();
@@ -1481,8 +1512,8 @@ fn drain_gathers_a_step_left_split_and_its_hook_runs_once() {
     let Logged { out_a, out_b, spill, log, mut primary, alternate } = two_logged_sinks(&env);
     let mut s = Stream::open(config(&env, &[&primary.addr(), &alternate.addr()], &spill)).unwrap();
     let mut written: Vec<Vec<u8>> = (0..2).map(|step| write_step(&mut s, step)).collect();
-    std::thread::sleep(Duration::from_millis(500));
-    written.push(write_split_step(&mut s, 2, || primary.kill9()));
+    wait_settled(&primary, &out_a, 1);
+    written.push(write_split_step(&mut s, 2, &mut primary, &out_a));
     let report = s.close().unwrap();
     assert_eq!(report.split_steps, [2], "{report:?}");
     assert_eq!(report.undelivered_blocks, 0, "{report:?}");
@@ -1562,7 +1593,7 @@ fn two_replicas_survive_a_sink_killed_in_the_middle_of_a_step() {
     c.replicas = 2;
     let mut s = Stream::open(c).unwrap();
     let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
-    written.push(write_split_step(&mut s, 3, || sinks[0].kill9()));
+    written.push(write_split_step(&mut s, 3, &mut sinks[0], &outs[0]));
     written.extend((4..7).map(|step| write_step(&mut s, step)));
     let report = s.close().unwrap();
     assert!(report.failovers >= 1, "{report:?}");
@@ -1648,7 +1679,14 @@ fn replicas_from(env: &Env, what: &str, producer: &str, mut cmd: Command, extra:
     let spill = env.mkdir(&format!("spill-{}", unique()));
     cmd.arg(addrs.join(",")).arg(&spill).args([steps.to_string(), n.to_string()]).args(extra);
     let (mut child, mut stdout) = spawn_until(env, &mut cmd, "half", &format!("{what}: the producer did not get to the middle"));
-    std::thread::sleep(Duration::from_millis(300));
+    // The first sink holds the whole blocks of the first half (the rest of
+    // a block waits for the second), and the producer read its acknowledgements.
+    use std::os::unix::fs::MetadataExt;
+    let whole_blocks = n * 8 / 2 / BLOCK as u64 * BLOCK as u64;
+    let file = outs[0].join(producer).join(format!("step-{:06}.dat", steps / 2));
+    let held = || std::fs::metadata(&file).is_ok_and(|m| m.blocks() * 512 >= whole_blocks);
+    assert!(wait_until(Duration::from_secs(20), held), "{what}: the first half of the middle step did not reach {}", file.display());
+    wait_quiet(sinks[0].port, 1, &format!("{what}: the first sink's acknowledgements read by the producer"));
     sinks[0].kill9();
     child.stdin.take().unwrap().write_all(b"go\n").unwrap();
     let r = child.wait_with_output().unwrap();
@@ -1698,7 +1736,7 @@ fn with_fewer_sinks_up_than_replicas_the_stream_goes_on_and_close_returns() {
     c.close_timeout = Duration::from_secs(30);
     let mut s = Stream::open(c).unwrap();
     let mut written: Vec<Vec<u8>> = (0..3).map(|step| write_step(&mut s, step)).collect();
-    written.push(write_split_step(&mut s, 3, || sinks[0].kill9()));
+    written.push(write_split_step(&mut s, 3, &mut sinks[0], &outs[0]));
     written.extend((4..12).map(|step| write_step(&mut s, step)));
     let start = std::time::Instant::now();
     let report = s.close().unwrap();

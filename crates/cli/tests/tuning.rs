@@ -76,15 +76,58 @@ fn six_files(dir: &std::path::Path) {
 /// Runs `cmd` (a dmover command) from namespace A, over the link with 64 KiB
 /// socket buffers; returns its report.
 fn across(cmd: &mut Cmd) -> serde_json::Value {
+    over_the_link(cmd).run().assert_ok()
+}
+
+fn over_the_link(cmd: &mut Cmd) -> &mut Cmd {
     cmd.args(["--tcp-bs", "64K", "--congestion", "cubic"]);
-    cmd.prefix(["ip", "netns", "exec", NS_A]).timeout(Duration::from_secs(120));
-    cmd.run().assert_ok()
+    cmd.prefix(["ip", "netns", "exec", NS_A]).timeout(Duration::from_secs(120))
+}
+
+/// Runs `cmd` like [`across`] and meanwhile counts, with `ss` in namespace
+/// B every 50 ms, the established connections of the server at `port`
+/// (what the kernel holds, not what dmover reports): the report, and the
+/// most connections seen at once.
+fn across_counted(cmd: &mut Cmd, port: u16) -> (serde_json::Value, usize) {
+    let mut p = over_the_link(cmd).spawn();
+    let mut most = 0;
+    while p.running() {
+        let out = in_netns(Some(NS_B), "ss").args(["-Htn", "state", "established", &format!("sport = :{port}")]).output().expect("run ss");
+        most = most.max(String::from_utf8_lossy(&out.stdout).lines().count());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (p.wait().assert_ok(), most)
+}
+
+fn bench_cmd(env: &Env, args: &[&str], port: u16) -> Cmd {
+    let mut c = dmover(["bench", "--json", "--token-file"]);
+    c.arg(&env.token).args(args).arg(format!("dmover://{IP_B}:{port}/x/"));
+    c
 }
 
 fn bench(env: &Env, args: &[&str], port: u16) -> serde_json::Value {
-    let mut c = dmover(["bench", "--json", "--token-file"]);
-    c.arg(&env.token).args(args).arg(format!("dmover://{IP_B}:{port}/x/"));
-    across(&mut c)
+    across(&mut bench_cmd(env, args, port))
+}
+
+/// Checks that MI started from one stream and doubled (1, 2, 4, ...), and
+/// that the server held as many data connections as the timeline says
+/// (`seen`: the most connections seen at once, the control connection with
+/// them): at least the most any point but the last gives (the last may be
+/// a decision the transfer ended before it took effect), at most the most
+/// of all.
+fn assert_mi_doubled(what: &str, j: &serde_json::Value, seen: usize) {
+    let n = streams(j);
+    assert_eq!(n.first(), Some(&1), "{what}: MI should start from one stream: {n:?}");
+    let mut steps = n.clone();
+    steps.dedup();
+    assert!(steps.starts_with(&[1, 2, 4]), "{what}: MI should double from 1: {n:?}");
+    let held = *n[..n.len() - 1].iter().max().unwrap() as usize;
+    let most = *n.iter().max().unwrap() as usize;
+    eprintln!("tuning: {what}: MI streams {n:?}, {seen} connections seen at once at the server");
+    assert!(
+        (held + 1..=most + 1).contains(&seen),
+        "{what}: the timeline {n:?} says {held} streams held (and {most} at most), but the server held {seen} connections at once (ss), the control connection with them"
+    );
 }
 
 fn streams(j: &serde_json::Value) -> Vec<u64> {
@@ -150,11 +193,9 @@ fn tuners_open_streams_on_a_link_one_stream_cannot_fill() {
     eprintln!("tuning: one stream {r1:.1} Mbit/s");
 
     // MI starts from one stream and doubles while the buffers are the bottleneck.
-    let mi = bench(&env, &["--size", "40M", "--tune", "mi", "--tune-chunk", "3M"], server.port);
-    let mut n = streams(&mi);
-    n.dedup();
-    let grown: Vec<u64> = n.iter().copied().skip_while(|&s| s == 1).collect();
-    assert!(grown.starts_with(&[2, 4]), "MI should double from 1: {n:?}");
+    let (mi, seen) =
+        across_counted(&mut bench_cmd(&env, &["--size", "40M", "--tune", "mi", "--tune-chunk", "3M"], server.port), server.port);
+    assert_mi_doubled("bench", &mi, seen);
 
     let auto = bench(&env, &["--size", "64M"], server.port);
     assert_tuned("bench", &auto);
@@ -252,10 +293,7 @@ fn mi_doubles_the_streams_of_a_download() {
         "--tune-chunk".into(),
         "3M".into(),
     ]);
-    let down = across(&mut c);
-    let mut n = streams(&down);
-    n.dedup();
-    let grown: Vec<u64> = n.iter().copied().skip_while(|&s| s == 1).collect();
-    assert!(grown.starts_with(&[2, 4]), "MI should double from 1: {n:?}");
+    let (down, seen) = across_counted(&mut c, server.port);
+    assert_mi_doubled("download", &down, seen);
     assert_same_tree(&export.join("src"), &dest.join("src"));
 }

@@ -358,6 +358,20 @@ impl Server {
         self.status
     }
 
+    /// How much the server has logged so far: a mark for [`Server::wait_for_log`].
+    pub fn log_mark(&self) -> usize {
+        self.log().len()
+    }
+
+    /// Waits up to 20 s for a log line containing `what` written after
+    /// `mark` (from [`Server::log_mark`]); panics saying `why` it was
+    /// awaited, with the log, if none comes.
+    #[track_caller]
+    pub fn wait_for_log(&self, mark: usize, what: &str, why: &str) {
+        let logged = || self.log().get(mark..).is_some_and(|new| new.contains(what));
+        assert!(wait_until(Duration::from_secs(20), logged), "no {what:?} in the server's log within 20 s ({why}):\n{}", self.log());
+    }
+
     /// Starts the server again on the same port, with the same exports.
     pub fn restart(&mut self) {
         assert!(!self.running(), "restart of a running server");
@@ -375,6 +389,9 @@ impl Drop for Server {
     }
 }
 
+/// What a server logs when a session ends because its client vanished.
+pub const ENDED: &str = "the peer closed the connection";
+
 /// Lines of a server's log that contain `what`, a summary line of
 /// refusals held back ("N more connections ...; the last: ...") counted as
 /// N: how many connections the log tells of (`" WARN "`: all it warned of).
@@ -386,6 +403,38 @@ pub fn logged_connections(log: &str, what: &str) -> usize {
             summary.unwrap_or(1)
         })
         .sum()
+}
+
+/// The ends of the established TCP connections to and from `port` on this
+/// host (`ss`), each as (bytes received and not yet read by its process,
+/// bytes sent and not yet acknowledged by the other end). `from_port`: only
+/// the ends whose local port is `port` (a server's own ends).
+pub fn socket_queues(port: u16, from_port: bool) -> Vec<(u64, u64)> {
+    let filter = if from_port { format!("sport = :{port}") } else { format!("( sport = :{port} or dport = :{port} )") };
+    let out = Command::new("ss").args(["-Htn", "state", "established", &filter]).output().expect("run ss");
+    assert!(out.status.success(), "ss failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let queue = |w: Option<&str>| w.and_then(|w| w.parse::<u64>().ok()).unwrap_or_else(|| panic!("unexpected ss line: {text}"));
+    text.lines()
+        .map(|l| {
+            let mut w = l.split_whitespace();
+            (queue(w.next()), queue(w.next()))
+        })
+        .collect()
+}
+
+/// Waits up to 20 s until every byte between a server at `port` and its
+/// peers on this host was read, both ways: what was sent so far has been
+/// taken in on each side. The server must have at least `peers`
+/// connections; `why` says what the wait is for, should it fail.
+#[track_caller]
+pub fn wait_quiet(port: u16, peers: usize, why: &str) {
+    let mut seen = Vec::new();
+    let quiet = || {
+        seen = socket_queues(port, false);
+        seen.len() >= 2 * peers && seen.iter().all(|&q| q == (0, 0))
+    };
+    assert!(wait_until(Duration::from_secs(20), quiet), "the connections of port {port} never went quiet ({why}): {seen:?}");
 }
 
 /// A loopback port nobody listens on (bound, then released).
