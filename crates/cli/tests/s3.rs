@@ -1078,18 +1078,11 @@ fn symlinks_go_up_and_come_back_with_links_as_rclone_keeps_them() {
 #[test]
 fn owners_and_xattrs_go_up_and_come_back_as_rclone_metadata() {
     use dmover_testkit::tree::{self, Field};
-    use std::os::unix::ffi::OsStrExt;
     let Some(t) = Setup::new() else { return };
     t.s3.bucket("data");
     let src = t.env.mkdir("src");
     fs::create_dir(src.join("dir")).unwrap();
-    let setx = |path: &Path, name: &str, value: &[u8]| {
-        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-        let n = std::ffi::CString::new(name).unwrap();
-        // SAFETY: both strings are NUL-terminated; the value's length is given.
-        let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
-        assert_eq!(r, 0, "setxattr {name}: {}", std::io::Error::last_os_error());
-    };
+    let setx = |path: &Path, name: &str, value: &[u8]| tree::set_xattr(path, name.as_bytes(), value);
     for (name, uid, gid) in [("a.txt", 4242, 4343), ("dir/b.txt", 0, 5000), ("dir/c.txt", 1234, 0)] {
         fs::write(src.join(name), name).unwrap();
         std::os::unix::fs::chown(src.join(name), Some(uid), Some(gid)).unwrap();

@@ -232,7 +232,12 @@ fn shapes(root: &Path) -> PathBuf {
     fs::write(root.join("x".repeat(255)), "long name").unwrap();
     fs::write(root.join("nobody-reads"), "mode 000").unwrap();
     fs::set_permissions(root.join("nobody-reads"), fs::Permissions::from_mode(0o000)).unwrap();
-    // Every directory's and file's time a day and a bit back, to the nanosecond.
+    times_back(root)
+}
+
+/// Sets the time of everything below `root` (not itself) back from now,
+/// to the nanosecond, and returns `root`.
+fn times_back(root: &Path) -> PathBuf {
     let out = std::process::Command::new("find")
         .arg(root)
         .args(["-mindepth", "1", "-exec", "touch", "-h", "-d", "2026-01-02 03:04:05.123456789", "{}", "+"])
@@ -273,13 +278,7 @@ fn owned(root: &Path) -> PathBuf {
     chown(root.join("shared"), Some(4242), Some(5000)).unwrap();
     chown(root.join("shared/sub/data.bin"), Some(0), Some(5000)).unwrap();
     lchown(root.join("link"), Some(7777), Some(8888)).unwrap();
-    let set = |path: &str, name: &[u8], value: &[u8]| {
-        let c = std::ffi::CString::new(root.join(path).as_os_str().as_bytes()).unwrap();
-        let n = std::ffi::CString::new(name).unwrap();
-        // SAFETY: both strings are NUL-terminated; the value's length is given.
-        let r = unsafe { libc::lsetxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
-        assert_eq!(r, 0, "setxattr {path}: {}", std::io::Error::last_os_error());
-    };
+    let set = |path: &str, name: &[u8], value: &[u8]| tree::set_xattr(&root.join(path), name, value);
     set("plain.txt", b"user.colour", b"blue");
     set("plain.txt", b"user.bin\xff", &[0, 255, 10]);
     set("shared", b"user.project", b"p42");
@@ -358,13 +357,7 @@ fn nodes(root: &Path) -> PathBuf {
     mknod(&["-m", "600", root.join("dev/loop250").to_str().unwrap(), "b", "7", "250"]);
     drop(std::os::unix::net::UnixListener::bind(root.join("socket")).unwrap());
     std::os::unix::fs::chown(root.join("fifo"), Some(4242), Some(4343)).unwrap();
-    let out = std::process::Command::new("find")
-        .arg(root)
-        .args(["-mindepth", "1", "-exec", "touch", "-h", "-d", "2026-01-02 03:04:05.123456789", "{}", "+"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "touch: {}", String::from_utf8_lossy(&out.stderr));
-    root.to_path_buf()
+    times_back(root)
 }
 
 /// With `-a` (as root, into exports that allow it) devices, FIFOs and

@@ -190,6 +190,16 @@ fn digest(path: &Path) -> io::Result<Sum> {
     }
 }
 
+/// Gives `path` itself (not following a symlink) the extended attribute
+/// `name` = `value`, for a test to build a tree with; panics if it cannot.
+pub fn set_xattr(path: &Path, name: &[u8], value: &[u8]) {
+    let c = CString::new(path.as_os_str().as_bytes()).expect("a path without NUL");
+    let n = CString::new(name).expect("a name without NUL");
+    // SAFETY: both strings are NUL-terminated; the value's length is given.
+    let r = unsafe { libc::lsetxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    assert_eq!(r, 0, "setxattr {} on {}: {}", name.escape_ascii(), path.display(), io::Error::last_os_error());
+}
+
 /// Every extended attribute of `path` itself (not following a symlink).
 fn xattrs(path: &Path) -> io::Result<BTreeMap<Vec<u8>, Vec<u8>>> {
     let c = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
@@ -339,10 +349,7 @@ mod tests {
         fs::write(root.join("d/f"), "content").unwrap();
         fs::hard_link(root.join("d/f"), root.join("g")).unwrap();
         symlink("d/f", root.join("link")).unwrap();
-        let c = CString::new(root.join("d/f").as_os_str().as_bytes()).unwrap();
-        // SAFETY: NUL-terminated name and path, a value of the given length.
-        let r = unsafe { libc::setxattr(c.as_ptr(), c"user.note".as_ptr(), b"v".as_ptr().cast(), 1, 0) };
-        assert_eq!(r, 0, "setxattr: {}", io::Error::last_os_error());
+        set_xattr(&root.join("d/f"), b"user.note", b"v");
     }
 
     #[test]
