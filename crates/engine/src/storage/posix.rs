@@ -446,8 +446,12 @@ impl Storage for Posix {
     }
 
     /// Through the handle of the parent directory, resolved as every path
-    /// is; the name itself is never followed.
+    /// is, where confined; by the path as given on the local file system.
+    /// The name itself is never followed.
     fn xattrs(&self, path: &Path) -> io::Result<Vec<Xattr>> {
+        if self.root.is_none() && !path.as_os_str().is_empty() {
+            return xattrs_at(path);
+        }
         if path.as_os_str().is_empty() || path.file_name().is_none() {
             let fd = self.open_at(path, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())?;
             return xattrs_at(&PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())));
