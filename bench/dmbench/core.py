@@ -120,13 +120,17 @@ class Target:
 @dataclass(frozen=True)
 class Row:
     """One line of a result table: `tool`'s figure `key`, optionally
-    compared with `peer`'s figure of the same key."""
+    compared with `peer`'s figure of the same key. With `paired` (two
+    builds or settings of one tool, run side by side in every round) the
+    ratio is the median of the rounds' ratios, which a machine whose speed
+    drifts between rounds moves far less than the ratio of the medians."""
 
     measure: str
     tool: str
     key: str
     peer: str | None = None
     target: Target | None = None
+    paired: bool = False
 
 
 @dataclass
@@ -208,6 +212,10 @@ class WorkloadResult:
         own = self.stat(row.tool, row.key)
         peer = self.stat(row.peer, row.key)
         ratio = own.median / peer.median if own and peer and peer.median else None
+        if row.paired and own and peer:
+            rounds = zip(self.figures.get(row.tool, []), self.figures.get(row.peer, []))
+            ratios = [a[row.key] / b[row.key] for a, b in rounds if a.get(row.key) and b.get(row.key)]
+            ratio = statistics.median(ratios) if ratios else None
         value = None
         if own:
             value = own.hi if row.target and row.target.stat == "max" else own.median

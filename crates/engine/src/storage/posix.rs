@@ -219,10 +219,15 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
 /// Gives the open file or directory `fd` the owner, group and extended
 /// attributes `attrs` names (an id of -1 is never set: it means none).
 fn set_owner_and_xattrs(fd: BorrowedFd<'_>, attrs: &Attrs) -> io::Result<()> {
-    let owner = attrs.owner.filter(|&u| u != u32::MAX).map(rustix::fs::Uid::from_raw);
-    let group = attrs.group.filter(|&g| g != u32::MAX).map(rustix::fs::Gid::from_raw);
-    if owner.is_some() || group.is_some() {
-        rustix::fs::fchown(fd, owner, group)?;
+    if attrs.owner.is_some() || attrs.group.is_some() {
+        // Only what differs: a new file often has its owner already, and a
+        // change of owner is a change of the inode to journal.
+        let st = rustix::fs::fstat(fd)?;
+        let owner = attrs.owner.filter(|&u| u != u32::MAX && u != st.st_uid).map(rustix::fs::Uid::from_raw);
+        let group = attrs.group.filter(|&g| g != u32::MAX && g != st.st_gid).map(rustix::fs::Gid::from_raw);
+        if owner.is_some() || group.is_some() {
+            rustix::fs::fchown(fd, owner, group)?;
+        }
     }
     for x in &attrs.xattrs {
         rustix::fs::fsetxattr(fd, OsStr::from_bytes(&x.name), &x.value, rustix::fs::XattrFlags::empty()).map_err(|e| {
