@@ -1053,7 +1053,7 @@ fn symlinks_go_up_and_come_back_with_links_as_rclone_keeps_them() {
     let by_rclone = t.env.path("by-rclone");
     rclone(&t, &["copy", "--links", "vgw:data/up", by_rclone.to_str().unwrap()]);
     tree::assert_same(&reference, &by_rclone, &[Field::Kind, Field::Content, Field::Target]);
-    // The links' mtimes too (a file's is dmover's metadata, which rclone does not read).
+    // The links' mtimes too.
     let mtime = |p: &Path| {
         use std::os::unix::fs::MetadataExt;
         let m = fs::symlink_metadata(p).unwrap();
@@ -1110,11 +1110,11 @@ fn owners_and_xattrs_go_up_and_come_back_as_rclone_metadata() {
     if !on_path("rclone") {
         return;
     }
-    // rclone reads dmover's owners and attributes (and makes every other
-    // metadata an attribute too: dmover's own, the content type)...
+    // rclone reads dmover's modes, times, owners and attributes (and makes
+    // every other metadata an attribute too: dmover's own, the content type)...
     let by_rclone = t.env.path("by-rclone");
     rclone(&t, &["copy", "--metadata", "vgw:data/up", by_rclone.to_str().unwrap()]);
-    tree::assert_same(&reference, &by_rclone, &[Field::Kind, Field::Content, Field::Owner]);
+    tree::assert_same(&reference, &by_rclone, &[Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::Owner]);
     let got = tree::snapshot(&by_rclone).unwrap();
     for (path, name, value) in [(&b"a.txt"[..], &b"user.colour"[..], &b"blue"[..]), (b"dir/b.txt", b"user.project-id", b"p 42")] {
         assert_eq!(got.entries[path].xattrs.get(name).map(Vec::as_slice), Some(value), "{}", path.escape_ascii());
@@ -1125,7 +1125,7 @@ fn owners_and_xattrs_go_up_and_come_back_as_rclone_metadata() {
     rclone(&t, &["copy", "--metadata", src.to_str().unwrap(), "vgw:data/rclone"]);
     let from_rclone = t.env.mkdir("from-rclone");
     t.cp(["s3://data/rclone/", from_rclone.to_str().unwrap(), "-aX", "--numeric-ids"]).run().assert_ok();
-    tree::assert_same(&reference, &from_rclone, &[Field::Kind, Field::Content, Field::Owner, Field::Xattrs]);
+    tree::assert_same(&reference, &from_rclone, &[Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::Owner, Field::Xattrs]);
 }
 
 /// Names that share a file go up to a bucket with -H as an object each,

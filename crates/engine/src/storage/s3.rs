@@ -167,7 +167,9 @@ const META_MODE: &str = "dmover-mode";
 /// Where rclone keeps an object's mtime (`x-amz-meta-mtime`): seconds
 /// since the epoch, as a decimal fraction.
 const META_RCLONE_MTIME: &str = "mtime";
-/// Where rclone's `--metadata` keeps a file's owner and group: decimal ids.
+/// Where rclone's `--metadata` keeps a file's type and mode (octal, as
+/// `100644`) and owner and group (decimal ids).
+const META_RCLONE_MODE: &str = "mode";
 const META_UID: &str = "uid";
 const META_GID: &str = "gid";
 /// Metadata names that are not a file's extended attributes: rclone's own
@@ -441,7 +443,8 @@ fn object_stat(size: u64, modified: Option<&DateTime>, meta: Option<&HashMap<Str
     let changed = time_of(modified);
     // Metadata names are HTTP headers': any case.
     let get = |k: &str| meta.and_then(|m| m.iter().find(|(n, _)| n.eq_ignore_ascii_case(k))).map(|(_, v)| v.as_str());
-    let mode = get(META_MODE).and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o644);
+    let octal = |k| get(k).and_then(|m| u32::from_str_radix(m, 8).ok());
+    let mode = octal(META_MODE).or_else(|| octal(META_RCLONE_MODE).map(|m| m & 0o7777)).unwrap_or(0o644);
     let mtime = get(META_MTIME).and_then(parse_mtime).or_else(|| get(META_RCLONE_MTIME).and_then(parse_decimal_time)).unwrap_or(changed);
     let id = |k| get(k).and_then(|v| v.parse::<u32>().ok());
     let owner = id(META_UID).zip(id(META_GID));
@@ -585,16 +588,22 @@ impl Inner {
     }
 
     /// The object metadata that keeps `attrs`: mode, mtime and digest as
-    /// dmover's, owner, group and `user.*` extended attributes as rclone's
-    /// `--metadata` keeps them (`uid`, `gid`, and `NAME` for `user.NAME`).
+    /// dmover's; mode and mtime also where rclone keeps them (`mode` with
+    /// the regular file's type, `mtime` a decimal fraction of seconds), and
+    /// owner, group and `user.*` extended attributes as its `--metadata`
+    /// does (`uid`, `gid`, and `NAME` for `user.NAME`).
     /// An attribute metadata cannot hold (one outside `user.*`, a name
     /// other than lower-case letters, digits, `-` and `_`, or one of
     /// rclone's or dmover's own, a value that is not printable ASCII) is
     /// an error: never dropped.
     fn metadata(attrs: &Attrs) -> io::Result<HashMap<String, String>> {
-        let mut m = HashMap::from([(META_MODE.to_string(), format!("{:o}", attrs.mode))]);
+        let mut m = HashMap::from([
+            (META_MODE.to_string(), format!("{:o}", attrs.mode)),
+            (META_RCLONE_MODE.to_string(), format!("{:o}", 0o100000 | attrs.mode & 0o7777)),
+        ]);
         if let Some((s, ns)) = attrs.mtime {
             m.insert(META_MTIME.into(), format!("{s}.{ns:09}"));
+            m.insert(META_RCLONE_MTIME.into(), decimal_time((s, ns)));
         }
         if let Some(d) = attrs.digest {
             m.insert(META_DIGEST.into(), format!("{}:{}", d.block_size, hex::encode(d.sum)));
@@ -1957,9 +1966,8 @@ impl Storage for S3 {
         let (k, link) = self.inner.entry_keys(path)?;
         let mtime = attrs.mtime;
         let mut meta = Inner::metadata(&Attrs { mode: 0o777, mtime, owner: attrs.owner, group: attrs.group, ..Default::default() })?;
-        if let Some(t) = mtime {
-            meta.insert(META_RCLONE_MTIME.into(), decimal_time(t));
-        }
+        // The object is the link's, not a regular file's.
+        meta.remove(META_RCLONE_MODE);
         let i = &self.inner;
         let put = i.client.put_object().bucket(&i.bucket).key(&link).body(ByteStream::from(target.to_vec())).set_metadata(Some(meta));
         i.rt.block_on(put.send()).map_err(|e| io_error(&link, e))?;
