@@ -31,7 +31,7 @@ const WRITERS: usize = 2;
 #[derive(Args, Clone)]
 pub struct CpArgs {
     /// Sources (files, directories, globs) then the destination.
-    #[arg(required = true, num_args = 2.., value_name = "SRC... DEST")]
+    #[arg(required = true, value_name = "SRC... DEST")]
     pub paths: Vec<String>,
     #[command(flatten)]
     pub net: StreamArgs,
@@ -172,6 +172,10 @@ pub fn run(a: CpArgs) -> Result<i32> {
 
 /// Plans and runs the copy; prints the report of a copy that ran.
 fn copy(a: &CpArgs) -> Result<i32> {
+    if let [only] = a.paths.as_slice() {
+        return Err(Error::new(ErrorKind::Usage, only, "a copy needs a source and a destination, and this is the only path given")
+            .advised("name one or more sources, then the destination: dmover cp SRC... DEST"));
+    }
     let started = Instant::now();
     let plan = make_plan(a)?;
     let progress = Arc::new(Progress::default());

@@ -461,7 +461,9 @@ fn malformed_url_exits_2() {
         r.assert_fails(2, &[&bad]);
     }
     // Usage errors from the command line itself.
-    assert_eq!(dmover(["cp", "only-one-path"]).run().code, 2);
+    // One path only: said in words, not as clap's count of values.
+    let r = dmover(["cp", "only-one-path"]).run();
+    r.assert_fails(2, &["only-one-path", "needs a source and a destination", "dmover cp SRC... DEST"]);
     assert_eq!(dmover(["cp", "--block-size", "1", "a", "b"]).run().code, 2);
     assert_eq!(dmover(["frobnicate"]).run().code, 2);
     // A remote location without any token.
