@@ -684,14 +684,7 @@ fn announcing_files_of_four_terabytes_costs_the_server_no_memory_until_their_blo
     assert!(matches!(opened, Some(Msg::SessionOpened { .. })), "no session: {opened:?}\n{}", srv.log());
     let before = proc_status(srv.pid(), "VmRSS:");
     for id in 0..FILES {
-        let meta = FileMeta {
-            path: format!("huge{id}.dat"),
-            size: MAX_FILE_BLOCKS << 20,
-            mtime_s: 0,
-            mtime_ns: 0,
-            mode: 0o644,
-            ..Default::default()
-        };
+        let meta = FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mode: 0o644, ..Default::default() };
         c.send(&Msg::Announce { id, meta, digest: None });
     }
     for _ in 0..FILES {
@@ -988,14 +981,7 @@ fn a_malicious_server_announcing_files_of_four_terabytes_costs_the_client_no_mem
     let (client, mut ctl, data) = malicious_server(&env, "e/data/", &dest);
     let before = proc_status(client.pid(), "VmRSS:");
     for id in 0..FILES {
-        let meta = FileMeta {
-            path: format!("huge{id}.dat"),
-            size: MAX_FILE_BLOCKS << 20,
-            mtime_s: 0,
-            mtime_ns: 0,
-            mode: 0o644,
-            ..Default::default()
-        };
+        let meta = FileMeta { path: format!("huge{id}.dat"), size: MAX_FILE_BLOCKS << 20, mode: 0o644, ..Default::default() };
         ctl.send(&Msg::Announce { id, meta, digest: None });
     }
     for _ in 0..FILES {

@@ -133,6 +133,12 @@ fn recv_config(dest: &Path) -> RecvConfig {
     }
 }
 
+/// The announcement of the file `name` in `dir`, as it is on disk.
+fn meta_of(dir: &Path, name: &str) -> FileMeta {
+    let m = std::fs::metadata(dir.join(name)).unwrap();
+    FileMeta { path: name.into(), size: m.len(), mtime_s: m.mtime(), mtime_ns: m.mtime_nsec() as u32, mode: 0o644, ..Default::default() }
+}
+
 fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut x = seed | 1;
     (0..n)
@@ -170,15 +176,7 @@ fn resumed_blocks_that_disagree_with_the_source_are_fetched_again() {
     let blocks = 6usize;
     let content = random_bytes(blocks * BLOCK as usize, 2);
     std::fs::write(src.join("f.bin"), &content).unwrap();
-    let m = std::fs::metadata(src.join("f.bin")).unwrap();
-    let meta = FileMeta {
-        path: "f.bin".into(),
-        size: m.len(),
-        mtime_s: m.mtime(),
-        mtime_ns: m.mtime_nsec() as u32,
-        mode: 0o644,
-        ..Default::default()
-    };
+    let meta = meta_of(&src, "f.bin");
     // A partial file from an "earlier run": blocks 0-2 journaled, but block 1
     // on disk is not what the source holds (the journal's checksum matches the
     // damaged bytes, as if the source had been different then).
@@ -210,15 +208,7 @@ fn a_resumed_transfer_sends_only_missing_blocks() {
     let content = random_bytes(8 * BLOCK as usize, 3);
     std::fs::write(src.join("f.bin"), &content).unwrap();
     std::fs::write(src.join("done.bin"), b"already here").unwrap();
-    let m = std::fs::metadata(src.join("f.bin")).unwrap();
-    let meta = FileMeta {
-        path: "f.bin".into(),
-        size: m.len(),
-        mtime_s: m.mtime(),
-        mtime_ns: m.mtime_nsec() as u32,
-        mode: 0o644,
-        ..Default::default()
-    };
+    let meta = meta_of(&src, "f.bin");
     let half = 4 * BLOCK as usize;
     std::fs::write(dest.join(".f.bin.dmover-part"), &content[..half]).unwrap();
     let mut j = Journal::create(storage::local().as_ref(), &journal::path_for(&dest.join(STATE_DIR), "f.bin"), &meta, BLOCK).unwrap();
