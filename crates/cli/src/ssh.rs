@@ -371,6 +371,11 @@ fn ready_addr(line: &str) -> std::result::Result<std::net::SocketAddr, String> {
             Ok(std::net::SocketAddr::new(ip, port))
         }
         [] => Err(String::new()),
+        // An older or newer release answering in its own way, naming itself.
+        ["dmover", version, ..] => Err(format!(
+            "it is dmover {version}, and this is dmover {}: install the same release at both ends, or name one with --remote-dmover PATH",
+            env!("CARGO_PKG_VERSION")
+        )),
         _ => Err(format!("unexpected answer '{}'", line.trim())),
     }
 }
@@ -452,5 +457,7 @@ mod tests {
         assert_eq!(ready_addr(&format!("dmover-remote {v} ::1 4711")).unwrap().to_string(), "[::1]:4711");
         assert!(ready_addr("dmover-remote 1 10.0.0.5 4711").unwrap_err().contains("protocol version 1"));
         assert!(ready_addr("Welcome to host!").unwrap_err().contains("unexpected answer"));
+        let other = ready_addr("dmover 0.0.9 (1234abc 2026-01-01)").unwrap_err();
+        assert!(other.contains("it is dmover 0.0.9") && other.contains("--remote-dmover"), "{other}");
     }
 }
