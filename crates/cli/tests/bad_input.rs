@@ -874,3 +874,17 @@ fn sink_ls_bench_and_drain_refuse_a_token_file_others_can_read() {
     }
     assert!(!sink_dir.exists(), "the sink made its directory with a token file others can read");
 }
+
+/// A host name that resolves to nothing is a mistake no retry cures: the
+/// copy stops at once, exit code 2, naming the host (it was retried five
+/// times over 15 s).
+#[test]
+fn a_host_name_that_does_not_resolve_is_not_retried() {
+    let env = Env::new();
+    let src = env.path("src");
+    write_random(&src.join("a.dat"), 10, 1);
+    let started = std::time::Instant::now();
+    let r = env.cp([src.display().to_string(), "dmover://no-such-host.invalid:7450/e/x".into(), "--retries".into(), "5".into()]).run();
+    r.assert_fails(2, &["no-such-host.invalid", "does not resolve", "check the host name"]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "took {:?}: retried", started.elapsed());
+}

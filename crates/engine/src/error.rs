@@ -45,6 +45,10 @@ impl Error {
 
     /// A lost or refused connection to `host`.
     pub fn network(host: impl Into<String>, e: &io::Error) -> Error {
+        // A host name with no address: a mistake no retry cures.
+        if e.kind() == io::ErrorKind::NotFound {
+            return Error::new(ErrorKind::Usage, host, e.to_string()).advised("check the host name");
+        }
         // A socket's read timeout (the idle or handshake timeout) shows as
         // EAGAIN, "Resource temporarily unavailable", which says nothing to
         // a reader of the log. (A connect timeout is TimedOut and says so.)

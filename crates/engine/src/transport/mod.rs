@@ -341,11 +341,24 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Opens a TCP connection to `addr` (`host:port`) with the options data
 /// transfer wants: no Nagle delay.
 pub fn connect_tcp(addr: &str) -> io::Result<TcpStream> {
-    let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(unknown_host)?.collect();
     if addrs.is_empty() {
         return Err(io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to no address")));
     }
     connect_any(&addrs)
+}
+
+/// A host name the resolver says has no address at all (glibc's
+/// EAI_NONAME and EAI_NODATA) as `NotFound`, which no retry cures; a
+/// resolver that could not be asked (EAI_AGAIN) stays as it was, for a
+/// retry.
+fn unknown_host(e: io::Error) -> io::Error {
+    let said = e.to_string();
+    if ["Name or service not known", "No address associated with hostname"].iter().any(|m| said.contains(m)) {
+        io::Error::new(io::ErrorKind::NotFound, format!("the host name does not resolve ({said})"))
+    } else {
+        e
+    }
 }
 
 /// Opens a TCP connection, as [`connect_tcp`] does, to the first of
