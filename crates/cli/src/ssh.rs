@@ -318,6 +318,12 @@ fn failed(mut child: Child, host: &str, o: &SshOptions, said: &Mutex<Said>, why:
         let msg = format!("dmover is not on {host} (tried '{}'){}", o.remote_dmover, quoted(&text));
         return Error::new(ErrorKind::Usage, host, msg).advised("install dmover there, or give its path with --remote-dmover PATH");
     }
+    // ssh's own words when the host refused every way of logging in.
+    if status == Some(255) && (text.contains("Permission denied") || text.contains("Too many authentication failures")) {
+        let msg = format!("ssh could not log in{}", quoted(&text));
+        return Error::new(ErrorKind::Auth, host, msg)
+            .advised("check the user name and key: `ssh HOST` must log in without a password prompt");
+    }
     if status == Some(255) || (status.is_some() && why.is_empty()) {
         let msg = format!("ssh failed (exit {}){}", status.unwrap_or(-1), quoted(&text));
         return Error::new(ErrorKind::Unreachable, host, msg)

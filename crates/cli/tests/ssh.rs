@@ -355,6 +355,19 @@ fn a_missing_remote_dmover_and_a_failing_ssh_say_what_to_do() {
     c.arg(src.display().to_string()).arg(r.at(&far));
     c.run().assert_fails(6, &["ssh failed", "Connection refused"]);
 
+    // A key the host does not take: a failed login, exit code 7 as a wrong token.
+    let key = r.env.path("wrong-key");
+    let made = std::process::Command::new("ssh-keygen").args(["-q", "-t", "ed25519", "-N", ""]).arg("-f").arg(&key).output().unwrap();
+    assert!(made.status.success(), "ssh-keygen: {}", String::from_utf8_lossy(&made.stderr));
+    let wrong = format!(
+        "ssh -p {} -i {} -o IdentitiesOnly=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR",
+        r.sshd.port,
+        key.display()
+    );
+    let mut c = dmover(["cp", "-q", "--ssh", &wrong, "--remote-dmover", r.dmover.to_str().unwrap()]);
+    c.arg(src.display().to_string()).arg(r.at(&far));
+    c.run().assert_fails(7, &["ssh could not log in", "Permission denied"]);
+
     let mut c = dmover(["cp", "-q", "--ssh", "no-such-ssh-program"]);
     c.arg(src.display().to_string()).arg(r.at(&far));
     c.run().assert_fails(2, &["cannot run 'no-such-ssh-program'"]);
