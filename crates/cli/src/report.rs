@@ -39,6 +39,9 @@ pub struct Report {
     #[serde(serialize_with = "shares_by_host")]
     pub hosts: Vec<Share>,
     pub errors: Vec<FileError>,
+    /// What was not copied because the copy does not take its kind (a
+    /// symlink without `--links`, a device without `--devices`), and why.
+    pub passed_over: Vec<FileError>,
     pub check: Check,
     /// Streams, goodput and round-trip time over time, when a tuner ran.
     pub timeline: Vec<TunePointReport>,
@@ -61,6 +64,7 @@ impl Report {
             resent_blocks: s.resent_blocks,
             hosts: s.hosts.clone(),
             errors: s.errors.clone(),
+            passed_over: s.passed_over.clone(),
             check,
             timeline: s
                 .timeline
@@ -106,6 +110,10 @@ impl Report {
         }
         if self.retries > 0 {
             s += &format!("; {} retries", self.retries);
+        }
+        if let Some(first) = self.passed_over.first() {
+            let n = self.passed_over.len();
+            s += &format!("; {n} passed over (not copied), e.g. {}: {}", printable(&first.path), printable(&first.message));
         }
         if self.hosts.len() > 1 {
             for h in &self.hosts {

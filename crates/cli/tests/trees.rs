@@ -207,6 +207,9 @@ fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
     let j = r.assert_ok();
     assert_eq!(u(&j["files"]), 2, "the file and dir/sub: {j:#}");
     assert_eq!(r.stderr.matches("symbolic link skipped").count(), 5, "{}", r.stderr);
+    let passed: Vec<&str> = j["passed_over"].as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap()).collect();
+    assert_eq!(passed.len(), 5, "the report lists what was passed over: {j:#}");
+    assert!(passed.contains(&"dir/sub/odd-target"), "{passed:?}");
     assert!(fs::symlink_metadata(plain.join("relative")).is_err());
 }
 
@@ -381,9 +384,32 @@ fn devices_fifos_and_sockets_arrive_with_archive_through_every_path() {
 
     let plain = env.mkdir("plain");
     let r = env.cp([format!("{}/", src.display()), plain.display().to_string()]).run();
-    assert_eq!(u(&r.assert_ok()["files"]), 2, "the file and dev");
+    let j = r.assert_ok();
+    assert_eq!(u(&j["files"]), 2, "the file and dev");
     assert_eq!(r.stderr.matches(" skipped (--").count(), 4, "{}", r.stderr);
     assert!(fs::symlink_metadata(plain.join("fifo")).is_err());
+    // Listed in the report, from a server's walk too (a download).
+    let srv = env.serve(&[("src", &src)]);
+    let down = env.mkdir("down-plain");
+    for report in [j, env.cp([srv.url("src/"), down.display().to_string()]).run().assert_ok()] {
+        let mut passed: Vec<String> = report["passed_over"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| format!("{}: {}", e["path"].as_str().unwrap(), e["message"].as_str().unwrap()))
+            .collect();
+        passed.sort();
+        assert_eq!(
+            passed,
+            [
+                "dev/loop250: device skipped (--devices copies it as one)",
+                "dev/null: device skipped (--devices copies it as one)",
+                "fifo: FIFO or socket skipped (--specials copies it as one)",
+                "socket: FIFO or socket skipped (--specials copies it as one)"
+            ],
+            "{report:#}"
+        );
+    }
 }
 
 /// A server makes no device, FIFO or socket in an export whose operator

@@ -497,6 +497,10 @@ pub struct Stats {
     pub nanos: u64,
     pub hosts: Vec<Share>,
     pub errors: Vec<FileError>,
+    /// What the sender passed over, and why: symlinks, devices, FIFOs and
+    /// sockets the transfer does not copy (`--links`, `--devices`,
+    /// `--specials`). Not errors: the transfer may still pass.
+    pub passed_over: Vec<FileError>,
     /// Files and bytes the destination confirmed, and whether the source's
     /// and destination's set digests agree.
     pub dest_files: u64,
@@ -1025,6 +1029,12 @@ impl Msg {
                     w.u64(p.goodput);
                     w.u64(p.rtt_us);
                 }
+                w.u32(s.passed_over.len() as u32);
+                for e in &s.passed_over {
+                    w.str(&e.path);
+                    w.u8(e.kind as u8);
+                    w.str(&e.message);
+                }
             }
             Dir { meta } => meta.write(&mut w),
             Linked { id } => w.u64(*id),
@@ -1154,6 +1164,10 @@ impl Msg {
                         goodput: r.u64()?,
                         rtt_us: r.u64()?,
                     });
+                }
+                let n = r.count(4 + 1 + 4)?;
+                for _ in 0..n {
+                    s.passed_over.push(FileError { path: r.str()?, kind: r.kind()?, message: r.str()? });
                 }
                 Report { stats: s }
             }
@@ -1411,6 +1425,7 @@ mod tests {
                     errors: vec![FileError { path: "p".into(), kind: ErrorKind::NoSpace, message: "m".into() }],
                     digests_match: true,
                     timeline: vec![TunePoint { t_ms: 1, host: 0, streams: 4, concurrency: 8, goodput: 1 << 30, rtt_us: 20_000 }],
+                    passed_over: vec![FileError { path: "l".into(), kind: ErrorKind::Refused, message: "a symlink".into() }],
                     ..Stats::default()
                 },
             },

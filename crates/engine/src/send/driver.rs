@@ -157,6 +157,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         dest_bytes,
         digests_match: s.digests_match(),
         errors: s.errors,
+        passed_over: s.passed_over,
         timeline,
     })
 }
@@ -221,6 +222,7 @@ impl Owner {
                     self.session_event(Event::OfferLink { path, first, subject });
                 }
                 Next::Walked(Walked::Dir(meta)) => self.session_event(Event::Dir(meta)),
+                Next::Walked(Walked::PassedOver(e)) => self.session_event(Event::PassedOver(e)),
                 Next::Walked(Walked::Error(e)) => {
                     let e = FileError { path: e.subject, kind: e.kind, message: e.message };
                     self.session_event(Event::WalkError(e));

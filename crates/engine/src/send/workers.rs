@@ -18,7 +18,9 @@ use crate::tuning::{Meter, Tunable};
 use crate::wire::{FrameReader, FrameWriter, Incoming};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use dmover_proto::digest::{block_sum, zeros_sum, Sum};
-use dmover_proto::frame::{DataHeader, FileMeta, Owner, TransferFlags, TransferOptions, MAX_XATTRS, MAX_XATTR_NAME, MAX_XATTR_VALUE};
+use dmover_proto::frame::{
+    DataHeader, FileError, FileMeta, Owner, TransferFlags, TransferOptions, MAX_XATTRS, MAX_XATTR_NAME, MAX_XATTR_VALUE,
+};
 use dmover_proto::phase::{OnData, ToSender};
 use dmover_proto::session::send::{Event, Read};
 use dmover_proto::ErrorKind;
@@ -60,6 +62,9 @@ pub(super) enum Walked {
     /// A directory's attributes, for every host.
     Dir(FileMeta),
     Error(Error),
+    /// Something the transfer does not copy (a symlink without
+    /// `--links`, a device without `--devices`, …), and why.
+    PassedOver(FileError),
 }
 
 /// A file being sent, as the readers see it.
@@ -484,6 +489,11 @@ pub(super) fn walk(files: Files, store: Store, flags: TransferFlags, block_size:
         describe(store.as_ref(), flags, &mut entry);
         tx.send(Walked::File { entry, pinned, digest, linked }).is_ok()
     };
+    // Said in the log as it happens, and listed in the report.
+    let passed_over = |e: Entry, why: &str| {
+        log::warn!("{}: {why}", dmover_proto::path::printable(&e.meta.path));
+        tx.send(Walked::PassedOver(FileError { path: e.meta.path, kind: ErrorKind::Refused, message: why.into() })).is_ok()
+    };
     match files {
         Files::Walk { store, specs } => {
             source::walk_following(store.as_ref(), &specs, flags.contains(TransferFlags::COPY_LINKS), &mut |ev| match ev {
@@ -502,15 +512,9 @@ pub(super) fn walk(files: Files, store: Store, flags: TransferFlags, block_size:
                 {
                     file(e, None)
                 }
-                source::Event::Special(e) => {
-                    let what = if e.meta.is_device() { "device skipped (--devices" } else { "FIFO or socket skipped (--specials" };
-                    log::warn!("{}: {what} copies it as one)", dmover_proto::path::printable(&e.meta.path));
-                    true
-                }
-                source::Event::Link(e) => {
-                    log::warn!("{}: symbolic link skipped (--links copies it as one)", dmover_proto::path::printable(&e.meta.path));
-                    true
-                }
+                source::Event::Special(e) if e.meta.is_device() => passed_over(e, "device skipped (--devices copies it as one)"),
+                source::Event::Special(e) => passed_over(e, "FIFO or socket skipped (--specials copies it as one)"),
+                source::Event::Link(e) => passed_over(e, "symbolic link skipped (--links copies it as one)"),
             })
         }
         Files::Feed { entries, .. } => {

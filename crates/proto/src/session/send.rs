@@ -84,6 +84,8 @@ pub enum Event {
     OfferLink { path: String, first: String, subject: String },
     /// The walk could not list or read this source; it is counted as failed.
     WalkError(FileError),
+    /// The walk passed over something the transfer does not copy.
+    PassedOver(FileError),
     /// A directory of the transfer (not empty: an empty one is offered as
     /// a file), whose mode and mtime every host is told, to give it once
     /// its files are in.
@@ -184,6 +186,8 @@ pub struct Summary {
     /// Blocks sent again because a receiver asked.
     pub resent_blocks: u64,
     pub errors: Vec<FileError>,
+    /// What the walk passed over, and why (not errors).
+    pub passed_over: Vec<FileError>,
     pub hosts: Vec<HostTotals>,
 }
 
@@ -362,6 +366,7 @@ impl Send {
                 }
             }
             Event::WalkError(e) => self.summary.errors.push(e),
+            Event::PassedOver(e) => self.summary.passed_over.push(e),
             Event::Dir(meta) if !self.walk_done => {
                 for host in 0..self.cfg.hosts {
                     self.out.push_back(Action::Send { host, msg: ToReceiver::Dir { meta: meta.clone() } });
