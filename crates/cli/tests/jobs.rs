@@ -265,11 +265,11 @@ fn a_job_reaches_its_destination_over_ssh() {
         String::from_utf8_lossy(&out.stdout).lines().count()
     };
     assert!(wait_until(Duration::from_secs(10), || left() == 0), "a remote end outlived the job");
-    // A host that ssh cannot reach is refused before anything runs, with ssh's own words.
+    // A host that ssh cannot log in to is refused before anything runs, with ssh's own words.
     let bad = ssh_job(&env, "unreachable", &src, "no-such-user@127.0.0.1", &sshd, &dst.join("x"), "");
     let r = dmover(["run"]).arg(&bad.path).run();
     assert_ne!(r.code, 0);
-    assert!(r.stderr.contains("ssh failed") && !dst.join("x").exists(), "{}", r.stderr);
+    assert!(r.stderr.contains("ssh could not log in") && r.stderr.contains("Permission denied") && !dst.join("x").exists(), "{}", r.stderr);
 }
 
 // ---------------------------------------------------------------------------
