@@ -216,6 +216,15 @@ fn stat_of(s: &rustix::fs::Stat) -> Stat {
     }
 }
 
+/// The user and group ids `attrs` gives, but those equal to `now` (the
+/// ids the file has) and -1 (which means none).
+fn ids_to_set(attrs: &Attrs, now: Option<(u32, u32)>) -> (Option<rustix::fs::Uid>, Option<rustix::fs::Gid>) {
+    let (uid, gid) = now.map_or((None, None), |(u, g)| (Some(u), Some(g)));
+    let owner = attrs.owner.filter(|&u| u != u32::MAX && Some(u) != uid).map(rustix::fs::Uid::from_raw);
+    let group = attrs.group.filter(|&g| g != u32::MAX && Some(g) != gid).map(rustix::fs::Gid::from_raw);
+    (owner, group)
+}
+
 /// Gives the open file or directory `fd` the owner, group and extended
 /// attributes `attrs` names (an id of -1 is never set: it means none).
 fn set_owner_and_xattrs(fd: BorrowedFd<'_>, attrs: &Attrs) -> io::Result<()> {
@@ -223,8 +232,7 @@ fn set_owner_and_xattrs(fd: BorrowedFd<'_>, attrs: &Attrs) -> io::Result<()> {
         // Only what differs: a new file often has its owner already, and a
         // change of owner is a change of the inode to journal.
         let st = rustix::fs::fstat(fd)?;
-        let owner = attrs.owner.filter(|&u| u != u32::MAX && u != st.st_uid).map(rustix::fs::Uid::from_raw);
-        let group = attrs.group.filter(|&g| g != u32::MAX && g != st.st_gid).map(rustix::fs::Gid::from_raw);
+        let (owner, group) = ids_to_set(attrs, Some((st.st_uid, st.st_gid)));
         if owner.is_some() || group.is_some() {
             rustix::fs::fchown(fd, owner, group)?;
         }
@@ -541,8 +549,7 @@ impl Storage for Posix {
         }
         rustix::fs::symlinkat(OsStr::from_bytes(target), &dir, &temp)?;
         let placed = (|| -> io::Result<()> {
-            let owner = attrs.owner.filter(|&u| u != u32::MAX).map(rustix::fs::Uid::from_raw);
-            let group = attrs.group.filter(|&g| g != u32::MAX).map(rustix::fs::Gid::from_raw);
+            let (owner, group) = ids_to_set(attrs, None);
             if owner.is_some() || group.is_some() {
                 rustix::fs::chownat(&dir, &temp, owner, group, AtFlags::SYMLINK_NOFOLLOW)?;
             }
@@ -577,8 +584,7 @@ impl Storage for Posix {
         let placed = (|| -> io::Result<()> {
             let fd = rustix::fs::openat(&dir, &temp, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
             let at = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
-            let owner = attrs.owner.filter(|&u| u != u32::MAX).map(rustix::fs::Uid::from_raw);
-            let group = attrs.group.filter(|&g| g != u32::MAX).map(rustix::fs::Gid::from_raw);
+            let (owner, group) = ids_to_set(attrs, None);
             if owner.is_some() || group.is_some() {
                 rustix::fs::chownat(&fd, "", owner, group, AtFlags::EMPTY_PATH)?;
             }
