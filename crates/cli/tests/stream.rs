@@ -40,6 +40,8 @@ fn config(env: &Env, dests: &[&str], spill: &Path) -> Config {
     let mut c = Config::new(PRODUCER, dests, env.token_str().as_bytes(), spill);
     c.block_size = BLOCK;
     c.buffer = 16 * BLOCK as u64;
+    // The tests read where each block went from the producer's manifest.
+    c.keep_manifest = true;
     c
 }
 
@@ -98,7 +100,7 @@ fn check_delivery(report: &Report, written: &[Vec<u8>], sinks: &HashMap<String, 
     assert_eq!(report.unsaved_steps, 0, "{report:?}");
     assert_eq!(report.steps, written.len() as u64);
     assert_eq!(report.bytes, written.iter().map(|w| w.len() as u64).sum::<u64>());
-    check_manifest(&report.manifest, written, sinks)
+    check_manifest(report.manifest.as_deref().expect("the manifest is kept"), written, sinks)
 }
 
 /// Checks the producer's manifest: every block at a sink, as written.
@@ -458,13 +460,13 @@ fn after_every_sink_died_restarting_one_and_draining_leaves_a_complete_set() {
     let spill_file = report.spill_file.clone().expect("undelivered blocks stay in the spill file");
     assert!(spill_file.is_file());
     // The manifest says where every undelivered block is in the spill file.
-    let m = read_json(&report.manifest);
+    let m = read_json(report.manifest.as_deref().expect("the manifest is kept"));
     let spilled =
         m["steps"].as_array().unwrap().iter().flat_map(|s| s["blocks"].as_array().unwrap()).filter(|b| b["spill"].is_string()).count();
     assert_eq!(spilled as u64, report.undelivered_blocks);
 
     // With no sink up, drain fails and keeps everything.
-    let manifest = report.manifest.to_str().unwrap().to_string();
+    let manifest = report.manifest.as_deref().expect("the manifest is kept").to_str().unwrap().to_string();
     let r = dmover(["drain", "--timeout", "1", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
     assert_eq!(r.code, 6, "{}", r.stderr);
     assert!(r.stderr.contains("check that the server runs"), "{}", r.stderr);
@@ -475,7 +477,7 @@ fn after_every_sink_died_restarting_one_and_draining_leaves_a_complete_set() {
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     assert!(!spill_file.exists(), "the spill file is removed once drained");
     let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
-    let m = check_manifest(&report.manifest, &written, &sinks);
+    let m = check_manifest(report.manifest.as_deref().expect("the manifest is kept"), &written, &sinks);
     let last = &m["steps"][written.len() - 1];
     assert_eq!(last["manifest_at"], primary.addr(), "the last step was saved by the restarted primary");
 }
@@ -712,7 +714,7 @@ fn undelivered_steps(env: &Env, steps: u64) -> (Server, PathBuf, Report, Vec<Vec
 fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
     let env = Env::new();
     let (mut sink, out, report, written) = undelivered_steps(&env, 3);
-    let manifest = report.manifest.to_str().unwrap().to_string();
+    let manifest = report.manifest.as_deref().expect("the manifest is kept").to_str().unwrap().to_string();
     let drain = dmover(["drain", "--timeout", "60", "--token-file", env.token.to_str().unwrap(), &manifest]).spawn();
     std::thread::sleep(Duration::from_secs(3));
     sink.restart();
@@ -721,7 +723,7 @@ fn drain_keeps_trying_for_its_timeout_until_a_sink_is_back() {
     assert!(r.elapsed >= Duration::from_secs(3), "drain ended after {:?}, before the sink was back", r.elapsed);
     assert!(r.stderr.contains("trying again"), "{}", r.stderr);
     let sinks = HashMap::from([(sink.addr(), out.clone())]);
-    check_manifest(&report.manifest, &written, &sinks);
+    check_manifest(report.manifest.as_deref().expect("the manifest is kept"), &written, &sinks);
 }
 
 /// `dmover drain MANIFEST | head -1`: a drain whose stdout is closed still
@@ -731,11 +733,11 @@ fn drain_ends_quietly_when_its_stdout_is_closed() {
     let env = Env::new();
     let (mut sink, out, report, written) = undelivered_steps(&env, 2);
     sink.restart();
-    let manifest = report.manifest.to_str().unwrap();
+    let manifest = report.manifest.as_deref().expect("the manifest is kept").to_str().unwrap();
     let r = dmover(["drain", "--timeout", "30", "--token-file", env.token.to_str().unwrap(), manifest]).stdout_closed().run();
     assert_eq!(r.code, 0, "drain with its stdout closed:\n{}", r.stderr);
     assert!(!r.stderr.contains("panicked") && !r.stderr.contains("Broken pipe"), "{}", r.stderr);
-    check_manifest(&report.manifest, &written, &HashMap::from([(sink.addr(), out.clone())]));
+    check_manifest(report.manifest.as_deref().expect("the manifest is kept"), &written, &HashMap::from([(sink.addr(), out.clone())]));
 }
 
 /// STREAMING.md "Parameters": a hung sink is taken for dead after the ack
@@ -916,6 +918,8 @@ struct Closed {
     stderr: String,
     /// From the line that let it write to its exit.
     took: Duration,
+    /// Its spill directory.
+    spill: PathBuf,
 }
 
 /// Starts `producer` with the test's token file, its input and output
@@ -968,7 +972,7 @@ fn run_producer(env: &Env, producer: &mut Command, sinks: &[&str], timeouts: Opt
     let r = child.wait_with_output().unwrap();
     let mut rest = String::new();
     stdout.read_to_string(&mut rest).unwrap();
-    Closed { code: r.status.code().unwrap_or(-1), stdout: rest, stderr: String::from_utf8_lossy(&r.stderr).into_owned(), took }
+    Closed { code: r.status.code().unwrap_or(-1), stdout: rest, stderr: String::from_utf8_lossy(&r.stderr).into_owned(), took, spill }
 }
 
 /// STREAMING.md "Parameters": the close timeout can be set from C,
@@ -990,6 +994,71 @@ fn close_timeout_is_settable_from_c_fortran_python_and_the_environment_and_point
             "{what}: the error does not say to drain: {}",
             r.stderr
         );
+        assert!(
+            r.stderr.contains("[dmover-stream WARN] stream timeouts-") && r.stderr.contains(".spill until a sink takes them"),
+            "{what}: nothing said that blocks went to the spill file: {}",
+            r.stderr
+        );
+    }
+}
+
+/// STREAMING.md "Close": a close that delivered everything leaves nothing
+/// in the spill directory (no manifest piles up run after run) unless
+/// asked to keep the manifest; one that left blocks keeps both files.
+#[test]
+fn a_clean_close_leaves_no_manifest_behind_unless_asked_to_keep_it() {
+    let env = Env::new();
+    let producers = TimeoutsProducers::build(&env);
+    let out = env.mkdir("sink");
+    let sink = env.sink(&out, [] as [&str; 0]);
+    let names = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()
+    };
+    for lang in ["C", "Fortran", "Python"] {
+        let r = run_producer(&env, &mut producers.command(lang), &[&sink.addr()], None, || {});
+        assert_eq!(r.code, 0, "{lang}: {}", r.stderr);
+        assert_eq!(names(&r.spill), Vec::<String>::new(), "{lang}: a clean close left files behind");
+        let mut keep = producers.command(lang);
+        keep.env("DMOVER_KEEP_MANIFEST", "1");
+        let r = run_producer(&env, &mut keep, &[&sink.addr()], None, || {});
+        assert_eq!(r.code, 0, "{lang}: {}", r.stderr);
+        let kept = names(&r.spill);
+        assert!(kept.len() == 1 && kept[0].ends_with(".manifest.json"), "{lang}: DMOVER_KEEP_MANIFEST=1 kept {kept:?}");
+    }
+    let mut gone = env.sink(&env.mkdir("sink-gone"), [] as [&str; 0]);
+    let addr = gone.addr();
+    let r = run_producer(&env, &mut producers.command("C"), &[&addr], Some((1.0, 0.0)), || gone.kill9());
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    let mut left = names(&r.spill);
+    left.sort();
+    assert!(left.len() == 2 && left[0].ends_with(".manifest.json") && left[1].ends_with(".spill"), "undelivered blocks left {left:?}");
+}
+
+/// STREAMING.md "What it says": a close that waits on sinks that are gone
+/// says how many blocks it waits for and how long it will still wait, and
+/// `DMOVER_LOG=off` silences the library.
+#[test]
+fn a_close_waiting_on_absent_sinks_says_what_it_waits_for_and_for_how_long() {
+    let env = Env::new();
+    let producers = TimeoutsProducers::build(&env);
+    for lang in ["C", "Python"] {
+        let out = env.mkdir(&format!("sink-{}", unique()));
+        let mut sink = env.sink(&out, [] as [&str; 0]);
+        let addr = sink.addr();
+        let r = run_producer(&env, &mut producers.command(lang), &[&addr], Some((4.0, 0.0)), || sink.kill9());
+        assert_eq!(r.code, 6, "{lang}: {}", r.stderr);
+        let note =
+            r.stderr.lines().find(|l| l.contains("close waits for")).unwrap_or_else(|| panic!("{lang}: close said nothing: {}", r.stderr));
+        assert!(note.starts_with("[dmover-stream WARN] stream timeouts-"), "{lang}: {note}");
+        let left: f64 = note.split("gives up in ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(-1.0);
+        assert!(note.contains("block(s)") && (0.0..=3.0).contains(&left) && note.contains("no sink is connected"), "{lang}: {note}");
+        let mut quiet = producers.command(lang);
+        quiet.env("DMOVER_LOG", "off");
+        let mut sink = env.sink(&env.mkdir(&format!("sink-{}", unique())), [] as [&str; 0]);
+        let addr = sink.addr();
+        let r = run_producer(&env, &mut quiet, &[&addr], Some((1.0, 0.0)), || sink.kill9());
+        assert_eq!(r.code, 6, "{lang}: {}", r.stderr);
+        assert!(!r.stderr.contains("[dmover-stream"), "{lang}: DMOVER_LOG=off still logged: {}", r.stderr);
     }
 }
 
@@ -1341,7 +1410,7 @@ fn the_producer_and_sink_manifests_write_records_alike() {
     s.write(&[2; 300]).unwrap();
     s.end_step().unwrap();
     let report = s.close().unwrap();
-    let producer = read_json(&report.manifest);
+    let producer = read_json(report.manifest.as_deref().expect("the manifest is kept"));
     let at_sink = read_json(&out.join(PRODUCER).join("step-000000.json"));
     let want = serde_json::json!([{ "offset": 0, "len": 1000 }, { "offset": 1000, "len": 300 }]);
     assert_eq!(at_sink["records"], want);
@@ -1523,7 +1592,7 @@ fn drain_gathers_a_step_left_split_and_its_hook_runs_once() {
     assert!(!hooked(&log).iter().any(|l| l.ends_with("step-000002.json")), "a hook ran for a split step");
 
     // While the primary is down the step cannot be gathered: drain fails, saying to run it again.
-    let manifest = report.manifest.to_str().unwrap().to_string();
+    let manifest = report.manifest.as_deref().expect("the manifest is kept").to_str().unwrap().to_string();
     let r = dmover(["drain", "--timeout", "5", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
     assert_eq!(r.code, 6, "drain left step 2 split, yet did not fail as unreachable:\n{}\n{}", r.stdout, r.stderr);
     assert!(
@@ -1538,7 +1607,7 @@ fn drain_gathers_a_step_left_split_and_its_hook_runs_once() {
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     // Drain sends to the first sink that takes it, the primary: the step is gathered there.
     let sinks = HashMap::from([(primary.addr(), out_a.clone()), (alternate.addr(), out_b.clone())]);
-    let m = check_manifest(&report.manifest, &written, &sinks);
+    let m = check_manifest(report.manifest.as_deref().expect("the manifest is kept"), &written, &sinks);
     assert!(m["steps"][2]["blocks"].as_array().unwrap().iter().all(|b| b["at"] == primary.addr()), "{}", m["steps"][2]);
     assert_gathered(&out_a, &log, 2, &written[2]);
 }
@@ -1600,7 +1669,7 @@ fn two_replicas_survive_a_sink_killed_in_the_middle_of_a_step() {
     assert_eq!(report.undelivered_blocks, 0, "{report:?}");
     assert!(report.complete_at.values().all(|at| at.iter().filter(|a| **a != addrs[0]).count() == 2), "{:?}", report.complete_at);
     let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
-    assert_copies(&report.manifest, PRODUCER, &written, &dirs, &addrs[0], 2);
+    assert_copies(report.manifest.as_deref().expect("the manifest is kept"), PRODUCER, &written, &dirs, &addrs[0], 2);
     assert!(outs[2].join(PRODUCER).join("step-000000.json").is_file(), "the spare did not take the dead sink's copies");
 }
 
@@ -1677,7 +1746,7 @@ fn replicas_from(env: &Env, what: &str, producer: &str, mut cmd: Command, extra:
     let mut sinks: Vec<Server> = outs.iter().map(|o| env.sink(o, [] as [&str; 0])).collect();
     let addrs: Vec<String> = sinks.iter().map(|s| s.addr()).collect();
     let spill = env.mkdir(&format!("spill-{}", unique()));
-    cmd.arg(addrs.join(",")).arg(&spill).args([steps.to_string(), n.to_string()]).args(extra);
+    cmd.arg(addrs.join(",")).arg(&spill).args([steps.to_string(), n.to_string()]).args(extra).env("DMOVER_KEEP_MANIFEST", "1");
     let (mut child, mut stdout) = spawn_until(env, &mut cmd, "half", &format!("{what}: the producer did not get to the middle"));
     // The first sink holds the whole blocks of the first half (the rest of
     // a block waits for the second), and the producer read its acknowledgements.
@@ -1747,7 +1816,7 @@ fn with_fewer_sinks_up_than_replicas_the_stream_goes_on_and_close_returns() {
     assert!(start.elapsed() < Duration::from_secs(30), "close took {:?}", start.elapsed());
     assert_eq!(report.undelivered_blocks, 0, "{report:?}");
     let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
-    assert_copies(&report.manifest, PRODUCER, &written, &dirs, &addrs[0], 1);
+    assert_copies(report.manifest.as_deref().expect("the manifest is kept"), PRODUCER, &written, &dirs, &addrs[0], 1);
 }
 
 /// STREAMING.md "Replicas": `set_replicas` raises k on an open stream, and
@@ -1769,7 +1838,7 @@ fn raising_replicas_mid_stream_copies_the_steps_sent_before() {
     assert_eq!(report.undelivered_blocks, 0, "{report:?}");
     assert!(report.complete_at.values().all(|at| at.len() == 2), "not every step is whole at both sinks: {:?}", report.complete_at);
     let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
-    assert_copies(&report.manifest, PRODUCER, &written, &dirs, "", 2);
+    assert_copies(report.manifest.as_deref().expect("the manifest is kept"), PRODUCER, &written, &dirs, "", 2);
 }
 
 /// STREAMING.md "The producer's manifest": `replicas` gives k, which drain
@@ -1790,11 +1859,11 @@ fn drain_of_a_stream_with_two_replicas_delivers_two_copies() {
     let report = s.close().unwrap();
     assert_eq!(report.undelivered_blocks, report.blocks, "both sinks were dead, yet blocks were delivered: {report:?}");
     sinks.iter_mut().for_each(Server::restart);
-    let manifest = report.manifest.to_str().unwrap().to_string();
+    let manifest = report.manifest.as_deref().expect("the manifest is kept").to_str().unwrap().to_string();
     let r = dmover(["drain", "--timeout", "60", "--token-file", env.token.to_str().unwrap(), &manifest]).run();
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let dirs: HashMap<String, PathBuf> = addrs.iter().cloned().zip(outs.iter().cloned()).collect();
-    assert_copies(&report.manifest, PRODUCER, &written, &dirs, "", 2);
+    assert_copies(report.manifest.as_deref().expect("the manifest is kept"), PRODUCER, &written, &dirs, "", 2);
 }
 
 /// A producer that measures its own memory: streams STEPS steps of BYTES

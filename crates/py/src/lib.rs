@@ -49,7 +49,7 @@ impl Stream {
     #[new]
     #[pyo3(signature = (producer, destinations, spill_dir, *, token=None, buffer=dmover_stream::DEFAULT_BUFFER,
                         block_size=dmover_stream::DEFAULT_BLOCK, max_wait=0.0, max_streams=dmover_stream::DEFAULT_MAX_STREAMS,
-                        close_timeout=None, ack_timeout=None, replicas=None))]
+                        close_timeout=None, ack_timeout=None, replicas=None, keep_manifest=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -64,6 +64,7 @@ impl Stream {
         close_timeout: Option<f64>,
         ack_timeout: Option<f64>,
         replicas: Option<usize>,
+        keep_manifest: Option<bool>,
     ) -> PyResult<Stream> {
         let token = match token {
             Some(t) => t.into_bytes(),
@@ -72,6 +73,7 @@ impl Stream {
         if !(0.0..=86_400.0).contains(&max_wait) {
             return Err(PyValueError::new_err("max_wait is seconds, 0 to 86400"));
         }
+        dmover_stream::log_to_stderr();
         let dests: Vec<&str> = destinations.iter().map(String::as_str).collect();
         let mut cfg = Config::new(producer, &dests, &token, spill_dir);
         cfg.buffer = buffer;
@@ -80,6 +82,7 @@ impl Stream {
         cfg.max_streams = max_streams;
         cfg.options_from_env().map_err(py_err)?;
         cfg.replicas = replicas.unwrap_or(cfg.replicas);
+        cfg.keep_manifest = keep_manifest.unwrap_or(cfg.keep_manifest);
         for (name, given, field) in
             [("close_timeout", close_timeout, &mut cfg.close_timeout), ("ack_timeout", ack_timeout, &mut cfg.ack_timeout)]
         {
@@ -169,7 +172,7 @@ fn report<'py>(py: Python<'py>, r: &Report) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("complete_at", r.complete_at.clone())?;
     d.set_item("max_streams", r.max_streams)?;
     d.set_item("seconds", r.seconds)?;
-    d.set_item("manifest", r.manifest.display().to_string())?;
+    d.set_item("manifest", r.manifest.as_ref().map(|m| m.display().to_string()))?;
     let dests = r
         .destinations
         .iter()

@@ -194,8 +194,9 @@ int dms_end_step(struct dms_stream *h);
 
 /**
  * Ends the current step if anything was written to it, sends everything
- * left, writes SPILL_DIR/PRODUCER.PID.manifest.json, fills *report (if not
- * NULL) and frees the handle, even when it returns an error.
+ * left, fills *report (if not NULL) and frees the handle, even when it
+ * returns an error. SPILL_DIR/PRODUCER.PID.manifest.json is kept if
+ * anything is left to drain (or DMOVER_KEEP_MANIFEST=1), removed otherwise.
  *
  * # Safety
  * h is NULL or a live handle, which is invalid afterwards; report is

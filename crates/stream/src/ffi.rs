@@ -138,6 +138,7 @@ pub unsafe extern "C" fn dms_open(
         let (producer, dests, spill) =
             unsafe { (string(producer, "producer")?, string(destinations, "destinations")?, string(spill_dir, "spill_dir")?) };
         let dests: Vec<&str> = dests.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+        crate::log_to_stderr();
         let mut cfg = Config::new(&producer, &dests, &token_from_env()?, spill);
         cfg.options_from_env()?;
         if buffer_bytes > 0 {
@@ -238,8 +239,9 @@ pub unsafe extern "C" fn dms_end_step(h: *mut DmsStream) -> c_int {
 }
 
 /// Ends the current step if anything was written to it, sends everything
-/// left, writes SPILL_DIR/PRODUCER.PID.manifest.json, fills *report (if not
-/// NULL) and frees the handle, even when it returns an error.
+/// left, fills *report (if not NULL) and frees the handle, even when it
+/// returns an error. SPILL_DIR/PRODUCER.PID.manifest.json is kept if
+/// anything is left to drain (or DMOVER_KEEP_MANIFEST=1), removed otherwise.
 ///
 /// # Safety
 /// h is NULL or a live handle, which is invalid afterwards; report is

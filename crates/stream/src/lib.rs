@@ -103,6 +103,11 @@ pub struct Config {
     /// it, and when one fails the next destination takes its place and
     /// gets a copy of what it held.
     pub replicas: usize,
+    /// Keep the producer's manifest after a close that delivered
+    /// everything (by default it is removed then, as the spill file is:
+    /// the sinks' manifests and the report say where each step is).
+    /// `DMOVER_KEEP_MANIFEST=1` sets it.
+    pub keep_manifest: bool,
 }
 
 impl Config {
@@ -121,6 +126,7 @@ impl Config {
             close_timeout: DEFAULT_CLOSE_TIMEOUT,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
             replicas: 1,
+            keep_manifest: false,
         }
     }
 
@@ -176,6 +182,13 @@ impl Config {
                 *field = seconds(&v).map_err(|m| Error::new(ErrorKind::Usage, var, format!("{v:?}: {m}")))?;
             }
         }
+        if let Ok(v) = std::env::var("DMOVER_KEEP_MANIFEST") {
+            self.keep_manifest = match v.trim() {
+                "1" | "true" | "yes" => true,
+                "0" | "false" | "no" | "" => false,
+                _ => return Err(Error::new(ErrorKind::Usage, "DMOVER_KEEP_MANIFEST", format!("{v:?} is not 1 or 0"))),
+            };
+        }
         if let Ok(v) = std::env::var("DMOVER_REPLICAS") {
             self.replicas =
                 v.trim().parse().map_err(|_| Error::new(ErrorKind::Usage, "DMOVER_REPLICAS", format!("{v:?} is not a number")))?;
@@ -224,7 +237,7 @@ impl Report {
             return None;
         }
         let spill = self.spill_file.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the spill file".into());
-        let manifest = self.manifest.display().to_string();
+        let manifest = self.manifest.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the manifest".into());
         if let Some((step, offset)) = self.damaged.first() {
             let msg = format!(
                 "{} blocks arrived damaged at the sink every time they were sent ({} times; the first: step {step}, offset {offset}), \
@@ -285,8 +298,9 @@ pub struct Report {
     pub ticks_b: u64,
     pub ticks_c: u64,
     pub seconds: f64,
-    /// The manifest: where every block is.
-    pub manifest: PathBuf,
+    /// The producer's manifest, where every block is; `None` once a close
+    /// that delivered everything removed it (see [`Config::keep_manifest`]).
+    pub manifest: Option<PathBuf>,
     /// The spill file, if it still holds undelivered blocks.
     pub spill_file: Option<PathBuf>,
     /// Each sink's share: its address, the blocks it acknowledged and their bytes.
@@ -521,6 +535,8 @@ pub fn drain(manifest: &Path, token: &[u8], close_timeout: Duration) -> Result<R
     cfg.block_size = m.block_size;
     cfg.replicas = m.replicas;
     cfg.close_timeout = close_timeout;
+    // Drain rewrites the manifest it was given: the record of where each block went.
+    cfg.keep_manifest = true;
     cfg.check()?;
     let cred = cfg.credential()?;
     let spill = match Spill::open(&m.spill) {
@@ -562,6 +578,33 @@ fn not_a_manifest(file: &Path, why: &str) -> Error {
         "drain takes a producer's manifest, SPILL_DIR/PRODUCER.PID.manifest.json, beside its spill file PRODUCER.PID.spill".into()
     };
     Error::new(ErrorKind::Usage, file.display().to_string(), msg).advised(advice)
+}
+
+/// Sends the library's warnings (a stream that starts spilling, a close
+/// that waits on absent sinks, a sink given up) to standard error, as
+/// `[dmover-stream LEVEL] message`, at the level `DMOVER_LOG` names
+/// (`error`, `warn` — the default —, `info`, `debug`, `trace`, or `off`).
+/// For programs that are not `dmover` itself: the C library and the Python
+/// module call it when a stream opens; a program that installed a logger of
+/// its own keeps it. (Not `env_logger`: a library linked into simulations
+/// stays small.)
+pub fn log_to_stderr() {
+    struct Stderr;
+    impl log::Log for Stderr {
+        fn enabled(&self, m: &log::Metadata) -> bool {
+            m.level() <= log::max_level()
+        }
+        fn log(&self, r: &log::Record) {
+            if self.enabled(r.metadata()) {
+                eprintln!("[dmover-stream {}] {}", r.level(), r.args());
+            }
+        }
+        fn flush(&self) {}
+    }
+    let level = std::env::var("DMOVER_LOG").ok().and_then(|l| l.trim().parse().ok()).unwrap_or(log::LevelFilter::Warn);
+    if log::set_logger(&Stderr).is_ok() {
+        log::set_max_level(level);
+    }
 }
 
 /// Longest pause between two tries of a drain to reach a sink.

@@ -64,6 +64,9 @@ pub const RETRY_DOWN: Duration = Duration::from_secs(5);
 /// How long a data connection waits for work before checking whether it
 /// should stop.
 const WORK_WAIT: Duration = Duration::from_millis(100);
+/// While close waits for delivery it says so this often: how many blocks
+/// are still to go and how long it will still wait.
+const CLOSE_NOTE_EVERY: Duration = Duration::from_secs(30);
 /// The manifest on disk is rewritten, when something changed, at most this
 /// often: what a producer killed before close can lose of its bookkeeping.
 pub const MANIFEST_EVERY: Duration = Duration::from_millis(500);
@@ -232,7 +235,13 @@ pub struct Manager {
     policy: Policy,
     start: Instant,
     spilled_since: usize,
+    /// Blocks and bytes spilled since the writer last found room in the
+    /// buffer (`None` while it does): a spell of spilling is logged when it
+    /// starts and when it ends.
+    spilling: Option<(u64, u64)>,
     closing: Option<Instant>,
+    /// When close last said what it waits for.
+    close_noted: Option<Instant>,
     report: Report,
     /// The spills and failovers of `report` told to a sink so far.
     events_told: ProducerEvents,
@@ -268,7 +277,9 @@ impl Manager {
             links_opened: 0,
             start: Instant::now(),
             spilled_since: 0,
+            spilling: None,
             closing: None,
+            close_noted: None,
             report: Report::default(),
             events_told: ProducerEvents::default(),
             manifest_path,
@@ -406,6 +417,7 @@ impl Manager {
             if self.closing.is_some() && self.settled() {
                 break;
             }
+            self.note_close_wait();
             if self.closing.is_some_and(|t| t.elapsed() >= self.cfg.close_timeout) {
                 log::warn!("stream {}: close timeout; keeping what is undelivered in the spill file", self.cfg.producer);
                 self.spill_memory()?;
@@ -433,8 +445,17 @@ impl Manager {
                 let b = Block { step, offset, sum, data, spilled_at: None, gather_to: None };
                 self.memory.insert((step, offset), Arc::new(b));
                 self.fresh.push_back((step, offset));
+                if let Some((blocks, bytes)) = self.spilling.take() {
+                    log::info!(
+                        "stream {}: the buffer has room again after {blocks} blocks ({}) went to {}; they are sent from there",
+                        self.cfg.producer,
+                        dmover_engine::progress::human(bytes),
+                        self.spill.path().display()
+                    );
+                }
             }
             Event::Spilled { step, offset, len, sum, at } => {
+                self.note_spill(len as u64, "the buffer is full");
                 let rec = BlockRec { len, sum, at: Vec::new(), spilled: Some(at) };
                 self.steps.entry(step).or_default().blocks.insert(offset, rec);
                 self.spilled.push_back((step, offset));
@@ -1055,6 +1076,7 @@ impl Manager {
                         .map_err(|e| Error::io(self.spill.path().display().to_string(), &e))?;
                     self.report.spilled_blocks += 1;
                     self.report.spilled_bytes += b.data.len() as u64;
+                    self.note_spill(b.data.len() as u64, if resend { "no sink is up" } else { "close timed out" });
                     at
                 }
             };
@@ -1069,6 +1091,58 @@ impl Manager {
         self.spilled.make_contiguous().sort_unstable();
         self.manifest_dirty = true;
         Ok(())
+    }
+
+    /// Counts a block that went to the spill file (`why`), saying so at the
+    /// first of a spell: spilling costs disk space and time, and a user who
+    /// sees nothing cannot tell a slow sink from a fast one.
+    fn note_spill(&mut self, bytes: u64, why: &str) {
+        match &mut self.spilling {
+            Some((b, n)) => {
+                *b += 1;
+                *n += bytes;
+            }
+            None => {
+                self.spilling = Some((1, bytes));
+                let sinks = match self.links.len() {
+                    0 => "no sink is connected".to_string(),
+                    n => format!("{n} sink(s) connected"),
+                };
+                log::warn!(
+                    "stream {}: {why} ({sinks}): blocks go to {} until a sink takes them",
+                    self.cfg.producer,
+                    self.spill.path().display()
+                );
+            }
+        }
+    }
+
+    /// While close waits for delivery, says every [`CLOSE_NOTE_EVERY`] how
+    /// many blocks are still to go and how long it will still wait, so a
+    /// close that waits on absent sinks is not silent.
+    fn note_close_wait(&mut self) {
+        let Some(since) = self.closing else { return };
+        if self.close_noted.is_some_and(|t| t.elapsed() < CLOSE_NOTE_EVERY) || since.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.close_noted = Some(Instant::now());
+        let left = self.cfg.close_timeout.saturating_sub(since.elapsed()).as_secs_f64();
+        let to_go = self.undelivered();
+        let msg = format!(
+            "stream {}: close waits for {to_go} block(s) and their steps to reach a sink; it gives up in {left:.0} s and keeps them in {}",
+            self.cfg.producer,
+            self.spill.path().display()
+        );
+        if self.links.is_empty() {
+            log::warn!("{msg} (no sink is connected)");
+        } else {
+            log::info!("{msg}");
+        }
+    }
+
+    /// Blocks of steps not lost that no sink has acknowledged.
+    fn undelivered(&self) -> u64 {
+        self.steps.values().filter(|s| !s.lost).map(|s| s.blocks.values().filter(|b| b.at.is_empty()).count() as u64).sum()
     }
 
     /// Rewrites the manifest on disk if it changed and the last write is
@@ -1094,10 +1168,7 @@ impl Manager {
 
     /// Writes the manifest and completes the report.
     fn finish(mut self) -> Result<Report> {
-        let mut undelivered = 0;
-        for s in self.steps.values().filter(|s| !s.lost) {
-            undelivered += s.blocks.values().filter(|b| b.at.is_empty()).count() as u64;
-        }
+        let undelivered = self.undelivered();
         self.report.undelivered_blocks = undelivered;
         self.report.unsaved_steps = self.steps.values().filter(|s| !s.lost && s.saved.is_empty()).count() as u64;
         self.report.lost_steps = self.steps.iter().filter(|(_, s)| s.lost).map(|(&step, _)| step).collect();
@@ -1115,8 +1186,18 @@ impl Manager {
         }
         self.report.seconds = self.start.elapsed().as_secs_f64();
         self.report.destinations = self.dests.iter().map(|d| Share { name: d.addr.clone(), count: d.blocks, bytes: d.bytes }).collect();
-        self.write_manifest().map_err(|e| Error::io(self.manifest_path.display().to_string(), &e))?;
-        self.report.manifest = self.manifest_path.clone();
+        let r = &self.report;
+        let clean = undelivered == 0 && r.unsaved_steps == 0 && r.lost_steps.is_empty() && r.split_steps.is_empty() && r.damaged.is_empty();
+        if clean && !self.cfg.keep_manifest {
+            match std::fs::remove_file(&self.manifest_path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(self.manifest_path.display().to_string(), &e)),
+            }
+        } else {
+            self.write_manifest().map_err(|e| Error::io(self.manifest_path.display().to_string(), &e))?;
+            self.report.manifest = Some(self.manifest_path.clone());
+        }
         Ok(self.report)
     }
 

@@ -21,7 +21,7 @@ class Report(TypedDict):
     complete_at: dict[int, list[str]]
     max_streams: int
     seconds: float
-    manifest: str
+    manifest: Optional[str]
     destinations: list[DestinationReport]
 
 class Stream:
@@ -41,11 +41,14 @@ class Stream:
         close_timeout: Optional[float] = None,
         ack_timeout: Optional[float] = None,
         replicas: Optional[int] = None,
+        keep_manifest: Optional[bool] = None,
     ) -> None:
         """Opens the stream. close_timeout and ack_timeout are seconds (default
         DMOVER_CLOSE_TIMEOUT and DMOVER_ACK_TIMEOUT if set, else 600 and 90);
         replicas is how many sinks each step goes to, whole (default
-        DMOVER_REPLICAS if set, else 1)."""
+        DMOVER_REPLICAS if set, else 1); keep_manifest keeps the producer's
+        manifest after a close that delivered everything (default
+        DMOVER_KEEP_MANIFEST=1 if set, else removed then)."""
     @property
     def step(self) -> int:
         """The step being written (0 first)."""
@@ -56,7 +59,9 @@ class Stream:
     def end_step(self) -> None:
         """Ends the current time step."""
     def close(self) -> Report:
-        """Sends everything left, writes the manifest, returns the report."""
+        """Sends everything left, returns the report; the manifest is kept (its
+        path in report["manifest"]) only if something is left to drain or
+        keep_manifest was asked for."""
     def __enter__(self) -> "Stream": ...
     def __exit__(
         self,
