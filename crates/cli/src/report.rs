@@ -98,11 +98,11 @@ impl Report {
 
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "{} files, {} in {:.2} s ({:.1} MB/s, {:.1} files/s)",
+            "{} files, {} in {:.2} s ({}/s, {:.1} files/s)",
             self.files,
             human(self.bytes),
             self.seconds,
-            self.rate.mb_per_s,
+            human((self.rate.mb_per_s * 1e6) as u64),
             self.rate.files_per_s
         );
         if self.skipped_files > 0 {

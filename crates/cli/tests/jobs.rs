@@ -431,6 +431,8 @@ const PAGE_VIEW: &str = r##"(() => {
     lost: $("lost").textContent,
     check: $("check").hidden ? null : $("check").textContent,
     updates: Number($("updates").dataset.updates),
+    now: $("now").textContent,
+    rates: (document.querySelector("#chart text.rates") || {}).textContent,
   };
 })()"##;
 
@@ -493,6 +495,9 @@ fn status_page_follows_a_slurm_job_in_a_browser() {
         assert!(distinct(key) >= 3, "the page's {key} changed only {} times while the job ran: {running:#?}", distinct(key));
     }
     assert!(running.iter().any(|v| v["points"].as_u64() >= Some(3)), "the chart drew no rate line: {running:#?}");
+    let rated = |v: &&Value| v["now"].as_str().is_some_and(|n| n.ends_with("/s") && n != "0 B/s");
+    assert!(running.iter().any(|v| rated(&v)), "the page never showed a rate now while the job ran: {running:#?}");
+    assert!(running.iter().all(|v| v["rates"].as_str().is_some_and(|r| r.starts_with("now ") && r.contains("/s, peak "))), "{running:#?}");
     assert!(running.iter().any(|v| v["nodes"].as_array().unwrap().len() == 3), "not every node's share was shown: {running:#?}");
     let slurm_title = last["title"].as_str().unwrap();
     assert!(slurm_title.ends_with("watched.toml"), "{last:#}");
@@ -668,7 +673,7 @@ fn overlapping_sources_list_each_file_once() {
 // The job's own keys and reports, run without Slurm (`dmover run`)
 
 /// Every key of `dmover status --json` that docs/CLI.md shows, in its order.
-const STATUS_KEYS: [&str; 28] = [
+const STATUS_KEYS: [&str; 29] = [
     "state",
     "job",
     "slurm_job_id",
@@ -690,6 +695,7 @@ const STATUS_KEYS: [&str; 28] = [
     "mb_per_s",
     "files_per_s",
     "timeline",
+    "rates",
     "nodes",
     "hosts",
     "agents",
@@ -698,6 +704,42 @@ const STATUS_KEYS: [&str; 28] = [
     "error",
     "resubmitted_as",
 ];
+
+/// CLI.md "dmover status": a job's bytes count as they move, not when a
+/// file is confirmed, so one large file going at 2 MB/s shows progress and
+/// a rate before it is done, and its peak is near 2 MB/s (confirmed whole,
+/// it was a spike of its whole size in one second); the text status shows
+/// the same rates as `--json`.
+#[test]
+fn a_jobs_bytes_count_as_they_move_and_its_rates_are_the_same_everywhere() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_file(&src.join("big"), 12 << 20, &mut Rng::new(8));
+    let out = env.mkdir("out");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "big", &src, &[&srv], "[transfer]\nbwlimit = \"2M\"\n[slurm]\ntasks_per_node = 1\n");
+    let run = dmover(["run"]).arg(&job.path).spawn();
+    let mut before_done = None;
+    wait_until(Duration::from_secs(60), || {
+        let r = dmover(["status", "--json"]).arg(&job.path).run();
+        let Ok(j) = serde_json::from_str::<Value>(&r.stdout) else { return false };
+        let moving = j["timeline"].as_array().and_then(|t| t.last()).map_or(0, |p| u(&p["bytes"]));
+        if j["state"] == "running" && u(&j["done_files"]) == 0 && moving > 0 && j["rates"]["now_bytes_per_s"].as_f64() > Some(0.0) {
+            before_done = Some(j.clone());
+        }
+        before_done.is_some() || j["state"] == "finished"
+    });
+    let r = run.wait();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(before_done.is_some(), "no status showed bytes moving or a rate before the file was confirmed");
+    let j = dmover(["status", "--json"]).arg(&job.path).run().json();
+    let peak = j["rates"]["peak_bytes_per_s"].as_f64().unwrap();
+    assert!(peak > 1e6 && peak < 4e6, "a job limited to 2 MB/s peaked at {peak:.0} B/s: {j:#}");
+    let text = dmover(["status"]).arg(&job.path).run().stdout;
+    let shown = format!("(peak {}/s)", dmover_engine::progress::human(peak as u64));
+    assert!(text.contains(&shown), "the text status does not show the peak of --json, {shown}:\n{text}");
+    assert!(!text.contains("MB/s"), "one unit convention (binary): {text}");
+}
 
 /// CLI.md "Watching a job in a browser": `dmover run --metrics` has the
 /// manager serve the job's metrics while it runs (Prometheus' linter

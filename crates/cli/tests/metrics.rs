@@ -256,6 +256,16 @@ fn the_servers_page_shows_running_sessions_and_off_loopback_needs_the_page_token
     let j = seen.unwrap();
     assert_eq!(j["kind"], "server", "{j:#}");
     assert!(!j["timeline"].as_array().unwrap().is_empty(), "{j:#}");
+    // The rate now, as the page shows it, while the upload goes on.
+    let mut rates = Value::Null;
+    let moving = wait_until(Duration::from_secs(30), || {
+        let (_, body) = http_get_with(&addr, "/status.json", &bearer).unwrap();
+        let j: Value = serde_json::from_str(&body).unwrap();
+        rates = j["rates"].clone();
+        j["received_bytes"].as_u64() < Some(6 << 20) && rates["now_bytes_per_s"].as_f64() > Some(0.0)
+    });
+    assert!(moving, "the page never showed a rate now while the upload ran: {rates}");
+    assert!(rates["peak_bytes_per_s"].as_f64() >= rates["now_bytes_per_s"].as_f64(), "{rates}");
     up.wait().assert_ok();
     let (_, body) = http_get_with(&addr, "/status.json", &bearer).unwrap();
     let j: Value = serde_json::from_str(&body).unwrap();
@@ -700,9 +710,11 @@ fn a_browser_reads_the_servers_page_with_the_token_in_its_fragment() {
     let server = Server::start(spec);
     let addr = format!("127.0.0.1:{port}");
     assert!(wait_until(Duration::from_secs(10), || http_get(&addr, "/").is_some_and(|(c, _)| c == 200)), "no page");
-    let view = r#"({ state: document.getElementById("state").textContent,
+    let view = r##"({ state: document.getElementById("state").textContent,
         problem: document.getElementById("problem").hidden ? null : document.getElementById("problem").textContent,
-        updates: Number(document.getElementById("updates").dataset.updates) })"#;
+        updates: Number(document.getElementById("updates").dataset.updates),
+        now: document.getElementById("s-now").textContent,
+        rates: (document.querySelector("#s-chart text.rates") || {}).textContent })"##;
     let mut browser = browser::Browser::open(&format!("http://{addr}/#token={}", token_text(&pages)), &env.path("chromium"));
     let mut last = Value::Null;
     let shown = wait_until(Duration::from_secs(30), || {
@@ -710,6 +722,8 @@ fn a_browser_reads_the_servers_page_with_the_token_in_its_fragment() {
         last["state"] == "idle" && last["problem"].is_null() && last["updates"].as_u64() >= Some(2)
     });
     assert!(shown, "the page did not show the server's data with the token in its fragment: {last}");
+    assert_eq!(last["now"], "0 B/s", "an idle server's rate now: {last}");
+    assert!(last["rates"].as_str().is_some_and(|r| r.starts_with("now 0 B/s, peak 0 B/s over the last ")), "{last}");
     drop(browser);
     let mut browser = browser::Browser::open(&format!("http://{addr}/"), &env.path("chromium-without"));
     let refused = wait_until(Duration::from_secs(30), || {

@@ -68,7 +68,8 @@ impl Progress {
         self.done_bytes.store(s.done_bytes, Ordering::Relaxed);
     }
 
-    pub(crate) fn add(c: &AtomicU64, v: u64) {
+    /// Adds `v` to counter `c`.
+    pub fn add(c: &AtomicU64, v: u64) {
         c.fetch_add(v, Ordering::Relaxed);
     }
 }

@@ -134,12 +134,18 @@ fn window(plan: &Plan) -> usize {
     (2 * plan.concurrency as usize * plan.hosts.len().max(1)).clamp(8, 256)
 }
 
-fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16]) -> Result<Session> {
+/// Opens a session whose bytes count in `progress` (the agent's, over all
+/// its sessions): as the engine sends them, or a file's size when a
+/// command has sent it.
+fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16], progress: &Arc<Progress>) -> Result<Session> {
     if let Some(cmd) = &plan.command {
-        let b = book.clone();
+        let (b, progress) = (book.clone(), progress.clone());
         let report = Arc::new(move |r: FileResult| {
             let mut h = b.lock();
-            if h.files.remove(&r.path).is_some() {
+            if let Some(w) = h.files.remove(&r.path) {
+                if r.error.is_none() && !r.skipped {
+                    Progress::add(&progress.sent_bytes, w.size);
+                }
                 h.results.push(r);
             }
             drop(h);
@@ -170,7 +176,7 @@ fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16]) -> Result<
         concurrency: plan.concurrency as usize,
         staging: plan.staging,
         idle_timeout: IDLE_TIMEOUT,
-        progress: Arc::new(Progress::default()),
+        progress: progress.clone(),
         bwlimit: plan.bwlimit,
         tuner: None,
     };
@@ -241,6 +247,7 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
     let mut failed_opens = 0u32;
     let mut next_open = Instant::now();
     let mut digests_match = true;
+    let progress = Arc::new(Progress::default());
     loop {
         // A session that ended by itself failed: its files go back.
         if session.as_ref().is_some_and(Session::ended) {
@@ -259,7 +266,8 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
         };
         // No work is asked for while a failed session is backing off.
         let want = if session.is_some() || Instant::now() >= next_open { window.saturating_sub(held) } else { 0 };
-        let (files, finished) = match chan.request(&ToManager::Sync { results, want: want as u32, session: transfer })? {
+        let sent_bytes = progress.sent_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        let (files, finished) = match chan.request(&ToManager::Sync { results, want: want as u32, session: transfer, sent_bytes })? {
             ToAgent::Work { files, finished } => (files, finished),
             m => return Err(Error::protocol(chan.peer(), format!("expected work, got {m:?}"))),
         };
@@ -267,7 +275,7 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
         // (a re-run, a small job) touches no destination.
         if !files.is_empty() && session.is_none() {
             let transfer_id = dmover_engine::handshake::random();
-            match open_session(plan, &book, transfer_id) {
+            match open_session(plan, &book, transfer_id, &progress) {
                 Ok(s) => {
                     transfer = plan.command.is_none().then_some(transfer_id);
                     session = Some(s);

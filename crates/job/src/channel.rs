@@ -97,6 +97,10 @@ pub enum ToManager {
         want: u32,
         #[serde(default)]
         session: Option<[u8; 16]>,
+        /// Payload bytes the agent has sent so far, over all its sessions,
+        /// counted as they go (the job's rate), not as files settle.
+        #[serde(default)]
+        sent_bytes: u64,
     },
     /// The agent is done (after the manager said the job is finished):
     /// whether every engine session it ran ended with matching set digests.

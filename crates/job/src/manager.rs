@@ -33,7 +33,7 @@ use crate::agent::{self, AgentSpec};
 use crate::channel::{Channel, FileResult, ToAgent, ToManager, WorkItem};
 use crate::jobfile::spec_path;
 use crate::state::{
-    AgentReport, AgentState, Check, DoneList, FailureReport, FileError, JobReport, JobState, Rate, RunRecord, Share, StateDir,
+    AgentReport, AgentState, Check, DoneList, FailureReport, FileError, JobReport, JobState, Rate, Rates, RunRecord, Share, StateDir,
 };
 use crate::Plan;
 use crossbeam_channel::{Receiver, TryRecvError};
@@ -92,6 +92,8 @@ struct AgentBook {
     held: HashMap<String, Pending>,
     /// Transfer ids of the engine sessions it reported open.
     transfers: Vec<[u8; 16]>,
+    /// Bytes it said it has sent, as they went.
+    sent_bytes: u64,
 }
 
 /// Everything the agents' threads and the main loop share, under one lock.
@@ -113,6 +115,8 @@ struct Book {
     /// Bytes moved in this run (sent or found already there).
     moved_bytes: u64,
     moved_files: u64,
+    /// Bytes the agents have sent, as they went (the timeline's).
+    sent_bytes: u64,
 }
 
 impl Book {
@@ -257,7 +261,10 @@ impl Manager {
         r.seconds = seconds;
         r.walk_done = b.walk_done;
         r.rate = Rate::new(b.moved_files, b.moved_bytes, seconds);
-        r.timeline = self.timeline.note(b.moved_bytes, b.moved_files);
+        // Bytes as they move, and those found already there, so that a large
+        // file is a steady rate rather than a spike when it settles.
+        r.timeline = self.timeline.note(b.sent_bytes + r.skipped_bytes, b.moved_files);
+        r.rates = Rates::of(&r.timeline);
         r.nodes = b.nodes.values().cloned().collect();
         r.hosts = b.hosts.values().cloned().collect();
         r.agents = b.agents.iter().map(|a| a.report.clone()).collect();
@@ -304,6 +311,7 @@ pub fn run(plan: Plan, launch: Launch) -> Result<JobReport> {
             digests_match: true,
             moved_bytes: 0,
             moved_files: 0,
+            sent_bytes: 0,
         }),
         changed: Condvar::new(),
         started: Instant::now(),
@@ -520,6 +528,7 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
                 report: AgentReport { id, node, task, pid, state: AgentState::Running, files: 0, bytes: 0, error: None },
                 held: HashMap::new(),
                 transfers: Vec::new(),
+                sent_bytes: 0,
             });
             id
         }
@@ -540,12 +549,15 @@ fn serve_agent(mgr: &Manager, mut c: Channel) {
             break;
         }
         match c.recv::<ToManager>() {
-            Ok(ToManager::Sync { results, want, session }) => {
+            Ok(ToManager::Sync { results, want, session, sent_bytes }) => {
                 let mut b = mgr.lock();
-                let transfers = &mut b.agents[id as usize].transfers;
-                if let Some(t) = session.filter(|t| !transfers.contains(t)) {
-                    transfers.push(t);
+                let a = &mut b.agents[id as usize];
+                if let Some(t) = session.filter(|t| !a.transfers.contains(t)) {
+                    a.transfers.push(t);
                 }
+                let more = sent_bytes.saturating_sub(a.sent_bytes);
+                a.sent_bytes += more;
+                b.sent_bytes += more;
                 b.apply(id, results, mgr.plan.attempts);
                 let files = b.take_work(id, want.min(MAX_BATCH) as usize);
                 let finished = files.is_empty() && b.stop_agents();
@@ -731,13 +743,14 @@ mod tests {
             digests_match: true,
             moved_bytes: 0,
             moved_files: 0,
+            sent_bytes: 0,
         }
     }
 
     fn add_agent(b: &mut Book, node: &str) -> u32 {
         let id = b.agents.len() as u32;
         let report = AgentReport { id, node: node.into(), task: id, pid: 1, state: AgentState::Running, files: 0, bytes: 0, error: None };
-        b.agents.push(AgentBook { report, held: HashMap::new(), transfers: Vec::new() });
+        b.agents.push(AgentBook { report, held: HashMap::new(), transfers: Vec::new(), sent_bytes: 0 });
         id
     }
 

@@ -9,7 +9,7 @@
 //! Labels take a few fixed values, and the export names the server was
 //! given: never paths, peers or producer names.
 
-use dmover_engine::history::History;
+use dmover_engine::history::{History, Rates};
 use dmover_engine::progress::Progress;
 use dmover_engine::recv::{Intake, WriteErrors};
 use dmover_proto::frame::ProducerEvents;
@@ -99,7 +99,8 @@ pub struct Metrics {
     /// Sessions running now, and what ended ones sent.
     live: Mutex<Live>,
     started: Instant,
-    /// Bytes moved either way, for the status page's chart.
+    /// Bytes moved either way over the last minutes, for the status page's
+    /// chart and rates.
     history: History,
 }
 
@@ -215,7 +216,7 @@ impl Metrics {
             intake: Arc::default(),
             live: Mutex::default(),
             started: Instant::now(),
-            history: History::default(),
+            history: History::recent(1.0),
         }
     }
 
@@ -363,6 +364,7 @@ impl Site for Metrics {
             "send_streams": self.send_streams.get(),
             "write_errors": write_errors,
             "sessions": sessions,
+            "rates": Rates::of(&history),
             "timeline": history,
         })
     }
