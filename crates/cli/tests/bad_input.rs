@@ -395,6 +395,29 @@ fn wrong_token_exits_7() {
     r.assert_fails(7, &[&srv.addr()]);
 }
 
+/// A download that never starts (a wrong token, a server that is not
+/// there) leaves nothing at its destination: neither the directories it
+/// would have made nor a transfer's resume state in one that was there.
+#[test]
+fn a_download_that_never_starts_leaves_nothing_behind() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    write_random(&export.join("a.dat"), 1000, 9);
+    let srv = env.serve(&[("e", &export)]);
+    let other = env.path("other-token");
+    assert_eq!(dmover(["token".as_ref(), other.as_os_str()]).run().code, 0);
+    let there = env.mkdir("there");
+    let gone = format!("dmover://127.0.0.1:{}/e/a.dat", closed_port());
+    for (from, code) in [(srv.url("e/a.dat"), 7), (gone, 6)] {
+        for dest in [env.path("new/deeper/"), there.clone()] {
+            let r = dmover(["cp", "-q", "--retries", "0", "--token-file"]).arg(&other).arg(&from).arg(&dest).run();
+            assert_eq!(r.code, code, "{from} to {}: {}", dest.display(), r.stderr);
+            assert!(!env.path("new").exists(), "{from}: a directory was made for a download that never started");
+            assert!(list_tree(&there).is_empty(), "{from}: left in {}: {:?}", there.display(), list_tree(&there));
+        }
+    }
+}
+
 #[test]
 fn unknown_export_exits_8() {
     let env = Env::new();

@@ -32,7 +32,8 @@ use std::time::Duration;
 /// Runs a prepared receiving end until the sender finishes or the session
 /// fails; see [`Prepared::run`].
 pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Box<dyn Transport>>) -> Result<RecvSummary> {
-    let Prepared { cfg, dial, dest_dir, may_be_file, layout, keep } = p;
+    let Prepared { cfg, dial, dest_dir, may_be_file, layout, keep, mut made } = p;
+    made.keep();
     let opts = cfg.options;
     let block_size = opts.block_size as u64;
     let peer = control.peer();

@@ -293,6 +293,51 @@ pub struct Prepared {
     layout: Option<Layout>,
     /// What received files keep besides content.
     keep: keep::Keep,
+    /// What preparing made, undone if the session never runs.
+    made: Made,
+}
+
+/// What [`prepare`] made that a transfer which never starts (its server
+/// cannot be reached, refuses the token) must not leave behind: the
+/// destination directories that were not there, and the transfer's marker
+/// and state directory unless an earlier run left them. Undone when
+/// dropped, unless the receiving end ran.
+#[derive(Default)]
+struct Made {
+    /// The storage they were made in, the directories made (outermost
+    /// first) and, in the state's storage, the state directory and marker.
+    undo: Option<(Store, Vec<PathBuf>, Option<(Store, PathBuf, PathBuf)>)>,
+}
+
+impl Made {
+    /// The directories from `dir` up that are not there, outermost first.
+    fn missing(store: &Store, dir: &Path) -> Vec<PathBuf> {
+        let mut missing: Vec<PathBuf> =
+            dir.ancestors().filter(|d| !d.as_os_str().is_empty()).take_while(|d| store.stat(d).is_err()).map(Path::to_path_buf).collect();
+        missing.reverse();
+        missing
+    }
+
+    /// The receiving end runs: what was made stays.
+    fn keep(&mut self) {
+        self.undo = None;
+    }
+}
+
+impl Drop for Made {
+    fn drop(&mut self) {
+        let Some((store, dirs, state)) = self.undo.take() else { return };
+        if let Some((state, dir, marker)) = state {
+            let _ = state.remove(&marker);
+            let _ = state.remove_dir(&dir);
+        }
+        // Innermost first; one that holds anything (another's files) stays.
+        for d in dirs.iter().rev() {
+            if store.remove_dir(d).is_err() {
+                break;
+            }
+        }
+    }
 }
 
 /// Checks and prepares the destination, so that problems (a read-only or
@@ -313,6 +358,7 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
         && dest_dir.file_name().is_some()
         && !cfg.store.stat_followed(&dest_dir).is_ok_and(|s| s.is_dir());
     let mut layout = None;
+    let mut undo = Made::default();
     if !cfg.options.flags.contains(TransferFlags::DISCARD) {
         // Whether DEST is the file or its directory is settled by the first
         // file: until then only its parent is made.
@@ -325,6 +371,8 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
             return Err(not_a_directory(label));
         }
         let made = there.is_err();
+        let missing = if made { Made::missing(&cfg.store, &root) } else { Vec::new() };
+        let outer = cfg.store.clone();
         cfg.store.make_dirs(&root).map_err(|e| match e.raw_os_error() {
             Some(libc::ENOTDIR) => Error::new(ErrorKind::Usage, &label, "a file is in the way of the destination directory")
                 .advised("name a destination whose parents are directories, or remove the file in the way"),
@@ -340,11 +388,16 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
             cfg.dest = dmover_proto::path::from_path(&name).into_owned();
             dest_dir = name;
         }
+        undo.undo = Some((outer, missing, None));
         if !may_be_file {
-            layout = Some(Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?);
+            let l = Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?;
+            if let (false, Some(u)) = (l.resuming, undo.undo.as_mut()) {
+                u.2 = Some((state_store(&cfg.store), l.state_dir.clone(), l.marker.clone()));
+            }
+            layout = Some(l);
         }
     }
-    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, keep })
+    Ok(Prepared { cfg, dial: None, dest_dir, may_be_file, layout, keep, made: undo })
 }
 
 /// Receives one transfer. `control` is the control connection; data

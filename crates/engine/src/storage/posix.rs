@@ -378,7 +378,12 @@ const LISTS_AT_ONCE: usize = 8;
 
 impl Storage for Posix {
     fn features(&self) -> Features {
-        Features { confined: self.root.is_some(), lists_at_once: LISTS_AT_ONCE, commits_at_once: 1, keeps: Keeps::all().difference(Keeps::ANY_OWNER) }
+        Features {
+            confined: self.root.is_some(),
+            lists_at_once: LISTS_AT_ONCE,
+            commits_at_once: 1,
+            keeps: Keeps::all().difference(Keeps::ANY_OWNER),
+        }
     }
 
     fn display(&self, path: &Path) -> String {
