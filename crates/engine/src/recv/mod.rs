@@ -304,10 +304,12 @@ pub struct Prepared {
 /// dropped, unless the receiving end ran.
 #[derive(Default)]
 struct Made {
-    /// The storage they were made in, the directories made (outermost
-    /// first) and, in the state's storage, the state directory and marker.
-    undo: Option<(Store, Vec<PathBuf>, Option<(Store, PathBuf, PathBuf)>)>,
+    undo: Option<Undo>,
 }
+
+/// The storage directories were made in, those made (outermost first)
+/// and, in the state's storage, the state directory and marker made.
+struct Undo(Store, Vec<PathBuf>, Option<(Store, PathBuf, PathBuf)>);
 
 impl Made {
     /// The directories from `dir` up that are not there, outermost first.
@@ -326,7 +328,7 @@ impl Made {
 
 impl Drop for Made {
     fn drop(&mut self) {
-        let Some((store, dirs, state)) = self.undo.take() else { return };
+        let Some(Undo(store, dirs, state)) = self.undo.take() else { return };
         if let Some((state, dir, marker)) = state {
             let _ = state.remove(&marker);
             let _ = state.remove_dir(&dir);
@@ -388,7 +390,7 @@ pub fn prepare(mut cfg: RecvConfig) -> Result<Prepared> {
             cfg.dest = dmover_proto::path::from_path(&name).into_owned();
             dest_dir = name;
         }
-        undo.undo = Some((outer, missing, None));
+        undo.undo = Some(Undo(outer, missing, None));
         if !may_be_file {
             let l = Layout::settle(&cfg.store, &dest_dir, None, &cfg.options.transfer_id)?;
             if let (false, Some(u)) = (l.resuming, undo.undo.as_mut()) {
