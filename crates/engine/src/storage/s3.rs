@@ -1568,8 +1568,8 @@ impl S3Write {
         Ok(())
     }
 
-    /// Puts the file under `to` with `attrs`' metadata.
-    fn commit(&self, to: &str, attrs: Option<Attrs>) -> io::Result<()> {
+    /// Puts the file under key `to` with `attrs`' metadata.
+    fn put_as(&self, to: &str, attrs: Option<Attrs>) -> io::Result<()> {
         let mut up = self.up.lock().expect("upload lock");
         if up.done {
             return Err(io::Error::other(format!("{}: already committed", self.key)));
@@ -1742,8 +1742,8 @@ impl WriteFile for S3Write {
         len == 0 || (part::at(off)..=part::at(off + len - 1)).all(|index| matches!(up.sent.get(&index), Some(Sent::Held(_))))
     }
 
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn commit(&self, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
+        self.put_as(&self.inner.key(to)?, attrs.cloned())
     }
 }
 
@@ -1915,14 +1915,6 @@ impl Storage for S3 {
         let k = self.inner.key(path)?;
         let Some((up, target)) = self.inner.resume(&k)? else { return Ok(None) };
         Ok(Some(Box::new(S3Write { inner: self.inner.clone(), key: k, target, up: Mutex::new(up) })))
-    }
-
-    fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
-        let f = file.as_any().downcast_ref::<S3Write>().ok_or_else(|| io::Error::other("not a file of this object store"))?;
-        if self.inner.key(from)? != f.key {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: committed as {}", f.key, from.display())));
-        }
-        f.commit(&self.inner.key(to)?, attrs.cloned())
     }
 
     fn state_store(&self) -> Option<Store> {
