@@ -10,10 +10,11 @@
 //! storage's own: only the local file system skips them.
 //!
 //! An object store ([`Subject::objects`]) is held to what objects can do:
-//! a file exists once committed (nothing is kept of one dropped before),
-//! nothing is reopened for writing, and directories are the prefixes of
-//! the names below them (making one does nothing, none is empty, and they
-//! have no modes of their own). The checks of those things alone are
+//! a file exists once committed (nothing of one dropped before is seen,
+//! though what it sent may be kept, for [`Storage::reopen`] to take it up
+//! again), a committed file is never reopened for writing, and
+//! directories are the prefixes of the names below them (making one does
+//! nothing, none is empty, and they have no modes of their own). The checks of those things alone are
 //! skipped for it, each saying why; the rest hold for it as for files.
 
 use dmover_engine::error::classify;

@@ -100,10 +100,10 @@ pub struct Features {
     /// fetches of the small objects in it), so that the next directories
     /// are listed while one is sent.
     pub lists_at_once: usize,
-    /// How many files may be committed ([`WriteFile::commit`]) at once,
-    /// from as many threads: 1 where a commit is quick (a rename), more
-    /// where each is a request to a server (an object store's PUT), so
-    /// that many small files cost a few round trips, not one each. A storage that says
+    /// How many files may be committed ([`WriteFile::commit`]) at once, from
+    /// as many threads: 1 where a commit is quick (a rename), more where
+    /// each is a request to a server (an object store's PUT), so that many
+    /// small files cost a few round trips, not one each. A storage that says
     /// more than one makes each commit durable by itself, with no name to
     /// sync after it: the engine then commits each file as soon as it is
     /// verified, that many at a time, instead of in batches.
