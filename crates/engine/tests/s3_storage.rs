@@ -73,7 +73,7 @@ fn parts_beyond_the_bound_go_up_intact(server: &S3Server) {
     for &(start, mid, _) in parts.iter().rev() {
         f.write_all_at(&data[start..mid], start as u64).unwrap();
     }
-    s3.commit(&*f, temp, path, None).unwrap();
+    f.commit(path, None).unwrap();
     drop(f);
     let r = s3.open(path).unwrap();
     let mut back = vec![0; size];
@@ -89,7 +89,7 @@ fn put(s3: &S3, name: &str, data: &[u8]) {
     let temp = format!(".{name}.tmp");
     let f = s3.create(Path::new(&temp)).unwrap();
     f.write_all_at(data, 0).unwrap();
-    s3.commit(&*f, Path::new(&temp), Path::new(name), None).unwrap();
+    f.commit(Path::new(name), None).unwrap();
 }
 
 /// Reads `len` bytes from `off` in pieces of `piece`.

@@ -553,7 +553,7 @@ fn finish_step(shared: &Shared, cfg: &SinkConfig, producer: &str, info: StepInfo
     let err = |e: std::io::Error| Error::io(path.display().to_string(), &e);
     let f = shared.store.create(&tmp).map_err(err)?;
     f.write_all_at(text.as_bytes(), 0).map_err(err)?;
-    shared.store.commit(f.as_ref(), &tmp, &stored, Some(&Attrs { mode: 0o644, ..Default::default() })).map_err(err)?;
+    f.commit(&stored, Some(&Attrs { mode: 0o644, ..Default::default() })).map_err(err)?;
     log::info!("{producer} step {step}: {} bytes, {}", info.bytes, if complete { "complete" } else { "partly elsewhere" });
     Ok(complete)
 }

@@ -10,10 +10,11 @@
 //! storage's own: only the local file system skips them.
 //!
 //! An object store ([`Subject::objects`]) is held to what objects can do:
-//! a file exists once committed (nothing is kept of one dropped before),
-//! nothing is reopened for writing, and directories are the prefixes of
-//! the names below them (making one does nothing, none is empty, and they
-//! have no modes of their own). The checks of those things alone are
+//! a file exists once committed (nothing of one dropped before is seen,
+//! though what it sent may be kept, for [`Storage::reopen`] to take it up
+//! again), a committed file is never reopened for writing, and
+//! directories are the prefixes of the names below them (making one does
+//! nothing, none is empty, and they have no modes of their own). The checks of those things alone are
 //! skipped for it, each saying why; the rest hold for it as for files.
 
 use dmover_engine::error::classify;
@@ -69,6 +70,7 @@ pub fn run(make: &dyn Fn() -> Subject) {
         ("commit sets attributes and renames into place", commit_renames),
         ("commit replaces an existing file", commit_replaces),
         ("a file created for a name leaves it untouched until commit", create_for_leaves_dest),
+        ("a file taken up again is committed from where it was, keeping what it holds", reopened_commits),
         ("create_empty makes an empty file in place, only where nothing has the name", create_empty_in_place),
         ("remove and remove_dir", removes),
         ("make_dir sets its mode and refuses a file in the way", make_dir_modes),
@@ -109,7 +111,7 @@ fn write_file(t: &Subject, rel: &str, data: &[u8]) {
 /// name, another storage's is just closed (it exists already).
 fn close(t: &Subject, f: Box<dyn storage::WriteFile>, rel: &str) {
     if t.objects {
-        t.s().commit(f.as_ref(), &t.p(rel), &t.p(rel), None).unwrap_or_else(|e| panic!("commit {rel}: {e}"));
+        f.commit(&t.p(rel), None).unwrap_or_else(|e| panic!("commit {rel}: {e}"));
     }
 }
 
@@ -203,7 +205,7 @@ fn commit_renames(t: &Subject) {
     let f = t.s().create(&t.p("d/.f.part")).unwrap();
     f.write_all_at(b"data", 0).unwrap();
     let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 123_456_789)), digest: None, ..Default::default() };
-    t.s().commit(f.as_ref(), &t.p("d/.f.part"), &t.p("d/f"), Some(&attrs)).unwrap();
+    f.commit(&t.p("d/f"), Some(&attrs)).unwrap();
     drop(f);
     let s = t.s().stat(&t.p("d/f")).unwrap();
     assert_eq!((s.kind, s.size, s.mode, s.mtime), (Kind::File, 4, 0o640, (1_000_000_000, 123_456_789)));
@@ -211,7 +213,7 @@ fn commit_renames(t: &Subject) {
     // Across directories too.
     t.s().make_dirs(&t.p("e")).unwrap();
     let g = t.s().create(&t.p("d/g")).unwrap();
-    t.s().commit(g.as_ref(), &t.p("d/g"), &t.p("e/g"), None).unwrap();
+    g.commit(&t.p("e/g"), None).unwrap();
     assert!(t.s().stat(&t.p("e/g")).unwrap().is_file());
 }
 
@@ -219,7 +221,7 @@ fn commit_replaces(t: &Subject) {
     write_file(t, "f", b"old old old");
     let f = t.s().create(&t.p(".f.part")).unwrap();
     f.write_all_at(b"new", 0).unwrap();
-    t.s().commit(f.as_ref(), &t.p(".f.part"), &t.p("f"), None).unwrap();
+    f.commit(&t.p("f"), None).unwrap();
     assert_eq!(read(t, "f"), b"new");
 }
 
@@ -240,12 +242,38 @@ fn create_for_leaves_dest(t: &Subject) {
     let f = t.s().create_for(&t.p(".f.part"), &t.p("f")).unwrap();
     f.write_all_at(&data, 0).unwrap();
     let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 5)), digest: None, ..Default::default() };
-    t.s().commit(f.as_ref(), &t.p(".f.part"), &t.p("f"), Some(&attrs)).unwrap();
+    f.commit(&t.p("f"), Some(&attrs)).unwrap();
     drop(f);
     assert!(read(t, "f") == data, "not the file committed");
     let s = t.s().stat(&t.p("f")).unwrap();
     assert_eq!((s.size, s.mode, s.mtime), (data.len() as u64, 0o640, (1_000_000_000, 5)));
     assert_eq!(t.s().stat(&t.p(".f.part")).unwrap_err().kind(), io::ErrorKind::NotFound);
+}
+
+fn reopened_commits(t: &Subject) {
+    const BLOCK: usize = 1 << 20;
+    // Large enough that an object store has sent parts of it, which it
+    // keeps for a later run once the file is dropped uncommitted.
+    let data: Vec<u8> = (0..SEVERAL_PARTS + 12345).map(|i| (i % 253) as u8).collect();
+    t.s().make_dirs(&t.p("d")).unwrap();
+    let f = t.s().create_for(&t.p("d/.f.part"), &t.p("d/f")).unwrap();
+    f.write_all_at(&data, 0).unwrap();
+    drop(f);
+    let f = t.s().reopen(&t.p("d/.f.part")).unwrap().expect("the file written earlier is taken up again");
+    // What it does not hold is written again, as a resumed transfer does.
+    for (i, block) in data.chunks(BLOCK).enumerate() {
+        let off = (i * BLOCK) as u64;
+        if !f.holds(off, block.len() as u64) {
+            f.write_all_at(block, off).unwrap();
+        }
+    }
+    let attrs = Attrs { mode: 0o640, mtime: Some((1_000_000_000, 7)), ..Default::default() };
+    f.commit(&t.p("d/f"), Some(&attrs)).unwrap_or_else(|e| panic!("commit of a file taken up again: {e}"));
+    drop(f);
+    assert!(read(t, "d/f") == data, "not the file written");
+    let s = t.s().stat(&t.p("d/f")).unwrap();
+    assert_eq!((s.size, s.mode, s.mtime), (data.len() as u64, 0o640, (1_000_000_000, 7)));
+    assert_eq!(t.s().stat(&t.p("d/.f.part")).unwrap_err().kind(), io::ErrorKind::NotFound, "left under its temporary name");
 }
 
 fn create_empty_in_place(t: &Subject) {
@@ -522,7 +550,7 @@ fn dir_symlink_leads_nowhere(t: &Subject) {
     refused(s.sync_file_systems(&[Path::new("l")]), "sync the file system of a symlink");
     s.make_dirs(Path::new("d")).unwrap();
     let f = s.create(Path::new("d/.f")).unwrap();
-    refused(s.commit(f.as_ref(), Path::new("d/.f"), Path::new("l/f"), None), "commit through a symlink");
+    refused(f.commit(Path::new("l/f"), None), "commit through a symlink");
     std::fs::write(disk.join("d/mine"), b"mine").unwrap();
     refused(s.hard_link(Path::new("l/secret"), Path::new("d/taken")), "hard_link to a file through a symlink");
     refused(s.hard_link(Path::new("d/mine"), Path::new("l/new")), "hard_link a name through a symlink");

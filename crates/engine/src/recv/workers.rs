@@ -710,7 +710,7 @@ fn rename_into_place(sh: &Shared, ready: Ready) -> Vec<Arc<Slot>> {
             if io.placed {
                 Ok(())
             } else {
-                sh.store.commit(f.as_ref(), &s.paths.temp, &s.paths.dest, None)
+                f.commit(&s.paths.dest, None)
             }
         };
         match committed {

@@ -2,10 +2,10 @@
 //!
 //! A [`Storage`] is a tree of files and directories named by paths relative
 //! to its root: walk and list, stat, open for reading, create a file afresh
-//! or take up one this end created earlier, write at offsets, commit (mode
-//! and times, then rename into place), remove. The engine's sender reads
-//! through it, its receiver, journal and state directory write through it,
-//! and the stream sink keeps its steps in one.
+//! or take up one this end created earlier, write at offsets, commit it
+//! through its handle (mode and times, then rename into place), remove.
+//! The engine's sender reads through it, its receiver, journal and state
+//! directory write through it, and the stream sink keeps its steps in one.
 //!
 //! [`posix`] is the file-system implementation. An export is *confined*:
 //! every path is resolved beneath the export's directory handle and no
@@ -100,10 +100,10 @@ pub struct Features {
     /// fetches of the small objects in it), so that the next directories
     /// are listed while one is sent.
     pub lists_at_once: usize,
-    /// How many files [`Storage::commit`] may take at once, from as many
-    /// threads: 1 where a commit is quick (a rename), more where each is a
-    /// request to a server (an object store's PUT), so that many small
-    /// files cost a few round trips, not one each. A storage that says
+    /// How many files may be committed ([`WriteFile::commit`]) at once, from
+    /// as many threads: 1 where a commit is quick (a rename), more where
+    /// each is a request to a server (an object store's PUT), so that many
+    /// small files cost a few round trips, not one each. A storage that says
     /// more than one makes each commit durable by itself, with no name to
     /// sync after it: the engine then commits each file as soon as it is
     /// verified, that many at a time, instead of in batches.
@@ -170,7 +170,7 @@ impl Stat {
 /// The names of the extended attributes that hold POSIX ACLs.
 pub const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_default"];
 
-/// What [`Storage::commit`] sets on a file before it takes its final name
+/// What [`WriteFile::commit`] sets on a file before it takes its final name
 /// (and [`Storage::set_dir_attrs`] on a directory): owner and group first,
 /// then extended attributes, mode and modification time, in that order (a
 /// change of owner clears setuid bits; an ACL sets the group's mode bits).
@@ -264,8 +264,13 @@ pub trait WriteFile: ReadFile {
     fn holds(&self, _off: u64, _len: u64) -> bool {
         true
     }
-    /// The file itself, for its own storage's [`Storage::commit`].
-    fn as_any(&self) -> &dyn std::any::Any;
+    /// Sets `attrs` on the file (where given) and gives it its final name
+    /// `to`, in the storage that created or reopened it: a file system's
+    /// is renamed from the name it was opened under, an object store's is
+    /// made under `to` (a file exists there only once committed). The
+    /// file handle carries what its own storage needs for this, so no
+    /// storage has to look into another's handle.
+    fn commit(&self, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
 }
 
 /// A tree of files under a root. Paths are relative to the root (a local
@@ -335,8 +340,6 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// [`create`](Storage::create): None if there is none, or if what is
     /// there is not a regular file with one name (never written through).
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>>;
-    /// Sets `attrs` on `file` (written at `from`) and renames it to `to`.
-    fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()>;
     /// Makes the names in directory `dir` durable: files renamed into it,
     /// directories made in it. A storage with no directories has nothing
     /// to do.

@@ -30,6 +30,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// How paths beneath a confined root are resolved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +52,15 @@ const NOT_REGULAR: &str = "not a regular file (FIFOs, sockets and devices are ne
 /// Files and directories on a POSIX file system.
 #[derive(Debug)]
 pub struct Posix {
+    /// Where its paths lead, shared with its files open for writing,
+    /// which are committed (renamed into place) through it.
+    tree: Arc<Tree>,
+}
+
+/// The tree of files a [`Posix`] storage names: its root, and how paths
+/// beneath it are resolved.
+#[derive(Debug)]
+struct Tree {
     /// The export's root directory (None: local, paths used as given).
     root: Option<OwnedFd>,
     /// The root's path, for messages.
@@ -64,9 +74,14 @@ pub struct Posix {
 }
 
 impl Posix {
+    /// The storage of `tree`.
+    fn of(tree: Tree) -> Posix {
+        Posix { tree: Arc::new(tree) }
+    }
+
     /// The local file system.
     pub fn local() -> Posix {
-        Posix { root: None, dir: PathBuf::new(), label: None, openat2: AtomicBool::new(false) }
+        Posix::of(Tree { root: None, dir: PathBuf::new(), label: None, openat2: AtomicBool::new(false) })
     }
 
     /// The local file system beneath `dir`, which is followed if it is a
@@ -75,7 +90,7 @@ impl Posix {
     pub fn beneath(dir: &Path) -> io::Result<Posix> {
         let at = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
         let root = rustix::fs::open(at, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
-        Ok(Posix { root: Some(root), dir: dir.to_path_buf(), label: None, openat2: AtomicBool::new(true) })
+        Ok(Posix::of(Tree { root: Some(root), dir: dir.to_path_buf(), label: None, openat2: AtomicBool::new(true) }))
     }
 
     /// An export of `dir`, named `label` in messages.
@@ -88,14 +103,22 @@ impl Posix {
     pub fn export_with(label: &str, dir: &Path, how: Resolve) -> io::Result<Posix> {
         let root = rustix::fs::open(dir, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
         let dir = dir.canonicalize()?;
-        Ok(Posix { root: Some(root), dir, label: Some(label.to_string()), openat2: AtomicBool::new(how == Resolve::Openat2) })
+        Ok(Posix::of(Tree { root: Some(root), dir, label: Some(label.to_string()), openat2: AtomicBool::new(how == Resolve::Openat2) }))
+    }
+
+    /// `file`, open for writing under `path`.
+    fn write_file(&self, file: File, path: &Path) -> PosixWrite {
+        PosixWrite { file: PosixFile(file), path: path.to_path_buf(), tree: self.tree.clone() }
     }
 
     /// How this storage resolves paths now.
     pub fn resolve(&self) -> Option<Resolve> {
-        self.root.as_ref().map(|_| if self.openat2.load(Ordering::Relaxed) { Resolve::Openat2 } else { Resolve::Walk })
+        let t = &self.tree;
+        t.root.as_ref().map(|_| if t.openat2.load(Ordering::Relaxed) { Resolve::Openat2 } else { Resolve::Walk })
     }
+}
 
+impl Tree {
     /// The components of a path within a confined root: only plain names.
     fn names<'a>(&self, path: &'a Path) -> io::Result<Vec<&'a OsStr>> {
         path.components()
@@ -168,6 +191,17 @@ impl Posix {
     /// Opens the directory `dir` for reading, never through a symlink when confined.
     fn open_dir(&self, dir: &Path) -> io::Result<OwnedFd> {
         self.open_at(dir, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
+    }
+
+    /// Renames `from` to `to`, both resolved as every path is.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let (from_dir, from_name) = self.parent(from)?;
+        if from.parent() == to.parent() {
+            let to_name = to.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file"))?;
+            return Ok(rustix::fs::renameat(&from_dir, from_name, &from_dir, to_name)?);
+        }
+        let (to_dir, to_name) = self.parent(to)?;
+        Ok(rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name)?)
     }
 }
 
@@ -313,13 +347,35 @@ impl ReadFile for PosixFile {
     }
 }
 
-impl WriteFile for PosixFile {
+/// A file of a [`Posix`] storage open for writing, with the name it was
+/// opened under and the tree it is in, through which it is committed.
+struct PosixWrite {
+    file: PosixFile,
+    path: PathBuf,
+    tree: Arc<Tree>,
+}
+
+impl ReadFile for PosixWrite {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        self.file.read_at(buf, off)
+    }
+
+    fn stat(&self) -> io::Result<Stat> {
+        self.file.stat()
+    }
+
+    fn data_from(&self, off: u64) -> io::Result<Option<std::ops::Range<u64>>> {
+        self.file.data_from(off)
+    }
+}
+
+impl WriteFile for PosixWrite {
     fn write_all_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
-        self.0.write_all_at(buf, off)
+        self.file.0.write_all_at(buf, off)
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        self.0.set_len(len)
+        self.file.0.set_len(len)
     }
 
     /// Punches a hole where something may have been written (a file
@@ -331,30 +387,30 @@ impl WriteFile for PosixFile {
             return Ok(());
         }
         if !fresh {
-            match rustix::fs::fallocate(&self.0, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, off, len) {
+            match rustix::fs::fallocate(&self.file.0, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, off, len) {
                 Ok(()) => {}
                 Err(Errno::OPNOTSUPP | Errno::NOSYS) => return super::write_zero_bytes(self, off, len),
                 Err(e) => return Err(e.into()),
             }
         }
-        if self.0.metadata()?.len() < off + len {
-            self.0.set_len(off + len)?;
+        if self.file.0.metadata()?.len() < off + len {
+            self.file.0.set_len(off + len)?;
         }
         Ok(())
     }
 
     fn set_attrs(&self, attrs: &Attrs) -> io::Result<()> {
-        set_owner_and_xattrs(self.0.as_fd(), attrs)?;
-        rustix::fs::fchmod(&self.0, Mode::from_raw_mode(attrs.mode))?;
+        set_owner_and_xattrs(self.file.0.as_fd(), attrs)?;
+        rustix::fs::fchmod(&self.file.0, Mode::from_raw_mode(attrs.mode))?;
         if let Some(mtime) = attrs.mtime {
-            rustix::fs::futimens(&self.0, &mtime_only(mtime))?;
+            rustix::fs::futimens(&self.file.0, &mtime_only(mtime))?;
         }
         Ok(())
     }
 
     fn write_back(&self, off: u64, len: u64) -> io::Result<()> {
         // SAFETY: the descriptor is open for the call; the range is plain numbers.
-        let r = unsafe { libc::sync_file_range(self.0.as_raw_fd(), off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE) };
+        let r = unsafe { libc::sync_file_range(self.file.0.as_raw_fd(), off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE) };
         if r == 0 {
             Ok(())
         } else {
@@ -363,11 +419,14 @@ impl WriteFile for PosixFile {
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.0.sync_all()
+        self.file.0.sync_all()
     }
 
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn commit(&self, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
+        if let Some(a) = attrs {
+            self.set_attrs(a)?;
+        }
+        self.tree.rename(&self.path, to)
     }
 }
 
@@ -379,7 +438,7 @@ const LISTS_AT_ONCE: usize = 8;
 impl Storage for Posix {
     fn features(&self) -> Features {
         Features {
-            confined: self.root.is_some(),
+            confined: self.tree.root.is_some(),
             lists_at_once: LISTS_AT_ONCE,
             commits_at_once: 1,
             keeps: Keeps::all().difference(Keeps::ANY_OWNER),
@@ -387,8 +446,8 @@ impl Storage for Posix {
     }
 
     fn display(&self, path: &Path) -> String {
-        let Some(label) = &self.label else {
-            let local = if path.as_os_str().is_empty() { self.dir.clone() } else { self.dir.join(path) };
+        let Some(label) = &self.tree.label else {
+            let local = if path.as_os_str().is_empty() { self.tree.dir.clone() } else { self.tree.dir.join(path) };
             return dmover_proto::path::from_path(&local).into_owned();
         };
         let rel = dmover_proto::path::from_path(path);
@@ -396,15 +455,15 @@ impl Storage for Posix {
     }
 
     fn stat(&self, path: &Path) -> io::Result<Stat> {
-        self.stat_at(path, false)
+        self.tree.stat_at(path, false)
     }
 
     fn stat_followed(&self, path: &Path) -> io::Result<Stat> {
-        self.stat_at(path, true)
+        self.tree.stat_at(path, true)
     }
 
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>> {
-        let fd = self.open_dir(dir)?;
+        let fd = self.tree.open_dir(dir)?;
         let mut out = Vec::new();
         for ent in rustix::fs::Dir::read_from(&fd)? {
             let ent = ent?;
@@ -420,17 +479,17 @@ impl Storage for Posix {
     }
 
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
-        let fd = self.open_at(path, OFlags::RDONLY | OFlags::NONBLOCK, Mode::empty())?;
+        let fd = self.tree.open_at(path, OFlags::RDONLY | OFlags::NONBLOCK, Mode::empty())?;
         let (f, _) = regular(fd)?.ok_or_else(|| Refused::io(NOT_REGULAR))?;
         Ok(Box::new(PosixFile(f)))
     }
 
     fn make_dirs(&self, dir: &Path) -> io::Result<()> {
-        let Some(root) = &self.root else {
+        let Some(root) = &self.tree.root else {
             return if dir.as_os_str().is_empty() { Ok(()) } else { std::fs::create_dir_all(dir) };
         };
         let mut at: Option<OwnedFd> = None;
-        for name in self.names(dir)? {
+        for name in self.tree.names(dir)? {
             let parent = at.as_ref().map(|p| p.as_fd()).unwrap_or(root.as_fd());
             match rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o777)) {
                 Ok(()) | Err(Errno::EXIST) => {}
@@ -442,7 +501,7 @@ impl Storage for Posix {
     }
 
     fn make_dir(&self, dir: &Path, mode: u32) -> io::Result<()> {
-        let (parent, name) = self.parent(dir)?;
+        let (parent, name) = self.tree.parent(dir)?;
         match rustix::fs::mkdirat(&parent, name, Mode::from_raw_mode(0o700)) {
             Ok(()) | Err(Errno::EXIST) => {}
             Err(e) => return Err(e.into()),
@@ -459,7 +518,7 @@ impl Storage for Posix {
     }
 
     fn set_dir_attrs(&self, dir: &Path, attrs: &Attrs) -> io::Result<()> {
-        let fd = self.open_at(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW, Mode::empty())?;
+        let fd = self.tree.open_at(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW, Mode::empty())?;
         set_owner_and_xattrs(fd.as_fd(), attrs)?;
         rustix::fs::fchmod(&fd, Mode::from_raw_mode(attrs.mode))?;
         match attrs.mtime {
@@ -472,31 +531,31 @@ impl Storage for Posix {
     /// is, where confined; by the path as given on the local file system.
     /// The name itself is never followed.
     fn xattrs(&self, path: &Path) -> io::Result<Vec<Xattr>> {
-        if self.root.is_none() && !path.as_os_str().is_empty() {
+        if self.tree.root.is_none() && !path.as_os_str().is_empty() {
             return xattrs_at(path);
         }
         if path.as_os_str().is_empty() || path.file_name().is_none() {
-            let fd = self.open_at(path, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())?;
+            let fd = self.tree.open_at(path, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())?;
             return xattrs_at(&PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())));
         }
-        let (dir, name) = self.parent(path)?;
+        let (dir, name) = self.tree.parent(path)?;
         xattrs_at(&through_handle(dir.as_fd(), name))
     }
 
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
-        let (parent, name) = self.parent(path)?;
+        let (parent, name) = self.tree.parent(path)?;
         match rustix::fs::unlinkat(&parent, name, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => {}
             Err(e) => return Err(e.into()),
         }
         let fd = rustix::fs::openat(&parent, name, NEW_FILE, Mode::from_raw_mode(0o600))?;
-        Ok(Box::new(PosixFile(File::from(fd))))
+        Ok(Box::new(self.write_file(File::from(fd), path)))
     }
 
     fn create_empty(&self, path: &Path, attrs: &Attrs) -> io::Result<Option<Box<dyn WriteFile>>> {
-        let (parent, name) = self.parent(path)?;
+        let (parent, name) = self.tree.parent(path)?;
         let f = match rustix::fs::openat(&parent, name, NEW_FILE, Mode::from_raw_mode(0o600)) {
-            Ok(fd) => PosixFile(File::from(fd)),
+            Ok(fd) => self.write_file(File::from(fd), path),
             Err(Errno::EXIST) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
@@ -505,39 +564,26 @@ impl Storage for Posix {
     }
 
     fn reopen(&self, path: &Path) -> io::Result<Option<Box<dyn WriteFile>>> {
-        let (parent, name) = self.parent(path)?;
+        let (parent, name) = self.tree.parent(path)?;
         let flags = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
         let fd = match rustix::fs::openat(&parent, name, flags, Mode::empty()) {
             Ok(fd) => fd,
             Err(Errno::NOENT | Errno::LOOP) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        Ok(regular(fd)?.filter(|(_, s)| s.nlink == 1).map(|(f, _)| Box::new(PosixFile(f)) as Box<dyn WriteFile>))
-    }
-
-    fn commit(&self, file: &dyn WriteFile, from: &Path, to: &Path, attrs: Option<&Attrs>) -> io::Result<()> {
-        if let Some(a) = attrs {
-            file.set_attrs(a)?;
-        }
-        let (from_dir, from_name) = self.parent(from)?;
-        if from.parent() == to.parent() {
-            let to_name = to.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not the name of a file"))?;
-            return Ok(rustix::fs::renameat(&from_dir, from_name, &from_dir, to_name)?);
-        }
-        let (to_dir, to_name) = self.parent(to)?;
-        Ok(rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name)?)
+        Ok(regular(fd)?.filter(|(_, s)| s.nlink == 1).map(|(f, _)| Box::new(self.write_file(f, path)) as Box<dyn WriteFile>))
     }
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         // fsync needs a descriptor opened for reading, not an O_PATH one.
-        let fd = self.open_dir(dir)?;
+        let fd = self.tree.open_dir(dir)?;
         Ok(rustix::fs::fsync(&fd)?)
     }
 
     fn sync_file_systems(&self, dirs: &[&Path]) -> io::Result<bool> {
         let mut synced = HashSet::new();
         for dir in dirs {
-            let fd = self.open_dir(dir)?;
+            let fd = self.tree.open_dir(dir)?;
             if synced.insert(rustix::fs::fstat(&fd)?.st_dev) {
                 rustix::fs::syncfs(&fd)?;
             }
@@ -546,12 +592,12 @@ impl Storage for Posix {
     }
 
     fn read_link(&self, path: &Path) -> io::Result<Vec<u8>> {
-        let (dir, name) = self.parent(path)?;
+        let (dir, name) = self.tree.parent(path)?;
         Ok(rustix::fs::readlinkat(&dir, name, Vec::new())?.into_bytes())
     }
 
     fn make_link(&self, path: &Path, target: &[u8], attrs: &Attrs) -> io::Result<()> {
-        let (dir, name) = self.parent(path)?;
+        let (dir, name) = self.tree.parent(path)?;
         let temp = super::part_name(name);
         match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => {}
@@ -583,7 +629,7 @@ impl Storage for Posix {
     /// through a path-only handle on it (`/proc/self/fd/N` names that very
     /// inode, so a name swapped meanwhile leads nowhere else), then renamed.
     fn make_node(&self, path: &Path, mode: u32, rdev: u64, attrs: &Attrs) -> io::Result<()> {
-        let (dir, name) = self.parent(path)?;
+        let (dir, name) = self.tree.parent(path)?;
         let temp = super::part_name(name);
         match rustix::fs::unlinkat(&dir, &temp, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => {}
@@ -615,8 +661,8 @@ impl Storage for Posix {
     }
 
     fn hard_link(&self, first: &Path, path: &Path) -> io::Result<()> {
-        let (first_dir, first_name) = self.parent(first)?;
-        let (dir, name) = self.parent(path)?;
+        let (first_dir, first_name) = self.tree.parent(first)?;
+        let (dir, name) = self.tree.parent(path)?;
         let file = rustix::fs::statat(&first_dir, first_name, AtFlags::SYMLINK_NOFOLLOW)?;
         if rustix::fs::FileType::from_raw_mode(file.st_mode) != rustix::fs::FileType::RegularFile {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: {NOT_REGULAR}", self.display(first))));
@@ -641,7 +687,7 @@ impl Storage for Posix {
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {
-        let (parent, name) = self.parent(path)?;
+        let (parent, name) = self.tree.parent(path)?;
         match rustix::fs::unlinkat(&parent, name, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => Ok(()),
             Err(e) => Err(e.into()),
@@ -649,12 +695,12 @@ impl Storage for Posix {
     }
 
     fn remove_dir(&self, path: &Path) -> io::Result<()> {
-        let (parent, name) = self.parent(path)?;
+        let (parent, name) = self.tree.parent(path)?;
         Ok(rustix::fs::unlinkat(&parent, name, AtFlags::REMOVEDIR)?)
     }
 
     fn beneath(&self, dir: &Path) -> io::Result<Option<super::Store>> {
-        if self.root.is_some() {
+        if self.tree.root.is_some() {
             return Ok(None);
         }
         Ok(Some(std::sync::Arc::new(Posix::beneath(dir)?)))
