@@ -199,6 +199,9 @@ fn copy(a: &CpArgs) -> Result<i32> {
     for e in &stats.errors {
         errln!("dmover: error: {}: {}", printable(&e.path), printable(&e.message));
     }
+    if stats.errors_not_listed > 0 {
+        errln!("dmover: error: {} more files failed (the report lists the first {})", stats.errors_not_listed, stats.errors.len());
+    }
     Ok(r.exit_code())
 }
 
