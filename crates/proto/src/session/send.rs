@@ -24,6 +24,13 @@
 //! trip of its own. Nothing follows `Finish` on a control connection, so a
 //! block asked for again after it that cannot be read ends the session.
 //!
+//! A destination that runs out of space fails the file it stopped
+//! (`Failed`, class no space); the files in flight there run their
+//! course, and may fit, but nothing more is announced to that host: a file
+//! only it could take fails unannounced. A receiver that passes a file
+//! over by the transfer's rules says why in its `Plan`: the file is listed
+//! with what the walk passed over, and is no longer a file of the transfer.
+//!
 //! Hard links: a file offered as having other names is announced right
 //! after `Linked`, and each other name offered
 //! ([`Event::OfferLink`]) waits until that file is settled; it then goes
