@@ -347,13 +347,14 @@ impl Owner {
     }
 
     /// The sender is finished: the totals are confirmed, and the
-    /// transfer's resume state goes, unless files failed here (a full
-    /// disk): the transfer is incomplete, and its next run looks at what
-    /// this one committed before it sends anything again.
+    /// transfer's resume state goes, unless a file failed here for want of
+    /// space: then the transfer is incomplete, and its next run, once
+    /// space is freed, looks at what this one committed before it sends
+    /// anything again.
     fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
         self.sh.stop.raise();
         self.give_dirs_their_attrs();
-        if let Some(l) = self.layout.as_ref().filter(|_| t.failed == 0) {
+        if let Some(l) = self.layout.as_ref().filter(|_| !t.out_of_space) {
             let _ = self.sh.state.remove(&l.marker);
             let _ = self.sh.state.remove_dir(&l.state_dir);
         }

@@ -241,6 +241,9 @@ pub struct Totals {
     /// Files given up here (refused, or failed to be written): not in
     /// the sender's hands to count, and never in `Finished`.
     pub failed: u64,
+    /// A file failed for want of space: what a re-run, once space is
+    /// freed, may send.
+    pub out_of_space: bool,
 }
 
 impl Totals {
@@ -681,6 +684,7 @@ impl Receive {
     /// Gives file `id` up, telling the sender why, and counts it.
     fn refuse(&mut self, id: u64, kind: ErrorKind, subject: Subject, message: String) {
         self.totals.failed = self.totals.failed.saturating_add(1);
+        self.totals.out_of_space |= kind == ErrorKind::NoSpace;
         self.out.push_back(Action::Refuse { id, kind, subject, message });
     }
 

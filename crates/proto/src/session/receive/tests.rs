@@ -558,7 +558,7 @@ fn a_full_disk_fails_its_file_and_keeps_the_others() {
     assert!(refused.is_some(), "the file that did not fit is not refused: {out:?}");
     assert!(out.contains(&Action::Remove { id: 1 }), "{out:?}");
     assert!(out.contains(&Action::Send(ToSender::Done { id: 2, digest: digest(2, 8) })), "{out:?}");
-    assert!(matches!(out.last(), Some(Action::Finish(Totals { files: 1, bytes: 8, failed: 1, .. }))), "{out:?}");
+    assert!(matches!(out.last(), Some(Action::Finish(Totals { files: 1, bytes: 8, failed: 1, out_of_space: true, .. }))), "{out:?}");
 }
 
 /// What this end passes over by its own rules goes back as a skip that
