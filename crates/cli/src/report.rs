@@ -209,3 +209,32 @@ impl ProgressDisplay {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a host holds less what was already there is what the copy
+    /// committed; every failure counts, listed or not, and the summary
+    /// says both.
+    #[test]
+    fn a_report_counts_what_was_committed_and_what_failed() {
+        let failed = FileError { path: "big".into(), kind: ErrorKind::NoSpace, message: "No space left on device".into() };
+        let s = Stats {
+            files: 110,
+            bytes: 1000,
+            skipped_files: 3,
+            skipped_bytes: 30,
+            hosts: vec![Share { name: "h".into(), count: 8, bytes: 100 }],
+            errors: vec![failed],
+            errors_not_listed: 101,
+            ..Stats::default()
+        };
+        let r = Report::from_stats(&s);
+        assert_eq!((r.committed_files, r.committed_bytes, r.failed_files), (5, 70, 102));
+        assert_eq!(r.exit_code(), ErrorKind::NoSpace as i32);
+        assert!(r.summary().contains("5 files (70 B) committed, 102 failed"), "{}", r.summary());
+        let j: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!((&j["committed_files"], &j["failed_files"], &j["errors_not_listed"]), (&5.into(), &102.into(), &101.into()));
+    }
+}
