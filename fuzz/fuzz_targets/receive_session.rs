@@ -60,10 +60,11 @@ fn event(u: &mut Unstructured, sizes: &HashMap<u64, u64>, gates: &HashMap<u64, G
         5 => Event::Control(ToReceiver::Echo { stamp: u.arbitrary()?, received: 0, staged: 0, server_received: 0, transfers: 0 }),
         6 => Event::Control(ToReceiver::Error { kind: kind(u)?, message: String::new() }),
         7 => {
-            let outcome = match u.int_in_range(0..=3)? {
+            let outcome = match u.int_in_range(0..=4)? {
                 0 => Outcome::Present,
                 1 => Outcome::Made,
                 2 => Outcome::Refused { kind: kind(u)?, message: String::new() },
+                3 => Outcome::PassedOver("passed over".into()),
                 _ => {
                     let mut held = Vec::new();
                     for _ in 0..u.int_in_range(0..=4)? {

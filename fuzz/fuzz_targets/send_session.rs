@@ -100,7 +100,8 @@ impl Driver {
                         for _ in 0..u.int_in_range(0..=3)? {
                             ranges.push((small(u)?, small(u)?));
                         }
-                        ToSender::Plan { id, skip: u.ratio(1, 4)?, ranges }
+                        let passed_over = if u.ratio(1, 8)? { "passed over".into() } else { String::new() };
+                        ToSender::Plan { id, skip: u.ratio(1, 4)?, ranges, passed_over }
                     }
                     1 => ToSender::Nack { id, block: small(u)? },
                     2 => ToSender::Done { id, digest: if u.arbitrary()? { file_digest(&[]) } else { sum(u)? } },

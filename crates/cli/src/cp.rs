@@ -199,6 +199,12 @@ fn copy(a: &CpArgs) -> Result<i32> {
     for e in &stats.errors {
         errln!("dmover: error: {}: {}", printable(&e.path), printable(&e.message));
     }
+    if stats.errors_not_listed > 0 {
+        errln!("dmover: error: {} more files failed (the report lists the first {})", stats.errors_not_listed, stats.errors.len());
+    }
+    if stats.errors.iter().any(|e| e.kind == ErrorKind::NoSpace) {
+        errln!("dmover: the destination ran out of space: the files committed are kept; free space there, then re-run the same command to send the rest");
+    }
     Ok(r.exit_code())
 }
 

@@ -30,6 +30,13 @@ pub struct Report {
     pub bytes: u64,
     pub skipped_files: u64,
     pub skipped_bytes: u64,
+    /// Files (and their bytes) this copy put in place at the destination,
+    /// verified and durable: kept whatever failed besides.
+    pub committed_files: u64,
+    pub committed_bytes: u64,
+    /// Files that are not at the destination because they failed (listed
+    /// in `errors`, the first hundred, and counted here all).
+    pub failed_files: u64,
     pub sent_bytes: u64,
     pub seconds: f64,
     #[serde(flatten)]
@@ -39,8 +46,11 @@ pub struct Report {
     #[serde(serialize_with = "shares_by_host")]
     pub hosts: Vec<Share>,
     pub errors: Vec<FileError>,
+    /// Failed files beyond those `errors` lists.
+    pub errors_not_listed: u64,
     /// What was not copied because the copy does not take its kind (a
-    /// symlink without `--links`, a device without `--devices`), and why.
+    /// symlink without `--links`, a device without `--devices`, a symlink
+    /// leading out of the tree with `--safe-links`), and why.
     pub passed_over: Vec<FileError>,
     pub check: Check,
     /// Streams, goodput and round-trip time over time, when a tuner ran.
@@ -51,12 +61,17 @@ impl Report {
     pub fn from_stats(s: &Stats) -> Report {
         let seconds = s.nanos as f64 / 1e9;
         let check = Check::new(!s.errors.is_empty(), (s.files, s.bytes), (s.dest_files, s.dest_bytes), s.digests_match);
+        let (there_files, there_bytes) =
+            s.hosts.iter().fold((0u64, 0u64), |(f, b), h| (f.saturating_add(h.count), b.saturating_add(h.bytes)));
         Report {
             ok: check.passed,
             files: s.files,
             bytes: s.bytes,
             skipped_files: s.skipped_files,
             skipped_bytes: s.skipped_bytes,
+            committed_files: there_files.saturating_sub(s.skipped_files),
+            committed_bytes: there_bytes.saturating_sub(s.skipped_bytes),
+            failed_files: (s.errors.len() as u64).saturating_add(s.errors_not_listed),
             sent_bytes: s.sent_bytes,
             seconds,
             rate: Rate::new(s.files, s.bytes, seconds),
@@ -64,6 +79,7 @@ impl Report {
             resent_blocks: s.resent_blocks,
             hosts: s.hosts.clone(),
             errors: s.errors.clone(),
+            errors_not_listed: s.errors_not_listed,
             passed_over: s.passed_over.clone(),
             check,
             timeline: s
@@ -107,6 +123,9 @@ impl Report {
         );
         if self.skipped_files > 0 {
             s += &format!("; {} files ({}) already there", self.skipped_files, human(self.skipped_bytes));
+        }
+        if self.failed_files > 0 {
+            s += &format!("; {} files ({}) committed, {} failed", self.committed_files, human(self.committed_bytes), self.failed_files);
         }
         if self.retries > 0 {
             s += &format!("; {} retries", self.retries);
@@ -188,5 +207,34 @@ impl ProgressDisplay {
         if let Some(t) = self.thread {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a host holds less what was already there is what the copy
+    /// committed; every failure counts, listed or not, and the summary
+    /// says both.
+    #[test]
+    fn a_report_counts_what_was_committed_and_what_failed() {
+        let failed = FileError { path: "big".into(), kind: ErrorKind::NoSpace, message: "No space left on device".into() };
+        let s = Stats {
+            files: 110,
+            bytes: 1000,
+            skipped_files: 3,
+            skipped_bytes: 30,
+            hosts: vec![Share { name: "h".into(), count: 8, bytes: 100 }],
+            errors: vec![failed],
+            errors_not_listed: 101,
+            ..Stats::default()
+        };
+        let r = Report::from_stats(&s);
+        assert_eq!((r.committed_files, r.committed_bytes, r.failed_files), (5, 70, 102));
+        assert_eq!(r.exit_code(), ErrorKind::NoSpace as i32);
+        assert!(r.summary().contains("5 files (70 B) committed, 102 failed"), "{}", r.summary());
+        let j: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!((&j["committed_files"], &j["failed_files"], &j["errors_not_listed"]), (&5.into(), &102.into(), &101.into()));
     }
 }

@@ -254,6 +254,100 @@ fn destination_full_local_exits_5() {
     assert_disk_full(|| dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run(), &out.join("src"));
 }
 
+/// A tree of small files (every fourth empty, so that the receiver's
+/// batches sync their file system at once) in five directories, and
+/// big.dat, larger than the whole of the small ext4 it is copied to.
+fn tree_with_one_file_too_big(src: &std::path::Path) {
+    for i in 0..200u64 {
+        let size = if i % 4 == 0 { 0 } else { 1 + i * 37 % 8000 };
+        write_random(&src.join(format!("d{}/f{i:03}.dat", i % 5)), size, i);
+    }
+    write_random(&src.join("big.dat"), 12 * MIB, 99);
+}
+
+/// The destination filled up with big.dat of the tree: exit 5 naming it,
+/// and the report lists what is not committed (big.dat among it, each for
+/// want of space) and counts the rest committed; every file not listed is
+/// at the destination, equal to its source, and every file listed is not
+/// (nor is any temporary file).
+#[track_caller]
+fn assert_full_disk_kept_what_fit(r: &Run, src: &std::path::Path, dst: &std::path::Path) {
+    assert_eq!(r.code, 5, "exit code; stderr:\n{}\nstdout:\n{}", r.stderr, r.stdout);
+    assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+    assert!(r.error_lines().iter().any(|l| l.contains("big.dat")), "no error line names big.dat:\n{}", r.stderr);
+    assert!(r.stderr.contains("ran out of space"), "no word of the full disk:\n{}", r.stderr);
+    let j = r.json();
+    let errors = j["errors"].as_array().unwrap_or_else(|| panic!("no errors listed: {j:#}"));
+    assert_eq!(j["errors_not_listed"], 0, "{j:#}");
+    for e in errors {
+        assert_eq!(e["kind"], "no-space", "a failure other than the full disk: {e}");
+    }
+    let failed = |rel: &str| errors.iter().any(|e| e["path"].as_str().unwrap().ends_with(rel));
+    assert!(failed("big.dat"), "big.dat is not listed as failed: {j:#}");
+    let (mut kept, mut not_kept) = (0, 0);
+    for rel in list_files(src).keys() {
+        if failed(rel) {
+            assert!(!dst.join(rel).exists(), "{rel} is listed as failed, yet it is at the destination: {j:#}");
+            not_kept += 1;
+        } else {
+            assert!(
+                same_content(&src.join(rel), &dst.join(rel)),
+                "{rel} is not listed as failed, yet not at the destination as it is at the source: {j:#}"
+            );
+            kept += 1;
+        }
+    }
+    let strays: Vec<String> = list_files(dst).into_keys().filter(|k| !is_final_name(k)).collect();
+    assert!(strays.is_empty(), "temporary files left filling the disk: {strays:?}");
+    assert!(kept > 0, "nothing was kept: {j:#}");
+    assert_eq!((u(&j["committed_files"]), u(&j["failed_files"])), (kept, not_kept), "{j:#}");
+    assert_eq!(u(&j["failed_files"]), errors.len() as u64, "{j:#}");
+}
+
+#[test]
+fn destination_full_upload_keeps_the_files_that_fit() {
+    if !dmover_testkit::needs_root("a loop-mounted ext4") {
+        return;
+    }
+    let env = Env::new();
+    let src = env.path("src");
+    tree_with_one_file_too_big(&src);
+    let export = env.path("full");
+    let _m = Mount::ext4(&export, &env.path("full.img"), "8M");
+    let srv = env.serve(&[("e", &export)]);
+    let r = env.cp([src.display().to_string(), srv.url("e"), "--retries".into(), "0".into()]).run();
+    assert_full_disk_kept_what_fit(&r, &src, &export.join("src"));
+}
+
+#[test]
+fn destination_full_download_keeps_the_files_that_fit() {
+    if !dmover_testkit::needs_root("a loop-mounted ext4") {
+        return;
+    }
+    let env = Env::new();
+    let export = env.mkdir("export");
+    tree_with_one_file_too_big(&export.join("src"));
+    let srv = env.serve(&[("e", &export)]);
+    let local = env.path("full");
+    let _m = Mount::ext4(&local, &env.path("full.img"), "8M");
+    let r = env.cp([srv.url("e/src"), local.display().to_string(), "--retries".into(), "0".into()]).run();
+    assert_full_disk_kept_what_fit(&r, &export.join("src"), &local.join("src"));
+}
+
+#[test]
+fn destination_full_local_keeps_the_files_that_fit() {
+    if !dmover_testkit::needs_root("a loop-mounted ext4") {
+        return;
+    }
+    let env = Env::new();
+    let src = env.path("src");
+    tree_with_one_file_too_big(&src);
+    let out = env.path("full");
+    let _m = Mount::ext4(&out, &env.path("full.img"), "8M");
+    let r = dmover(["cp", "--json", "-q"]).arg(&src).arg(&out).run();
+    assert_full_disk_kept_what_fit(&r, &src, &out.join("src"));
+}
+
 #[test]
 fn unreachable_host_exits_6() {
     let env = Env::new();

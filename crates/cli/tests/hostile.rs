@@ -505,7 +505,7 @@ fn a_file_swapped_for_a_fifo_after_its_listing_fails_at_once_and_holds_nothing()
     fs::remove_file(export.join("src/a.dat")).unwrap();
     mkfifo(&export.join("src/a.dat"));
     for (id, size) in announced.values() {
-        c.send(&Msg::Plan { id: *id, skip: false, ranges: vec![(0, size.div_ceil(1 << 20))] });
+        c.send(&Msg::Plan { id: *id, skip: false, ranges: vec![(0, size.div_ceil(1 << 20))], passed_over: String::new() });
     }
     let (a, b) = (announced["a.dat"].0, announced["b.dat"].0);
     let (mut a_failed, mut b_ended) = (false, false);
@@ -1374,7 +1374,7 @@ fn a_download_asking_for_a_gigabyte_of_staging_holds_no_more_than_the_server_sta
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(5) {
         if let Some(Msg::Announce { id, meta, .. }) = c.read() {
-            c.send(&Msg::Plan { id, skip: false, ranges: vec![(0, meta.size.div_ceil(1 << 20))] });
+            c.send(&Msg::Plan { id, skip: false, ranges: vec![(0, meta.size.div_ceil(1 << 20))], passed_over: String::new() });
         }
     }
     let during = proc_status(srv.pid(), "VmRSS:");

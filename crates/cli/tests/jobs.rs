@@ -1345,3 +1345,40 @@ fn slurm_job_delivers_into_a_bucket_a_server_exports() {
         assert!(same_content(&src.join(k), &objects.join(k)), "{k}: the object differs from the file");
     }
 }
+
+/// A job whose destination fills up keeps every file committed there:
+/// the job ends with the file that did not fit among its failures, and
+/// the files it counts as done are those at the destination, each as it
+/// is at the source.
+#[test]
+fn a_job_to_a_full_destination_keeps_the_files_that_fit() {
+    if !dmover_testkit::needs_root("a loop-mounted ext4") {
+        return;
+    }
+    let env = Env::new();
+    let src = env.mkdir("src");
+    for i in 0..60u64 {
+        write_random(&src.join(format!("d{}/f{i:03}.dat", i % 3)), 1 + i * 97 % 6000, i);
+    }
+    write_random(&src.join("big.dat"), 12 << 20, 99);
+    let out = env.path("full");
+    let _m = Mount::ext4(&out, &env.path("full.img"), "8M");
+    let srv = public_server(&env, &out);
+    let job = write_job(&env, "full", &src, &[&srv], "");
+    let r = dmover(["run", "--json"]).arg(&job.path).timeout(Duration::from_secs(120)).run();
+    let j = r.json();
+    assert_ne!(r.code, 0, "{j:#}");
+    let failures = j["failures"].as_array().unwrap_or_else(|| panic!("no failures listed: {j:#}"));
+    assert!(failures.iter().any(|f| f.to_string().contains("big.dat")), "big.dat is not among the failures: {j:#}");
+    let done = std::fs::read_to_string(job.state.join("done.list")).unwrap();
+    assert!(done.lines().count() > 0, "nothing is done: {j:#}");
+    for line in done.lines() {
+        let rel: String = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?} in done.list: {e}"));
+        assert!(same_content(&src.join(&rel), &out.join("in").join(&rel)), "{rel} is done, yet not at the destination as at the source");
+    }
+    assert!(!done.contains("big.dat"), "big.dat is counted done");
+    // And what is there is counted done: nothing was committed unreported.
+    let done: std::collections::BTreeSet<String> = done.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let there: std::collections::BTreeSet<String> = list_files(&out.join("in")).into_keys().filter(|k| is_final_name(k)).collect();
+    assert_eq!(there, done, "the files at the destination are not those the job counts done");
+}

@@ -425,7 +425,13 @@ fn an_export_that_does_not_allow_owners_makes_no_devices() {
     assert_eq!(r.code, 8, "{}", r.stderr);
     assert!(r.stderr.contains("--devices, --specials") && r.stderr.contains("--allow-owners"), "{}", r.stderr);
     let j = env.cp([format!("{}/", src.display()), srv.url("e/archive/")]).args(["-a"]).run().assert_ok();
-    assert_eq!((u(&j["files"]), u(&j["skipped_files"])), (6, 4), "{j:#}");
+    assert_eq!((u(&j["files"]), u(&j["skipped_files"])), (2, 0), "{j:#}");
+    let mut passed: Vec<&str> = j["passed_over"].as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap()).collect();
+    passed.sort();
+    assert_eq!(passed, ["dev/loop250", "dev/null", "fifo", "socket"], "{j:#}");
+    for e in j["passed_over"].as_array().unwrap() {
+        assert!(e["message"].as_str().unwrap().contains("where the receiving end allows them"), "{e}");
+    }
     let names: Vec<_> = fs::read_dir(export.join("archive")).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names.len(), 2, "made more than the file and the directory: {names:?}");
     assert!(fs::read_dir(export.join("archive/dev")).unwrap().next().is_none());
@@ -433,7 +439,8 @@ fn an_export_that_does_not_allow_owners_makes_no_devices() {
 
 /// With `--safe-links` a symlink that leads out of the tree (absolute, or
 /// climbing above its top) is passed over where it arrives, as
-/// `rsync -a --safe-links` does, through every path; the others arrive.
+/// `rsync -a --safe-links` does, through every path, and the report lists
+/// it as passed over, with why (not as already there); the others arrive.
 /// With `-L` each symlink in a local source is copied as what it leads
 /// to, as `rsync -rL` copies it, going up to a server too; a server never
 /// follows one in its export.
@@ -443,10 +450,21 @@ fn safe_links_pass_over_links_out_of_the_tree_and_copy_links_follows_them() {
     let src = links(&env.mkdir("src"));
     let reference = tree::rsync(&["-a", "--safe-links"], &src, &env.path("src.safe"));
     let with_links = [Field::Kind, Field::Content, Field::Perm, Field::Mtime, Field::Target];
+    // In the order every_path copies: the source's tree, or a copy's.
+    let mut from_source = [true, true, false, false, true, false].into_iter();
     every_path(&env, &src, &["-l", "--safe-links"], &mut |copy, at| {
         // Copies from the source pass the one link over; those from a copy find none.
         let j = copy(&[]).assert_ok();
-        assert_eq!(u(&j["files"]) - u(&j["skipped_files"]), 6, "{j:#}");
+        assert_eq!((u(&j["files"]), u(&j["skipped_files"])), (6, 0), "{j:#}");
+        let passed: Vec<String> = j["passed_over"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| format!("{}: {}", e["path"].as_str().unwrap(), e["message"].as_str().unwrap()))
+            .collect();
+        let want: &[&str] =
+            if from_source.next().unwrap() { &["absolute: symbolic link leading out of the tree skipped (--safe-links)"] } else { &[] };
+        assert_eq!(passed, want, "{j:#}");
         tree::assert_same(&reference, at, &with_links);
         assert!(fs::symlink_metadata(at.join("absolute")).is_err());
     });

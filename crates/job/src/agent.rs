@@ -165,7 +165,11 @@ fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16], progress: 
         let (skipped, error) = match how {
             Settled::Sent => (false, None),
             Settled::Skipped => (true, None),
-            Settled::Failed(e) => (false, Some(Failure { kind: e.kind, message: format!("{}: {}", e.path, e.message) })),
+            // A job lists no symlinks or devices for a receiver to pass
+            // over; a file one passes over anyway is not at the destination.
+            Settled::Failed(e) | Settled::PassedOver(e) => {
+                (false, Some(Failure { kind: e.kind, message: format!("{}: {}", e.path, e.message) }))
+            }
         };
         h.results.push(FileResult { path: meta.path.clone(), host: hosts.get(host).cloned(), skipped, error });
         drop(h);

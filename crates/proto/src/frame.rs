@@ -12,7 +12,7 @@ use crate::digest::Sum;
 use crate::record::Protection;
 
 /// First bytes of a `Hello`: protocol name and version.
-pub const MAGIC: [u8; 8] = *b"DMOVER\0\x07";
+pub const MAGIC: [u8; 8] = *b"DMOVER\0\x08";
 pub const HEADER_LEN: usize = 8;
 pub const DATA_HEADER_LEN: usize = 32;
 /// Largest control message body. Big enough for a plan of 64k ranges.
@@ -484,6 +484,12 @@ pub struct FileError {
     pub message: String,
 }
 
+/// File errors a transfer's report lists, at most; the rest are counted
+/// (`Stats::errors_not_listed`). A tree sent to a full disk fails every
+/// file left to send, and a report of a hundred paths of 4 KiB with their
+/// messages still fits a control message ([`MAX_CONTROL_BODY`]).
+pub const MAX_LISTED_ERRORS: usize = 100;
+
 /// The outcome of a transfer, as one end saw it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Stats {
@@ -499,8 +505,13 @@ pub struct Stats {
     pub errors: Vec<FileError>,
     /// What the sender passed over, and why: symlinks, devices, FIFOs and
     /// sockets the transfer does not copy (`--links`, `--devices`,
-    /// `--specials`). Not errors: the transfer may still pass.
+    /// `--specials`), and what the receiver passed over (a symlink
+    /// `--safe-links` refuses, a device it may not make). Not errors: the
+    /// transfer may still pass.
     pub passed_over: Vec<FileError>,
+    /// File errors beyond those `errors` lists (it lists the first
+    /// [`MAX_LISTED_ERRORS`]).
+    pub errors_not_listed: u64,
     /// Files and bytes the destination confirmed, and whether the source's
     /// and destination's set digests agree.
     pub dest_files: u64,
@@ -611,8 +622,10 @@ pub enum Msg {
     /// this transfer settled and said was `Linked`; announced as file `id`,
     /// which carries no data and is confirmed (or refused) at once.
     HardLink { id: u64, path: String, first: String },
-    /// Rx→Tx: which blocks of file `id` to send (none and `skip` if present).
-    Plan { id: u64, skip: bool, ranges: Vec<(u64, u64)> },
+    /// Rx→Tx: which blocks of file `id` to send (none and `skip` if
+    /// present, or if the receiver passes it over: then `passed_over`
+    /// says why, and the file is not at the destination).
+    Plan { id: u64, skip: bool, ranges: Vec<(u64, u64)>, passed_over: String },
     /// Tx→Rx: all blocks of `id` were sent; the file's digest.
     FileEnd { id: u64, digest: Sum },
     /// Tx→Rx: file `id` will not be completed.
@@ -1035,6 +1048,7 @@ impl Msg {
                     w.u8(e.kind as u8);
                     w.str(&e.message);
                 }
+                w.u64(s.errors_not_listed);
             }
             Dir { meta } => meta.write(&mut w),
             Linked { id } => w.u64(*id),
@@ -1054,7 +1068,7 @@ impl Msg {
                     None => w.u8(0),
                 }
             }
-            Plan { id, skip, ranges } => {
+            Plan { id, skip, ranges, passed_over } => {
                 w.u64(*id);
                 w.u8(*skip as u8);
                 w.u32(ranges.len() as u32);
@@ -1062,6 +1076,7 @@ impl Msg {
                     w.u64(*a);
                     w.u64(*b);
                 }
+                w.str(passed_over);
             }
             FileEnd { id, digest } | Done { id, digest } => {
                 w.u64(*id);
@@ -1169,6 +1184,7 @@ impl Msg {
                 for _ in 0..n {
                     s.passed_over.push(FileError { path: r.str()?, kind: r.kind()?, message: r.str()? });
                 }
+                s.errors_not_listed = r.u64()?;
                 Report { stats: s }
             }
             kind::DIR => Dir { meta: FileMeta::read(&mut r)? },
@@ -1192,7 +1208,7 @@ impl Msg {
                     }
                     ranges.push((a, b));
                 }
-                Plan { id, skip, ranges }
+                Plan { id, skip, ranges, passed_over: r.str()? }
             }
             kind::FILE_END => FileEnd { id: r.u64()?, digest: r.arr()? },
             kind::ABORT => Abort { id: r.u64()?, kind: r.kind()?, message: r.str()? },
@@ -1426,6 +1442,7 @@ mod tests {
                     digests_match: true,
                     timeline: vec![TunePoint { t_ms: 1, host: 0, streams: 4, concurrency: 8, goodput: 1 << 30, rtt_us: 20_000 }],
                     passed_over: vec![FileError { path: "l".into(), kind: ErrorKind::Refused, message: "a symlink".into() }],
+                    errors_not_listed: 7,
                     ..Stats::default()
                 },
             },
@@ -1433,7 +1450,8 @@ mod tests {
             Msg::Announce { id: 12, meta, digest: Some([1; 16]) },
             Msg::Linked { id: 12 },
             Msg::HardLink { id: 13, path: "e/ü-too.dat".into(), first: "d/ü.dat".into() },
-            Msg::Plan { id: 13, skip: false, ranges: vec![(0, 4), (9, 10)] },
+            Msg::Plan { id: 13, skip: false, ranges: vec![(0, 4), (9, 10)], passed_over: String::new() },
+            Msg::Plan { id: 14, skip: true, ranges: vec![], passed_over: "a symlink leading out of the tree".into() },
             Msg::FileEnd { id: 14, digest: [2; 16] },
             Msg::Abort { id: 15, kind: ErrorKind::SourceChanged, message: "changed".into() },
             Msg::Nack { id: 16, block: 17 },

@@ -158,7 +158,7 @@ phase! {
 phase! {
     /// Rx→Tx on the control connection of a transfer.
     ToSender = "a transfer, at its sending end" {
-        Plan { id: u64, skip: bool, ranges: Vec<(u64, u64)> },
+        Plan { id: u64, skip: bool, ranges: Vec<(u64, u64)>, passed_over: String },
         Nack { id: u64, block: u64 },
         Done { id: u64, digest: Sum },
         Failed { id: u64, kind: ErrorKind, subject: String, message: String },
@@ -219,8 +219,11 @@ mod tests {
 
     #[test]
     fn a_phase_takes_its_kinds_and_gives_back_the_others() {
-        let m = Msg::Plan { id: 1, skip: false, ranges: vec![(0, 1)] };
-        assert_eq!(ToSender::from_msg(m.clone()), Ok(ToSender::Plan { id: 1, skip: false, ranges: vec![(0, 1)] }));
+        let m = Msg::Plan { id: 1, skip: false, ranges: vec![(0, 1)], passed_over: String::new() };
+        assert_eq!(
+            ToSender::from_msg(m.clone()),
+            Ok(ToSender::Plan { id: 1, skip: false, ranges: vec![(0, 1)], passed_over: String::new() })
+        );
         assert_eq!(ToReceiver::from_msg(m.clone()), Err(m.clone()));
         assert_eq!(Msg::from(ToSender::from_msg(m.clone()).unwrap()), m);
         assert_eq!(OnData::from_msg(Msg::Ping), Ok(OnData::Ping {}));

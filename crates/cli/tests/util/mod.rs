@@ -1371,6 +1371,20 @@ impl Mount {
         Mount { path: path.to_path_buf() }
     }
 
+    /// A fresh ext4 file system of `size` (e.g. "8M") at `path` (created),
+    /// in the image file `image`, mounted through a loop device (freed
+    /// with the mount): a real disk's space accounting, delayed
+    /// allocation and journal.
+    pub fn ext4(path: &Path, image: &Path, size: &str) -> Mount {
+        fs::create_dir_all(path).unwrap();
+        let _ = fs::remove_file(image);
+        sh("truncate", &["-s".as_ref(), size.as_ref(), image.as_os_str()]).unwrap_or_else(|e| panic!("an ext4 image: {e}"));
+        sh("mkfs.ext4", &["-q".as_ref(), "-F".as_ref(), image.as_os_str()]).unwrap_or_else(|e| panic!("mkfs.ext4 (e2fsprogs): {e}"));
+        sh("mount", &["-o".as_ref(), "loop".as_ref(), image.as_os_str(), path.as_os_str()])
+            .unwrap_or_else(|e| panic!("cannot loop-mount an ext4 image (these tests need root and loop devices): {e}"));
+        Mount { path: path.to_path_buf() }
+    }
+
     /// `path` bind-mounted onto itself, read-only.
     pub fn read_only(path: &Path) -> Mount {
         sh("mount", &["--bind".as_ref(), path.as_os_str(), path.as_os_str()]).unwrap_or_else(|e| panic!("bind mount: {e}"));

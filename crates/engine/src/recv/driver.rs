@@ -338,10 +338,6 @@ impl Owner {
             Action::Dir { meta } => self.dir_attrs.push(meta),
             Action::Finish(t) => return Some(self.finish(t)),
             Action::Violation(why) => self.fail(Error::protocol(&self.peer, why)),
-            Action::Fatal { kind, path, message } => {
-                self.write_errors.add(kind);
-                self.fail(Error::new(kind, self.name(&path), message))
-            }
             Action::PeerFailed { kind, message } => return Some(Err(Error::new(kind, &self.peer, message))),
         }
         None
@@ -351,12 +347,15 @@ impl Owner {
         self.sh.slots.read().expect("slots lock").get(&id).cloned()
     }
 
-    /// The sender is finished: the transfer's resume state goes, and the
-    /// totals are confirmed.
+    /// The sender is finished: the totals are confirmed, and the
+    /// transfer's resume state goes, unless a file failed here for want of
+    /// space: then the transfer is incomplete, and its next run, once
+    /// space is freed, looks at what this one committed before it sends
+    /// anything again.
     fn finish(&mut self, t: RecvSummary) -> Result<RecvSummary> {
         self.sh.stop.raise();
         self.give_dirs_their_attrs();
-        if let Some(l) = &self.layout {
+        if let Some(l) = self.layout.as_ref().filter(|_| !t.out_of_space) {
             let _ = self.sh.state.remove(&l.marker);
             let _ = self.sh.state.remove_dir(&l.state_dir);
         }
@@ -687,8 +686,9 @@ fn make_link(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
         _ => return Outcome::Refused { kind: ErrorKind::Refused, message: "a symlink without a target".into() },
     };
     if sh.options.flags.contains(TransferFlags::SAFE_LINKS) && !super::keep::stays_inside(&meta.path, &target) {
-        log::info!("{}: skipped: a symlink leading out of the tree (--safe-links)", dmover_proto::path::printable(&meta.path));
-        return Outcome::Present;
+        let why = "symbolic link leading out of the tree skipped (--safe-links)";
+        log::info!("{}: {why}", dmover_proto::path::printable(&meta.path));
+        return Outcome::PassedOver(why.into());
     }
     if look && sh.store.read_link(path).is_ok_and(|t| t == *target) {
         return Outcome::Present;
@@ -701,15 +701,16 @@ fn make_link(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
 
 /// Makes a device, FIFO or socket with its mode, owner and time,
 /// replacing whatever had the name; one the receiving end may not make is
-/// refused, or passed over as already there if the transfer asked for it
-/// only where allowed (`--archive`). When `look` and one of that type (and
+/// refused, or passed over (saying why) if the transfer asked for it only
+/// where allowed (`--archive`). When `look` and one of that type (and
 /// device number) is there already, it is skipped, untouched.
 fn make_node(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
     match sh.keep.makes(meta) {
         Ok(()) => {}
         Err((true, why)) => {
             log::info!("{}: skipped: {why}", dmover_proto::path::printable(&meta.path));
-            return Outcome::Present;
+            let what = if meta.is_device() { "device" } else { "FIFO or socket" };
+            return Outcome::PassedOver(format!("{what} skipped: {why}"));
         }
         Err((false, why)) => return Outcome::Refused { kind: ErrorKind::Refused, message: why.into() },
     }

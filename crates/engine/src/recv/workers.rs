@@ -579,9 +579,11 @@ const SYNC_FILE_SYSTEM_AT: usize = 32;
 /// files and the directories by one sync of each file system they are on
 /// when there are [`SYNC_FILE_SYSTEM_AT`] such files and the storage can,
 /// else on up to [`METADATA_SYNC_THREADS`] threads; then the files with
-/// data on up to [`SYNC_THREADS`]. Returns the files that were made
-/// durable (the others are reported failed) and whether every directory
-/// was.
+/// data on up to [`SYNC_THREADS`]. A file system's sync that fails (it
+/// reports what any file on it failed to write back: another file's full
+/// disk) fails no file: each is then synced on its own, and learns its own
+/// outcome. Returns the files that were made durable (the others are
+/// reported failed) and whether every directory was.
 fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io::Result<()>) {
     enum Job<'a> {
         File(usize, &'a Arc<dyn WriteFile>),
@@ -604,15 +606,16 @@ fn make_durable(sh: &Shared, ready: Ready, dirs: &[PathBuf]) -> (Ready, std::io:
                 Job::Dir(d) => Some(*d),
             })
             .collect();
-        let whole = sh.store.sync_file_systems(&places.into_iter().collect::<Vec<_>>());
-        if !matches!(whole, Ok(false)) {
-            for j in light.drain(..) {
-                let r = whole.as_ref().map(|_| ()).map_err(|e| std::io::Error::new(e.kind(), e.to_string()));
-                match j {
-                    Job::File(i, _) => files[i] = Some(r),
-                    Job::Dir(_) => dirs_synced = dirs_synced.and(r),
+        match sh.store.sync_file_systems(&places.into_iter().collect::<Vec<_>>()) {
+            Ok(true) => {
+                for j in light.drain(..) {
+                    if let Job::File(i, _) = j {
+                        files[i] = Some(Ok(()));
+                    }
                 }
             }
+            Ok(false) => {}
+            Err(e) => log::debug!("{}: cannot sync its file system ({e}): syncing each file", sh.store.display(&sh.dest_dir)),
         }
     }
     let sync = |j: &Job| match j {

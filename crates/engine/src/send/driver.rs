@@ -157,6 +157,7 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
         dest_bytes,
         digests_match: s.digests_match(),
         errors: s.errors,
+        errors_not_listed: s.errors_not_listed,
         passed_over: s.passed_over,
         timeline,
     })
@@ -352,6 +353,10 @@ impl Owner {
                 let how = match &outcome {
                     Outcome::Sent => Settled::Sent,
                     Outcome::Skipped => Settled::Skipped,
+                    Outcome::PassedOver(e) => {
+                        log::info!("{}: {}", e.path, e.message);
+                        Settled::PassedOver(e)
+                    }
                     Outcome::Failed(e) => {
                         log::info!("{}: {}", e.path, e.message);
                         Settled::Failed(e)

@@ -119,6 +119,10 @@ pub enum Settled<'a> {
     Sent,
     /// Already complete at the destination (sync, or a resumed transfer).
     Skipped,
+    /// Not taken by the receiver, by the transfer's rules (a symlink
+    /// leading out of the tree with `--safe-links`): not at the
+    /// destination, and not an error.
+    PassedOver(&'a FileError),
     Failed(&'a FileError),
 }
 

@@ -146,7 +146,7 @@ impl Audit {
             Action::Finish(_) if !(self.open.is_empty() && self.commits.is_empty() && self.preparing.is_empty()) => {
                 return Err(format!("finished with files in flight: open {:?}", self.open.keys().collect::<Vec<_>>()));
             }
-            Action::Finish(_) | Action::Violation(_) | Action::Fatal { .. } | Action::PeerFailed { .. } => self.over = true,
+            Action::Finish(_) | Action::Violation(_) | Action::PeerFailed { .. } => self.over = true,
             _ => {}
         }
         Ok(())

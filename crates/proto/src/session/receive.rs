@@ -165,6 +165,11 @@ pub enum Outcome {
     Receive { held: Vec<(u64, Sum)> },
     /// The destination holds it already (`--sync` or a resumed run): skip.
     Present,
+    /// This end does not take it, by the transfer's own rules, and says
+    /// why: not an error, and not at the destination (a symlink leading
+    /// out of the tree with `--safe-links`, a device asked for only where
+    /// this end may make one).
+    PassedOver(String),
     /// It is an empty directory, now made.
     Made,
     /// It cannot be received here.
@@ -223,8 +228,6 @@ pub enum Action {
     Finish(Totals),
     /// The sender broke a rule of the protocol. The session is over.
     Violation(String),
-    /// A failure every later file would share (a full disk). The session is over.
-    Fatal { kind: ErrorKind, path: String, message: String },
     /// The sender ended the transfer with an error. The session is over.
     PeerFailed { kind: ErrorKind, message: String },
 }
@@ -238,6 +241,9 @@ pub struct Totals {
     /// Files given up here (refused, or failed to be written): not in
     /// the sender's hands to count, and never in `Finished`.
     pub failed: u64,
+    /// A file failed for want of space: what a re-run, once space is
+    /// freed, may send.
+    pub out_of_space: bool,
 }
 
 impl Totals {
@@ -553,7 +559,11 @@ impl Receive {
                 let f = self.files.remove(&id).expect("looked up above");
                 self.totals.add(&f.meta.path, f.meta.size, &[0; 16]);
                 self.keep_name(f);
-                self.out.push_back(Action::Send(ToSender::Plan { id, skip: true, ranges: vec![] }));
+                self.out.push_back(Action::Send(ToSender::Plan { id, skip: true, ranges: vec![], passed_over: String::new() }));
+            }
+            Outcome::PassedOver(why) => {
+                self.files.remove(&id);
+                self.out.push_back(Action::Send(ToSender::Plan { id, skip: true, ranges: vec![], passed_over: why }));
             }
             Outcome::Made => {
                 let f = self.files.remove(&id).expect("looked up above");
@@ -580,7 +590,7 @@ impl Receive {
         let gate = Gate { size: f.meta.size, block_size: self.cfg.block_size };
         let ranges = f.held.missing(f.blocks);
         self.out.push_back(Action::Open { id, gate });
-        self.out.push_back(Action::Send(ToSender::Plan { id, skip: false, ranges }));
+        self.out.push_back(Action::Send(ToSender::Plan { id, skip: false, ranges, passed_over: String::new() }));
     }
 
     fn damaged(&mut self, id: u64, block: u64) {
@@ -661,20 +671,20 @@ impl Receive {
     }
 
     /// A file failed at this end: its partial state goes, and the sender is
-    /// told — or, when the disk is full, the session ends (every later file
-    /// would fail the same way).
+    /// told. A full disk fails the file alone, like any other failure: the
+    /// files already received stay committed, the others still in flight
+    /// may fit once this one's partial file is gone, and the sender
+    /// announces nothing more to a destination out of space.
     fn fail_file(&mut self, id: u64, kind: ErrorKind, message: String) {
         let f = self.files.remove(&id).expect("failed files are in flight");
         self.out.push_back(Action::Remove { id });
-        if kind == ErrorKind::NoSpace {
-            return self.end(Action::Fatal { kind, path: f.meta.path, message });
-        }
         self.refuse(id, kind, Subject::Path(f.meta.path), message);
     }
 
     /// Gives file `id` up, telling the sender why, and counts it.
     fn refuse(&mut self, id: u64, kind: ErrorKind, subject: Subject, message: String) {
         self.totals.failed = self.totals.failed.saturating_add(1);
+        self.totals.out_of_space |= kind == ErrorKind::NoSpace;
         self.out.push_back(Action::Refuse { id, kind, subject, message });
     }
 

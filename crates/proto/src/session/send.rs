@@ -24,6 +24,13 @@
 //! trip of its own. Nothing follows `Finish` on a control connection, so a
 //! block asked for again after it that cannot be read ends the session.
 //!
+//! A destination that runs out of space fails the file it stopped
+//! (`Failed`, class no space); the files in flight there run their
+//! course, and may fit, but nothing more is announced to that host: a file
+//! only it could take fails unannounced. A receiver that passes a file
+//! over by the transfer's rules says why in its `Plan`: the file is listed
+//! with what the walk passed over, and is no longer a file of the transfer.
+//!
 //! Hard links: a file offered as having other names is announced right
 //! after `Linked`, and each other name offered
 //! ([`Event::OfferLink`]) waits until that file is settled; it then goes
@@ -42,7 +49,7 @@
 //! lies, and are ignored.
 
 use crate::digest::{file_digest, SetDigest, Sum};
-use crate::frame::{FileError, FileMeta};
+use crate::frame::{FileError, FileMeta, MAX_LISTED_ERRORS};
 use crate::phase::{ToReceiver, ToSender};
 use crate::session::receive::MAX_DAMAGED;
 use crate::ErrorKind;
@@ -137,6 +144,9 @@ pub enum Outcome {
     Sent,
     /// Already complete at the destination.
     Skipped,
+    /// The receiver does not take it, by the transfer's rules, and says
+    /// why (not an error; not at the destination).
+    PassedOver(FileError),
     Failed(FileError),
 }
 
@@ -185,13 +195,25 @@ pub struct Summary {
     pub skipped_bytes: u64,
     /// Blocks sent again because a receiver asked.
     pub resent_blocks: u64,
+    /// The first [`MAX_LISTED_ERRORS`] files that failed.
     pub errors: Vec<FileError>,
-    /// What the walk passed over, and why (not errors).
+    /// Files that failed beyond those listed.
+    pub errors_not_listed: u64,
+    /// What the walk or a receiver passed over, and why (not errors).
     pub passed_over: Vec<FileError>,
     pub hosts: Vec<HostTotals>,
 }
 
 impl Summary {
+    /// Counts a failed file, and lists it while the list has room.
+    fn add_error(&mut self, e: FileError) {
+        if self.errors.len() < MAX_LISTED_ERRORS {
+            self.errors.push(e);
+        } else {
+            self.errors_not_listed = self.errors_not_listed.saturating_add(1);
+        }
+    }
+
     /// Whether every host confirmed the set of files this end counts as there.
     pub fn digests_match(&self) -> bool {
         self.hosts.iter().all(|h| h.confirmed.is_some_and(|c| c.2 == h.set.0))
@@ -272,6 +294,9 @@ pub struct Send {
     files: HashMap<u64, File>,
     /// Files in flight per host.
     in_flight: Vec<usize>,
+    /// Hosts whose destination ran out of space: nothing more is
+    /// announced to them.
+    full: Vec<bool>,
     /// Files this end gave up on: what a receiver still says of them is late.
     abandoned: HashSet<u64>,
     walk_done: bool,
@@ -298,6 +323,7 @@ impl Send {
             next_host: 0,
             files: HashMap::new(),
             in_flight: vec![0; cfg.hosts],
+            full: vec![false; cfg.hosts],
             abandoned: HashSet::new(),
             walk_done: false,
             finishing: false,
@@ -365,7 +391,7 @@ impl Send {
                     }
                 }
             }
-            Event::WalkError(e) => self.summary.errors.push(e),
+            Event::WalkError(e) => self.summary.add_error(e),
             Event::PassedOver(e) => self.summary.passed_over.push(e),
             Event::Dir(meta) if !self.walk_done => {
                 for host in 0..self.cfg.hosts {
@@ -405,7 +431,8 @@ impl Send {
         }
     }
 
-    /// Announces offered files while their host has room, in the order offered.
+    /// Announces offered files while their host has room, in the order
+    /// offered. One that only hosts out of space could take fails unsent.
     fn announce_waiting(&mut self) {
         while let Some(offer) = self.offers.front() {
             let hosts = self.cfg.hosts;
@@ -414,11 +441,14 @@ impl Send {
                 Offered::Link { host, .. } => Some(*host),
             };
             let start = pinned.unwrap_or(self.next_host);
-            let Some(host) = (0..hosts)
-                .map(|i| (start + i) % hosts)
-                .filter(|h| pinned.is_none_or(|p| p == *h))
-                .find(|h| self.in_flight[*h] < self.cfg.window)
-            else {
+            let mut takers =
+                (0..hosts).map(|i| (start + i) % hosts).filter(|h| pinned.is_none_or(|p| p == *h) && !self.full[*h]).peekable();
+            if takers.peek().is_none() {
+                let offer = self.offers.pop_front().expect("looked at above");
+                self.fail_unsent(offer, start);
+                continue;
+            }
+            let Some(host) = takers.find(|h| self.in_flight[*h] < self.cfg.window) else {
                 return;
             };
             let offer = self.offers.pop_front().expect("looked at above");
@@ -480,11 +510,15 @@ impl Send {
             return self.violate(host, format!("a message from host {host}, of {}", self.cfg.hosts));
         }
         match msg {
-            ToSender::Plan { id, skip, ranges } => self.plan(host, id, skip, ranges),
+            ToSender::Plan { id, skip: true, passed_over, .. } if !passed_over.is_empty() => self.passed_over(host, id, passed_over),
+            ToSender::Plan { id, skip, ranges, .. } => self.plan(host, id, skip, ranges),
             ToSender::Nack { id, block } => self.nack(host, id, block),
             ToSender::Done { id, digest } => self.done(host, id, digest),
             ToSender::Failed { id, kind, subject, message } => {
                 if self.about(host, id, "failure").is_some() {
+                    // Every later file would fail there too: the files in
+                    // flight run their course, and no more are announced.
+                    self.full[host] |= kind == ErrorKind::NoSpace;
                     self.fail(id, subject, kind, message);
                 }
             }
@@ -547,6 +581,27 @@ impl Send {
             let end = (first + chunk_blocks).min(blocks);
             self.out.push_back(Action::Read(Read { id, host, first, end, send: send.clone(), resend: false }));
         }
+    }
+
+    /// The receiver passed file `id` over, saying why: listed with what
+    /// the walk passed over, and no longer counted as a file of the
+    /// transfer (it is not at the destination, and not an error).
+    fn passed_over(&mut self, host: usize, id: u64, why: String) {
+        let Some(f) = self.about(host, id, "a plan") else { return };
+        if !matches!(f.stage, Stage::Announced) {
+            let why = format!("a second plan for {}", f.meta.path);
+            return self.violate(host, why);
+        }
+        let f = self.files.remove(&id).expect("looked up above");
+        self.summary.files -= 1;
+        self.summary.bytes = self.summary.bytes.saturating_sub(f.meta.size);
+        let e = FileError { path: f.meta.path.clone(), kind: ErrorKind::Refused, message: why };
+        self.summary.passed_over.push(e.clone());
+        self.in_flight[host] -= 1;
+        self.release_names(f.linked, &f.meta.path, host, Some(&e));
+        self.out.push_back(Action::Settle { id, host, meta: f.meta, outcome: Outcome::PassedOver(e) });
+        self.announce_waiting();
+        self.finish_if_ended();
     }
 
     fn nack(&mut self, host: usize, id: u64, block: u64) {
@@ -617,12 +672,30 @@ impl Send {
         let f = self.files.remove(&id).expect("failed files are in flight");
         let path = if subject.is_empty() { f.meta.path.clone() } else { subject };
         let e = FileError { path, kind, message };
-        self.summary.errors.push(e.clone());
+        self.summary.add_error(e.clone());
         let host = f.host;
         self.in_flight[host] -= 1;
-        self.release_names(&f, Some(&e));
+        self.release_names(f.linked, &f.meta.path, host, Some(&e));
         self.out.push_back(Action::Settle { id, host, meta: f.meta, outcome: Outcome::Failed(e) });
         self.announce_waiting();
+        self.finish_if_ended();
+    }
+
+    /// An offer no host can take fails unannounced: its host (`host`, or
+    /// every host) ran out of space. Its other names fail with it.
+    fn fail_unsent(&mut self, offer: Offered, host: usize) {
+        let message = "not sent: the destination ran out of space".to_string();
+        let (id, meta, linked) = match offer {
+            Offered::File { id, meta, linked, .. } => (id, meta, linked),
+            Offered::Link { id, path, .. } => (id, link_meta(path), false),
+        };
+        let e = FileError { path: meta.path.clone(), kind: ErrorKind::NoSpace, message };
+        self.summary.add_error(e.clone());
+        // Counted where the file would have gone; it never was in flight.
+        self.summary.files += 1;
+        self.summary.bytes = self.summary.bytes.saturating_add(meta.size);
+        self.release_names(linked, &meta.path, host, Some(&e));
+        self.out.push_back(Action::Settle { id, host, meta, outcome: Outcome::Failed(e) });
         self.finish_if_ended();
     }
 
@@ -634,28 +707,29 @@ impl Send {
         h.bytes = h.bytes.saturating_add(f.meta.size);
         h.set.add(&f.meta.path, f.meta.size, digest);
         self.in_flight[host] -= 1;
-        self.release_names(&f, None);
+        self.release_names(f.linked, &f.meta.path, host, None);
         self.out.push_back(Action::Settle { id, host, meta: f.meta, outcome });
         self.announce_waiting();
         self.finish_if_ended();
     }
 
-    /// A settled file's other names that waited for it go to its host,
-    /// or fail with it (`failed`), and later ones will.
-    fn release_names(&mut self, f: &File, failed: Option<&FileError>) {
-        if !f.linked {
+    /// The other names of a settled file (`first`, at `host`, if it was
+    /// offered as `linked`) that waited for it go to its host, or fail with
+    /// it (`failed`), and later ones will.
+    fn release_names(&mut self, linked: bool, first: &str, host: usize, failed: Option<&FileError>) {
+        if !linked {
             return;
         }
         let state = match failed {
-            Some(e) => Group::Failed(f.host, e.clone()),
-            None => Group::At(f.host),
+            Some(e) => Group::Failed(host, e.clone()),
+            None => Group::At(host),
         };
-        let Some(Group::Pending(names)) = self.groups.insert(f.meta.path.clone(), state) else { return };
+        let Some(Group::Pending(names)) = self.groups.insert(first.to_string(), state) else { return };
         self.waiting -= names.len();
         for (id, path, subject) in names {
             match failed {
-                Some(e) => self.fail_name(id, path, subject, &f.meta.path, f.host, e),
-                None => self.offers.push_back(Offered::Link { id, path, first: f.meta.path.clone(), host: f.host }),
+                Some(e) => self.fail_name(id, path, subject, first, host, e),
+                None => self.offers.push_back(Offered::Link { id, path, first: first.to_string(), host }),
             }
         }
     }
@@ -666,7 +740,7 @@ impl Send {
         let message = format!("another name of {}, which failed: {}", crate::path::printable(first), e.message);
         let subject = if subject.is_empty() { path.clone() } else { subject };
         let e = FileError { path: subject, kind: e.kind, message };
-        self.summary.errors.push(e.clone());
+        self.summary.add_error(e.clone());
         self.out.push_back(Action::Settle { id, host, meta: link_meta(path), outcome: Outcome::Failed(e) });
     }
 

@@ -176,7 +176,7 @@ impl Driver {
                     self.gates.remove(id);
                     self.settle(*id);
                 }
-                Action::Finish(_) | Action::Violation(_) | Action::Fatal { .. } | Action::PeerFailed { .. } => {
+                Action::Finish(_) | Action::Violation(_) | Action::PeerFailed { .. } => {
                     self.end = Some(a.clone());
                 }
                 _ => {}
@@ -537,15 +537,42 @@ fn stale_journaled_blocks_are_asked_for_once_then_the_file_fails() {
     assert!(matches!(&out[1], Action::Refuse { kind: ErrorKind::Verify, .. }));
 }
 
+/// A full disk fails the file it stopped, alone: the file committing
+/// meanwhile is confirmed, and the session still ends with its totals.
 #[test]
-fn a_full_disk_ends_the_session() {
+fn a_full_disk_fails_its_file_and_keeps_the_others() {
     let mut rx = session(false);
-    rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("f", 8), digest: None }));
-    rx.handle(Event::Prepared { id: 1, outcome: Outcome::Receive { held: vec![] } });
+    for (id, path) in [(1, "big"), (2, "small")] {
+        rx.handle(Event::Control(ToReceiver::Announce { id, meta: meta(path, 8), digest: None }));
+        rx.handle(Event::Prepared { id, outcome: Outcome::Receive { held: vec![] } });
+    }
+    rx.handle(Event::Control(ToReceiver::FileEnd { id: 2, digest: digest(2, 8) }));
+    for block in 0..8u64.div_ceil(BS) {
+        rx.handle(Event::Written { id: 2, block, sum: sum(2, block) });
+    }
     rx.handle(Event::Failed { id: 1, kind: ErrorKind::NoSpace, message: "full".into() });
+    rx.handle(Event::Committed { id: 2 });
+    rx.handle(Event::Control(ToReceiver::Finish { files: 1, bytes: 8, set_digest: 0 }));
     let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
-    assert!(matches!(out.last(), Some(Action::Fatal { kind: ErrorKind::NoSpace, .. })));
-    assert!(rx.is_over());
+    let refused = out.iter().position(|a| matches!(a, Action::Refuse { id: 1, kind: ErrorKind::NoSpace, .. }));
+    assert!(refused.is_some(), "the file that did not fit is not refused: {out:?}");
+    assert!(out.contains(&Action::Remove { id: 1 }), "{out:?}");
+    assert!(out.contains(&Action::Send(ToSender::Done { id: 2, digest: digest(2, 8) })), "{out:?}");
+    assert!(matches!(out.last(), Some(Action::Finish(Totals { files: 1, bytes: 8, failed: 1, out_of_space: true, .. }))), "{out:?}");
+}
+
+/// What this end passes over by its own rules goes back as a skip that
+/// says why, and is not counted as received.
+#[test]
+fn a_file_passed_over_is_skipped_with_its_reason_and_not_counted() {
+    let mut rx = session(false);
+    rx.handle(Event::Control(ToReceiver::Announce { id: 1, meta: meta("l", 0), digest: None }));
+    rx.handle(Event::Prepared { id: 1, outcome: Outcome::PassedOver("out of the tree".into()) });
+    rx.handle(Event::Control(ToReceiver::Finish { files: 0, bytes: 0, set_digest: 0 }));
+    let out: Vec<Action> = std::iter::from_fn(|| rx.poll()).collect();
+    let plan = ToSender::Plan { id: 1, skip: true, ranges: vec![], passed_over: "out of the tree".into() };
+    assert_eq!(out.get(1), Some(&Action::Send(plan)), "{out:?}");
+    assert!(matches!(out.last(), Some(Action::Finish(Totals { files: 0, failed: 0, .. }))), "{out:?}");
 }
 
 #[test]

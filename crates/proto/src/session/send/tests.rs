@@ -475,7 +475,7 @@ proptest! {
             }
             let host = usize::from(what % 3 == 0);
             let msg = match what % 7 {
-                0 => ToSender::Plan { id, skip: flag, ranges: vec![(n / 2, n)] },
+                0 => ToSender::Plan { id, skip: flag, ranges: vec![(n / 2, n)], passed_over: String::new() },
                 1 => ToSender::Nack { id, block: n },
                 2 => ToSender::Done { id, digest: if flag { file_digest(&[]) } else { [n as u8; 16] } },
                 3 => ToSender::Failed { id, kind: ErrorKind::Refused, subject: String::new(), message: "no".into() },
@@ -515,7 +515,7 @@ fn violated(out: &[Action]) -> bool {
 }
 
 fn plan(id: u64, ranges: Vec<(u64, u64)>) -> Event {
-    Event::Control { host: 0, msg: ToSender::Plan { id, skip: false, ranges } }
+    Event::Control { host: 0, msg: ToSender::Plan { id, skip: false, ranges, passed_over: String::new() } }
 }
 
 #[test]
@@ -526,7 +526,8 @@ fn the_window_holds_files_back_until_one_settles() {
     }
     assert!(!tx.wants_file(), "the third file waits for room");
     assert_eq!(tx.in_flight(0), WINDOW);
-    let out = run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
+    let out =
+        run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![], passed_over: String::new() } });
     assert!(out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Announce { id: 3, .. }, .. })));
     assert!(tx.wants_file());
 }
@@ -578,7 +579,7 @@ fn late_messages_about_an_abandoned_file_are_ignored() {
 fn totals_larger_than_offered_are_a_violation() {
     let mut tx = session(1);
     run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: false });
-    run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
+    run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![], passed_over: String::new() } });
     let out = run(&mut tx, Event::WalkDone);
     assert!(matches!(out.as_slice(), [Action::Send { msg: ToReceiver::Finish { files: 1, .. }, .. }]));
     assert!(violated(&run(&mut tx, Event::Control { host: 0, msg: ToSender::Finished { files: 2, bytes: 0, set_digest: 0 } })));
@@ -657,7 +658,7 @@ fn other_names_wait_for_their_file_and_go_to_its_host() {
     let out = run(&mut tx, Event::OfferLink { path: "g".into(), first: "f".into(), subject: String::new() });
     assert!(out.is_empty(), "a name went before its file was settled: {out:?}");
     run(&mut tx, Event::WalkDone);
-    run(&mut tx, Event::Control { host: 1, msg: ToSender::Plan { id: 1, skip: false, ranges: vec![(0, 1)] } });
+    run(&mut tx, Event::Control { host: 1, msg: ToSender::Plan { id: 1, skip: false, ranges: vec![(0, 1)], passed_over: String::new() } });
     let out = run(&mut tx, Event::Read { id: 1, first: 0, sums: vec![sum("f", 0)], kept: None });
     assert!(!out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { .. }, .. })), "Finish while a name waits: {out:?}");
     let digest = file_digest(&[sum("f", 0)]);
@@ -669,7 +670,7 @@ fn other_names_wait_for_their_file_and_go_to_its_host() {
     // A name offered once its file is settled goes at once.
     let mut tx = session(1);
     run(&mut tx, Event::Offer { meta: meta("f", 0), digest: None, pinned: None, linked: true });
-    run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![] } });
+    run(&mut tx, Event::Control { host: 0, msg: ToSender::Plan { id: 1, skip: true, ranges: vec![], passed_over: String::new() } });
     let out = run(&mut tx, Event::OfferLink { path: "h".into(), first: "f".into(), subject: String::new() });
     assert_eq!(hard_link(&out), Some((0, 2, "h", "f")), "{out:?}");
 }
@@ -693,4 +694,60 @@ fn other_names_fail_with_their_file() {
     assert!(failed(&out, 3), "{out:?}");
     let out = run(&mut tx, Event::WalkDone);
     assert!(out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Finish { files: 0, .. }, .. })), "{out:?}");
+}
+
+/// A destination out of space fails the file it stopped; the file in
+/// flight there still completes, nothing more is announced to it, and
+/// what is offered after fails unsent, so the transfer ends with its totals.
+#[test]
+fn a_full_destination_gets_no_more_files_and_the_rest_fail_unsent() {
+    let mut tx = session(1);
+    for path in ["big", "small"] {
+        run(&mut tx, Event::Offer { meta: meta(path, 0), digest: None, pinned: None, linked: false });
+    }
+    let full = ToSender::Failed { id: 1, kind: ErrorKind::NoSpace, subject: String::new(), message: "No space left".into() };
+    run(&mut tx, Event::Control { host: 0, msg: full });
+    let out = run(&mut tx, Event::Offer { meta: meta("later", 3), digest: None, pinned: None, linked: false });
+    assert!(!out.iter().any(|a| matches!(a, Action::Send { msg: ToReceiver::Announce { .. }, .. })), "announced to a full host: {out:?}");
+    assert!(
+        matches!(&out[..], [Action::Settle { id: 3, outcome: Outcome::Failed(e), .. }] if e.kind == ErrorKind::NoSpace && e.path == "later"),
+        "{out:?}"
+    );
+    assert!(tx.wants_file(), "the walk is held up");
+    run(&mut tx, Event::WalkDone);
+    run(&mut tx, plan(2, vec![]));
+    run(&mut tx, Event::Control { host: 0, msg: ToSender::Done { id: 2, digest: file_digest(&[]) } });
+    let out = run(&mut tx, Event::Control { host: 0, msg: ToSender::Finished { files: 1, bytes: 0, set_digest: 0 } });
+    let Some(Action::Complete(s)) = out.last() else { panic!("the transfer did not complete: {out:?}") };
+    let failed: Vec<&str> = s.errors.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(failed, ["big", "later"]);
+    assert_eq!((s.files, s.bytes, s.hosts[0].files), (3, 3, 1));
+}
+
+/// A receiver that passes a file over says why: the file is listed as
+/// passed over, not skipped, and is no longer a file of the transfer.
+#[test]
+fn a_file_the_receiver_passes_over_is_listed_with_its_reason() {
+    let mut tx = session(1);
+    run(&mut tx, Event::Offer { meta: meta("l", 0), digest: None, pinned: None, linked: false });
+    run(&mut tx, Event::WalkDone);
+    let why = "a symlink leading out of the tree (--safe-links)";
+    let msg = ToSender::Plan { id: 1, skip: true, ranges: vec![], passed_over: why.into() };
+    let out = run(&mut tx, Event::Control { host: 0, msg });
+    assert!(matches!(&out[0], Action::Settle { outcome: Outcome::PassedOver(e), .. } if e.message == why), "{out:?}");
+    let out = run(&mut tx, Event::Control { host: 0, msg: ToSender::Finished { files: 0, bytes: 0, set_digest: 0 } });
+    let Some(Action::Complete(s)) = out.last() else { panic!("the transfer did not complete: {out:?}") };
+    assert_eq!((s.files, s.skipped_files, s.errors.len()), (0, 0, 0));
+    assert_eq!(s.passed_over, [FileError { path: "l".into(), kind: ErrorKind::Refused, message: why.into() }]);
+    assert!(s.digests_match());
+}
+
+/// However many files fail, the summary lists the first ones and counts the rest.
+#[test]
+fn failures_past_the_listed_ones_are_counted() {
+    let mut s = Summary::default();
+    for i in 0..MAX_LISTED_ERRORS + 5 {
+        s.add_error(FileError { path: format!("f{i}"), kind: ErrorKind::NoSpace, message: "full".into() });
+    }
+    assert_eq!((s.errors.len(), s.errors_not_listed), (MAX_LISTED_ERRORS, 5));
 }
