@@ -46,7 +46,7 @@ use crate::error::{Error, Refused, Result};
 use crate::storage::{Attrs, Digest, DirEntry, Features, Keeps, ReadFile, Stat, Storage, Store, WriteFile, Xattr};
 use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::meta::region::RegionProviderChain;
-use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart, MetadataDirective};
 use aws_sdk_s3::Client;
@@ -220,8 +220,11 @@ impl S3 {
         let key_id = match inner.rt.block_on(creds.provide_credentials()) {
             Ok(c) => c.access_key_id().to_string(),
             Err(e) => {
-                return Err(Error::new(ErrorKind::Usage, &label, format!("no S3 credentials found ({})", DisplayErrorContext(&e)))
-                    .advised("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or name a profile of ~/.aws/credentials with AWS_PROFILE"))
+                // The SDK's own account names each provider it tried, in its debug form: for the log.
+                log::debug!("{label}: no credentials: {}", causes(&e));
+                let msg = "no S3 credentials found (none in the environment, none in ~/.aws/credentials or ~/.aws/config)";
+                return Err(Error::new(ErrorKind::Usage, &label, msg)
+                    .advised("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or name a profile of ~/.aws/credentials with AWS_PROFILE"));
             }
         };
         let e = match inner.rt.block_on(inner.client.head_bucket().bucket(bucket).send()) {
@@ -275,9 +278,25 @@ where
             let message = e.message().map(|m| format!(": {m}")).unwrap_or_default();
             format!("the S3 server answered HTTP {s}{code}{message}")
         }
-        None => DisplayErrorContext(&e).to_string(),
+        None => causes(&e),
     };
     io::Error::new(kind, format!("{what}: {msg}"))
+}
+
+/// An error and its causes as people read them, `outer: inner: …`, each
+/// in its own words (`Display`), a cause that only repeats its parent's
+/// words left out: the SDK's own rendering ends in its debug form.
+pub(super) fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(c) = next {
+        let text = c.to_string();
+        if !text.is_empty() && !out.contains(&text) {
+            out = format!("{out}: {text}");
+        }
+        next = c.source();
+    }
+    out
 }
 
 fn unsupported(what: &str) -> io::Error {

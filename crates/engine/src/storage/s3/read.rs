@@ -12,7 +12,6 @@ use super::metadata::answered;
 use super::{io_error, status, Inner};
 use crate::error::Damaged;
 use crate::storage::{Digest, ReadFile, Stat};
-use aws_sdk_s3::error::DisplayErrorContext;
 use aws_sdk_s3::primitives::ByteStream;
 use bytes::Bytes;
 use std::io;
@@ -203,10 +202,10 @@ pub(super) async fn collect(key: &str, body: ByteStream) -> io::Result<Body> {
 /// checksum the server keeps for the object, or the connection failed.
 fn body_error(key: &str, e: aws_sdk_s3::primitives::ByteStreamError) -> io::Error {
     if std::error::Error::source(&e).is_some_and(|s| s.is::<aws_smithy_checksums::body::validate::Error>()) {
-        let msg = format!("{key}: what was read differs from the checksum the server keeps for the object ({})", DisplayErrorContext(&e));
+        let msg = format!("{key}: what was read differs from the checksum the server keeps for the object ({})", super::causes(&e));
         return io::Error::other(Damaged(msg));
     }
-    io::Error::new(io::ErrorKind::ConnectionReset, format!("{key}: {}", DisplayErrorContext(&e)))
+    io::Error::new(io::ErrorKind::ConnectionReset, format!("{key}: {}", super::causes(&e)))
 }
 
 /// What the GET of a whole object answered.
