@@ -749,7 +749,10 @@ fn no_credentials_or_no_server_say_so() {
     r.assert_fails(ErrorKind::Usage as i32, &["s3://data", "no S3 credentials found", "AWS_ACCESS_KEY_ID", "AWS_PROFILE"]);
     let endpoint = format!("http://127.0.0.1:{}", closed_port());
     let r2 = t.cp([src.to_str().unwrap(), "s3://data/", "--s3-endpoint", &endpoint]).run();
-    r2.assert_fails(ErrorKind::Unreachable as i32, &["s3://data", "cannot reach the S3 server", &endpoint, "--s3-endpoint", "Connection refused"]);
+    r2.assert_fails(
+        ErrorKind::Unreachable as i32,
+        &["s3://data", "cannot reach the S3 server", &endpoint, "--s3-endpoint", "Connection refused"],
+    );
     // People's words, not the SDK's debug form (`CredentialsNotLoaded(CredentialsNotLoaded { source: …`).
     for stderr in [&r.stderr, &r2.stderr] {
         assert!(!stderr.contains(" { ") && !stderr.contains("(Some("), "debug output in a message: {stderr}");
