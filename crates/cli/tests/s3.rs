@@ -104,6 +104,34 @@ fn a_tree_goes_up_and_comes_back_identical() {
     assert_same_tree(&src, &dst.join("src"));
 }
 
+/// CLI.md "Copying to and from S3": an empty directory goes up as a
+/// directory marker (an empty object `KEY/`, as rclone's
+/// `--s3-directory-markers` makes them) and comes back down as an empty
+/// directory: a round trip returns every entry it sent.
+#[test]
+fn empty_directories_go_up_as_markers_and_come_back() {
+    let Some(t) = Setup::new() else { return };
+    let bucket = t.s3.bucket("data");
+    let src = t.env.mkdir("src");
+    make_file(&src.join("x/f"), 100, &mut Rng::new(3));
+    for d in ["x/empty", "e1/e2", "top"] {
+        fs::create_dir_all(src.join(d)).unwrap();
+    }
+    let up = t.cp([src.to_str().unwrap(), "s3://data/run/"]).run().assert_ok();
+    assert_eq!(u(&up["files"]), 4, "a file and three empty directories: {up:#}");
+    for d in ["x/empty", "e1/e2", "top"] {
+        assert!(bucket.join("run/src").join(d).is_dir(), "no marker for {d} in the bucket: {:?}", list_tree(&bucket));
+    }
+    let dst = t.env.mkdir("dst");
+    let down = t.cp(["s3://data/run/src", dst.to_str().unwrap()]).run().assert_ok();
+    assert_eq!(u(&down["files"]), 4, "{down:#}");
+    for d in ["x/empty", "e1/e2", "top"] {
+        let back = dst.join("src").join(d);
+        assert!(back.is_dir() && fs::read_dir(&back).unwrap().next().is_none(), "{d} did not come back empty");
+    }
+    assert_same_tree(&src, &dst.join("src"));
+}
+
 const MIB: u64 = 1 << 20;
 /// The size of the parts of dmover's multipart uploads (the first 2,000).
 const PART: u64 = 8 * MIB;

@@ -112,11 +112,14 @@ impl Inner {
         // Each object's name and size.
         let mut names: Vec<(String, u64)> = Vec::new();
         let mut dirs: Vec<String> = Vec::new();
+        // The directory's own marker (`KEY/`, see `make_dir`): it is there, even empty.
+        let mut marked = false;
         let mut token = None;
         loop {
             let req = i.client.list_objects_v2().bucket(&i.bucket).prefix(&prefix).delimiter("/").set_continuation_token(token);
             let r = i.rt.block_on(req.send()).map_err(|e| io_error(&k, e))?;
             for o in r.contents() {
+                marked |= !prefix.is_empty() && o.key() == Some(prefix.as_str());
                 // A "directory marker" some tools make: not a file.
                 if let Some(name) = o.key().and_then(|x| x.strip_prefix(&prefix)).filter(|n| !n.is_empty() && !n.ends_with('/')) {
                     names.push((name.to_string(), o.size().unwrap_or(0).max(0) as u64));
@@ -134,7 +137,7 @@ impl Inner {
                 break;
             }
         }
-        if names.is_empty() && dirs.is_empty() && k != i.root {
+        if names.is_empty() && dirs.is_empty() && k != i.root && !marked {
             return Err(match i.head(&k) {
                 Ok(_) => io::Error::new(io::ErrorKind::NotADirectory, format!("{k}: an object, not a directory")),
                 Err(_) => io::Error::new(io::ErrorKind::NotFound, format!("{k}: no object is below this prefix")),

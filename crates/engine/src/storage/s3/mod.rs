@@ -486,8 +486,20 @@ impl Storage for S3 {
         self.inner.key(dir).map(drop)
     }
 
+    /// A directory that was empty at the source is kept as a directory
+    /// marker, an empty object `KEY/` (as rclone's `--s3-directory-markers`
+    /// and the AWS console make them), which a listing shows as an empty
+    /// directory. Any other directory is the prefix of its objects' keys.
     fn make_dir(&self, dir: &Path, _mode: u32) -> io::Result<()> {
-        self.inner.key(dir).map(drop)
+        let k = self.inner.key(dir)?;
+        if k == self.inner.root {
+            return Ok(());
+        }
+        let marker = dir_prefix(&k);
+        let i = &self.inner;
+        i.rt.block_on(i.client.put_object().bucket(&i.bucket).key(&marker).body(ByteStream::from_static(b"")).send())
+            .map_err(|e| io_error(&marker, e))?;
+        Ok(())
     }
 
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
