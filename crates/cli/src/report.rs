@@ -2,7 +2,7 @@
 //! report at the end (a human summary, or JSON with `--json`).
 
 use dmover_engine::progress::{human, Check, Progress, Rate};
-use dmover_proto::frame::{FileError, Share, Stats};
+use dmover_proto::frame::{FileError, Share, Stats, TransferFlags};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -28,8 +28,11 @@ pub struct Report {
     pub ok: bool,
     pub files: u64,
     pub bytes: u64,
+    /// Files and bytes found already at the destination, and not sent.
     pub skipped_files: u64,
     pub skipped_bytes: u64,
+    /// How those were found the same: [`skip_reason`].
+    pub skipped_because: &'static str,
     pub sent_bytes: u64,
     pub seconds: f64,
     #[serde(flatten)]
@@ -48,7 +51,7 @@ pub struct Report {
 }
 
 impl Report {
-    pub fn from_stats(s: &Stats) -> Report {
+    pub fn from_stats(s: &Stats, flags: TransferFlags) -> Report {
         let seconds = s.nanos as f64 / 1e9;
         let check = Check::new(!s.errors.is_empty(), (s.files, s.bytes), (s.dest_files, s.dest_bytes), s.digests_match);
         Report {
@@ -57,6 +60,7 @@ impl Report {
             bytes: s.bytes,
             skipped_files: s.skipped_files,
             skipped_bytes: s.skipped_bytes,
+            skipped_because: skip_reason(flags),
             sent_bytes: s.sent_bytes,
             seconds,
             rate: Rate::new(s.files, s.bytes, seconds),
@@ -106,7 +110,7 @@ impl Report {
             self.rate.files_per_s
         );
         if self.skipped_files > 0 {
-            s += &format!("; {} files ({}) already there", self.skipped_files, human(self.skipped_bytes));
+            s += &format!("; {} files ({}) already there ({})", self.skipped_files, human(self.skipped_bytes), self.skipped_because);
         }
         if self.retries > 0 {
             s += &format!("; {} retries", self.retries);
@@ -123,6 +127,17 @@ impl Report {
         }
         s += if self.check.passed { "\ncheck: passed (every file verified at the destination)" } else { "\ncheck: FAILED" };
         s
+    }
+}
+
+/// Why a file found at the destination was not sent: the same content
+/// (`-c`), else the same size and modification time (the quick check, and
+/// a resumed run's files that an earlier run finished).
+pub fn skip_reason(flags: TransferFlags) -> &'static str {
+    if flags.contains(TransferFlags::CHECKSUM) {
+        "same content"
+    } else {
+        "same size and time"
     }
 }
 
@@ -154,7 +169,8 @@ pub struct ProgressDisplay {
 }
 
 impl ProgressDisplay {
-    pub fn start(p: Arc<Progress>, wanted: bool) -> ProgressDisplay {
+    /// Shows `p`, naming files found already there as `skip_reason` says.
+    pub fn start(p: Arc<Progress>, wanted: bool, skip_reason: &'static str) -> ProgressDisplay {
         let stop = Arc::new(AtomicBool::new(false));
         if !wanted || !std::io::stderr().is_terminal() {
             return ProgressDisplay { stop, thread: None };
@@ -175,7 +191,11 @@ impl ProgressDisplay {
                 bar.set_length(x.total_bytes);
                 bar.set_position(x.done_bytes.max(x.sent_bytes.min(x.total_bytes)));
                 let more = if x.walk_done { "" } else { "+" };
-                bar.set_message(format!("{}/{}{more} files", x.done_files, x.total_files));
+                let skipped = match x.skipped_files {
+                    0 => String::new(),
+                    n => format!(", {n} ({}) already there ({skip_reason})", human(x.skipped_bytes)),
+                };
+                bar.set_message(format!("{}/{}{more} files{skipped}", x.done_files, x.total_files));
                 std::thread::sleep(Duration::from_millis(200));
             }
             bar.finish_and_clear();

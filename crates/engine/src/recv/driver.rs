@@ -514,7 +514,7 @@ impl Owner {
             }
         }
         let l = self.layout.as_ref().expect("settled above");
-        let (state_dir, resuming) = (l.state_dir.clone(), l.resuming);
+        let (state_dir, resuming, look) = (l.state_dir.clone(), l.resuming, l.looks(sh.options.flags));
         let final_path = match (&l.dest_file, lone) {
             (Some(p), true) => p.clone(),
             _ => match self.prepare_parent(&meta.path) {
@@ -522,7 +522,6 @@ impl Owner {
                 Err(e) => return Some(Outcome::Refused { kind: e.kind, message: e.message }),
             },
         };
-        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
         if meta.is_dir() {
             let made = make_dir(&sh, meta, &final_path, look);
             if matches!(made, Outcome::Made | Outcome::Present) {
@@ -586,8 +585,8 @@ impl Owner {
     /// Makes `rel` another name of `first`, a file this transfer settled
     /// (the session checked that), after `first` took its final name: both
     /// resolved beneath the destination as every name is, and the new
-    /// name made durable unless the transfer syncs nothing. When `--sync`
-    /// or a resumed run finds `rel` a name of that file already (where the
+    /// name made durable unless the transfer syncs nothing. When the quick
+    /// check (SYNC) or a resumed run finds `rel` a name of that file already (where the
     /// storage has no inodes, a copy of the same size and mtime), it is
     /// skipped like an unchanged file. Only a transfer that keeps hard
     /// links (`--hard-links`) makes any.
@@ -601,7 +600,7 @@ impl Owner {
         let Some(l) = &self.layout else {
             return refused(ErrorKind::Internal, "a hard link before any file".into());
         };
-        let (dest_file, resuming) = (l.dest_file.clone(), l.resuming);
+        let (dest_file, look) = (l.dest_file.clone(), l.looks(sh.options.flags));
         let first_path = match (&dest_file, first.contains('/')) {
             (Some(p), false) => p.clone(),
             _ => match dmover_proto::path::to_path(first) {
@@ -616,7 +615,6 @@ impl Owner {
                 Err(e) => return refused(e.kind, e.message),
             },
         };
-        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
         let file = |p: &Path| sh.store.stat(p).ok().filter(|s| s.is_file());
         let same = |a: Stat, b: Stat| match (a.inode, b.inode) {
             (Some(a), Some(b)) => a == b,
@@ -655,8 +653,8 @@ impl Owner {
 }
 
 /// Creates a directory that was empty at the source, with its mode (as
-/// [`Keep::mode`](super::keep::Keep::mode) gives it). When `look` (`--sync`,
-/// or a resumed run) and it is already there with that mode, it is skipped
+/// [`Keep::mode`](super::keep::Keep::mode) gives it). When `look` (the quick
+/// check, or a resumed run) and it is already there with that mode, it is skipped
 /// like an unchanged file, untouched.
 fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
     let mode = sh.keep.mode(meta);
