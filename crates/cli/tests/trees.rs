@@ -8,8 +8,8 @@ mod util;
 
 use dmover_testkit::tree::{self, Field};
 use std::ffi::OsStr;
-use std::io::Write;
 use std::fs;
+use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
