@@ -510,15 +510,15 @@ fn heads_below(seen: &std::sync::Mutex<Vec<u8>>, prefix: &str) -> usize {
 }
 
 /// A first copy into an empty destination asks nothing per file there: an
-/// upload to an empty prefix makes no HEAD of an object (the destination is
-/// found empty by one listing), and a download into an empty directory
-/// fetches each small object whole as it is listed, with no HEAD. A plain
-/// re-run skips every file both ways and sends nothing (it looks at each:
-/// a HEAD per object).
+/// upload of `src` to a bucket holding other objects makes no HEAD of an
+/// object (the prefix `src/` is found empty by one listing), and a
+/// download into an empty directory fetches each small object whole as it
+/// is listed, with no HEAD. A plain re-run skips every file both ways and
+/// sends nothing (it looks at each: a HEAD per object).
 #[test]
 fn a_first_copy_asks_nothing_per_file_and_a_rerun_sends_nothing_both_ways() {
     let Some(t) = Setup::new() else { return };
-    t.s3.bucket("data");
+    fs::write(t.s3.bucket("data").join("other.txt"), b"not part of the copy").unwrap();
     let src = t.env.mkdir("src");
     let files = 40;
     for i in 0..files {

@@ -109,6 +109,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         may_be_file,
         layout,
         dirs: HashSet::new(),
+        empty_tops: HashMap::new(),
         dir_attrs: Vec::new(),
         preparing: HashMap::new(),
         queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
@@ -190,6 +191,10 @@ struct Owner {
     layout: Option<Layout>,
     /// Directories known to exist below the destination.
     dirs: HashSet<PathBuf>,
+    /// Whether each directory at the top of the destination that names
+    /// announced went into held nothing when the first of them came (see
+    /// [`looks`](Owner::looks)).
+    empty_tops: HashMap<String, bool>,
     /// The transfer's directories, to be given their modes and mtimes at
     /// the end, when their files are in (one entry per directory).
     dir_attrs: Vec<FileMeta>,
@@ -513,8 +518,10 @@ impl Owner {
                 }
             }
         }
+        // Before its parents are made, which would fill the directory it asks about.
+        let look = self.looks(&meta.path);
         let l = self.layout.as_ref().expect("settled above");
-        let (state_dir, resuming, look) = (l.state_dir.clone(), l.resuming, l.looks(sh.options.flags));
+        let (state_dir, resuming) = (l.state_dir.clone(), l.resuming);
         let final_path = match (&l.dest_file, lone) {
             (Some(p), true) => p.clone(),
             _ => match self.prepare_parent(&meta.path) {
@@ -582,6 +589,28 @@ impl Owner {
         Some(Outcome::Receive { held })
     }
 
+    /// Whether the destination is to be looked at for `rel` already there
+    /// ([`Layout::looks`]). Not below a directory at the top of the
+    /// destination that held nothing when the first name below it came
+    /// (the `DEST/dir` a copy of `dir` makes, new or empty): asked once per
+    /// such directory, before anything of this transfer is made in it, so
+    /// that a first copy into a destination holding other things pays no
+    /// look per file either.
+    fn looks(&mut self, rel: &str) -> bool {
+        let l = self.layout.as_ref().expect("settled before any name is looked at");
+        if !l.looks(self.sh.options.flags) {
+            return false;
+        }
+        let Some((top, _)) = rel.split_once('/').filter(|_| !l.resuming && l.dest_file.is_none()) else {
+            return true;
+        };
+        let sh = &self.sh;
+        let empty = self.empty_tops.entry(top.to_string()).or_insert_with(|| {
+            dmover_proto::path::to_path(top).is_ok_and(|p| sh.store.is_empty_dir(&sh.dest_dir.join(p)).unwrap_or(false))
+        });
+        !*empty
+    }
+
     /// Makes `rel` another name of `first`, a file this transfer settled
     /// (the session checked that), after `first` took its final name: both
     /// resolved beneath the destination as every name is, and the new
@@ -600,7 +629,8 @@ impl Owner {
         let Some(l) = &self.layout else {
             return refused(ErrorKind::Internal, "a hard link before any file".into());
         };
-        let (dest_file, look) = (l.dest_file.clone(), l.looks(sh.options.flags));
+        let dest_file = l.dest_file.clone();
+        let look = self.looks(rel);
         let first_path = match (&dest_file, first.contains('/')) {
             (Some(p), false) => p.clone(),
             _ => match dmover_proto::path::to_path(first) {
