@@ -85,7 +85,7 @@ pub fn run(a: BenchArgs) -> Result<i32> {
     }
     let mut stats = stats?;
     stats.nanos = started.elapsed().as_nanos() as u64;
-    let r = Report::from_stats(&stats);
+    let r = Report::from_stats(&stats, flags);
     if a.json {
         outln!("{}", r.to_json());
     } else {

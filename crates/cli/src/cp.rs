@@ -20,6 +20,7 @@ use dmover_engine::{Error, Result};
 use dmover_proto::frame::{EngineParams, Stats, TransferFlags, TransferOptions};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,7 +45,13 @@ pub struct CpArgs {
     /// Staging memory per transfer, shared by its streams.
     #[arg(long, default_value = "64M", value_parser = parse_staging)]
     pub staging: u64,
-    /// Skip files whose size and modification time match at the destination.
+    /// Send every file, also those whose size and modification time match
+    /// at the destination (rsync's and rclone's --ignore-times).
+    #[arg(short = 'I', long, conflicts_with_all = ["sync", "checksum"])]
+    pub ignore_times: bool,
+    /// Skip files whose size and modification time match at the
+    /// destination: what a copy does without --ignore-times (kept for
+    /// scripts that name it).
     #[arg(long)]
     pub sync: bool,
     /// Copy symlinks as symlinks, their targets as they are (without it,
@@ -100,8 +107,10 @@ pub struct CpArgs {
     /// specials only where the receiving end may set or make them.
     #[arg(short = 'a', long)]
     pub archive: bool,
-    /// With --sync: compare content checksums instead of modification times.
-    #[arg(short = 'c', long, requires = "sync")]
+    /// Skip files whose content matches at the destination (compared by
+    /// checksums of both ends), instead of those whose size and
+    /// modification time match.
+    #[arg(short = 'c', long)]
     pub checksum: bool,
     /// Confirm files without making them durable first (scratch space):
     /// faster for many small files, but a crash of the destination's machine
@@ -179,7 +188,7 @@ fn copy(a: &CpArgs) -> Result<i32> {
     let started = Instant::now();
     let plan = make_plan(a)?;
     let progress = Arc::new(Progress::default());
-    let display = ProgressDisplay::start(progress.clone(), !a.quiet);
+    let display = ProgressDisplay::start(progress.clone(), !a.quiet, report::skip_reason(plan.options.flags));
     let src_remote = plan.sources[0].is_remote();
     let result = match (src_remote, plan.dest.is_remote()) {
         (false, false) => local_to_local(&plan, a, &progress),
@@ -190,7 +199,7 @@ fn copy(a: &CpArgs) -> Result<i32> {
     display.finish();
     let mut stats = result?;
     stats.nanos = started.elapsed().as_nanos() as u64;
-    let r = report::Report::from_stats(&stats);
+    let r = report::Report::from_stats(&stats, plan.options.flags);
     if a.json {
         outln!("{}", r.to_json());
     } else if !a.quiet {
@@ -226,18 +235,28 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
             "all sources must be on one host (all local, all on the same server, or all in one bucket)",
         ));
     }
-    // A bucket copied from whole (no sync, no glob) has its small objects
-    // fetched as it is listed.
-    let read_all = !a.sync && !sources.iter().any(|s| s.path().split('/').any(dmover_engine::source::is_glob));
     let store = |l: &Location, fetch_listed: bool| match l {
         Location::S3 { bucket, .. } => {
             a.s3.open_with(bucket, &s3::Options { fetch_listed, ..a.s3.options(s3::default_state_dir(bucket), a.staging) })
         }
         _ => Ok(storage::local()),
     };
-    let (src_store, dest_store) = (store(&sources[0], read_all)?, store(&dest, false)?);
+    let dest_store = store(&dest, false)?;
+    let dest_path = dest.path().trim_end_matches('/').to_string();
+    // A bucket copied from whole (no glob) has its small objects fetched
+    // as it is listed, when they are all to be read: every file is sent
+    // (--ignore-times), or the destination holds nothing yet. A server's
+    // destination is not asked: its first copy is the one kept fast (a
+    // re-run's listing stops fetching once what it fetched goes unread).
+    let globbed = sources.iter().any(|s| s.path().split('/').any(dmover_engine::source::is_glob));
+    let read_all = matches!(sources[0], Location::S3 { .. })
+        && !globbed
+        && (a.ignore_times || dest.is_remote() || dest_store.is_empty_dir(Path::new(&dest_path)).unwrap_or(false));
+    let src_store = store(&sources[0], read_all)?;
     let mut flags = TransferFlags::empty();
-    if a.sync {
+    // The quick check, as rsync and rclone make it: a file already at the
+    // destination with the same size and mtime (or content, -c) is not sent.
+    if !a.ignore_times {
         flags |= TransferFlags::SYNC;
     }
     if a.checksum {
@@ -289,7 +308,7 @@ fn make_plan(a: &CpArgs) -> Result<Plan> {
             bwlimit: a.bwlimit,
             ..EngineParams::default()
         }),
-        dest_path: dest.path().trim_end_matches('/').to_string(),
+        dest_path,
         sources,
         dest,
         hosts,

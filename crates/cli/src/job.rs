@@ -159,7 +159,7 @@ fn load(path: &Path) -> Result<(JobFile, Plan)> {
         block_size: size("block_size", &t.block_size, parse_block_size)?,
         staging,
         bwlimit: size("bwlimit", &t.bwlimit, parse_size)?,
-        sync: t.sync,
+        ignore_times: t.ignore_times,
         checksum: t.checksum,
         attempts: t.attempts,
         local_agents: job.slurm.tasks_per_node,

@@ -2,7 +2,7 @@
 //! report at the end (a human summary, or JSON with `--json`).
 
 use dmover_engine::progress::{human, Check, Progress, Rate};
-use dmover_proto::frame::{FileError, Share, Stats};
+use dmover_proto::frame::{FileError, Share, Stats, TransferFlags};
 use dmover_proto::path::printable;
 use dmover_proto::ErrorKind;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -28,8 +28,11 @@ pub struct Report {
     pub ok: bool,
     pub files: u64,
     pub bytes: u64,
+    /// Files and bytes found already at the destination, and not sent.
     pub skipped_files: u64,
     pub skipped_bytes: u64,
+    /// How those were found the same: [`skip_reason`].
+    pub skipped_because: &'static str,
     /// Files (and their bytes) this copy put in place at the destination,
     /// verified and durable: kept whatever failed besides.
     pub committed_files: u64,
@@ -58,7 +61,7 @@ pub struct Report {
 }
 
 impl Report {
-    pub fn from_stats(s: &Stats) -> Report {
+    pub fn from_stats(s: &Stats, flags: TransferFlags) -> Report {
         let seconds = s.nanos as f64 / 1e9;
         let check = Check::new(!s.errors.is_empty(), (s.files, s.bytes), (s.dest_files, s.dest_bytes), s.digests_match);
         let (there_files, there_bytes) =
@@ -69,6 +72,7 @@ impl Report {
             bytes: s.bytes,
             skipped_files: s.skipped_files,
             skipped_bytes: s.skipped_bytes,
+            skipped_because: skip_reason(flags),
             committed_files: there_files.saturating_sub(s.skipped_files),
             committed_bytes: there_bytes.saturating_sub(s.skipped_bytes),
             failed_files: (s.errors.len() as u64).saturating_add(s.errors_not_listed),
@@ -122,7 +126,7 @@ impl Report {
             self.rate.files_per_s
         );
         if self.skipped_files > 0 {
-            s += &format!("; {} files ({}) already there", self.skipped_files, human(self.skipped_bytes));
+            s += &format!("; {} files ({}) already there ({})", self.skipped_files, human(self.skipped_bytes), self.skipped_because);
         }
         if self.failed_files > 0 {
             s += &format!("; {} files ({}) committed, {} failed", self.committed_files, human(self.committed_bytes), self.failed_files);
@@ -142,6 +146,17 @@ impl Report {
         }
         s += if self.check.passed { "\ncheck: passed (every file verified at the destination)" } else { "\ncheck: FAILED" };
         s
+    }
+}
+
+/// Why a file found at the destination was not sent: the same content
+/// (`-c`), else the same size and modification time (the quick check, and
+/// a resumed run's files that an earlier run finished).
+pub fn skip_reason(flags: TransferFlags) -> &'static str {
+    if flags.contains(TransferFlags::CHECKSUM) {
+        "same content"
+    } else {
+        "same size and time"
     }
 }
 
@@ -173,7 +188,8 @@ pub struct ProgressDisplay {
 }
 
 impl ProgressDisplay {
-    pub fn start(p: Arc<Progress>, wanted: bool) -> ProgressDisplay {
+    /// Shows `p`, naming files found already there as `skip_reason` says.
+    pub fn start(p: Arc<Progress>, wanted: bool, skip_reason: &'static str) -> ProgressDisplay {
         let stop = Arc::new(AtomicBool::new(false));
         if !wanted || !std::io::stderr().is_terminal() {
             return ProgressDisplay { stop, thread: None };
@@ -194,7 +210,11 @@ impl ProgressDisplay {
                 bar.set_length(x.total_bytes);
                 bar.set_position(x.done_bytes.max(x.sent_bytes.min(x.total_bytes)));
                 let more = if x.walk_done { "" } else { "+" };
-                bar.set_message(format!("{}/{}{more} files", x.done_files, x.total_files));
+                let skipped = match x.skipped_files {
+                    0 => String::new(),
+                    n => format!(", {n} ({}) already there ({skip_reason})", human(x.skipped_bytes)),
+                };
+                bar.set_message(format!("{}/{}{more} files{skipped}", x.done_files, x.total_files));
                 std::thread::sleep(Duration::from_millis(200));
             }
             bar.finish_and_clear();
@@ -230,7 +250,7 @@ mod tests {
             errors_not_listed: 101,
             ..Stats::default()
         };
-        let r = Report::from_stats(&s);
+        let r = Report::from_stats(&s, TransferFlags::SYNC);
         assert_eq!((r.committed_files, r.committed_bytes, r.failed_files), (5, 70, 102));
         assert_eq!(r.exit_code(), ErrorKind::NoSpace as i32);
         assert!(r.summary().contains("5 files (70 B) committed, 102 failed"), "{}", r.summary());

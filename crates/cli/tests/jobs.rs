@@ -927,12 +927,13 @@ fn change_keeping_size_and_mtime(p: &Path, seed: u64) {
     set_mtime(p, s, ns);
 }
 
-/// CLI.md job keys: `transfer.sync` skips files whose size and mtime match
-/// at the destination; with `transfer.checksum` it compares content, so a
-/// file changed without a change of size or mtime is sent again — and only
-/// that one.
+/// CLI.md job keys: a job skips files whose size and mtime match at the
+/// destination (the quick check, which `transfer.sync` names); with
+/// `transfer.checksum` it compares content, so a file changed without a
+/// change of size or mtime is sent again — and only that one;
+/// `transfer.ignore_times` sends every file again.
 #[test]
-fn job_sync_skips_what_is_there_and_checksum_compares_content() {
+fn job_reruns_skip_what_is_there_and_checksum_compares_content() {
     let env = Env::new();
     let src = env.mkdir("src");
     make_tree(&src, 43, 20);
@@ -952,17 +953,22 @@ fn job_sync_skips_what_is_there_and_checksum_compares_content() {
     assert_eq!(u(&j["skipped_files"]), 0, "{j:#}");
     assert_same_tree(&src, &dst);
 
-    // A fresh job (no done list) without sync sends everything again.
+    // A fresh job (no done list) finds every file there.
     let j = run("again", "");
-    assert_eq!(u(&j["skipped_files"]), 0, "without sync nothing is skipped: {j:#}");
+    assert_eq!((u(&j["skipped_files"]), u(&j["skipped_bytes"])), (files, total_size(&src)), "a re-run should skip every file: {j:#}");
+
+    // With ignore_times, every file is sent again.
+    let j = run("ignore", "[transfer]\nignore_times = true\n");
+    assert_eq!(u(&j["skipped_files"]), 0, "ignore_times should send every file: {j:#}");
+    assert_same_tree(&src, &dst);
 
     let changed = "a/b/c/multi.dat";
     change_keeping_size_and_mtime(&src.join(changed), 4343);
     let j = run("sync", "[transfer]\nsync = true\n");
     assert_eq!((u(&j["skipped_files"]), u(&j["skipped_bytes"])), (files, total_size(&src)), "sync should skip every file: {j:#}");
-    assert!(!same_content(&src.join(changed), &dst.join(changed)), "sync without checksum sent the file whose size and mtime match");
+    assert!(!same_content(&src.join(changed), &dst.join(changed)), "the quick check sent the file whose size and mtime match");
 
-    let j = run("checksum", "[transfer]\nsync = true\nchecksum = true\n");
+    let j = run("checksum", "[transfer]\nchecksum = true\n");
     assert_eq!(u(&j["skipped_files"]), files - 1, "checksum should send exactly the changed file: {j:#}");
     assert_same_tree(&src, &dst);
 }

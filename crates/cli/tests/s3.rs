@@ -2,8 +2,10 @@
 //! loopback): a tree up and back down identical, a 2 GiB upload killed
 //! midway and resumed (and a download), an upload's memory within its
 //! staging, from bucket to bucket, between a bucket and a server, globs
-//! (and ls), --sync (a same-size change, a same-size same-mtime change
-//! with -c, an object left without dmover's metadata), the digest kept
+//! (and ls), a first copy into an empty destination asking nothing per
+//! file there and a re-run sending nothing, --sync (a same-size change, a
+//! same-size same-mtime change with -c, an object left without dmover's
+//! metadata), the digest kept
 //! with each object and checked on the way down (only with the block size
 //! it was made with), objects other tools wrote, credentials from a
 //! profile with --s3-endpoint, shared files a profile of which names the
@@ -525,6 +527,48 @@ fn sync_skips_what_is_there_both_ways() {
     t.cp(["s3://data/src", dst.to_str().unwrap(), "--sync"]).run().assert_ok();
     let j = t.cp(["s3://data/src", dst.to_str().unwrap(), "--sync"]).run().assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
+    assert_same_tree(&src, &dst.join("src"));
+}
+
+/// The HEAD requests among those `seen` of objects below `prefix` (a key
+/// prefix of bucket `data`).
+fn heads_below(seen: &std::sync::Mutex<Vec<u8>>, prefix: &str) -> usize {
+    let head = format!("HEAD /data/{prefix}");
+    String::from_utf8_lossy(&seen.lock().unwrap()).lines().filter(|l| l.starts_with(&head)).count()
+}
+
+/// A first copy into an empty destination asks nothing per file there: an
+/// upload of `src` to a bucket holding other objects makes no HEAD of an
+/// object (the prefix `src/` is found empty by one listing), and a
+/// download into an empty directory fetches each small object whole as it
+/// is listed, with no HEAD. A plain re-run skips every file both ways and
+/// sends nothing (it looks at each: a HEAD per object).
+#[test]
+fn a_first_copy_asks_nothing_per_file_and_a_rerun_sends_nothing_both_ways() {
+    let Some(t) = Setup::new() else { return };
+    fs::write(t.s3.bucket("data").join("other.txt"), b"not part of the copy").unwrap();
+    let src = t.env.mkdir("src");
+    let files = 40;
+    for i in 0..files {
+        write_random(&src.join(format!("d{}/f{i}.dat", i % 4)), 100 + 37 * i as u64, i as u64);
+    }
+    let dst = t.env.mkdir("dst");
+    let copy = |from: &str, to: &str| {
+        let (relay, seen) = recording_relay(&t.s3);
+        let mut c = t.cp([from, to]);
+        c.env("AWS_ENDPOINT_URL", format!("http://{}", relay.addr()));
+        let j = c.run().assert_ok();
+        (j, heads_below(&seen, "src/"))
+    };
+    let (up, down) = ([src.to_str().unwrap(), "s3://data/"], ["s3://data/src", dst.to_str().unwrap()]);
+    for (way, [from, to]) in [("up", up), ("down", down)] {
+        let (j, n) = copy(from, to);
+        assert_eq!(u(&j["skipped_files"]), 0, "{way}: {j:#}");
+        assert_eq!(n, 0, "{way}: a first copy of {files} files into an empty destination made {n} HEAD requests of objects");
+        let (j, n) = copy(from, to);
+        assert_eq!((u(&j["skipped_files"]), u(&j["sent_bytes"])), (files as u64, 0), "{way}: a re-run should send nothing: {j:#}");
+        assert!(n >= files, "{way}: a re-run made {n} HEAD requests for {files} files: it did not look at them");
+    }
     assert_same_tree(&src, &dst.join("src"));
 }
 

@@ -1,8 +1,11 @@
-//! `--sync` (skip files whose size and mtime match) and `--sync --checksum`
-//! (compare content instead), in each direction.
+//! The quick check a copy makes by default (skip files whose size and
+//! mtime match at the destination; `--sync` names it), `-c` (compare
+//! content instead) and `--ignore-times`/`-I` (send every file), in each
+//! direction.
 
 mod util;
 
+use dmover_engine::progress::human;
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -126,14 +129,17 @@ fn change_keeping_size_and_mtime(p: &Path, seed: u64) {
     assert_eq!(mtime_of(p), (s, ns));
 }
 
-/// `--sync` sends nothing for unchanged files and only the changed ones
-/// otherwise: shown by the report, by the bytes a relay counted on the wire,
-/// and by the destination files' inodes and change times.
-fn sync_skips_unchanged(direction: &str) {
+/// A plain re-run sends nothing for unchanged files and only the changed
+/// ones otherwise (a new mtime at the same size, a new size, a new file);
+/// `--sync` does the same; `--ignore-times` and `-I` send everything again.
+/// Shown by the report, by the bytes a relay counted on the wire, and by
+/// the destination files' inodes and change times.
+fn rerun_skips_unchanged(direction: &str) {
     let t = Setup::new(direction, 21);
     let (r, wire) = t.cp(&[]);
     let j = r.assert_ok();
     let (files, bytes) = (u(&j["files"]), u(&j["bytes"]));
+    assert_eq!(u(&j["skipped_files"]), 0, "a first copy into an empty destination skipped files: {j:#}");
     assert_same_tree(&t.src, &t.dst);
     if let Some(w) = &wire {
         eprintln!("first copy: {w:?} for {bytes} bytes");
@@ -145,26 +151,36 @@ fn sync_skips_unchanged(direction: &str) {
     }
     let ids = identities(&t.dst);
 
-    // Nothing changed: everything is skipped, nothing is sent.
-    let (r, wire) = t.cp(&["--sync"]);
-    let j = r.assert_ok();
-    assert_eq!(u(&j["files"]), files, "{j:#}");
-    assert_eq!(u(&j["skipped_files"]), files, "--sync should skip every unchanged file: {j:#}");
-    assert_eq!(u(&j["skipped_bytes"]), bytes, "{j:#}");
-    assert_eq!(u(&j["sent_bytes"]), 0, "{j:#}");
-    assert_same_tree(&t.src, &t.dst);
-    if let Some(w) = &wire {
-        eprintln!("--sync, nothing changed: {w:?} for {bytes} bytes");
-        assert!(
-            w.total <= w.overhead(files),
-            "{} bytes crossed the wire (both ways) to skip {files} unchanged files: more than the {} they need",
-            w.total,
-            w.overhead(files)
-        );
+    // Nothing changed: everything is skipped, nothing is sent, with or
+    // without --sync (which names the default).
+    for flags in [&[][..], &["--sync"]] {
+        let (r, wire) = t.cp(flags);
+        let j = r.assert_ok();
+        assert_eq!(u(&j["files"]), files, "{flags:?}: {j:#}");
+        assert_eq!(u(&j["skipped_files"]), files, "a re-run ({flags:?}) should skip every unchanged file: {j:#}");
+        assert_eq!(u(&j["skipped_bytes"]), bytes, "{j:#}");
+        assert_eq!(j["skipped_because"], "same size and time", "{j:#}");
+        assert_eq!(u(&j["sent_bytes"]), 0, "{j:#}");
+        assert_same_tree(&t.src, &t.dst);
+        if let Some(w) = &wire {
+            eprintln!("re-run {flags:?}, nothing changed: {w:?} for {bytes} bytes");
+            assert!(
+                w.total <= w.overhead(files),
+                "{} bytes crossed the wire (both ways) to skip {files} unchanged files: more than the {} they need",
+                w.total,
+                w.overhead(files)
+            );
+        }
+        assert_rewritten_only(&ids, &identities(&t.dst), &[]);
     }
-    assert_rewritten_only(&ids, &identities(&t.dst), &[]);
+    // The summary says how many were skipped and why.
+    let mut c = dmover(["cp", "--token-file"]);
+    let r = c.arg(&t.env.token).args([t.from.as_str(), t.to.as_str()]).cwd(t.env.root()).run();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let says = format!("{files} files ({}) already there (same size and time)", human(bytes));
+    assert!(r.stderr.contains(&says), "the summary should say '{says}':\n{}", r.stderr);
 
-    // One file gets a new mtime, one a new size, one is new.
+    // One file gets a new mtime (same size), one a new size, one is new.
     let touched = t.src.join("a/block.dat");
     let (s, _) = mtime_of(&touched);
     set_mtime(&touched, s + 3600, 5);
@@ -172,14 +188,14 @@ fn sync_skips_unchanged(direction: &str) {
     write_random(&grown, 10, 5);
     write_random(&t.src.join("d3/new.dat"), 2000, 6);
     let changed = (1 << 20) + 10 + 2000;
-    let (r, wire) = t.cp(&["--sync"]);
+    let (r, wire) = t.cp(&[]);
     let j = r.assert_ok();
     assert_eq!(u(&j["files"]), files + 1, "{j:#}");
     assert_eq!(u(&j["skipped_files"]), files - 2, "{j:#}");
     assert_same_tree(&t.src, &t.dst);
     assert!(u(&j["sent_bytes"]) >= changed, "the changed files were not all sent: {j:#}");
     if let Some(w) = &wire {
-        eprintln!("--sync, three files changed ({changed} bytes): {w:?}");
+        eprintln!("re-run, three files changed ({changed} bytes): {w:?}");
         assert!(w.payload_way >= changed, "only {} bytes crossed the wire for {changed} bytes of changed files", w.payload_way);
         assert!(
             w.total <= changed + w.overhead(files + 1),
@@ -189,35 +205,42 @@ fn sync_skips_unchanged(direction: &str) {
     }
     assert_rewritten_only(&ids, &identities(&t.dst), &["a/block.dat", "one.bin", "d3/new.dat"]);
 
-    // Without --sync, everything is sent again.
-    let (r, wire) = t.cp(&[]);
-    let j = r.assert_ok();
-    assert_eq!(u(&j["skipped_files"]), 0, "{j:#}");
-    assert_same_tree(&t.src, &t.dst);
-    if let Some(w) = &wire {
+    // With --ignore-times (-I), everything is sent again.
+    for flag in ["--ignore-times", "-I"] {
+        let ids = identities(&t.dst);
+        let (r, wire) = t.cp(&[flag]);
+        let j = r.assert_ok();
+        assert_eq!(u(&j["skipped_files"]), 0, "{flag}: {j:#}");
         let all = u(&j["bytes"]);
-        assert!(w.payload_way >= all, "{} bytes crossed the wire for a full copy of {all} bytes", w.payload_way);
+        assert!(u(&j["sent_bytes"]) >= all, "{flag} sent {} bytes of {all}: {j:#}", u(&j["sent_bytes"]));
+        assert_same_tree(&t.src, &t.dst);
+        if let Some(w) = &wire {
+            assert!(w.payload_way >= all, "{} bytes crossed the wire for a full copy of {all} bytes", w.payload_way);
+        }
+        let every: Vec<&str> = ids.keys().map(String::as_str).collect();
+        assert_rewritten_only(&ids, &identities(&t.dst), &every);
     }
 }
 
 #[test]
-fn sync_skips_unchanged_files_upload() {
-    sync_skips_unchanged("upload");
+fn a_rerun_skips_unchanged_files_upload() {
+    rerun_skips_unchanged("upload");
 }
 
 #[test]
-fn sync_skips_unchanged_files_download() {
-    sync_skips_unchanged("download");
+fn a_rerun_skips_unchanged_files_download() {
+    rerun_skips_unchanged("download");
 }
 
 #[test]
-fn sync_skips_unchanged_files_local() {
-    sync_skips_unchanged("local");
+fn a_rerun_skips_unchanged_files_local() {
+    rerun_skips_unchanged("local");
 }
 
-/// `--sync --checksum` finds a file whose content changed behind an
-/// unchanged size and mtime, and sends only that file: shown by the report,
-/// the relay's count and the destination inodes.
+/// `-c`/`--checksum` (no `--sync` needed) finds a file whose content
+/// changed behind an unchanged size and mtime, and sends only that file:
+/// shown by the report, the relay's count and the destination inodes.
+/// `--sync --checksum` is the same.
 fn checksum_catches_same_size_and_mtime(direction: &str) {
     let t = Setup::new(direction, 22);
     let j = t.cp(&[]).0.assert_ok();
@@ -227,8 +250,8 @@ fn checksum_catches_same_size_and_mtime(direction: &str) {
     change_keeping_size_and_mtime(&t.src.join(changed), 1234);
     let ids = identities(&t.dst);
 
-    // Size and mtime match: plain --sync cannot tell and skips it.
-    let (r, wire) = t.cp(&["--sync"]);
+    // Size and mtime match: the quick check cannot tell and skips it.
+    let (r, wire) = t.cp(&[]);
     let j = r.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
     assert!(!same_content(&t.src.join(changed), &t.dst.join(changed)));
@@ -238,9 +261,10 @@ fn checksum_catches_same_size_and_mtime(direction: &str) {
     assert_rewritten_only(&ids, &identities(&t.dst), &[]);
 
     // --checksum compares content and sends just that file.
-    let (r, wire) = t.cp(&["--sync", "--checksum"]);
+    let (r, wire) = t.cp(&["--checksum"]);
     let j = r.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files - 1, "--checksum should re-send exactly the changed file: {j:#}");
+    assert_eq!(j["skipped_because"], "same content", "{j:#}");
     let sent = u(&j["sent_bytes"]);
     assert!(sent >= size && sent < u(&j["bytes"]), "sent {sent} bytes for one changed file of {size}: {j:#}");
     assert_same_tree(&t.src, &t.dst);
@@ -251,7 +275,7 @@ fn checksum_catches_same_size_and_mtime(direction: &str) {
     }
     assert_rewritten_only(&ids, &identities(&t.dst), &[changed]);
 
-    // And again: nothing left to send.
+    // And again, as --sync --checksum: nothing left to send.
     let ids = identities(&t.dst);
     let (r, wire) = t.cp(&["--sync", "--checksum"]);
     let j = r.assert_ok();
@@ -264,44 +288,46 @@ fn checksum_catches_same_size_and_mtime(direction: &str) {
 }
 
 #[test]
-fn sync_checksum_resends_content_change_upload() {
+fn checksum_resends_content_change_upload() {
     checksum_catches_same_size_and_mtime("upload");
 }
 
 #[test]
-fn sync_checksum_resends_content_change_download() {
+fn checksum_resends_content_change_download() {
     checksum_catches_same_size_and_mtime("download");
 }
 
 #[test]
-fn sync_checksum_resends_content_change_local() {
+fn checksum_resends_content_change_local() {
     checksum_catches_same_size_and_mtime("local");
 }
 
+/// `--ignore-times` sends every file, which `--sync` and `--checksum`
+/// would skip: asking for both is a usage error (2) that names them, and
+/// nothing is copied.
 #[test]
-fn checksum_without_sync_is_a_usage_error() {
+fn ignore_times_with_sync_or_checksum_is_a_usage_error() {
     let t = Setup::new("local", 23);
-    let (r, _) = t.cp(&["--checksum"]);
-    assert_eq!(r.code, 2, "{}", r.stderr);
-    assert!(!t.dst.exists(), "copied anyway");
+    for (flags, named) in [(["--ignore-times", "--checksum"], "--checksum"), (["-I", "--sync"], "--sync"), (["-I", "-c"], "--checksum")] {
+        let (r, _) = t.cp(&flags);
+        assert_eq!(r.code, 2, "{flags:?}: {}", r.stderr);
+        assert!(r.stderr.contains(named) && r.stderr.contains("--ignore-times"), "{flags:?} should name both: {}", r.stderr);
+        assert!(!t.dst.exists(), "{flags:?} copied anyway");
+    }
 }
 
-/// CLI.md: `-c` is `--checksum`. With `--sync`, a file whose size and mtime
-/// match but whose content differs is sent only with `-c`; `-c` without
-/// `--sync` is a usage error (2), like `--checksum`.
+/// CLI.md: `-c` is `--checksum`: a file whose size and mtime match but
+/// whose content differs is sent only with `-c`.
 #[test]
 fn short_c_is_checksum() {
     let t = Setup::new("upload", 24);
     let files = u(&t.cp(&[]).0.assert_ok()["files"]);
     let changed = "a/page.dat";
     change_keeping_size_and_mtime(&t.src.join(changed), 4321);
-    let j = t.cp(&["--sync"]).0.assert_ok();
+    let j = t.cp(&[]).0.assert_ok();
     assert_eq!(u(&j["skipped_files"]), files, "{j:#}");
-    assert!(!same_content(&t.src.join(changed), &t.dst.join(changed)), "plain --sync sent the file");
-    let j = t.cp(&["--sync", "-c"]).0.assert_ok();
-    assert_eq!(u(&j["skipped_files"]), files - 1, "--sync -c should re-send exactly the changed file: {j:#}");
+    assert!(!same_content(&t.src.join(changed), &t.dst.join(changed)), "a plain re-run sent the file");
+    let j = t.cp(&["-c"]).0.assert_ok();
+    assert_eq!(u(&j["skipped_files"]), files - 1, "-c should re-send exactly the changed file: {j:#}");
     assert_same_tree(&t.src, &t.dst);
-    let (r, _) = t.cp(&["-c"]);
-    assert_eq!(r.code, 2, "-c without --sync: {}", r.stderr);
-    assert!(r.stderr.contains("--sync"), "the usage error should name --sync: {}", r.stderr);
 }

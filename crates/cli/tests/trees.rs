@@ -9,6 +9,7 @@ mod util;
 use dmover_testkit::tree::{self, Field};
 use std::ffi::OsStr;
 use std::fs;
+use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -101,6 +102,47 @@ fn every_path(env: &Env, src: &Path, args: &[&str], check: &mut dyn FnMut(Copy, 
     }
 }
 
+/// CLI.md: a plain re-run of a finished copy sends no file data, through
+/// every path: each file whose size and mtime match at the destination is
+/// skipped (the quick check). One whose mtime differs (same size), or whose
+/// size differs, is sent again, and `--ignore-times` sends every one.
+/// (The destination's copies are changed: that is what the check compares,
+/// and the next path's source stays the same.)
+#[test]
+fn a_rerun_sends_no_file_data_through_every_path() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    make_tree(&src, 61, 12);
+    let (files, bytes) = (list_files(&src).len() as u64, total_size(&src));
+    every_path(&env, &src, &[], &mut |copy, at| {
+        let j = copy(&[]).assert_ok();
+        assert_eq!((u(&j["files"]), u(&j["skipped_files"])), (files, 0), "a first copy: {j:#}");
+        assert!(u(&j["sent_bytes"]) >= bytes, "a first copy sent {} bytes of {bytes}: {j:#}", u(&j["sent_bytes"]));
+        let again = copy(&[]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), files, "a re-run should skip every file: {again:#}");
+        assert_eq!(u(&again["skipped_bytes"]), bytes, "{again:#}");
+        assert_eq!(u(&again["sent_bytes"]), 0, "a re-run sent file data: {again:#}");
+
+        // At the destination: one file with another mtime (same size), one
+        // with another size.
+        let (retimed, resized) = (at.join("a/block.dat"), at.join("one.bin"));
+        let (s, ns) = mtime_of(&retimed);
+        set_mtime(&retimed, s - 60, ns);
+        let size = fs::metadata(&resized).unwrap().len();
+        fs::OpenOptions::new().append(true).open(&resized).unwrap().write_all(b"more").unwrap();
+        let j = copy(&[]).assert_ok();
+        assert_eq!(u(&j["skipped_files"]), files - 2, "the file with another mtime and the one with another size are sent: {j:#}");
+        let sent = fs::metadata(&retimed).unwrap().len() + size;
+        assert!(u(&j["sent_bytes"]) >= sent, "sent {} bytes for two files of {sent}: {j:#}", u(&j["sent_bytes"]));
+        assert_eq!(mtime_of(&retimed), (s, ns), "the file sent again has its mtime back");
+        assert_eq!(fs::metadata(&resized).unwrap().len(), size, "the file sent again has its size back");
+
+        let all = copy(&["--ignore-times"]).assert_ok();
+        assert_eq!(u(&all["skipped_files"]), 0, "--ignore-times skipped files: {all:#}");
+        assert!(u(&all["sent_bytes"]) >= bytes, "--ignore-times sent {} bytes of {bytes}: {all:#}", u(&all["sent_bytes"]));
+    });
+}
+
 #[test]
 fn names_that_are_not_utf8_arrive_byte_for_byte_through_every_path() {
     let env = Env::new();
@@ -184,7 +226,7 @@ fn links(root: &Path) -> PathBuf {
 
 /// What `dmover cp -l` keeps of symlinks, rsync -a keeps too: each arrives
 /// as a symlink with its target byte for byte and its mtime, through every
-/// path; a second run with --sync finds them there. Without -l they are
+/// path; a re-run finds them there. Without -l they are
 /// skipped, with a warning, as rsync -r does.
 #[test]
 fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
@@ -197,8 +239,8 @@ fn symlinks_arrive_as_symlinks_with_links_through_every_path() {
         let j = copy(&[]).assert_ok();
         assert_eq!(u(&j["files"]), 7, "{j:#}");
         tree::assert_same(&reference, at, &with_links);
-        let again = copy(&["--sync"]).assert_ok();
-        assert_eq!(u(&again["skipped_files"]), 7, "with --sync: {again:#}");
+        let again = copy(&[]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 7, "a re-run: {again:#}");
     });
 
     // Without -l: skipped, with a warning naming each.
@@ -304,7 +346,7 @@ fn owned(root: &Path) -> PathBuf {
 /// With `-aXA --numeric-ids` every owner, group, extended attribute and
 /// ACL arrives as `rsync -aXA --numeric-ids` makes them, through every path
 /// (the tests run as root, so every owner may be set; the servers allow
-/// it); a second run with --sync finds everything there.
+/// it); a re-run finds everything there.
 #[test]
 fn owners_xattrs_and_acls_arrive_as_rsync_keeps_them_through_every_path() {
     let env = Env::new();
@@ -315,6 +357,8 @@ fn owners_xattrs_and_acls_arrive_as_rsync_keeps_them_through_every_path() {
         let j = copy(&[]).assert_ok();
         assert_eq!(u(&j["files"]), 5, "{j:#}");
         tree::assert_same(&reference, at, &fields);
+        let again = copy(&[]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 5, "a re-run: {again:#}");
     });
 }
 
@@ -365,7 +409,7 @@ fn nodes(root: &Path) -> PathBuf {
 
 /// With `-a` (as root, into exports that allow it) devices, FIFOs and
 /// sockets arrive as `rsync -a` makes them: type, device numbers, mode,
-/// owner and time, through every path; a second run with --sync finds
+/// owner and time, through every path; a re-run finds
 /// them there. Without `-a` or `-D` each is skipped with a warning.
 #[test]
 fn devices_fifos_and_sockets_arrive_with_archive_through_every_path() {
@@ -378,8 +422,8 @@ fn devices_fifos_and_sockets_arrive_with_archive_through_every_path() {
         let j = copy(&[]).assert_ok();
         assert_eq!(u(&j["files"]), 6, "{j:#}");
         tree::assert_same(&reference, at, &fields);
-        let again = copy(&["--sync"]).assert_ok();
-        assert_eq!(u(&again["skipped_files"]), 6, "with --sync: {again:#}");
+        let again = copy(&[]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 6, "a re-run: {again:#}");
     });
 
     let plain = env.mkdir("plain");
@@ -556,7 +600,7 @@ fn hard_linked(root: &Path) -> PathBuf {
 
 /// What `dmover cp -H` makes of names that share a file, `rsync -aH`
 /// makes: the names share one file at the destination, through every
-/// path, and each file's data is sent once; a second run with --sync finds
+/// path, and each file's data is sent once; a re-run finds
 /// every name there. Without -H each name arrives as a file of its own,
 /// as rsync -a makes them.
 #[test]
@@ -574,8 +618,8 @@ fn hard_links_arrive_as_names_of_one_file_with_hard_links_through_every_path() {
         let j = copy(&[]).assert_ok();
         assert_eq!((u(&j["files"]), u(&j["bytes"])), (10, once), "each file's data once: {j:#}");
         tree::assert_same(&reference, at, &kept);
-        let again = copy(&["--sync"]).assert_ok();
-        assert_eq!(u(&again["skipped_files"]), 10, "with --sync: {again:#}");
+        let again = copy(&[]).assert_ok();
+        assert_eq!(u(&again["skipped_files"]), 10, "a re-run: {again:#}");
         tree::assert_same(&reference, at, &kept);
     });
 

@@ -16,6 +16,10 @@ pub struct Progress {
     /// Files and bytes confirmed at the destination (including ones already there).
     pub done_files: AtomicU64,
     pub done_bytes: AtomicU64,
+    /// Of those, files and bytes found already there (not sent), where
+    /// this process sends.
+    pub skipped_files: AtomicU64,
+    pub skipped_bytes: AtomicU64,
     /// Payload bytes written to the network.
     pub sent_bytes: AtomicU64,
     /// Data connections sending now.
@@ -33,6 +37,8 @@ pub struct Snapshot {
     pub walk_done: bool,
     pub done_files: u64,
     pub done_bytes: u64,
+    pub skipped_files: u64,
+    pub skipped_bytes: u64,
     pub sent_bytes: u64,
     pub streams: u64,
 }
@@ -45,6 +51,8 @@ impl Progress {
             walk_done: self.walk_done.load(Ordering::Relaxed),
             done_files: self.done_files.load(Ordering::Relaxed),
             done_bytes: self.done_bytes.load(Ordering::Relaxed),
+            skipped_files: self.skipped_files.load(Ordering::Relaxed),
+            skipped_bytes: self.skipped_bytes.load(Ordering::Relaxed),
             sent_bytes: self.sent_bytes.load(Ordering::Relaxed),
             streams: self.streams.load(Ordering::Relaxed),
         }
@@ -66,6 +74,8 @@ impl Progress {
         self.walk_done.store(s.walk_done, Ordering::Relaxed);
         self.done_files.store(s.done_files, Ordering::Relaxed);
         self.done_bytes.store(s.done_bytes, Ordering::Relaxed);
+        self.skipped_files.store(s.skipped_files, Ordering::Relaxed);
+        self.skipped_bytes.store(s.skipped_bytes, Ordering::Relaxed);
     }
 
     /// Adds `v` to counter `c`.

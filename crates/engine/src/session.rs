@@ -460,6 +460,8 @@ pub fn download(
         walk_done: true,
         done_files: s.dest_files,
         done_bytes: s.dest_bytes,
+        skipped_files: s.skipped_files,
+        skipped_bytes: s.skipped_bytes,
         sent_bytes: s.sent_bytes,
         streams: 0,
     });

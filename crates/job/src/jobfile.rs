@@ -87,9 +87,14 @@ pub struct Transfer {
     pub streams: u32,
     /// Files each agent reads and sends at once.
     pub concurrency: u32,
-    /// Skip files whose size and mtime already match at the destination.
+    /// Send every file, also those whose size and mtime match at the
+    /// destination (which are skipped otherwise).
+    pub ignore_times: bool,
+    /// Skip files whose size and mtime match at the destination: what a
+    /// job does unless `ignore_times` (kept for job files that say it).
     pub sync: bool,
-    /// With `sync`: compare content checksums instead of mtimes.
+    /// Skip files whose content matches at the destination, instead of
+    /// those whose size and mtime match.
     pub checksum: bool,
     /// Block size (the unit of sending and checksumming), e.g. `1M`.
     pub block_size: String,
@@ -106,6 +111,7 @@ impl Default for Transfer {
         Transfer {
             streams: 4,
             concurrency: 8,
+            ignore_times: false,
             sync: false,
             checksum: false,
             block_size: "1M".into(),
@@ -236,8 +242,11 @@ impl JobFile {
         if !(1..=64).contains(&t.concurrency) {
             return Err(format!("transfer.concurrency = {}: must be between 1 and 64", t.concurrency));
         }
-        if t.checksum && !t.sync {
-            return Err("transfer.checksum needs transfer.sync = true (it chooses how sync compares files)".into());
+        if t.ignore_times && (t.sync || t.checksum) {
+            let other = if t.sync { "sync" } else { "checksum" };
+            return Err(format!(
+                "transfer.ignore_times sends every file, and transfer.{other} skips some: choose one (remove transfer.{other})"
+            ));
         }
         if t.attempts == 0 {
             return Err("transfer.attempts must be at least 1".into());
@@ -519,8 +528,12 @@ dest_root = "scratch/in"
         assert!(e.contains("{host}"), "{e}");
         let e = JobFile::parse(&format!("{MINIMAL}[transfer]\nstreams = 0\n")).unwrap_err();
         assert!(e.contains("between 1 and 64"), "{e}");
-        let e = JobFile::parse(&format!("{MINIMAL}[transfer]\nchecksum = true\n")).unwrap_err();
-        assert!(e.contains("sync"), "{e}");
+        let e = JobFile::parse(&format!("{MINIMAL}[transfer]\nignore_times = true\nchecksum = true\n")).unwrap_err();
+        assert!(e.contains("choose one (remove transfer.checksum)"), "{e}");
+        let e = JobFile::parse(&format!("{MINIMAL}[transfer]\nignore_times = true\nsync = true\n")).unwrap_err();
+        assert!(e.contains("choose one (remove transfer.sync)"), "{e}");
+        JobFile::parse(&format!("{MINIMAL}[transfer]\nchecksum = true\n")).unwrap();
+        JobFile::parse(&format!("{MINIMAL}[transfer]\nsync = true\nchecksum = true\n")).unwrap();
         let e = JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"10:00\"\n")).unwrap_err();
         assert!(e.contains("not shorter than slurm.time"), "{e}");
         JobFile::parse(&format!("{MINIMAL}[slurm]\ntime = \"10\"\ncheckpoint_before = \"2:00\"\nresubmit = true\n")).unwrap();

@@ -74,7 +74,10 @@ pub struct Plan {
     pub block_size: u64,
     pub staging: u64,
     pub bwlimit: u64,
-    pub sync: bool,
+    /// Send every file, also those already at the destination (else the
+    /// quick check skips those of the same size and mtime).
+    pub ignore_times: bool,
+    /// Compare content, not size and mtime, to skip a file.
     pub checksum: bool,
     /// Agents that may try a file before it is reported failed.
     pub attempts: u32,
@@ -93,7 +96,7 @@ impl Plan {
     /// The engine's transfer options for one agent session.
     pub fn options(&self, transfer_id: [u8; 16]) -> TransferOptions {
         let mut flags = TransferFlags::empty();
-        if self.sync {
+        if !self.ignore_times {
             flags |= TransferFlags::SYNC;
         }
         if self.checksum {

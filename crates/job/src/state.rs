@@ -124,7 +124,8 @@ pub struct JobReport {
     /// Confirmed at the destination, in this run or an earlier one.
     pub done_files: u64,
     pub done_bytes: u64,
-    /// Of those, already there (sync) in this run.
+    /// Of those, found already there (same size and mtime, or content)
+    /// in this run.
     pub skipped_files: u64,
     pub skipped_bytes: u64,
     /// Of those, confirmed by an earlier run of the job (not sent again).

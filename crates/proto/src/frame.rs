@@ -156,7 +156,9 @@ bitflags::bitflags! {
     /// this release does not know is refused when decoded.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub struct TransferFlags: u32 {
-        /// Skip files whose size and mtime (or content) match at the destination.
+        /// Skip files whose size and mtime (or content) match at the
+        /// destination: the quick check `dmover cp` and jobs make unless
+        /// told `--ignore-times`.
         const SYNC = 1;
         /// With SYNC: compare content digests rather than mtimes.
         const CHECKSUM = 2;

@@ -63,6 +63,7 @@ pub fn run(make: &dyn Fn() -> Subject) {
     let checks: &[(&str, Check)] = &[
         ("an export is confined, the local file system is not", confined_if_export),
         ("the root is an empty directory", root_is_empty_dir),
+        ("is_empty_dir is true of a missing or empty directory (resume state aside), false above a file", is_empty_dir_sees_files),
         ("make_dirs makes every level and may run again", make_dirs_every_level),
         ("create, write at offsets, read back", write_and_read_back),
         ("create replaces what had the name, owner-only", create_replaces),
@@ -142,6 +143,26 @@ fn confined_if_export(t: &Subject) {
 fn root_is_empty_dir(t: &Subject) {
     assert_eq!(t.s().stat(&t.p("")).unwrap().kind, Kind::Dir);
     assert!(t.s().list(&t.p("")).unwrap().is_empty());
+}
+
+fn is_empty_dir_sees_files(t: &Subject) {
+    let empty = |rel: &str| t.s().is_empty_dir(&t.p(rel)).unwrap();
+    assert!(empty(""), "the root holds nothing");
+    assert!(empty("missing"), "a missing directory holds nothing");
+    if !t.objects {
+        // An object store keeps resume state in a state store of its own.
+        t.s().make_dirs(&t.p(storage::STATE_DIR)).unwrap();
+        write_file(t, &format!("{}/transfer-x", storage::STATE_DIR), b"resume state");
+        assert!(empty(""), "resume state is not what a directory holds");
+        t.s().make_dirs(&t.p("d/sub")).unwrap();
+        assert!(empty("d/sub"), "a directory just made holds nothing");
+        assert!(!empty("d"), "a directory holding a directory holds something");
+        t.s().make_dirs(&t.p("d/deep")).unwrap();
+    }
+    write_file(t, "d/deep/f", b"x");
+    for d in ["", "d", "d/deep"] {
+        assert!(!empty(d), "{d:?} holds d/deep/f");
+    }
 }
 
 fn make_dirs_every_level(t: &Subject) {

@@ -110,6 +110,7 @@ pub(super) fn run(p: Prepared, control: Box<dyn Transport>, streams: Receiver<Bo
         may_be_file,
         layout,
         dirs: HashSet::new(),
+        empty_tops: HashMap::new(),
         dir_attrs: Vec::new(),
         preparing: HashMap::new(),
         queue_capacity: WRITE_QUEUE * cfg.writers.max(1),
@@ -191,6 +192,10 @@ struct Owner {
     layout: Option<Layout>,
     /// Directories known to exist below the destination.
     dirs: HashSet<PathBuf>,
+    /// Whether each directory at the top of the destination that names
+    /// announced went into held nothing when the first of them came (see
+    /// [`looks`](Owner::looks)).
+    empty_tops: HashMap<String, bool>,
     /// The transfer's directories, to be given their modes and mtimes at
     /// the end, when their files are in (one entry per directory).
     dir_attrs: Vec<FileMeta>,
@@ -513,6 +518,8 @@ impl Owner {
                 }
             }
         }
+        // Before its parents are made, which would fill the directory it asks about.
+        let look = self.looks(&meta.path);
         let l = self.layout.as_ref().expect("settled above");
         let (state_dir, resuming) = (l.state_dir.clone(), l.resuming);
         let final_path = match (&l.dest_file, lone) {
@@ -522,7 +529,6 @@ impl Owner {
                 Err(e) => return Some(Outcome::Refused { kind: e.kind, message: e.message }),
             },
         };
-        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
         if meta.is_dir() {
             let made = make_dir(&sh, meta, &final_path, look);
             if matches!(made, Outcome::Made | Outcome::Present) {
@@ -583,11 +589,33 @@ impl Owner {
         Some(Outcome::Receive { held })
     }
 
+    /// Whether the destination is to be looked at for `rel` already there
+    /// ([`Layout::looks`]). Not below a directory at the top of the
+    /// destination that held nothing when the first name below it came
+    /// (the `DEST/dir` a copy of `dir` makes, new or empty): asked once per
+    /// such directory, before anything of this transfer is made in it, so
+    /// that a first copy into a destination holding other things pays no
+    /// look per file either.
+    fn looks(&mut self, rel: &str) -> bool {
+        let l = self.layout.as_ref().expect("settled before any name is looked at");
+        if !l.looks(self.sh.options.flags) {
+            return false;
+        }
+        let Some((top, _)) = rel.split_once('/').filter(|_| !l.resuming && l.dest_file.is_none()) else {
+            return true;
+        };
+        let sh = &self.sh;
+        let empty = self.empty_tops.entry(top.to_string()).or_insert_with(|| {
+            dmover_proto::path::to_path(top).is_ok_and(|p| sh.store.is_empty_dir(&sh.dest_dir.join(p)).unwrap_or(false))
+        });
+        !*empty
+    }
+
     /// Makes `rel` another name of `first`, a file this transfer settled
     /// (the session checked that), after `first` took its final name: both
     /// resolved beneath the destination as every name is, and the new
-    /// name made durable unless the transfer syncs nothing. When `--sync`
-    /// or a resumed run finds `rel` a name of that file already (where the
+    /// name made durable unless the transfer syncs nothing. When the quick
+    /// check (SYNC) or a resumed run finds `rel` a name of that file already (where the
     /// storage has no inodes, a copy of the same size and mtime), it is
     /// skipped like an unchanged file. Only a transfer that keeps hard
     /// links (`--hard-links`) makes any.
@@ -601,7 +629,8 @@ impl Owner {
         let Some(l) = &self.layout else {
             return refused(ErrorKind::Internal, "a hard link before any file".into());
         };
-        let (dest_file, resuming) = (l.dest_file.clone(), l.resuming);
+        let dest_file = l.dest_file.clone();
+        let look = self.looks(rel);
         let first_path = match (&dest_file, first.contains('/')) {
             (Some(p), false) => p.clone(),
             _ => match dmover_proto::path::to_path(first) {
@@ -616,7 +645,6 @@ impl Owner {
                 Err(e) => return refused(e.kind, e.message),
             },
         };
-        let look = sh.options.flags.contains(TransferFlags::SYNC) || resuming;
         let file = |p: &Path| sh.store.stat(p).ok().filter(|s| s.is_file());
         let same = |a: Stat, b: Stat| match (a.inode, b.inode) {
             (Some(a), Some(b)) => a == b,
@@ -655,8 +683,8 @@ impl Owner {
 }
 
 /// Creates a directory that was empty at the source, with its mode (as
-/// [`Keep::mode`](super::keep::Keep::mode) gives it). When `look` (`--sync`,
-/// or a resumed run) and it is already there with that mode, it is skipped
+/// [`Keep::mode`](super::keep::Keep::mode) gives it). When `look` (the quick
+/// check, or a resumed run) and it is already there with that mode, it is skipped
 /// like an unchanged file, untouched.
 fn make_dir(sh: &Shared, meta: &FileMeta, path: &Path, look: bool) -> Outcome {
     let mode = sh.keep.mode(meta);

@@ -8,8 +8,9 @@
 //!
 //! * [`driver`]: one owner thread holds the session and is fed by one
 //!   event channel. It looks at the destination for each announced file —
-//!   nothing to ask for if it is already there (`--sync`, or a resumed
-//!   transfer), the missing blocks of a journaled partial file, or all —
+//!   nothing to ask for if it is already there (the quick check, SYNC,
+//!   or a resumed transfer; never in a destination that held nothing when
+//!   the transfer began), the missing blocks of a journaled partial file, or all —
 //!   and carries out the session's decisions: replies, files opened for
 //!   writing, re-journaled, committed or removed.
 //! * [`workers`]: the I/O, which reports back to the owner as events. One
@@ -192,6 +193,10 @@ struct Layout {
     marker: PathBuf,
     /// The marker existed: an earlier run of this transfer was interrupted.
     resuming: bool,
+    /// The destination directory held nothing when this run began, so no
+    /// name announced can be there already (a lone file written as DEST
+    /// is always looked for).
+    fresh: bool,
     /// This run's place in [`RUNS`], held while it receives.
     _run: Running,
 }
@@ -215,7 +220,18 @@ impl Layout {
         if !resuming {
             state.create(&marker).map_err(err)?;
         }
-        Ok(Layout { dest_file, state_dir, marker, resuming, _run: run })
+        // Asked once, so that a first copy pays no look per file (a request
+        // each in an object store); where it cannot be told, files are looked for.
+        let fresh = dest_file.is_none() && store.is_empty_dir(parent).unwrap_or(false);
+        Ok(Layout { dest_file, state_dir, marker, resuming, fresh, _run: run })
+    }
+
+    /// Whether the destination is to be looked at for an announced name
+    /// already there: when the transfer skips what it finds (SYNC, the
+    /// default quick check) in a destination that held something, and
+    /// when it resumes an earlier run.
+    fn looks(&self, flags: TransferFlags) -> bool {
+        (flags.contains(TransferFlags::SYNC) && !self.fresh) || self.resuming
     }
 }
 

@@ -366,6 +366,10 @@ impl Owner {
                     Progress::add(&self.sh.progress.done_files, 1);
                     Progress::add(&self.sh.progress.done_bytes, meta.size);
                 }
+                if matches!(how, Settled::Skipped) {
+                    Progress::add(&self.sh.progress.skipped_files, 1);
+                    Progress::add(&self.sh.progress.skipped_bytes, meta.size);
+                }
                 if let Some(hook) = &self.hook {
                     hook(&meta, host, how);
                 }

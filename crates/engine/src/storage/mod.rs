@@ -288,6 +288,11 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn stat_followed(&self, path: &Path) -> io::Result<Stat>;
     /// The entries of directory `dir`, in no particular order.
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>>;
+    /// Whether directory `dir` holds nothing, or is not there (dmover's
+    /// resume state, [`STATE_DIR`], aside where it is kept in the same
+    /// storage): answered without listing it whole (one request to an
+    /// object store).
+    fn is_empty_dir(&self, dir: &Path) -> io::Result<bool>;
     /// The extended attributes of `path` itself (a symlink's own), POSIX
     /// ACLs among them, never following a symlink: a storage that keeps
     /// them ([`Keeps::XATTRS`]).

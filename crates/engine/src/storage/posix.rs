@@ -478,6 +478,20 @@ impl Storage for Posix {
         Ok(out)
     }
 
+    /// Reads entries only until one other than `.`, `..` and [`STATE_DIR`](super::STATE_DIR).
+    fn is_empty_dir(&self, dir: &Path) -> io::Result<bool> {
+        let fd = match self.tree.open_dir(dir) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
+            got => got?,
+        };
+        for ent in rustix::fs::Dir::read_from(&fd)? {
+            if ![&b"."[..], b"..", super::STATE_DIR.as_bytes()].contains(&ent?.file_name().to_bytes()) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     fn open(&self, path: &Path) -> io::Result<Box<dyn ReadFile>> {
         let fd = self.tree.open_at(path, OFlags::RDONLY | OFlags::NONBLOCK, Mode::empty())?;
         let (f, _) = regular(fd)?.ok_or_else(|| Refused::io(NOT_REGULAR))?;

@@ -470,6 +470,10 @@ impl Storage for S3 {
         self.stat(path)
     }
 
+    fn is_empty_dir(&self, dir: &Path) -> io::Result<bool> {
+        self.inner.has_below(&self.inner.key(dir)?).map(|any| !any)
+    }
+
     fn list(&self, dir: &Path) -> io::Result<Vec<DirEntry>> {
         self.inner.list(dir)
     }
