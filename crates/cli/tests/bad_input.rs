@@ -473,6 +473,29 @@ fn unreachable_host_is_retried_third_party() {
     assert_retried(&r, &host);
 }
 
+/// A server busy with as many connections as it takes refuses the data
+/// connection of an upload whose control connection it took: the copy
+/// fails at once (exit 6), whichever of the two the server
+/// took first; it waited for good when the refused one was the data
+/// connection (its stream ended quietly after the last file was announced,
+/// or the control connection's reader waited on a receiver waiting for data).
+#[test]
+fn a_copy_a_busy_server_turns_away_fails_at_once() {
+    let env = Env::new();
+    let export = env.mkdir("export");
+    let mut spec = ServerSpec::new(&env.token, &[("e", &export)], &env.path("busy.log"));
+    spec.extra = vec!["--max-connections".into(), "1".into()];
+    let srv = Server::start(spec);
+    let src = env.path("a.dat");
+    write_random(&src, 16 << 10, 4);
+    for i in 0..20 {
+        let r = env.cp([src.display().to_string(), srv.url("e/"), "-p".into(), "1".into(), "--retries".into(), "0".into()]).run();
+        assert!(r.elapsed < Duration::from_secs(10), "copy {i} took {:?} against a busy server", r.elapsed);
+        // The refusal's words, or the broken pipe of a request sent after it.
+        r.assert_fails(6, &[&srv.addr()]);
+    }
+}
+
 #[test]
 fn wrong_token_exits_7() {
     let env = Env::new();

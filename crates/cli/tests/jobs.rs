@@ -705,6 +705,35 @@ const STATUS_KEYS: [&str; 29] = [
     "resubmitted_as",
 ];
 
+/// CLI.md "Running a job": a server that has fewer connections than a
+/// job's agents want turns some away ("server busy"); they back off and
+/// try again, and the files they were given but could not start go to the
+/// others untried, so none fails.
+#[test]
+fn agents_a_busy_server_turns_away_fail_no_file() {
+    let env = Env::new();
+    let src = env.mkdir("src");
+    let mut rng = Rng::new(12);
+    for i in 0..120 {
+        make_file(&src.join(format!("f{i:03}")), 16 << 10, &mut rng);
+    }
+    let out = env.mkdir("out");
+    let log = env.path("busy-server.log");
+    let mut spec = ServerSpec::new(&env.token, &[("dst", &out)], &log);
+    spec.listen = "0.0.0.0:0".into();
+    spec.extra = vec!["--max-connections".into(), "3".into()];
+    let srv = Server::start(spec);
+    // Four agents of a control and a data connection each, three connections at the server.
+    let job = write_job(&env, "busy", &src, &[&srv], "[transfer]\nstreams = 1\nbwlimit = \"512K\"\n[slurm]\ntasks_per_node = 4\n");
+    let r = dmover(["run"]).arg(&job.path).run();
+    let j = dmover(["status", "--json"]).arg(&job.path).run().json();
+    assert_eq!(r.code, 0, "{}\n{j:#}", r.stderr);
+    assert_eq!((u(&j["done_files"]), u(&j["failed_files"])), (120, 0), "{j:#}");
+    let busy = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(busy.contains("over --max-connections"), "the server turned no agent away: the test tested nothing:\n{busy}");
+    assert_spread(&src, &[out.join("in")]);
+}
+
 /// CLI.md "dmover status": a job's bytes count as they move, not when a
 /// file is confirmed, so one large file going at 2 MB/s shows progress and
 /// a rate before it is done, and its peak is near 2 MB/s (confirmed whole,

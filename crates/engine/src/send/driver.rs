@@ -22,7 +22,7 @@ use dmover_proto::frame::{FileError, Share, Stats};
 use dmover_proto::phase::ToReceiver;
 use dmover_proto::session::send::{self, Action, Event, Outcome, Send, Summary};
 use dmover_proto::ErrorKind;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -85,13 +85,19 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
 
     let mut control_readers = Vec::new();
     let mut names = Vec::new();
+    // Each control reader says when it is done (see the end of the run).
+    let (reader_done, readers_done) = crossbeam_channel::unbounded::<usize>();
     for (host, l) in links.into_iter().enumerate() {
         sh.start_streams(host, l.data, l.attaching);
-        let sh2 = sh.clone();
+        let (sh2, done) = (sh.clone(), reader_done.clone());
         let control = l.control;
-        control_readers.push(std::thread::spawn(move || workers::read_control(&sh2, host, control)));
+        control_readers.push(std::thread::spawn(move || {
+            workers::read_control(&sh2, host, control);
+            let _ = done.send(host);
+        }));
         names.push(l.name);
     }
+    drop(reader_done);
     sh.set_readers(cfg.concurrency);
     let tuner = cfg.tuner.filter(|_| sh.hosts.iter().any(|q| q.more.is_some())).map(|make| {
         let sh = sh.clone();
@@ -130,6 +136,24 @@ pub(super) fn run(files: Files, links: Vec<HostLink>, cfg: SendConfig) -> Result
     // The data connections are done; the control connections stay open for
     // whoever owns them (a server reports on its client's control connection).
     sh.crew.close_all();
+    if owner.fatal.as_ref().is_some_and(|e| e.kind == ErrorKind::Unreachable) {
+        // A receiver that lost its data connections says why on its control
+        // connection: its reader waits REASON_WAIT for that (a read already
+        // waiting keeps the timeout it began with), then the connection is
+        // cut, so that a receiver still waiting for data (its server busy,
+        // refusing the connections) cannot hold this end up.
+        let mut left: HashSet<usize> = (0..control_readers.len()).collect();
+        let deadline = Instant::now() + REASON_WAIT;
+        while !left.is_empty() {
+            match readers_done.recv_deadline(deadline) {
+                Ok(host) => drop(left.remove(&host)),
+                Err(_) => break,
+            }
+        }
+        for host in left {
+            owner.controls[host].close();
+        }
+    }
     for t in control_readers {
         let _ = t.join();
     }

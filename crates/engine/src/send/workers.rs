@@ -279,8 +279,11 @@ impl Shared {
                     Some(Ok(c)) => c,
                     // After `Finish` the receiver may end the session before
                     // every connection attached (nothing was left to send):
-                    // the control connection's word settles the transfer.
-                    Some(Err(e)) if sh.hosts[host].finished.load(Ordering::SeqCst) => {
+                    // the control connection's word settles the transfer. With
+                    // blocks still queued for the host (a connection refused,
+                    // the server busy), no stream may be left to send them:
+                    // the transfer fails, and is tried again, rather than wait.
+                    Some(Err(e)) if sh.hosts[host].finished.load(Ordering::SeqCst) && sh.hosts[host].rx.is_empty() => {
                         log::debug!("a data connection to host {host} did not attach after Finish: {e}");
                         return;
                     }
