@@ -12,8 +12,10 @@
 //! ([`dmover_engine::send::Files::Feed`]); the agent passes the outcomes on
 //! with its next request. If the session fails (a destination restarted, a
 //! network error), the files it held are reported failed, so the manager
-//! gives them to other agents, and the agent opens a new session after a
-//! backoff; after [`OPEN_RETRIES`] failed openings in a row it gives up
+//! gives them to other agents (untried, costing no attempt, when the
+//! session moved nothing), and the agent opens a new session after a
+//! backoff; after [`OPEN_RETRIES`] failed openings in a row (a session
+//! that moved nothing counts as one) it gives up
 //! and exits.
 
 use crate::channel::{Channel, Failure, FileResult, ToAgent, ToManager, WorkItem};
@@ -62,6 +64,8 @@ pub struct AgentSpec {
 struct Held {
     files: HashMap<String, WorkItem>,
     results: Vec<FileResult>,
+    /// The open session has settled a file (sent, skipped or failed).
+    settled_any: bool,
 }
 
 struct Book {
@@ -75,13 +79,18 @@ impl Book {
         self.held.lock().expect("held lock")
     }
 
-    /// Every file held fails with `e` (its session ended).
-    fn fail_all(&self, e: &Error) {
+    /// Every file held fails with `e` (its session ended): untried if the
+    /// session settled none and could not reach its destination (a server
+    /// busy with other agents' connections, say), so that they cost no
+    /// attempt of their own. Returns whether the session had settled any.
+    fn fail_all(&self, e: &Error) -> bool {
         let mut h = self.lock();
+        let untried = !h.settled_any && e.kind == ErrorKind::Unreachable;
         let failed: Vec<String> = h.files.drain().map(|(p, _)| p).collect();
         for path in failed {
-            h.results.push(FileResult { path, host: None, skipped: false, error: Some(Failure::of(e)) });
+            h.results.push(FileResult { path, host: None, skipped: false, error: Some(Failure::of(e)), untried });
         }
+        std::mem::take(&mut h.settled_any)
     }
 }
 
@@ -143,6 +152,7 @@ fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16], progress: 
         let report = Arc::new(move |r: FileResult| {
             let mut h = b.lock();
             if let Some(w) = h.files.remove(&r.path) {
+                h.settled_any = true;
                 if r.error.is_none() && !r.skipped {
                     Progress::add(&progress.sent_bytes, w.size);
                 }
@@ -171,7 +181,8 @@ fn open_session(plan: &Plan, book: &Arc<Book>, transfer_id: [u8; 16], progress: 
                 (false, Some(Failure { kind: e.kind, message: format!("{}: {}", e.path, e.message) }))
             }
         };
-        h.results.push(FileResult { path: meta.path.clone(), host: hosts.get(host).cloned(), skipped, error });
+        h.settled_any = true;
+        h.results.push(FileResult { path: meta.path.clone(), host: hosts.get(host).cloned(), skipped, error, untried: false });
         drop(h);
         b.settled.notify_all();
     });
@@ -261,8 +272,19 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
             };
             log::warn!("agent {id}: session ended: {e}");
             transfer = None;
-            book.fail_all(&e);
-            next_open = Instant::now() + backoff(0);
+            // A session that moved nothing counts as a failed opening: an
+            // agent whose destination keeps turning it away stops.
+            if book.fail_all(&e) {
+                failed_opens = 0;
+                next_open = Instant::now() + backoff(0);
+            } else {
+                failed_opens += 1;
+                if failed_opens >= OPEN_RETRIES {
+                    let _ = chan.send(&ToManager::Stopping { error: Failure::of(&e) });
+                    return Err(e);
+                }
+                next_open = Instant::now() + backoff(failed_opens - 1);
+            }
         }
         let (results, held) = {
             let mut h = book.lock();
@@ -283,7 +305,6 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
                 Ok(s) => {
                     transfer = plan.command.is_none().then_some(transfer_id);
                     session = Some(s);
-                    failed_opens = 0;
                 }
                 Err(e) => {
                     failed_opens += 1;
@@ -306,7 +327,7 @@ pub fn run(spec: &AgentSpec, plan: &Plan) -> Result<()> {
                 let e = Error::new(ErrorKind::Unreachable, &w.path, "the agent could not reach the destination");
                 let mut h = book.lock();
                 h.files.remove(&w.path);
-                h.results.push(FileResult { path: w.path, host: None, skipped: false, error: Some(Failure::of(&e)) });
+                h.results.push(FileResult { path: w.path, host: None, skipped: false, error: Some(Failure::of(&e)), untried: true });
             }
         }
         if finished {

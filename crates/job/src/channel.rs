@@ -52,6 +52,11 @@ pub struct FileResult {
     pub skipped: bool,
     /// Why it failed, if it did.
     pub error: Option<Failure>,
+    /// With an error: the agent gave the file back without its session
+    /// having moved anything (a destination that would not take it, busy
+    /// or unreachable): no attempt of the file's own.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub untried: bool,
 }
 
 /// A failure: its class and a message. The class crosses the channel as
@@ -248,6 +253,7 @@ mod tests {
             host: None,
             skipped: false,
             error: Some(Failure { kind: ErrorKind::Permission, message: "m".into() }),
+            untried: false,
         };
         let line = serde_json::to_string(&r).unwrap();
         assert_eq!(line, r#"{"path":"a","host":null,"skipped":false,"error":{"code":4,"message":"m"}}"#);

@@ -42,7 +42,7 @@ impl Runner {
                         let outcome = copy_one(&plan, &cmd, &item, &host);
                         let host = (!host.is_empty()).then_some(host);
                         let error = outcome.err().map(|e| Failure::of(&e));
-                        report(FileResult { path: item.path, host, skipped: false, error });
+                        report(FileResult { path: item.path, host, skipped: false, error, untried: false });
                     }
                 })
             })

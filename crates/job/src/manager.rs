@@ -199,6 +199,14 @@ impl Book {
                         log::warn!("{e}: a re-run may send this file again");
                     }
                 }
+                // The agent's session moved nothing (its destination turned
+                // it away): the file goes to another agent, its attempts untouched.
+                Some(f) if r.untried => {
+                    log::info!("{}: {} (not tried); giving it to another agent", p.item.path, f.message);
+                    p.avoid = Some(id);
+                    self.report.requeued_files += 1;
+                    self.retry.push_back(p);
+                }
                 Some(f) => {
                     p.attempts += 1;
                     if p.attempts < attempts {
@@ -755,7 +763,7 @@ mod tests {
     }
 
     fn ok(p: &str) -> FileResult {
-        FileResult { path: p.into(), host: Some("h1".into()), skipped: false, error: None }
+        FileResult { path: p.into(), host: Some("h1".into()), skipped: false, error: None, untried: false }
     }
 
     fn failed(p: &str) -> FileResult {
@@ -764,7 +772,29 @@ mod tests {
             host: None,
             skipped: false,
             error: Some(Failure { kind: ErrorKind::Verify, message: "damaged".into() }),
+            untried: false,
         }
+    }
+
+    #[test]
+    fn a_file_given_back_untried_keeps_its_attempts() {
+        let t = tempfile::tempdir().unwrap();
+        let mut b = book(t.path(), &["a"]);
+        let (x, y) = (add_agent(&mut b, "n1"), add_agent(&mut b, "n2"));
+        for i in 0..6 {
+            // The other agent is preferred for it each time.
+            let who = if i % 2 == 0 { x } else { y };
+            assert_eq!(b.take_work(who, 1), [item("a")]);
+            b.apply(who, vec![FileResult { untried: true, ..failed("a") }], 2);
+        }
+        assert_eq!((b.report.failed_files, b.report.retried_files, b.report.requeued_files), (0, 0, 6));
+        // It still has both attempts.
+        assert_eq!(b.take_work(x, 1), [item("a")]);
+        b.apply(x, vec![failed("a")], 2);
+        assert_eq!(b.report.failed_files, 0, "one attempt of two used");
+        assert_eq!(b.take_work(y, 1), [item("a")]);
+        b.apply(y, vec![ok("a")], 2);
+        assert!(b.finished());
     }
 
     #[test]
