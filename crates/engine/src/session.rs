@@ -161,9 +161,14 @@ impl Conn {
         self.reader.read_msg().map_err(named)
     }
 
-    /// Sends a request and reads the answer.
+    /// Sends a request and reads the answer. A server that refused the
+    /// connection before reading it (busy: over its `--max-connections`)
+    /// said why and closed: its answer, not the broken pipe, is what the
+    /// request gets.
     pub fn request<P: Phase>(&mut self, m: impl Into<Msg>) -> Result<P> {
-        self.writer.send(m)?;
+        if let Err(e) = self.writer.send(m) {
+            return self.read_msg().map_err(|_| e);
+        }
         self.read_msg()
     }
 
@@ -228,7 +233,9 @@ fn attach_streams(
         let attached = (|| {
             let mut conns = started.join().unwrap_or_else(|_| Err(Error::internal("connection thread panicked")))?;
             for (i, c) in conns.iter_mut().enumerate() {
-                c.send(Open::OpenData { session, index: i as u32 })?;
+                // One that cannot be sent is heard below: the server's
+                // refusal (busy), or the connection's end.
+                let _ = c.send(Open::OpenData { session, index: i as u32 });
             }
             for mut c in conns {
                 let m = c.read_msg()?;
